@@ -1,0 +1,295 @@
+"""Run configuration: `FitConfig` and its sections, loaded from TOML recipes.
+
+Contract:
+- Every section is a dataclass documented per field and validated in `__post_init__`; a bad
+  value raises `ConfigError` (a `ValueError`) naming the dotted field (`optim.lr`) and the fix.
+- `load_recipe(path, overrides)` reads a TOML recipe, applies `key=value` overrides
+  (`optim.lr=3e-4`; the value is parsed as TOML, else taken as a string) and returns a
+  validated `FitConfig`. Unknown sections or keys are errors that list the valid ones.
+- Recipes are data: loading one never imports or executes anything named in it. A custom
+  model is only possible from Python (`FitConfig(model_factory=..., loss_fn=...)`).
+- `to_dict()` gives the plain-JSON form stored in the run directory (`run.json`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import tomllib
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+
+class ConfigError(ValueError):
+    """A recipe or config value is invalid; the message names the field and the fix."""
+
+
+def _require(condition: bool, field_name: str, message: str) -> None:
+    if not condition:
+        raise ConfigError(f"{field_name}: {message}")
+
+
+@dataclass
+class ModelConfig:
+    """The built-in GPT (see `trainer.model.GPTConfig`)."""
+
+    vocab_size: int = 256  # byte-level tokenizer: must be 256 for the prepared corpora
+    d_model: int = 64
+    n_layers: int = 2
+    n_heads: int = 4
+    checkpoint_blocks: bool = False  # recompute each block in backward (activation checkpointing)
+
+    def __post_init__(self) -> None:
+        for name in ("vocab_size", "d_model", "n_layers", "n_heads"):
+            _require(getattr(self, name) >= 1, f"model.{name}", "must be >= 1")
+        _require(
+            self.d_model % self.n_heads == 0,
+            "model.d_model",
+            f"must be divisible by model.n_heads ({self.n_heads})",
+        )
+
+
+@dataclass
+class DataConfig:
+    """Where the tokens come from and how a global step is cut into microbatches."""
+
+    uri: str = ""  # prepared dataset (local path or s3://); "" = the embedded default corpus
+    seq_len: int = 64  # tokens per stored sequence (the model predicts seq_len - 1 of them)
+    global_batch: int = 16  # sequences per optimizer step, the same for any world size
+    microbatch_size: int = 4  # sequences per forward/backward; global_batch / this = microbatches
+    max_corpus_bytes: int = 0  # cap on text read when preparing the default corpus (0 = all)
+
+    def __post_init__(self) -> None:
+        _require(self.seq_len >= 2, "data.seq_len", "must be >= 2 (a prediction needs 2 tokens)")
+        _require(self.microbatch_size >= 1, "data.microbatch_size", "must be >= 1")
+        _require(self.global_batch >= 1, "data.global_batch", "must be >= 1")
+        _require(
+            self.global_batch % self.microbatch_size == 0,
+            "data.global_batch",
+            f"must be a multiple of data.microbatch_size ({self.microbatch_size}); "
+            f"got {self.global_batch}",
+        )
+        _require(self.max_corpus_bytes >= 0, "data.max_corpus_bytes", "must be >= 0")
+
+    @property
+    def num_microbatches(self) -> int:
+        return self.global_batch // self.microbatch_size
+
+
+@dataclass
+class OptimConfig:
+    """AdamW with linear warmup then cosine decay to `min_lr_ratio * lr`."""
+
+    lr: float = 3e-3
+    weight_decay: float = 0.1
+    beta1: float = 0.9
+    beta2: float = 0.95
+    eps: float = 1e-8
+    grad_clip: float = 1.0  # max global gradient norm; 0 disables clipping
+    warmup_steps: int = 10
+    min_lr_ratio: float = 0.1
+
+    def __post_init__(self) -> None:
+        _require(self.lr > 0, "optim.lr", "must be > 0")
+        _require(self.weight_decay >= 0, "optim.weight_decay", "must be >= 0")
+        for name in ("beta1", "beta2"):
+            _require(0 <= getattr(self, name) < 1, f"optim.{name}", "must be in [0, 1)")
+        _require(self.eps > 0, "optim.eps", "must be > 0")
+        _require(self.grad_clip >= 0, "optim.grad_clip", "must be >= 0 (0 disables clipping)")
+        _require(self.warmup_steps >= 0, "optim.warmup_steps", "must be >= 0")
+        _require(0 <= self.min_lr_ratio <= 1, "optim.min_lr_ratio", "must be in [0, 1]")
+
+
+@dataclass
+class SketchConfig:
+    """BASIS sketched linear layers. `rank = 0` trains with exact backprop."""
+
+    rank: int = 0
+    include: list[str] = field(default_factory=list)  # module-name globs; [] = sketch_model default
+
+    def __post_init__(self) -> None:
+        _require(self.rank >= 0, "sketch.rank", "must be >= 0 (0 turns sketching off)")
+
+
+@dataclass
+class SnapshotConfig:
+    """Where the run lives and how often its state is snapshotted."""
+
+    run_uri: str = ""  # run directory (local path or s3://bucket/prefix/NAME); required
+    snapshot_every: int = 10  # steps between snapshots (plus on preemption or resize)
+    keep_last: int = 3  # committed snapshots kept; older ones are deleted
+
+    def __post_init__(self) -> None:
+        _require(self.snapshot_every >= 1, "snapshots.snapshot_every", "must be >= 1")
+        _require(self.keep_last >= 1, "snapshots.keep_last", "must be >= 1")
+
+
+@dataclass
+class ScalingSettings:
+    """How many Ray Train workers, and what each reserves."""
+
+    min_workers: int = 1
+    max_workers: int = 2
+    cpus_per_worker: float = 1.0
+    use_gpu: bool = False  # one GPU per worker, NCCL; otherwise CPU and gloo
+    resize_interval_s: float = 5.0  # how often Ray Train checks whether the group can grow
+    max_failures: int = -1  # worker-group restarts allowed (-1 = unlimited)
+
+    def __post_init__(self) -> None:
+        _require(self.min_workers >= 1, "scaling.min_workers", "must be >= 1")
+        _require(
+            self.max_workers >= self.min_workers,
+            "scaling.max_workers",
+            f"must be >= scaling.min_workers ({self.min_workers})",
+        )
+        _require(self.cpus_per_worker > 0, "scaling.cpus_per_worker", "must be > 0")
+        _require(self.resize_interval_s > 0, "scaling.resize_interval_s", "must be > 0")
+        _require(self.max_failures >= -1, "scaling.max_failures", "must be >= -1")
+
+
+@dataclass
+class EvalConfig:
+    """Validation loss on the held-out split every `every` steps (0 = never)."""
+
+    every: int = 20
+    batches: int = 4  # microbatches of the val split per evaluation
+
+    def __post_init__(self) -> None:
+        _require(self.every >= 0, "eval.every", "must be >= 0 (0 disables evaluation)")
+        _require(self.batches >= 1, "eval.batches", "must be >= 1")
+
+
+_SECTIONS: dict[str, type] = {
+    "model": ModelConfig,
+    "data": DataConfig,
+    "optim": OptimConfig,
+    "sketch": SketchConfig,
+    "snapshots": SnapshotConfig,
+    "scaling": ScalingSettings,
+    "eval": EvalConfig,
+}
+_PARALLELISMS = ("ddp", "fsdp")
+
+
+@dataclass
+class FitConfig:
+    """Everything `trainer.fit` needs. The trajectory depends on it and `seed`, not on workers."""
+
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    sketch: SketchConfig = field(default_factory=SketchConfig)
+    snapshots: SnapshotConfig = field(default_factory=SnapshotConfig)
+    scaling: ScalingSettings = field(default_factory=ScalingSettings)
+    eval: EvalConfig = field(default_factory=EvalConfig)
+    parallelism: str = "ddp"  # "ddp" (replicated) or "fsdp" (FSDP2 fully_shard)
+    seed: int = 0
+    steps: int = 100  # optimizer steps in the whole run (a resumed run continues to this)
+    name: str = ""  # Ray Train run name; "" = derived from snapshots.run_uri
+    # Python API only: build your own model / loss instead of the built-in GPT.
+    model_factory: Callable[[], torch.nn.Module] | None = None
+    loss_fn: Callable[[torch.nn.Module, torch.Tensor], torch.Tensor] | None = None
+
+    def __post_init__(self) -> None:
+        _require(
+            self.parallelism in _PARALLELISMS,
+            "parallelism",
+            f"must be one of {', '.join(_PARALLELISMS)}; got {self.parallelism!r}",
+        )
+        _require(self.steps >= 1, "steps", "must be >= 1")
+        _require(self.seed >= 0, "seed", "must be >= 0")
+        _require(
+            bool(self.snapshots.run_uri),
+            "snapshots.run_uri",
+            "is required: a local directory or s3://bucket/prefix/NAME (--run-dir on the CLI)",
+        )
+        _require(
+            self.scaling.max_workers <= self.data.num_microbatches,
+            "scaling.max_workers",
+            f"must be <= the number of microbatches per step "
+            f"(data.global_batch / data.microbatch_size = {self.data.num_microbatches}), "
+            "or some workers would have nothing to train on",
+        )
+        _require(
+            (self.model_factory is None) == (self.loss_fn is None),
+            "model_factory",
+            "model_factory and loss_fn must be given together",
+        )
+
+    @property
+    def run_name(self) -> str:
+        return self.name or Path(self.snapshots.run_uri.rstrip("/")).name or "baton-run"
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain-JSON form (custom callables are recorded by their qualified names only)."""
+        out: dict[str, Any] = {}
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            if dataclasses.is_dataclass(value):
+                out[f.name] = dataclasses.asdict(value)
+            elif callable(value):
+                out[f.name] = f"{value.__module__}.{value.__qualname__}"
+            else:
+                out[f.name] = value
+        return out
+
+
+def from_dict(raw: Mapping[str, Any], *, source: str = "config") -> FitConfig:
+    """Build a validated FitConfig from plain data (a parsed recipe)."""
+    top_level = {f.name for f in dataclasses.fields(FitConfig)} - {"model_factory", "loss_fn"}
+    kwargs: dict[str, Any] = {}
+    for key, value in raw.items():
+        if key not in top_level:
+            raise ConfigError(f"{source}: unknown key {key!r}; valid keys: {sorted(top_level)}")
+        section = _SECTIONS.get(key)
+        if section is None:
+            kwargs[key] = value
+            continue
+        if not isinstance(value, Mapping):
+            raise ConfigError(f"{source}: [{key}] must be a table, got {type(value).__name__}")
+        valid = {f.name for f in dataclasses.fields(section)}
+        unknown = sorted(set(value) - valid)
+        if unknown:
+            raise ConfigError(
+                f"{source}: unknown key(s) {unknown} in [{key}]; valid keys: {sorted(valid)}"
+            )
+        try:
+            kwargs[key] = section(**value)
+        except TypeError as err:
+            raise ConfigError(f"{source}: [{key}]: {err}") from err
+    return FitConfig(**kwargs)
+
+
+def apply_override(raw: dict[str, Any], assignment: str) -> None:
+    """Apply one `section.key=value` override to parsed recipe data, in place."""
+    path, sep, text = assignment.partition("=")
+    if not sep or not path:
+        raise ConfigError(f"--set {assignment!r}: expected KEY=VALUE, e.g. optim.lr=3e-4")
+    try:
+        value = tomllib.loads(f"v = {text}")["v"]
+    except tomllib.TOMLDecodeError:
+        value = text  # bare words are strings: --set snapshots.run_uri=runs/a
+    *parents, leaf = path.split(".")
+    target = raw
+    for part in parents:
+        target = target.setdefault(part, {})
+        if not isinstance(target, dict):
+            raise ConfigError(f"--set {assignment!r}: {part!r} is not a section")
+    target[leaf] = value
+
+
+def load_recipe(path: str | Path, overrides: list[str] = ()) -> FitConfig:
+    """Read a TOML recipe, apply `key=value` overrides, and validate."""
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"recipe {path}: no such file (see recipes/ for examples)")
+    try:
+        raw = tomllib.loads(path.read_text())
+    except tomllib.TOMLDecodeError as err:
+        raise ConfigError(f"recipe {path}: not valid TOML: {err}") from err
+    for assignment in overrides:
+        apply_override(raw, assignment)
+    return from_dict(raw, source=f"recipe {path}")

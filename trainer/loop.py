@@ -1,0 +1,214 @@
+"""The per-worker training loop: one function that reads top to bottom.
+
+Contract: `run_worker(cfg, env)` trains from the newest committed snapshot of
+`cfg.snapshots.run_uri` (or from scratch) up to `cfg.steps`, on `env.world_size` ranks that
+already share a process group (or a single process), and returns a `WorkerResult`.
+
+Why the trajectory does not depend on the world size (promise P1):
+- every rank builds the same initial model from `cfg.seed`;
+- a step is `data.global_batch / data.microbatch_size` fixed microbatches (the loader decides
+  which samples, from `(seed, epoch)` only); ranks just share them out;
+- each microbatch's sketch is seeded by `(seed, step, microbatch index, layer name)`;
+- each microbatch's mean loss is weighted by `world_size / num_microbatches`, so the
+  gradient averaging of DDP / FSDP2 yields the mean over all microbatches of the step.
+Only float summation order changes with the world size.
+
+A snapshot holds model, optimizer, LR schedule, data cursor and the step (promise P2); it is
+captured right after the optimizer update of a step, so the data cursor and the schedule
+have been advanced for exactly the committed steps (promise P5).
+"""
+
+from __future__ import annotations
+
+import resource
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from data_state import ResumableLoader, TokenDataset
+from elastic import Snapshotter, StateRegistry
+from sketch_ops import sketch_model, sketch_seed
+from trainer.config import FitConfig
+from trainer.model import GPT, GPTConfig
+from trainer.optim import WarmupCosine, build_optimizer
+from trainer.parallel import accumulation_passes, all_reduce_sum, grad_sync, loss_weight, wrap_model
+
+
+def next_token_loss(model: nn.Module, tokens: torch.Tensor) -> torch.Tensor:
+    """Mean cross-entropy of predicting `tokens[:, 1:]` from `tokens[:, :-1]`."""
+    logits = model(tokens[:, :-1])
+    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), tokens[:, 1:].reshape(-1))
+
+
+def build_model(cfg: FitConfig) -> nn.Module:
+    """The same initial model on every rank (seeded), with BASIS layers when sketch.rank > 0."""
+    torch.manual_seed(cfg.seed)
+    if cfg.model_factory is not None:
+        model = cfg.model_factory()
+    else:
+        m = cfg.model
+        model = GPT(
+            GPTConfig(
+                vocab_size=m.vocab_size,
+                d_model=m.d_model,
+                n_layers=m.n_layers,
+                n_heads=m.n_heads,
+                seq_len=cfg.data.seq_len,
+                checkpoint_blocks=m.checkpoint_blocks,
+            )
+        )
+    if cfg.sketch.rank > 0:
+        sketch_model(model, rank=cfg.sketch.rank, include=cfg.sketch.include or None)
+    return model
+
+
+@dataclass
+class WorkerEnv:
+    """Where this worker runs. `on_metrics` receives rank 0's per-step records."""
+
+    rank: int = 0
+    world_size: int = 1
+    device: torch.device = field(default_factory=lambda: torch.device("cpu"))
+    coordinator: Any = None  # elastic coordinator handle (Ray actor) or None in-process
+    on_metrics: Callable[[dict[str, Any]], None] | None = None
+    on_start: Callable[[int], Any] | None = None  # called with the restored step
+    should_stop: Callable[[], bool] = lambda: False  # e.g. a preemption notice
+
+
+@dataclass
+class WorkerResult:
+    start_step: int  # step restored from the snapshot (0 = fresh start)
+    step: int  # last completed step
+    loss: float  # training loss of the last step
+    val_loss: float | None
+
+
+class TrainerProgress:
+    """The loop's own state in the snapshot: the number of completed steps."""
+
+    def __init__(self) -> None:
+        self.step = 0
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"step": self.step}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.step = int(state["step"])
+
+
+def evaluate(cfg: FitConfig, model: nn.Module, val_set: TokenDataset, env: WorkerEnv) -> float:
+    """Mean loss over the first `eval.batches` microbatches of the val split (fixed, so every
+    evaluation of a run, at any world size, scores the same samples)."""
+    loss_fn = cfg.loss_fn or next_token_loss
+    size = cfg.data.microbatch_size
+    count = min(cfg.eval.batches, len(val_set) // size)
+    mine = list(range(env.rank, count, env.world_size))
+    passes = accumulation_passes(len(mine), count, env.world_size, cfg.parallelism)
+    total = 0.0
+    model.eval()
+    with torch.no_grad():
+        for i in range(passes):
+            index = mine[i] if i < len(mine) else mine[-1] if mine else 0
+            tokens = val_set.batch(range(index * size, (index + 1) * size)).to(env.device)
+            loss = loss_fn(model, tokens).item()
+            total += loss if i < len(mine) else 0.0  # padding passes only keep FSDP in step
+    model.train()
+    (summed,) = all_reduce_sum([total], env.device)
+    return summed / max(count, 1)
+
+
+def run_worker(cfg: FitConfig, env: WorkerEnv) -> WorkerResult:
+    loss_fn = cfg.loss_fn or next_token_loss
+    model = wrap_model(build_model(cfg).to(env.device), cfg.parallelism, env.device)
+    optimizer = build_optimizer(model, cfg.optim)
+    schedule = WarmupCosine(optimizer, cfg.optim, cfg.steps)
+    train_set = TokenDataset(cfg.data.uri, split="train")
+    val_set = TokenDataset(cfg.data.uri, split="val")
+    loader = ResumableLoader(
+        train_set,
+        global_batch=cfg.data.global_batch,
+        microbatch_size=cfg.data.microbatch_size,
+        seed=cfg.seed,
+        rank=env.rank,
+        world_size=env.world_size,
+    )
+    progress = TrainerProgress()
+    registry = StateRegistry()
+    registry.register("model", model)
+    registry.register("optim", optimizer, model=model)
+    registry.register("sched", schedule)
+    registry.register("data", loader)
+    registry.register("trainer", progress)
+    snapshotter = Snapshotter(
+        cfg.snapshots.run_uri,
+        registry,
+        rank=env.rank,
+        world_size=env.world_size,
+        layout=cfg.parallelism,
+        coordinator=env.coordinator,
+        snapshot_every=cfg.snapshots.snapshot_every,
+        keep_last=cfg.snapshots.keep_last,
+    )
+    start_step = snapshotter.restore()
+    if env.on_start is not None:
+        env.on_start(start_step)
+    num_microbatches = cfg.data.num_microbatches
+    weight = loss_weight(env.world_size, num_microbatches)
+    tokens_per_step = cfg.data.global_batch * (cfg.data.seq_len - 1)
+    loss_value, val_loss = float("nan"), None
+    try:
+        while progress.step < cfg.steps and not env.should_stop():
+            started = time.perf_counter()
+            step = progress.step
+            microbatches = loader.next_step()
+            passes = accumulation_passes(
+                len(microbatches), num_microbatches, env.world_size, cfg.parallelism
+            )
+            step_loss = 0.0
+            for i in range(passes):
+                real = i < len(microbatches)
+                mb = microbatches[i] if real else microbatches[-1]
+                with grad_sync(model, cfg.parallelism, last=i == passes - 1):
+                    with sketch_seed(cfg.seed, step, mb.index):
+                        loss = loss_fn(model, mb.tokens.to(env.device))
+                    (loss * (weight if real else 0.0)).backward()
+                step_loss += loss.item() if real else 0.0
+            if cfg.optim.grad_clip > 0:
+                torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.optim.grad_clip)
+            snapshotter.before_update()  # an in-flight capture must finish before tensors change
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            schedule.step()
+            loader.advance()
+            progress.step = step + 1
+            snapshotter.after_step(progress.step)
+            (loss_sum,) = all_reduce_sum([step_loss], env.device)
+            loss_value = loss_sum / num_microbatches
+            if cfg.eval.every and progress.step % cfg.eval.every == 0:
+                val_loss = evaluate(cfg, model, val_set, env)
+            if env.on_metrics is not None and env.rank == 0:
+                elapsed = time.perf_counter() - started
+                env.on_metrics(
+                    {
+                        "step": progress.step,
+                        "loss": loss_value,
+                        "val_loss": val_loss if progress.step % max(cfg.eval.every, 1) == 0
+                        and cfg.eval.every else None,
+                        "lr": schedule.lr_at(step),
+                        "tokens_per_s": tokens_per_step / elapsed,
+                        "world_size": env.world_size,
+                        "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+                        "time": time.time(),
+                    }
+                )
+        if env.should_stop() and progress.step < cfg.steps:
+            snapshotter.snapshot_now(progress.step)  # preemption: commit before exiting (P6)
+    finally:
+        snapshotter.close()
+        loader.close()
+    return WorkerResult(start_step=start_step, step=progress.step, loss=loss_value, val_loss=val_loss)

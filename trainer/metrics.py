@@ -1,0 +1,104 @@
+"""Run metrics: records written to the run directory and read back for reports.
+
+Contract:
+- A record is one JSON object. Kinds: `start` (a worker group began: `attempt`, restored
+  `step`, `world_size`, `time`) and `step` (one completed optimizer step: `attempt`, `step`,
+  `loss`, `val_loss`, `lr`, `tokens_per_s`, `world_size`, `peak_rss_mb`, `time`).
+- `MetricsWriter` buffers records and writes each flush as a new object
+  `RUN/metrics/part-<session>-<seq>.jsonl` through fsspec. Objects are never appended to or
+  rewritten, so the same code works on local disk and S3, and a crash loses at most the
+  unflushed tail (metrics are not training state: snapshots never depend on them).
+- `read_records(run_uri)` returns every record of every session, oldest first.
+- `summarize(records)` derives what a user asks after a run: restarts, steps redone,
+  final losses, mean throughput.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import fsspec
+
+
+def _join(run_uri: str, *parts: str) -> str:
+    return "/".join([run_uri.rstrip("/"), *parts])
+
+
+class MetricsWriter:
+    """Buffers records; `flush()` writes them as one new object."""
+
+    def __init__(self, run_uri: str, *, flush_every: int = 20) -> None:
+        self.run_uri = run_uri
+        self.session = time.strftime("%Y%m%dT%H%M%S") + "-" + uuid.uuid4().hex[:6]
+        self.flush_every = flush_every
+        self._buffer: list[dict[str, Any]] = []
+        self._seq = 0
+
+    def add(self, record: dict[str, Any]) -> None:
+        self._buffer.append(record)
+        if len(self._buffer) >= self.flush_every:
+            self.flush()
+
+    def flush(self) -> None:
+        if not self._buffer:
+            return
+        path = _join(self.run_uri, "metrics", f"part-{self.session}-{self._seq:06d}.jsonl")
+        fs, fs_path = fsspec.core.url_to_fs(path)
+        fs.makedirs(fs_path.rsplit("/", 1)[0], exist_ok=True)
+        with fs.open(fs_path, "w") as out:
+            out.write("".join(json.dumps(r) + "\n" for r in self._buffer))
+        self._buffer.clear()
+        self._seq += 1
+
+
+def read_records(run_uri: str) -> list[dict[str, Any]]:
+    fs, root = fsspec.core.url_to_fs(_join(run_uri, "metrics"))
+    if not fs.exists(root):
+        return []
+    records: list[dict[str, Any]] = []
+    for path in sorted(fs.glob(root + "/part-*.jsonl")):
+        with fs.open(path, "r") as f:
+            records.extend(json.loads(line) for line in f if line.strip())
+    records.sort(key=lambda r: (r.get("time", 0.0), r.get("kind") != "start"))
+    return records
+
+
+@dataclass
+class RunSummary:
+    steps: int  # last completed step
+    final_loss: float | None
+    final_val_loss: float | None
+    restarts: int  # worker-group starts after the first
+    steps_redone: int  # steps trained again because they were after the last commit
+    world_sizes: list[int]  # world size of each worker-group start, in order
+    mean_tokens_per_s: float | None
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def summarize(records: list[dict[str, Any]]) -> RunSummary:
+    starts = [r for r in records if r["kind"] == "start"]
+    steps = [r for r in records if r["kind"] == "step"]
+    redone, reached = 0, 0
+    for record in records:
+        if record["kind"] == "start":
+            redone += max(0, reached - record["step"])
+            reached = record["step"]
+        else:
+            reached = max(reached, record["step"])
+    vals = [r["val_loss"] for r in steps if r.get("val_loss") is not None]
+    rates = [r["tokens_per_s"] for r in steps[1:]]  # the first step pays one-off costs
+    return RunSummary(
+        steps=max((r["step"] for r in steps), default=0),
+        final_loss=steps[-1]["loss"] if steps else None,
+        final_val_loss=vals[-1] if vals else None,
+        restarts=max(0, len(starts) - 1),
+        steps_redone=redone,
+        world_sizes=[r["world_size"] for r in starts],
+        mean_tokens_per_s=sum(rates) / len(rates) if rates else None,
+    )

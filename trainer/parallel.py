@@ -1,0 +1,83 @@
+"""Data-parallel wrapping and world-size-invariant gradient accumulation.
+
+Contract:
+- `wrap_model(model, parallelism, device)` returns the model as DDP (replicated) or FSDP2
+  (`fully_shard` per transformer block, then the root); with no process group (a single
+  process) the model is returned as is.
+- `accumulation_passes(num_mine, num_microbatches, world_size, parallelism)` is how many
+  forward/backward passes this rank runs in a step. FSDP2 issues collectives in every pass,
+  so every rank must run the same number: ranks with fewer microbatches pad with passes
+  whose loss weight is zero. DDP only communicates in the last (synchronised) backward, so
+  no padding is needed.
+- `grad_sync(model, parallelism, last)` is the context for one backward: gradients are
+  reduced across ranks only on the last pass of a step.
+- `loss_weight(world_size, num_microbatches)`: DDP and FSDP2 average gradients over ranks;
+  scaling each microbatch's mean loss by `world_size / num_microbatches` turns that average
+  into the mean over all microbatches of the step, whatever the world size (promise P1).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from collections.abc import Iterator
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+
+def distributed() -> bool:
+    return dist.is_available() and dist.is_initialized()
+
+
+def wrap_model(model: nn.Module, parallelism: str, device: torch.device) -> nn.Module:
+    if not distributed():
+        return model
+    if parallelism == "ddp":
+        from torch.nn.parallel import DistributedDataParallel
+
+        device_ids = [device.index] if device.type == "cuda" else None
+        return DistributedDataParallel(model, device_ids=device_ids)
+    if parallelism == "fsdp":
+        from torch.distributed.fsdp import fully_shard
+
+        # Shard block by block so only one block's parameters are gathered at a time.
+        for block in getattr(model, "blocks", ()):
+            fully_shard(block)
+        fully_shard(model)
+        return model
+    raise ValueError(f"parallelism must be 'ddp' or 'fsdp', got {parallelism!r}")
+
+
+def accumulation_passes(
+    num_mine: int, num_microbatches: int, world_size: int, parallelism: str
+) -> int:
+    if parallelism == "fsdp" and world_size > 1:
+        return math.ceil(num_microbatches / world_size)
+    return num_mine
+
+
+def loss_weight(world_size: int, num_microbatches: int) -> float:
+    return world_size / num_microbatches
+
+
+@contextlib.contextmanager
+def grad_sync(model: nn.Module, parallelism: str, last: bool) -> Iterator[None]:
+    if not distributed():
+        yield
+    elif parallelism == "ddp":
+        with contextlib.nullcontext() if last else model.no_sync():
+            yield
+    else:
+        model.set_requires_gradient_sync(last)
+        yield
+
+
+def all_reduce_sum(values: list[float], device: torch.device) -> list[float]:
+    """Sum a few scalars over all ranks (identity in a single process)."""
+    if not distributed():
+        return list(values)
+    tensor = torch.tensor(values, dtype=torch.float64, device=device)
+    dist.all_reduce(tensor)
+    return tensor.tolist()

@@ -1,0 +1,149 @@
+"""`fit(config)`: run the worker loop on a Ray Train V2 `TorchTrainer`, elastically.
+
+Contract:
+- Validates everything that can be checked before Ray starts (config, run directory
+  reachable and holding the same model if it already has snapshots), prepares the embedded
+  corpus when `data.uri` is empty, connects to Ray (`RAY_ADDRESS`, else a local one), starts
+  the run's snapshot coordinator and progress monitor, and runs a `TorchTrainer` with
+  `ScalingConfig(num_workers=(min, max))`. Ray Train places the workers, restarts the group
+  after a failure and resizes it when nodes come or go; every (re)started worker resumes
+  from the coordinator's restore plan. Baton adds no scheduling of its own.
+- Returns a `FitResult` with the run summary (steps, losses, restarts, steps redone).
+This is the only module of `trainer` that talks to Ray Train.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+import ray
+import ray.train
+from ray.train import FailureConfig, RunConfig, ScalingConfig
+from ray.train.torch import TorchConfig, TorchTrainer
+
+from trainer.config import FitConfig
+from trainer.loop import WorkerEnv, run_worker
+from trainer.metrics import RunSummary, read_records, summarize
+from trainer.monitor import NAMESPACE, RunMonitor, get_monitor, monitor_name
+from trainer.run_dir import check_run_dir, ensure_dataset, write_run_json
+
+
+@dataclasses.dataclass
+class FitResult:
+    run_uri: str
+    summary: RunSummary
+    resumed_from: int  # committed step the fit started from (0 = fresh run)
+
+
+def _train_fn(loop_config: dict[str, Any]) -> None:
+    """Runs on every Ray Train worker; a restart runs it again from the newest snapshot."""
+    import torch
+
+    from elastic import find_coordinator
+
+    cfg: FitConfig = loop_config["cfg"]
+    context = ray.train.get_context()
+    rank, world_size = context.get_world_rank(), context.get_world_size()
+    device = ray.train.torch.get_device() if cfg.scaling.use_gpu else torch.device("cpu")
+    monitor = get_monitor(cfg.run_name)
+    on_metrics = (lambda record: monitor.add.remote(record)) if rank == 0 else None
+    env = WorkerEnv(
+        rank=rank,
+        world_size=world_size,
+        device=device,
+        coordinator=find_coordinator(cfg.snapshots.run_uri),
+        on_metrics=on_metrics,
+        on_start=(
+            (lambda step: ray.get(monitor.start_attempt.remote(step, world_size, time.time())))
+            if rank == 0 else None
+        ),
+    )
+    run_worker(cfg, env)
+
+
+def _connect_ray() -> None:
+    if not ray.is_initialized():
+        ray.init(address=os.environ.get("RAY_ADDRESS"), namespace=NAMESPACE,
+                 log_to_driver=False)
+
+
+def fit(
+    config: FitConfig,
+    *,
+    on_progress: Callable[[dict[str, Any]], None] | None = None,
+    storage_path: str | None = None,
+) -> FitResult:
+    """Train `config` to `config.steps`, continuing the run if it has committed snapshots.
+
+    `on_progress` is called about once a second with rank 0's newest step record.
+    `storage_path` is where Ray Train keeps its own run state (default: Ray's).
+    """
+    resumed_from = check_run_dir(config)
+    config = ensure_dataset(config)
+    write_run_json(config)
+    _connect_ray()
+
+    from elastic import start_coordinator
+
+    start_coordinator(
+        config.snapshots.run_uri,
+        snapshot_every=config.snapshots.snapshot_every,
+        keep_last=config.snapshots.keep_last,
+    )
+    monitor = RunMonitor.options(
+        name=monitor_name(config.run_name), namespace=NAMESPACE, get_if_exists=True
+    ).remote(config.snapshots.run_uri)
+
+    scaling = config.scaling
+    num_workers: int | tuple[int, int] = (
+        scaling.min_workers
+        if scaling.min_workers == scaling.max_workers
+        else (scaling.min_workers, scaling.max_workers)
+    )
+    trainer = TorchTrainer(
+        _train_fn,
+        train_loop_config={"cfg": config},
+        torch_config=TorchConfig(backend="nccl" if scaling.use_gpu else "gloo"),
+        scaling_config=ScalingConfig(
+            num_workers=num_workers,
+            use_gpu=scaling.use_gpu,
+            resources_per_worker={"CPU": scaling.cpus_per_worker},
+            elastic_resize_monitor_interval_s=scaling.resize_interval_s,
+        ),
+        run_config=RunConfig(
+            name=f"{config.run_name}-{int(time.time())}",
+            storage_path=storage_path,
+            failure_config=FailureConfig(max_failures=scaling.max_failures),
+        ),
+    )
+    stop = threading.Event()
+    poller = threading.Thread(
+        target=_poll_progress, args=(monitor, on_progress, stop), daemon=True
+    )
+    if on_progress is not None:
+        poller.start()
+    try:
+        trainer.fit()
+    finally:
+        stop.set()
+        ray.get(monitor.flush.remote())
+    summary = summarize(read_records(config.snapshots.run_uri))
+    return FitResult(run_uri=config.snapshots.run_uri, summary=summary, resumed_from=resumed_from)
+
+
+def _poll_progress(monitor: Any, on_progress: Callable[[dict[str, Any]], None],
+                   stop: threading.Event) -> None:
+    last_step = None
+    while not stop.wait(1.0):
+        try:
+            record = ray.get(monitor.latest.remote(), timeout=5)
+        except Exception:  # noqa: BLE001 - progress display must never break a fit
+            continue
+        if record and record.get("step") != last_step:
+            last_step = record.get("step")
+            on_progress(record)

@@ -1,0 +1,79 @@
+"""`baton report RUN_URI`: one PNG that tells the story of a run, plus a summary table.
+
+Contract: `write_report(run_uri, out_png)` reads the run's metrics (`trainer.metrics`) and
+draws four panels: training and validation loss per step (each worker-group attempt in its
+own colour, so steps redone after a failure show as overlapping segments), tokens per
+second, world size over wall time with each restart marked, and a summary table. Returns
+the `RunSummary`. Raises `FileNotFoundError` naming the run if it has no metrics yet.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")  # files only; never needs a display
+import matplotlib.pyplot as plt  # noqa: E402
+
+from trainer.metrics import RunSummary, read_records, summarize  # noqa: E402
+
+
+def write_report(run_uri: str, out_png: str | Path) -> RunSummary:
+    records = read_records(run_uri)
+    steps = [r for r in records if r["kind"] == "step"]
+    if not steps:
+        raise FileNotFoundError(f"run {run_uri!r} has no metrics yet (metrics/part-*.jsonl)")
+    starts = [r for r in records if r["kind"] == "start"]
+    summary = summarize(records)
+    t0 = min(r["time"] for r in records)
+
+    fig, axes = plt.subplots(2, 2, figsize=(12, 8))
+    ax_loss, ax_speed, ax_world, ax_table = axes.flat
+    attempts = sorted({r["attempt"] for r in steps})
+    colours = plt.get_cmap("tab10")
+    for attempt in attempts:
+        mine = [r for r in steps if r["attempt"] == attempt]
+        colour = colours(attempt % 10)
+        ax_loss.plot([r["step"] for r in mine], [r["loss"] for r in mine], color=colour,
+                     label=f"train (attempt {attempt}, {mine[0]['world_size']} workers)")
+        vals = [r for r in mine if r.get("val_loss") is not None]
+        if vals:
+            ax_loss.plot([r["step"] for r in vals], [r["val_loss"] for r in vals], "o--",
+                         color=colour, label=f"val (attempt {attempt})")
+        ax_speed.plot([r["step"] for r in mine], [r["tokens_per_s"] for r in mine], color=colour)
+    ax_loss.set(xlabel="step", ylabel="loss", title="Loss")
+    ax_loss.legend(fontsize=7)
+    ax_speed.set(xlabel="step", ylabel="tokens / s", title="Throughput")
+
+    times = [r["time"] - t0 for r in steps]
+    ax_world.step(times, [r["world_size"] for r in steps], where="post", color="black")
+    for start in starts[1:]:
+        ax_world.axvline(start["time"] - t0, color="red", linestyle=":")
+        ax_world.annotate(f"restart @ step {start['step']}", (start["time"] - t0, 0.5),
+                          rotation=90, fontsize=7, color="red")
+    ax_world.set(xlabel="seconds since start", ylabel="workers", title="World size",
+                 ylim=(0, max(r["world_size"] for r in steps) + 1))
+
+    ax_table.axis("off")
+    rows = [
+        ("steps", summary.steps),
+        ("final loss", _fmt(summary.final_loss)),
+        ("final val loss", _fmt(summary.final_val_loss)),
+        ("restarts", summary.restarts),
+        ("steps redone", summary.steps_redone),
+        ("world sizes", " -> ".join(map(str, summary.world_sizes))),
+        ("mean tokens/s", _fmt(summary.mean_tokens_per_s, ".0f")),
+    ]
+    table = ax_table.table(cellText=[[k, str(v)] for k, v in rows], loc="center")
+    table.scale(1, 1.6)
+    fig.suptitle(f"Baton run {run_uri}")
+    fig.tight_layout()
+    Path(out_png).parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out_png, dpi=100)
+    plt.close(fig)
+    return summary
+
+
+def _fmt(value: float | None, spec: str = ".4f") -> str:
+    return "-" if value is None else format(value, spec)
