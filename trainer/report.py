@@ -46,8 +46,10 @@ def write_report(run_uri: str, out_png: str | Path) -> RunSummary:
     ax_loss.legend(fontsize=7)
     ax_speed.set(xlabel="step", ylabel="tokens / s", title="Throughput")
 
-    times = [r["time"] - t0 for r in steps]
-    ax_world.step(times, [r["world_size"] for r in steps], where="post", color="black")
+    # Start records mark the moment a group of a new size began, so include them.
+    timeline = [r for r in records if "world_size" in r]
+    ax_world.step([r["time"] - t0 for r in timeline], [r["world_size"] for r in timeline],
+                  where="post", color="black")
     for start in starts[1:]:
         ax_world.axvline(start["time"] - t0, color="red", linestyle=":")
         ax_world.annotate(f"restart @ step {start['step']}", (start["time"] - t0, 0.5),
