@@ -15,6 +15,9 @@ from dataclasses import dataclass
 
 import pytest
 
+# Every Ray process the tests start listens on 127.0.0.1 only (see trainer/local_cluster.py).
+os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+
 
 def _free_port() -> int:
     with socket.socket() as sock:

@@ -19,6 +19,25 @@ from typing import Any
 
 from ray.cluster_utils import Cluster
 
+# A local cluster must stay on loopback, never the machine's network address. Ray picks
+# 127.0.0.1 as every node's (and driver's) address when it believes multi-node clusters are
+# unsupported on this OS; that switch is the only knob covering raylets, drivers and the
+# fake autoscaler's nodes alike. (Only `ray start --address` refuses to run under it.)
+LOOPBACK_ONLY_ENV = {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}
+
+
+def use_loopback() -> None:
+    """Make Ray processes started from here on (and this one) use 127.0.0.1 as node address.
+
+    Only for clusters that live on this machine: a driver joining a real cluster must not call
+    it. Ray reads the switch into a constant at import, so set both the environment (for the
+    raylets and workers we start) and the constant (for this already-importing process).
+    """
+    from ray._private import ray_constants
+
+    os.environ.update(LOOPBACK_ONLY_ENV)
+    ray_constants.ENABLE_RAY_CLUSTER = False
+
 # GCS declares a node dead after 3 missed 1 s health checks; Ray Train gives up on a worker
 # group that cannot start within 15 s (instead of 60 s) and re-plans at the new size.
 FAST_FAILURE_DETECTION: dict[str, Any] = {
@@ -41,6 +60,7 @@ class LocalCluster:
         fast_failure_detection: bool = True,
         object_store_bytes: int = 300 * 1024**2,
     ) -> None:
+        use_loopback()
         if fast_failure_detection:
             # Raylets and the actors they start inherit the driver's environment.
             os.environ.update(FAST_TRAIN_ENV)
@@ -65,7 +85,8 @@ class LocalCluster:
 
     def add_worker(self) -> Any:
         node = self.cluster.add_node(
-            num_cpus=self.cpus_per_node, object_store_memory=self.object_store_bytes
+            num_cpus=self.cpus_per_node,
+            object_store_memory=self.object_store_bytes,
         )
         self.workers.append(node)
         return node

@@ -7,9 +7,9 @@ attention, GELU MLP, untied LM head. Every linear layer is a plain `nn.Linear`, 
 `sketch_ops.sketch_model` can swap them for BASIS layers by name
 (`blocks.{i}.attn.qkv`, `blocks.{i}.attn.proj`, `blocks.{i}.mlp.fc`, `blocks.{i}.mlp.proj`,
 `lm_head`). `checkpoint_blocks=True` recomputes each block in backward (full activation
-checkpointing), the usual memory baseline BASIS is compared with. When `mlp.fc` is sketched,
-the MLP recomputes fc + GELU in backward instead of keeping GELU's 4·d_model-wide input (the
-output and gradients are unchanged; see `MLP.forward`).
+checkpointing), the usual memory baseline BASIS is compared with. When `mlp.fc` and `mlp.proj`
+are sketched, the MLP runs as one fused, row-blocked op that keeps only its input instead of
+the 4·d_model-wide hidden activations (`sketch_ops.gelu_mlp`; outputs and gradients unchanged).
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from sketch_ops import SketchedLinear
+from sketch_ops import gelu_mlp
 
 
 @dataclass
@@ -69,17 +69,10 @@ class MLP(nn.Module):
         self.fc = nn.Linear(cfg.d_model, 4 * cfg.d_model)
         self.proj = nn.Linear(4 * cfg.d_model, cfg.d_model)
 
-    def _fc_gelu(self, x: torch.Tensor) -> torch.Tensor:
-        return F.gelu(self.fc(x))
-
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if isinstance(self.fc, SketchedLinear) and torch.is_grad_enabled():
-            # A sketched fc keeps only an R x d sketch of its input, which leaves GELU's saved
-            # 4d-wide input as the largest activation of the block. Keep the d-wide x instead and
-            # recompute fc + GELU in backward: one extra fc matmul, 4x less memory (the sketch
-            # seed is reproduced on recompute, so the estimate is unchanged).
-            return self.proj(checkpoint(self._fc_gelu, x, use_reentrant=False))
-        return self.proj(self._fc_gelu(x))
+        # proj(gelu(fc(x))). When fc and proj are sketched, the 4d-wide hidden activations would
+        # be the block's largest memory, so `gelu_mlp` keeps only x and works in row blocks.
+        return gelu_mlp(self.fc, self.proj, x)
 
 
 class Block(nn.Module):

@@ -67,9 +67,14 @@ def _train_fn(loop_config: dict[str, Any]) -> None:
 
 
 def _connect_ray() -> None:
-    if not ray.is_initialized():
-        ray.init(address=os.environ.get("RAY_ADDRESS"), namespace=NAMESPACE,
-                 log_to_driver=False)
+    if ray.is_initialized():
+        return
+    address = os.environ.get("RAY_ADDRESS")
+    if not address:
+        from trainer.local_cluster import use_loopback
+
+        use_loopback()  # a Ray of our own on this machine: keep it on 127.0.0.1
+    ray.init(address=address, namespace=NAMESPACE, log_to_driver=False)
 
 
 def fit(
