@@ -21,6 +21,7 @@ have been advanced for exactly the committed steps (promise P5).
 from __future__ import annotations
 
 import resource
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -31,12 +32,17 @@ import torch.nn.functional as F
 from torch import nn
 
 from data_state import ResumableLoader, TokenDataset
-from elastic import Snapshotter, StateRegistry
+from elastic.preemption import PreemptionWatcher
+from elastic.registry import StateRegistry
+from elastic.snapshotter import Snapshotter
 from sketch_ops import sketch_model, sketch_seed
 from trainer.config import FitConfig
 from trainer.model import GPT, GPTConfig
 from trainer.optim import WarmupCosine, build_optimizer
 from trainer.parallel import accumulation_passes, all_reduce_sum, grad_sync, loss_weight, wrap_model
+
+# Asking Ray Train for a preemption notice is a barrier across workers: not every step.
+_RAY_PREEMPTION_CHECK_EVERY = 5
 
 
 def next_token_loss(model: nn.Module, tokens: torch.Tensor) -> torch.Tensor:
@@ -77,7 +83,7 @@ class WorkerEnv:
     coordinator: Any = None  # elastic coordinator handle (Ray actor) or None in-process
     on_metrics: Callable[[dict[str, Any]], None] | None = None
     on_start: Callable[[int], Any] | None = None  # called with the restored step
-    should_stop: Callable[[], bool] = lambda: False  # e.g. a preemption notice
+    stop_after: int | None = None  # stop gracefully (with a committed snapshot) after this step
 
 
 @dataclass
@@ -153,8 +159,12 @@ def run_worker(cfg: FitConfig, env: WorkerEnv) -> WorkerResult:
         coordinator=env.coordinator,
         snapshot_every=cfg.snapshots.snapshot_every,
         keep_last=cfg.snapshots.keep_last,
+        run_info={"config": cfg.to_dict()},
     )
     start_step = snapshotter.restore()
+    watcher = PreemptionWatcher(ray_check_every=_RAY_PREEMPTION_CHECK_EVERY)
+    if threading.current_thread() is threading.main_thread():
+        watcher.install()  # SIGTERM -> snapshot at the next step boundary, then exit
     if env.on_start is not None:
         env.on_start(start_step)
     num_microbatches = cfg.data.num_microbatches
@@ -162,7 +172,7 @@ def run_worker(cfg: FitConfig, env: WorkerEnv) -> WorkerResult:
     tokens_per_step = cfg.data.global_batch * (cfg.data.seq_len - 1)
     loss_value, val_loss = float("nan"), None
     try:
-        while progress.step < cfg.steps and not env.should_stop():
+        while progress.step < cfg.steps:
             started = time.perf_counter()
             step = progress.step
             microbatches = loader.next_step()
@@ -180,16 +190,28 @@ def run_worker(cfg: FitConfig, env: WorkerEnv) -> WorkerResult:
                 step_loss += loss.item() if real else 0.0
             if cfg.optim.grad_clip > 0:
                 torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.optim.grad_clip)
-            snapshotter.before_update()  # an in-flight capture must finish before tensors change
+            stall_started = time.perf_counter()
+            snapshotter.wait_capture()  # an in-flight capture must finish before tensors change
+            stall = time.perf_counter() - stall_started
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
             schedule.step()
             loader.advance()
             progress.step = step + 1
-            snapshotter.after_step(progress.step)
+            notice = watcher.poll(progress.step)
+            stopping = (notice is not None and notice.must_exit) or progress.step == env.stop_after
+            stall_started = time.perf_counter()
+            if notice is not None or stopping:
+                # Preemption or a planned stop: commit this step before going on (P6).
+                snapshotter.after_step(progress.step, force=True)
+            else:
+                # Copies of a due snapshot overlap the next step's forward/backward.
+                snapshotter.begin_capture_if_due(progress.step)
+            stall += time.perf_counter() - stall_started
             (loss_sum,) = all_reduce_sum([step_loss], env.device)
             loss_value = loss_sum / num_microbatches
-            if cfg.eval.every and progress.step % cfg.eval.every == 0:
+            evaluated = bool(cfg.eval.every) and progress.step % cfg.eval.every == 0
+            if evaluated:
                 val_loss = evaluate(cfg, model, val_set, env)
             if env.on_metrics is not None and env.rank == 0:
                 elapsed = time.perf_counter() - started
@@ -197,18 +219,23 @@ def run_worker(cfg: FitConfig, env: WorkerEnv) -> WorkerResult:
                     {
                         "step": progress.step,
                         "loss": loss_value,
-                        "val_loss": val_loss if progress.step % max(cfg.eval.every, 1) == 0
-                        and cfg.eval.every else None,
+                        "val_loss": val_loss if evaluated else None,
                         "lr": schedule.lr_at(step),
                         "tokens_per_s": tokens_per_step / elapsed,
                         "world_size": env.world_size,
+                        "snapshot_stall_s": stall,  # training time spent on snapshots
                         "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
                         "time": time.time(),
                     }
                 )
-        if env.should_stop() and progress.step < cfg.steps:
-            snapshotter.snapshot_now(progress.step)  # preemption: commit before exiting (P6)
+            if stopping:
+                break
     finally:
+        watcher.uninstall()
         snapshotter.close()
         loader.close()
-    return WorkerResult(start_step=start_step, step=progress.step, loss=loss_value, val_loss=val_loss)
+        train_set.close()
+        val_set.close()
+    return WorkerResult(
+        start_step=start_step, step=progress.step, loss=loss_value, val_loss=val_loss
+    )

@@ -30,7 +30,7 @@ from trainer.config import FitConfig
 from trainer.loop import WorkerEnv, run_worker
 from trainer.metrics import RunSummary, read_records, summarize
 from trainer.monitor import NAMESPACE, RunMonitor, get_monitor, monitor_name
-from trainer.run_dir import check_run_dir, ensure_dataset, write_run_json
+from trainer.run_dir import check_run_dir, ensure_dataset
 
 
 @dataclasses.dataclass
@@ -44,7 +44,7 @@ def _train_fn(loop_config: dict[str, Any]) -> None:
     """Runs on every Ray Train worker; a restart runs it again from the newest snapshot."""
     import torch
 
-    from elastic import find_coordinator
+    from elastic.coordinator import RayCoordinatorClient, get_or_create_coordinator
 
     cfg: FitConfig = loop_config["cfg"]
     context = ray.train.get_context()
@@ -56,7 +56,7 @@ def _train_fn(loop_config: dict[str, Any]) -> None:
         rank=rank,
         world_size=world_size,
         device=device,
-        coordinator=find_coordinator(cfg.snapshots.run_uri),
+        coordinator=RayCoordinatorClient(get_or_create_coordinator(cfg.snapshots.run_uri)),
         on_metrics=on_metrics,
         on_start=(
             (lambda step: ray.get(monitor.start_attempt.remote(step, world_size, time.time())))
@@ -90,16 +90,11 @@ def fit(
     """
     resumed_from = check_run_dir(config)
     config = ensure_dataset(config)
-    write_run_json(config)
     _connect_ray()
 
-    from elastic import start_coordinator
+    from elastic.coordinator import get_or_create_coordinator
 
-    start_coordinator(
-        config.snapshots.run_uri,
-        snapshot_every=config.snapshots.snapshot_every,
-        keep_last=config.snapshots.keep_last,
-    )
+    get_or_create_coordinator(config.snapshots.run_uri, keep_last=config.snapshots.keep_last)
     monitor = RunMonitor.options(
         name=monitor_name(config.run_name), namespace=NAMESPACE, get_if_exists=True
     ).remote(config.snapshots.run_uri)

@@ -7,18 +7,16 @@ Contract:
   CLI can say "continuing from step N".
 - `ensure_dataset(cfg)` returns the config with `data.uri` set: an empty `data.uri` means the
   embedded default corpus, prepared once into `RUN/data` (later sessions reuse it).
-- `write_run_json(cfg)` records the recipe and library versions in `RUN/run.json` the first
-  time a run directory is used; a continued run leaves it as it was.
+(`RUN/run.json`, with the recipe and library versions, is written once by the first
+worker's `elastic.Snapshotter`.)
 """
 
 from __future__ import annotations
 
 import dataclasses
-import platform
 import uuid
 
 import fsspec
-import torch
 
 from elastic.store import SnapshotStore
 from trainer.config import FitConfig
@@ -81,18 +79,3 @@ def ensure_dataset(cfg: FitConfig) -> FitConfig:
             None, uri, seq_len=cfg.data.seq_len, max_bytes=cfg.data.max_corpus_bytes or None
         )
     return dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, uri=uri))
-
-
-def write_run_json(cfg: FitConfig) -> None:
-    import ray
-
-    SnapshotStore(cfg.snapshots.run_uri).ensure_run_json(
-        {
-            "config": cfg.to_dict(),
-            "versions": {
-                "python": platform.python_version(),
-                "torch": torch.__version__,
-                "ray": ray.__version__,
-            },
-        }
-    )

@@ -1,0 +1,161 @@
+"""`baton data ...`: prepare a corpus, inspect a prepared dataset.
+
+Contract: `register(subparsers)` adds the `data` group with two commands; each sets
+`func(args) -> int` (0 on success). Errors in user input print one line on stderr naming the
+field or file and return 2; nothing here executes code from a dataset.
+
+    baton data prepare --out URI [--seq-len N] [--val-fraction F] [--max-bytes N]
+                       [--overwrite] [--quiet] [PATH ...]
+    baton data inspect URI [--split NAME] [--verify] [--show K] [--json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from typing import Any
+
+from data_state.corpus import prepare_corpus
+from data_state.dataset import TokenDataset, read_manifest
+from data_state.manifest import DatasetManifest
+
+
+def register(subparsers: Any) -> None:
+    data = subparsers.add_parser("data", help="prepare and inspect token datasets")
+    commands = data.add_subparsers(dest="data_command", metavar="COMMAND")
+
+    prepare = commands.add_parser(
+        "prepare",
+        help="text files (default: the Python standard library) -> Parquet token shards",
+        description="Tokenize text files into fixed-length byte-level sequences (vocab 256) "
+        "and write Parquet shards plus dataset.json to URI (a local path or s3://bucket/prefix).",
+    )
+    prepare.add_argument(
+        "paths",
+        nargs="*",
+        metavar="PATH",
+        help="files or directories; none = the embedded default corpus",
+    )
+    prepare.add_argument("--out", required=True, help="dataset URI (directory or s3://...)")
+    prepare.add_argument(
+        "--seq-len",
+        type=int,
+        default=256,
+        help="tokens stored per sequence (gives seq_len-1 predictions)",
+    )
+    prepare.add_argument(
+        "--val-fraction",
+        type=float,
+        default=0.05,
+        help="share of source bytes (whole files) held out as the val split",
+    )
+    prepare.add_argument(
+        "--max-bytes",
+        type=int,
+        default=None,
+        help="use only the first files (sorted by name) up to this many bytes",
+    )
+    prepare.add_argument("--overwrite", action="store_true", help="replace a dataset at --out")
+    prepare.add_argument("--quiet", action="store_true", help="no progress output")
+    prepare.set_defaults(func=_prepare)
+
+    inspect = commands.add_parser("inspect", help="summarise (and optionally verify) a dataset")
+    inspect.add_argument("uri", help="dataset URI (directory or s3://...)")
+    inspect.add_argument("--split", default=None, help="only this split (default: all)")
+    inspect.add_argument(
+        "--verify",
+        action="store_true",
+        help="read every shard and check its file and token checksums",
+    )
+    inspect.add_argument(
+        "--show", type=int, default=0, metavar="K", help="print the first K sequences as text"
+    )
+    inspect.add_argument("--json", action="store_true", help="print the summary as JSON")
+    inspect.set_defaults(func=_inspect)
+    data.set_defaults(func=lambda _args: (data.print_help(), 2)[1])
+
+
+def _prepare(args: argparse.Namespace) -> int:
+    started = time.perf_counter()
+    try:
+        manifest = prepare_corpus(
+            args.paths or None,
+            args.out,
+            seq_len=args.seq_len,
+            val_fraction=args.val_fraction,
+            max_bytes=args.max_bytes,
+            overwrite=args.overwrite,
+            progress=not args.quiet,
+        )
+    except ValueError as err:
+        print(f"baton data prepare: {err}", file=sys.stderr)
+        return 2
+    elapsed = time.perf_counter() - started
+    files = manifest.sources["files"]
+    print(
+        f"prepared {args.out} in {elapsed:.1f} s from {len(files)} files "
+        f"({sum(f['bytes'] for f in files) / 1e6:.1f} MB, "
+        f"{len(manifest.sources['skipped'])} skipped)"
+    )
+    for line in _split_lines(manifest):
+        print(line)
+    return 0
+
+
+def _inspect(args: argparse.Namespace) -> int:
+    try:
+        manifest = read_manifest(args.uri)
+        splits = [args.split] if args.split else sorted(manifest.splits)
+        summary: dict[str, Any] = {
+            "uri": args.uri,
+            "seq_len": manifest.seq_len,
+            "tokenizer": manifest.tokenizer,
+            "splits": {},
+        }
+        for split in splits:
+            with TokenDataset(args.uri, split) as ds:
+                if args.verify:
+                    ds.verify()
+                summary["splits"][split] = {
+                    "fingerprint": ds.fingerprint,
+                    "sequences": len(ds),
+                    "tokens": manifest.splits[split].num_tokens,
+                    "shards": len(manifest.splits[split].shards),
+                    "verified": bool(args.verify),
+                    "first": [
+                        bytes(ds[i]).decode("utf-8", "replace")
+                        for i in range(min(args.show, len(ds)))
+                    ],
+                }
+    except ValueError as err:
+        print(f"baton data inspect: {err}", file=sys.stderr)
+        return 2
+    if args.json:
+        print(json.dumps(summary, indent=1))
+        return 0
+    print(
+        f"{args.uri}: seq_len {manifest.seq_len}, tokenizer {manifest.tokenizer}, "
+        f"{len(manifest.sources.get('files', []))} source files"
+    )
+    for line in _split_lines(manifest, only=splits):
+        print(line)
+    for split in splits:
+        entry = summary["splits"][split]
+        print(
+            f"  {split}: fingerprint {entry['fingerprint']}"
+            + ("  checksums OK" if args.verify else "")
+        )
+        for i, text in enumerate(entry["first"]):
+            print(f"--- {split}[{i}] ---\n{text}")
+    return 0
+
+
+def _split_lines(manifest: DatasetManifest, only: list[str] | None = None) -> list[str]:
+    return [
+        f"  {name}: {info.num_sequences:,} sequences x {manifest.seq_len} = "
+        f"{info.num_tokens:,} tokens in {len(info.shards)} shard(s)"
+        for name, info in sorted(manifest.splits.items())
+        if only is None or name in only
+    ]

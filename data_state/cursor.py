@@ -1,0 +1,93 @@
+"""The data cursor — the whole data state of a run — and the pure arithmetic of steps.
+
+Contract:
+- `DataCursor(dataset, seed, epoch, samples_consumed)` is everything needed to continue the
+  data stream exactly: the dataset's fingerprint, the shuffle seed, the epoch and how many
+  samples of that epoch's order were consumed by committed steps. It holds no rank and no
+  world size, so it restores under any `(rank, world_size)`. `to_dict()` is plain JSON;
+  `from_dict` validates every field and raises `ValueError` naming it.
+- A step consumes the next `global_batch` positions of the epoch's order. When fewer than
+  `global_batch` positions remain, the epoch ends: that tail (at most `global_batch - 1`
+  samples) is not trained this epoch. The order changes every epoch, so a different tail is
+  dropped next time and no sample is systematically left out. Positions count samples, not
+  steps, so a run may even resume with a different `global_batch`.
+- `assign_microbatches` shares a step's microbatches among workers in contiguous, balanced
+  blocks: worker `rank` of `world_size` gets microbatches
+  `[rank * M // world_size, (rank + 1) * M // world_size)`. Block sizes differ by at most one,
+  so any world size up to M works, including ones that do not divide M. The trainer must
+  therefore weight each microbatch's mean loss by `1 / M` and sum gradients over workers (or,
+  with DDP/FSDP's gradient average, by `world_size / M`), never by `1 / (its own count)`, so
+  uneven blocks give the same update as one worker doing all M.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import Any
+
+CURSOR_VERSION = 1
+
+
+@dataclass(frozen=True)
+class DataCursor:
+    dataset: str  # fingerprint of the dataset split (`TokenDataset.fingerprint`)
+    seed: int  # shuffle seed; the order of epoch e is Permutation(n, seed=seed, epoch=e)
+    epoch: int = 0
+    samples_consumed: int = 0  # positions of this epoch's order used by committed steps
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"version": CURSOR_VERSION, **asdict(self)}
+
+    @classmethod
+    def from_dict(cls, state: Any) -> DataCursor:
+        if not isinstance(state, dict):
+            raise ValueError(f"data cursor must be a dict, got {type(state).__name__}")
+        if state.get("version") != CURSOR_VERSION:
+            raise ValueError(
+                f"data cursor version is {state.get('version')!r}, this code reads version "
+                f"{CURSOR_VERSION}"
+            )
+        unknown = set(state) - {"version", "dataset", "seed", "epoch", "samples_consumed"}
+        if unknown:
+            raise ValueError(f"data cursor has unknown fields {sorted(unknown)}")
+        if not isinstance(state.get("dataset"), str) or not state["dataset"]:
+            raise ValueError("data cursor field 'dataset' must be a non-empty fingerprint string")
+        for key in ("seed", "epoch", "samples_consumed"):
+            value = state.get(key)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise ValueError(
+                    f"data cursor field {key!r} must be an integer >= 0, got {value!r}"
+                )
+        return cls(state["dataset"], state["seed"], state["epoch"], state["samples_consumed"])
+
+    def normalized(self, *, num_samples: int, global_batch: int) -> DataCursor:
+        """This cursor, moved to the next epoch if no full step is left in this one."""
+        if self.samples_consumed + global_batch > num_samples:
+            return DataCursor(self.dataset, self.seed, self.epoch + 1, 0)
+        return self
+
+    def advanced(self, *, num_samples: int, global_batch: int) -> DataCursor:
+        """The cursor after committing the step that starts at this cursor."""
+        moved = DataCursor(
+            self.dataset, self.seed, self.epoch, self.samples_consumed + global_batch
+        )
+        return moved.normalized(num_samples=num_samples, global_batch=global_batch)
+
+
+def steps_per_epoch(num_samples: int, global_batch: int) -> int:
+    return num_samples // global_batch
+
+
+def assign_microbatches(num_microbatches: int, *, rank: int, world_size: int) -> range:
+    """The microbatch indices worker `rank` trains in every step (see module docstring)."""
+    if world_size < 1:
+        raise ValueError(f"world_size must be >= 1, got {world_size}")
+    if not 0 <= rank < world_size:
+        raise ValueError(f"rank must be in [0, world_size={world_size}), got {rank}")
+    if world_size > num_microbatches:
+        raise ValueError(
+            f"world_size {world_size} is larger than the {num_microbatches} microbatches of a "
+            "step, so some workers would get no data: lower microbatch_size, raise "
+            "global_batch, or use fewer workers"
+        )
+    return range(rank * num_microbatches // world_size, (rank + 1) * num_microbatches // world_size)

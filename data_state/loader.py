@@ -1,0 +1,283 @@
+"""The resumable, world-size-free loader: fixed microbatches per step, shared out to workers.
+
+Contract:
+- A step is `M = global_batch / microbatch_size` microbatches. Step content is a pure
+  function of the cursor: microbatch m of the step starting at cursor
+  `(seed, epoch, c)` holds the samples at positions `[c + m*b, c + (m+1)*b)` of
+  `Permutation(len(dataset), seed=seed, epoch=epoch)` (b = microbatch_size). So microbatch m
+  of step s holds the same samples whatever the world size; worker `rank` only chooses which
+  microbatches it materialises (`cursor.assign_microbatches`: contiguous balanced blocks).
+- The trainer loop is:
+
+      with ResumableLoader(ds, global_batch=64, microbatch_size=8, seed=0,
+                           rank=rank, world_size=world_size) as loader:
+          loader.load_state_dict(snapshot["data"])      # optional: resume, any world size
+          while training:
+              for mb in loader.next_step():             # this rank's microbatches
+                  (model.loss(mb.tokens) / mb.num_microbatches).backward()
+              all_reduce_sum(grads); optimizer.step()
+              loader.advance()                          # commit: the cursor moves only here
+              snapshot["data"] = loader.state_dict()    # JSON, no rank, no world size
+
+  `next_step()` is idempotent until `advance()`: it returns the same step again (e.g. to
+  redo a failed step). Prefetched steps are never counted: the cursor in `state_dict()` moves
+  only in `advance()`, after the step's optimizer update.
+- `reshard(rank=..., world_size=...)` changes this worker's share in place (a resize);
+  `load_state_dict` restores a cursor saved under any world size. Both drop prefetched work.
+- Epochs end when fewer than `global_batch` positions remain (the tail is dropped; see
+  `cursor.py`); the next step starts the next epoch's order.
+- A background thread prefetches up to `prefetch_steps` steps into a bounded queue; errors in
+  it (a corrupt shard, say) are raised by `next_step()`. `close()` (or leaving the `with`
+  block) stops and joins it; the loader can be used again afterwards (it restarts lazily).
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import numpy as np
+import torch
+
+from data_state.cursor import DataCursor, assign_microbatches, steps_per_epoch
+from data_state.order import Permutation
+
+
+class SampleSource(Protocol):
+    """What the loader needs from a dataset (`TokenDataset` is one)."""
+
+    fingerprint: str
+    seq_len: int
+
+    def __len__(self) -> int: ...
+
+    def batch(self, indices: Sequence[int] | np.ndarray) -> torch.Tensor: ...
+
+
+@dataclass(frozen=True)
+class Microbatch:
+    tokens: torch.Tensor  # (microbatch_size, seq_len), int64
+    index: int  # m in [0, num_microbatches): its place in the step (seeds its sketches)
+    sample_indices: tuple[int, ...]  # global sample (sequence) indices, row by row
+    num_microbatches: int  # M, the same on every worker
+    step: int  # epoch * steps_per_epoch + step within the epoch (for a fixed global_batch)
+    epoch: int
+
+
+class ResumableLoader:
+    """See the module docstring."""
+
+    def __init__(
+        self,
+        dataset: SampleSource,
+        *,
+        global_batch: int,
+        microbatch_size: int,
+        seed: int,
+        rank: int = 0,
+        world_size: int = 1,
+        prefetch_steps: int = 2,
+    ) -> None:
+        if microbatch_size < 1 or global_batch < 1:
+            raise ValueError(
+                f"global_batch ({global_batch}) and microbatch_size ({microbatch_size}) "
+                "must be >= 1"
+            )
+        if global_batch % microbatch_size:
+            raise ValueError(
+                f"global_batch ({global_batch}) must be a multiple of microbatch_size "
+                f"({microbatch_size}): a step is a whole number of fixed microbatches"
+            )
+        if global_batch > len(dataset):
+            raise ValueError(
+                f"global_batch ({global_batch}) is larger than the dataset ({len(dataset)} "
+                "sequences): no full step fits in an epoch"
+            )
+        if not 0 <= seed < 1 << 63:
+            raise ValueError(f"seed must be in [0, 2**63), got {seed}")
+        if prefetch_steps < 1:
+            raise ValueError(f"prefetch_steps must be >= 1, got {prefetch_steps}")
+        self.dataset = dataset
+        self.global_batch, self.microbatch_size = global_batch, microbatch_size
+        self.num_microbatches = global_batch // microbatch_size
+        self.steps_per_epoch = steps_per_epoch(len(dataset), global_batch)
+        self.prefetch_steps = prefetch_steps
+        self._cursor = DataCursor(dataset.fingerprint, seed, 0, 0)
+        self.rank, self.world_size = rank, world_size
+        self._mine = assign_microbatches(self.num_microbatches, rank=rank, world_size=world_size)
+        self._pending: list[Microbatch] | None = None
+        self._prefetcher: _Prefetcher | None = None
+
+    @property
+    def cursor(self) -> DataCursor:
+        """The committed position: where the next step starts."""
+        return self._cursor
+
+    @property
+    def microbatches(self) -> range:
+        """Indices of the microbatches this worker trains in every step."""
+        return self._mine
+
+    def next_step(self) -> list[Microbatch]:
+        """This worker's microbatches of the step at the committed cursor."""
+        if self._pending is None:
+            if self._prefetcher is None:
+                self._prefetcher = _Prefetcher(
+                    build=self._builder(self._mine),
+                    start=self._cursor,
+                    advance=self._after,
+                    depth=self.prefetch_steps,
+                    name=f"baton-data-prefetch-rank{self.rank}",
+                )
+            cursor, result = self._prefetcher.get()
+            if isinstance(result, BaseException):
+                self._stop_prefetch()  # a later call retries from the committed cursor
+                raise result
+            assert cursor == self._cursor, "prefetcher out of step with the committed cursor"
+            self._pending = result
+        return list(self._pending)
+
+    def advance(self) -> None:
+        """Commit the step returned by `next_step()`: call after its optimizer update."""
+        if self._pending is None:
+            raise RuntimeError("advance() without a step: call next_step() and train on it first")
+        self._pending = None
+        self._cursor = self._after(self._cursor)
+
+    def state_dict(self) -> dict[str, Any]:
+        return self._cursor.to_dict()
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        cursor = DataCursor.from_dict(state)
+        if cursor.dataset != self.dataset.fingerprint:
+            raise ValueError(
+                f"data cursor is for dataset {cursor.dataset!r} but this loader reads "
+                f"{self.dataset.fingerprint!r} ({self.dataset!r}): resume with the dataset the "
+                "run was started on"
+            )
+        if cursor.seed != self._cursor.seed:
+            raise ValueError(
+                f"data cursor field 'seed' is {cursor.seed} but the loader was built with seed "
+                f"{self._cursor.seed}: build it with the run's seed, or start a new run"
+            )
+        self._stop_prefetch()
+        self._cursor = cursor.normalized(
+            num_samples=len(self.dataset), global_batch=self.global_batch
+        )
+
+    def reshard(self, *, rank: int, world_size: int) -> None:
+        """Become worker `rank` of `world_size` from the committed cursor on (a resize)."""
+        mine = assign_microbatches(self.num_microbatches, rank=rank, world_size=world_size)
+        self._stop_prefetch()
+        self.rank, self.world_size, self._mine = rank, world_size, mine
+
+    def close(self) -> None:
+        self._stop_prefetch()
+
+    def __enter__(self) -> ResumableLoader:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # -- internals -----------------------------------------------------------------------
+
+    def _after(self, cursor: DataCursor) -> DataCursor:
+        return cursor.advanced(num_samples=len(self.dataset), global_batch=self.global_batch)
+
+    def _stop_prefetch(self) -> None:
+        self._pending = None
+        if self._prefetcher is not None:
+            self._prefetcher.close()
+            self._prefetcher = None
+
+    def _builder(self, mine: range) -> Callable[[DataCursor], list[Microbatch]]:
+        """A function building this worker's microbatches of the step at a cursor."""
+        b, num_mb, n = self.microbatch_size, self.num_microbatches, len(self.dataset)
+        orders: dict[tuple[int, int], Permutation] = {}
+
+        def build(cursor: DataCursor) -> list[Microbatch]:
+            key = (cursor.seed, cursor.epoch)
+            if key not in orders:
+                orders.clear()
+                orders[key] = Permutation(n, seed=cursor.seed, epoch=cursor.epoch)
+            first = cursor.samples_consumed + mine.start * b
+            indices = np.asarray(orders[key](np.arange(first, first + len(mine) * b)))
+            tokens = self.dataset.batch(indices)
+            step = (
+                cursor.epoch * self.steps_per_epoch + cursor.samples_consumed // self.global_batch
+            )
+            return [
+                Microbatch(
+                    tokens=tokens[j * b : (j + 1) * b],
+                    index=m,
+                    sample_indices=tuple(indices[j * b : (j + 1) * b].tolist()),
+                    num_microbatches=num_mb,
+                    step=step,
+                    epoch=cursor.epoch,
+                )
+                for j, m in enumerate(mine)
+            ]
+
+        return build
+
+
+class _Prefetcher:
+    """One thread building consecutive steps into a bounded queue; `close()` joins it."""
+
+    _POLL_S = 0.05  # how often a blocked thread rechecks the stop flag
+
+    def __init__(
+        self,
+        *,
+        build: Callable[[DataCursor], list[Microbatch]],
+        start: DataCursor,
+        advance: Callable[[DataCursor], DataCursor],
+        depth: int,
+        name: str,
+    ) -> None:
+        self._build, self._advance = build, advance
+        self._queue: queue.Queue[tuple[DataCursor, Any]] = queue.Queue(maxsize=depth)
+        self._stop = threading.Event()
+        # daemon: a loader that is never closed must not keep the interpreter alive.
+        self._thread = threading.Thread(target=self._run, args=(start,), name=name, daemon=True)
+        self._thread.start()
+
+    def get(self) -> tuple[DataCursor, list[Microbatch] | BaseException]:
+        while True:
+            try:
+                return self._queue.get(timeout=self._POLL_S)
+            except queue.Empty:
+                if not self._thread.is_alive() and self._queue.empty():
+                    raise RuntimeError("data prefetch thread ended without a result") from None
+
+    def close(self) -> None:
+        self._stop.set()
+        # Make room so a thread blocked in put() returns at once instead of at its next poll.
+        while True:
+            try:
+                self._queue.get_nowait()
+            except queue.Empty:
+                break
+        self._thread.join()
+
+    def _run(self, cursor: DataCursor) -> None:
+        try:
+            while not self._stop.is_set():
+                if not self._put((cursor, self._build(cursor))):
+                    return
+                cursor = self._advance(cursor)
+        except BaseException as err:  # handed to the consumer, raised by next_step()
+            self._put((cursor, err))
+
+    def _put(self, item: tuple[DataCursor, Any]) -> bool:
+        while not self._stop.is_set():
+            try:
+                self._queue.put(item, timeout=self._POLL_S)
+                return True
+            except queue.Full:
+                continue
+        return False
