@@ -84,6 +84,7 @@ class WorkerEnv:
     on_metrics: Callable[[dict[str, Any]], None] | None = None
     on_start: Callable[[int], Any] | None = None  # called with the restored step
     stop_after: int | None = None  # stop gracefully (with a committed snapshot) after this step
+    pace_s: float = 0.0  # sleep per step (fault-injection tests: let events land mid-run)
 
 
 @dataclass
@@ -201,8 +202,9 @@ def run_worker(cfg: FitConfig, env: WorkerEnv) -> WorkerResult:
             notice = watcher.poll(progress.step)
             stopping = (notice is not None and notice.must_exit) or progress.step == env.stop_after
             stall_started = time.perf_counter()
-            if notice is not None or stopping:
-                # Preemption or a planned stop: commit this step before going on (P6).
+            if notice is not None or stopping or progress.step == cfg.steps:
+                # Preemption, a planned stop or the end: commit this step now (P6), so the
+                # run can continue (or be exported) from exactly here.
                 snapshotter.after_step(progress.step, force=True)
             else:
                 # Copies of a due snapshot overlap the next step's forward/backward.
@@ -230,6 +232,8 @@ def run_worker(cfg: FitConfig, env: WorkerEnv) -> WorkerResult:
                 )
             if stopping:
                 break
+            if env.pace_s:
+                time.sleep(env.pace_s)
     finally:
         watcher.uninstall()
         snapshotter.close()

@@ -26,6 +26,7 @@ import ray.train
 from ray.train import FailureConfig, RunConfig, ScalingConfig
 from ray.train.torch import TorchConfig, TorchTrainer
 
+from elastic.coordinator import HEAD_NODE_RESOURCES
 from trainer.config import FitConfig
 from trainer.loop import WorkerEnv, run_worker
 from trainer.metrics import RunSummary, read_records, summarize
@@ -58,6 +59,7 @@ def _train_fn(loop_config: dict[str, Any]) -> None:
         device=device,
         coordinator=RayCoordinatorClient(get_or_create_coordinator(cfg.snapshots.run_uri)),
         on_metrics=on_metrics,
+        pace_s=loop_config.get("pace_s", 0.0),
         on_start=(
             (lambda step: ray.get(monitor.start_attempt.remote(step, world_size, time.time())))
             if rank == 0 else None
@@ -82,11 +84,14 @@ def fit(
     *,
     on_progress: Callable[[dict[str, Any]], None] | None = None,
     storage_path: str | None = None,
+    pace_s: float = 0.0,
 ) -> FitResult:
     """Train `config` to `config.steps`, continuing the run if it has committed snapshots.
 
     `on_progress` is called about once a second with rank 0's newest step record.
     `storage_path` is where Ray Train keeps its own run state (default: Ray's).
+    `pace_s` slows every step down by that many seconds: fault-injection tests and the demo
+    use it so that node losses and additions land mid-run on a fast machine.
     """
     resumed_from = check_run_dir(config)
     config = ensure_dataset(config)
@@ -96,7 +101,10 @@ def fit(
 
     get_or_create_coordinator(config.snapshots.run_uri, keep_last=config.snapshots.keep_last)
     monitor = RunMonitor.options(
-        name=monitor_name(config.run_name), namespace=NAMESPACE, get_if_exists=True
+        name=monitor_name(config.run_name),
+        namespace=NAMESPACE,
+        get_if_exists=True,
+        resources=HEAD_NODE_RESOURCES,  # on the head: it must outlive any worker node
     ).remote(config.snapshots.run_uri)
 
     scaling = config.scaling
@@ -107,7 +115,7 @@ def fit(
     )
     trainer = TorchTrainer(
         _train_fn,
-        train_loop_config={"cfg": config},
+        train_loop_config={"cfg": config, "pace_s": pace_s},
         torch_config=TorchConfig(backend="nccl" if scaling.use_gpu else "gloo"),
         scaling_config=ScalingConfig(
             num_workers=num_workers,
