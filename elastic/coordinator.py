@@ -93,7 +93,7 @@ def get_or_create_coordinator(run_uri: str, *, keep_last: int = 2,
         "max_task_retries": -1,
     }
     if on_head:
-        options["resources"] = {_HEAD_RESOURCE: 0.001}
+        options["resources"] = dict(HEAD_NODE_RESOURCES)
     if detached:
         options["lifetime"] = "detached"
     return CoordinatorActor.options(**options).remote(run_uri, keep_last, block_bytes,

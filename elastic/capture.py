@@ -1,0 +1,205 @@
+"""Capture: copy the chunks this rank owns into one reusable CPU file image.
+
+Contract
+--------
+``ShardImage`` is a preallocated uint8 buffer laid out *as the shard file itself*:
+safetensors header first, then every owned chunk's bytes. Capturing is a ``copy_`` of each
+live tensor piece into its view of the image; persisting is one sequential write of the
+image (no serialisation, no extra copy). The image is reused while the set of owned pieces
+stays the same (same names, shapes, dtypes), so after the first snapshot a capture touches
+no fresh pages (anchors.md: fresh buffers cost ~5x the copy). On CUDA it is pinned and the
+copies run on a side stream.
+
+``Capturer.begin(step)`` takes, synchronously, what the training loop itself changes during
+the next step — every non-model component (scheduler, data cursor, extras; tensors in them
+are cloned) and the models' buffers (forward may update them, e.g. BatchNorm statistics) —
+and hands the rest to one long-lived side thread, which reads the model and optimizer state
+(DCP state-dict API; for FSDP2/DTensor models this read happens in ``begin`` because FSDP2
+swaps unsharded parameters in during forward), plans the chunks and copies them into the
+image (on CUDA through a side stream that starts after the work already queued). All of
+that overlaps the next step's forward/backward, which reads parameters and optimizer state
+but does not change them.
+``handle.wait()`` must return before anything mutates them (the next ``optimizer.step()``):
+that is the only place training can wait. This is CheckFreq's pipelining: the stall is
+``max(0, capture time - forward/backward time)`` plus the small synchronous part.
+
+Chunks are laid out in decreasing element size, so every chunk's offset is aligned to its
+element size and the image can be viewed as any dtype without copying.
+"""
+
+from __future__ import annotations
+
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch.distributed.tensor import DTensor
+
+from elastic.faults import FaultInjector
+from elastic.format import (
+    ChunkRecord,
+    HeaderEntry,
+    build_header,
+    chunk_name,
+    crc32_blocks,
+    dtype_to_str,
+)
+from elastic.layout import DEFAULT_SPLIT_MIN_BYTES, OwnedPiece, Piece, owned_pieces
+from elastic.registry import FlatState, StateRegistry
+
+
+@dataclass(frozen=True)
+class ImageChunk:
+    piece: Piece
+    name: str
+    start: int  # absolute byte offset in the file
+    end: int
+
+
+class ShardImage:
+    """The bytes of one shard file, preallocated once per ownership plan."""
+
+    def __init__(self, pieces: list[Piece], pin: bool = False) -> None:
+        order = sorted(pieces, key=lambda p: (-_esize(p.dtype), p.key, p.offsets))
+        entries, cursor = [], 0
+        for p in order:
+            entries.append(HeaderEntry(chunk_name(p.key, p.offsets), dtype_to_str(p.dtype),
+                                       p.shape, (cursor, cursor + p.nbytes)))
+            cursor += p.nbytes
+        header = build_header(entries)
+        self.signature = tuple(order)
+        # zeros, not empty: touch every page now so the first capture is as fast as the rest.
+        self.buffer = torch.zeros(len(header) + cursor, dtype=torch.uint8, pin_memory=pin)
+        self.buffer[: len(header)] = torch.frombuffer(bytearray(header), dtype=torch.uint8)
+        self.chunks: list[ImageChunk] = []
+        self.views: dict[tuple[str, tuple[int, ...]], torch.Tensor] = {}
+        for p, e in zip(order, entries, strict=True):
+            start, end = len(header) + e.data_offsets[0], len(header) + e.data_offsets[1]
+            self.chunks.append(ImageChunk(p, e.name, start, end))
+            self.views[(p.key, p.offsets)] = self.buffer[start:end].view(p.dtype).view(p.shape)
+
+    @property
+    def nbytes(self) -> int:
+        return int(self.buffer.numel())
+
+    def memoryview(self) -> memoryview:
+        return memoryview(self.buffer.numpy()).cast("B")
+
+    def chunk_records(self, file: str, block_bytes: int) -> dict[str, list[ChunkRecord]]:
+        """Records per tensor key, with crc32 per block computed over the image bytes."""
+        view = self.memoryview()
+        out: dict[str, list[ChunkRecord]] = {}
+        for c in self.chunks:
+            rec = ChunkRecord(file=file, name=c.name, offsets=c.piece.offsets,
+                              shape=c.piece.shape, byte_range=(c.start, c.end),
+                              crc32=tuple(crc32_blocks(view[c.start:c.end], block_bytes)))
+            out.setdefault(c.piece.key, []).append(rec)
+        return out
+
+
+def _esize(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype).element_size()
+
+
+@dataclass
+class Captured:
+    """A finished capture: the image holds step ``step``'s bytes until persisted."""
+
+    step: int
+    rank: int
+    world_size: int
+    image: ShardImage
+    skeletons: dict[str, Any]
+    catalog: dict[str, dict[str, Any]]  # every logical tensor: {"dtype", "shape"}
+
+
+class CaptureHandle:
+    def __init__(self, step: int, future: Future[Captured]) -> None:
+        self.step = step
+        self._future = future
+
+    def wait(self) -> Captured:
+        return self._future.result()
+
+
+class Capturer:
+    def __init__(self, registry: StateRegistry, rank: int, world_size: int, *,
+                 split_min_bytes: int = DEFAULT_SPLIT_MIN_BYTES,
+                 faults: FaultInjector | None = None) -> None:
+        self.registry = registry
+        self.rank = rank
+        self.world_size = world_size
+        self.split_min_bytes = split_min_bytes
+        self.faults = faults or FaultInjector()
+        self._image: ShardImage | None = None
+        self._is_sharded: bool | None = None
+        # One long-lived thread: starting a thread per capture costs more than the rest of
+        # begin() on a busy machine.
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="baton-capture")
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=True)
+
+    def begin(self, step: int) -> CaptureHandle:
+        """Take the small, loop-mutated state now; copy models/optimizers on the side thread."""
+        self.faults.hit(self.rank, step, "capture")
+        model_keys = self.registry.model_keys()
+        other = self.registry.flatten([k for k in self.registry.keys() if k not in model_keys])
+        # Scheduler, data cursor and extras change during the next step: copy them now (small).
+        other_tensors = {k: t.detach().clone() for k, t in other.tensors.items()}
+        # Buffers may be mutated by forward (e.g. BatchNorm statistics): freeze them now too.
+        buffers = {b.data_ptr(): b.detach().clone() for m in self.registry.modules()
+                   for b in m.buffers() if not isinstance(b, DTensor) and b.numel() > 0}
+        # FSDP2 swaps unsharded parameters into its modules during forward/backward, so a
+        # sharded model's state must be read now; its local shards stay valid meanwhile.
+        early = self.registry.flatten(model_keys) if self._sharded() else None
+        ready = None
+        if torch.cuda.is_available() and torch.cuda.is_initialized():
+            ready = torch.cuda.Event()
+            ready.record()  # the side stream starts after everything queued so far
+        future = self._pool.submit(self._capture, step, model_keys, early, other.skeletons,
+                                   other_tensors, buffers, ready)
+        return CaptureHandle(step, future)
+
+    def _sharded(self) -> bool:
+        if self._is_sharded is None:
+            self._is_sharded = any(isinstance(p, DTensor) for m in self.registry.modules()
+                                   for p in m.parameters())
+        return self._is_sharded
+
+    def _capture(self, step: int, model_keys: list[str], early: FlatState | None,
+                 skeletons: dict[str, Any], other_tensors: dict[str, torch.Tensor],
+                 buffers: dict[int, torch.Tensor], ready: Any) -> Captured:
+        with torch.no_grad():
+            flat = early if early is not None else self.registry.flatten(model_keys)
+            tensors = {**flat.tensors, **other_tensors}
+            for key, t in tensors.items():
+                frozen = None if isinstance(t, DTensor) else buffers.get(t.data_ptr())
+                if frozen is not None and frozen.shape == t.shape:
+                    tensors[key] = frozen
+            owned = owned_pieces(tensors, self.rank, self.world_size, self.split_min_bytes)
+            signature = tuple(sorted((o.piece for o in owned),
+                                     key=lambda p: (-_esize(p.dtype), p.key, p.offsets)))
+            on_cuda = any(o.source.is_cuda for o in owned)
+            if self._image is None or self._image.signature != signature:
+                self._image = ShardImage([o.piece for o in owned], pin=on_cuda)
+            if on_cuda:
+                stream = torch.cuda.Stream()
+                if ready is not None:
+                    stream.wait_event(ready)
+                with torch.cuda.stream(stream):
+                    _copy_all(owned, self._image, non_blocking=True)
+                stream.synchronize()
+            else:
+                _copy_all(owned, self._image)
+        catalog = {k: {"dtype": dtype_to_str(t.dtype), "shape": list(t.shape)}
+                   for k, t in tensors.items()}
+        ordered = {k: ({**flat.skeletons, **skeletons})[k] for k in self.registry.keys()}
+        return Captured(step, self.rank, self.world_size, self._image, ordered, catalog)
+
+
+def _copy_all(owned: list[OwnedPiece], image: ShardImage, non_blocking: bool = False) -> None:
+    for o in owned:
+        image.views[(o.piece.key, o.piece.offsets)].copy_(o.source.detach(),
+                                                          non_blocking=non_blocking)

@@ -1,0 +1,106 @@
+"""``baton snapshots ls|show|verify|export`` — inspect a run's snapshots from the shell.
+
+Contract: ``register(subparsers)`` adds the ``snapshots`` group; each command takes a run
+URI (local path or ``s3://bucket/prefix/run``), prints to stdout and returns 0 on success,
+1 when a snapshot is missing or corrupt (the message names it on stderr).
+``ls`` and ``show`` accept ``--json`` for machine-readable output.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from elastic.catalog import describe, export_model, resolve_step, snapshot_rows, verify
+from elastic.store import SnapshotStore
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    group = subparsers.add_parser("snapshots", help="list, show, verify and export snapshots")
+    sub = group.add_subparsers(dest="snapshots_command", metavar="ACTION", required=True)
+
+    p = sub.add_parser("ls", help="list the snapshots of a run")
+    p.add_argument("run_uri")
+    p.add_argument("--json", action="store_true", help="print JSON")
+    p.set_defaults(func=_ls)
+
+    p = sub.add_parser("show", help="describe one snapshot (default: newest committed)")
+    p.add_argument("run_uri")
+    p.add_argument("step", nargs="?", type=int)
+    p.add_argument("--json", action="store_true", help="print JSON")
+    p.set_defaults(func=_show)
+
+    p = sub.add_parser("verify", help="re-read a snapshot and check every checksum")
+    p.add_argument("run_uri")
+    p.add_argument("step", nargs="?", type=int)
+    p.set_defaults(func=_verify)
+
+    p = sub.add_parser("export", help="write the model weights as one safetensors file")
+    p.add_argument("run_uri")
+    p.add_argument("step", nargs="?", type=int)
+    p.add_argument("--out", required=True, help="output FILE.safetensors")
+    p.set_defaults(func=_export)
+
+
+def _fail(err: Exception) -> int:
+    print(f"error: {err}", file=sys.stderr)
+    return 1
+
+
+def _ls(args: argparse.Namespace) -> int:
+    rows = snapshot_rows(SnapshotStore(args.run_uri))
+    if args.json:
+        print(json.dumps(rows, indent=1))
+        return 0
+    if not rows:
+        print(f"{args.run_uri}: no snapshots")
+        return 0
+    print(f"{'step':>10}  {'state':<11} {'world':>5}  {'layout':<6} {'MiB':>9}  note")
+    for r in rows:
+        state = "committed" if r["committed"] else "incomplete"
+        mib = f"{r['bytes'] / 2**20:9.2f}" if "bytes" in r else " " * 9
+        print(f"{r['step']:>10}  {state:<11} {r.get('world_size', ''):>5}  "
+              f"{r.get('layout', ''):<6} {mib}  {r.get('note', '')}")
+    return 0
+
+
+def _show(args: argparse.Namespace) -> int:
+    store = SnapshotStore(args.run_uri)
+    try:
+        info = describe(store.load_manifest(resolve_step(store, args.step)))
+    except ValueError as err:
+        return _fail(err)
+    if args.json:
+        print(json.dumps(info, indent=1))
+        return 0
+    print(f"snapshot {info['step']}: world_size {info['world_size']}, layout {info['layout']}, "
+          f"{info['bytes'] / 2**20:.2f} MiB in {len(info['files'])} file(s)")
+    for key, t in info["tensors"].items():
+        print(f"  {key:<60} {t['dtype']:<5} {t['shape']}  chunks={t['chunks']}")
+    for key, value in info["state"].items():
+        text = json.dumps(value)
+        print(f"  [{key}] {text[:200]}{'...' if len(text) > 200 else ''}")
+    return 0
+
+
+def _verify(args: argparse.Namespace) -> int:
+    store = SnapshotStore(args.run_uri)
+    try:
+        step = resolve_step(store, args.step)
+        result = verify(store, step)
+    except ValueError as err:
+        return _fail(err)
+    print(f"snapshot {step}: OK ({result['tensors']} tensors, {result['bytes']} bytes verified)")
+    return 0
+
+
+def _export(args: argparse.Namespace) -> int:
+    store = SnapshotStore(args.run_uri)
+    try:
+        step = resolve_step(store, args.step)
+        n = export_model(store, step, args.out)
+    except ValueError as err:
+        return _fail(err)
+    print(f"wrote {n} tensors of snapshot {step} to {args.out}")
+    return 0

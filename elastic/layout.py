@@ -1,0 +1,152 @@
+"""Who writes which chunk at save time, and which rectangle each rank needs at load time.
+
+Contract
+--------
+A *piece* is a hyper-rectangle of a logical tensor: ``(key, offsets, shape)``.
+
+Save (``owned_pieces``): every element of every logical tensor is written by exactly one
+rank, and the decision depends only on names, shapes, dtypes, placements, ``rank`` and
+``world_size`` (never on timing), so all ranks agree without talking.
+
+* FSDP2 / DTensor sharded tensors: each rank writes its own local shard (offsets from the
+  DTensor's placements); on mesh dimensions where the tensor is replicated only mesh
+  coordinate 0 writes, so nothing is written twice. Empty shards are skipped.
+* Replicated tensors (DDP, or plain tensors such as the AdamW step counter): large tensors
+  (``>= split_min_bytes``) are split along dim 0 into ``world_size`` near-equal row blocks,
+  block ``r`` written by rank ``r``; small tensors are assigned whole by a balanced greedy
+  over bytes (largest first, to the least-loaded rank). Writes are parallel, no duplicates.
+
+Load (``target_piece``): a plain tensor needs its whole logical tensor; a DTensor needs the
+rectangle of its local shard at the *new* mesh, and ``wrap`` rebuilds the DTensor from it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+DEFAULT_SPLIT_MIN_BYTES = 1 << 20
+
+
+@dataclass(frozen=True)
+class Piece:
+    key: str
+    dtype: torch.dtype
+    global_shape: tuple[int, ...]
+    offsets: tuple[int, ...]
+    shape: tuple[int, ...]
+
+    @property
+    def numel(self) -> int:
+        n = 1
+        for s in self.shape:
+            n *= s
+        return n
+
+    @property
+    def nbytes(self) -> int:
+        return self.numel * torch.empty((), dtype=self.dtype).element_size()
+
+
+@dataclass(frozen=True)
+class OwnedPiece:
+    piece: Piece
+    source: torch.Tensor  # a view of live state holding exactly this piece's elements
+
+
+def _row_block(n_rows: int, world_size: int, rank: int) -> tuple[int, int]:
+    base, extra = divmod(n_rows, world_size)
+    start = rank * base + min(rank, extra)
+    return start, base + (1 if rank < extra else 0)
+
+
+def _dtensor_local(t: DTensor) -> tuple[tuple[int, ...], tuple[int, ...], bool]:
+    """(local shape, global offsets, whether this rank is the designated writer)."""
+    for p in t.placements:
+        if not isinstance(p, (Shard, Replicate)):
+            raise ValueError(
+                f"DTensor placement {p} is not supported in snapshots; use Shard or Replicate"
+            )
+    shape, offsets = compute_local_shape_and_global_offset(t.shape, t.device_mesh, t.placements)
+    coords = t.device_mesh.get_coordinate() or []
+    writer = all(c == 0 for c, p in zip(coords, t.placements, strict=False)
+                 if isinstance(p, Replicate))
+    return tuple(shape), tuple(offsets), writer
+
+
+def _is_sharded(t: torch.Tensor) -> bool:
+    return isinstance(t, DTensor) and any(isinstance(p, Shard) for p in t.placements)
+
+
+def owned_pieces(tensors: dict[str, torch.Tensor], rank: int, world_size: int,
+                 split_min_bytes: int = DEFAULT_SPLIT_MIN_BYTES) -> list[OwnedPiece]:
+    if not 0 <= rank < world_size:
+        raise ValueError(f"rank {rank} is outside world_size {world_size}")
+    owned: list[OwnedPiece] = []
+    small: list[tuple[str, torch.Tensor]] = []
+    load = [0] * world_size
+    for key in sorted(tensors):
+        t = tensors[key]
+        if _is_sharded(t):
+            shape, offsets, writer = _dtensor_local(t)
+            local = t.to_local()
+            if writer and local.numel() > 0:
+                owned.append(OwnedPiece(Piece(key, t.dtype, tuple(t.shape), offsets, shape),
+                                        local))
+            continue
+        full = t.to_local() if isinstance(t, DTensor) else t
+        gshape = tuple(full.shape)
+        nbytes = full.numel() * full.element_size()
+        if nbytes >= split_min_bytes and full.dim() >= 1 and gshape[0] >= world_size:
+            for r in range(world_size):
+                start, rows = _row_block(gshape[0], world_size, r)
+                load[r] += rows * (nbytes // gshape[0])
+                if r == rank:
+                    offsets = (start,) + (0,) * (full.dim() - 1)
+                    piece = Piece(key, full.dtype, gshape, offsets, (rows, *gshape[1:]))
+                    owned.append(OwnedPiece(piece, full.narrow(0, start, rows)))
+        else:
+            small.append((key, full))
+    # Balanced greedy over bytes: largest first, each to the least-loaded rank.
+    small.sort(key=lambda kv: (-kv[1].numel() * kv[1].element_size(), kv[0]))
+    for key, full in small:
+        r = min(range(world_size), key=lambda i: (load[i], i))
+        load[r] += full.numel() * full.element_size()
+        if r == rank:
+            gshape = tuple(full.shape)
+            owned.append(OwnedPiece(Piece(key, full.dtype, gshape, (0,) * len(gshape), gshape),
+                                    full))
+    return owned
+
+
+@dataclass(frozen=True)
+class Target:
+    piece: Piece
+    device: torch.device
+    wrap: Callable[[torch.Tensor], torch.Tensor]
+
+
+def target_piece(key: str, template: torch.Tensor, dtype: torch.dtype | None = None,
+                 global_shape: tuple[int, ...] | None = None) -> Target:
+    """What this rank must materialise for ``key`` so it matches ``template``'s layout."""
+    dtype = dtype or template.dtype
+    if isinstance(template, DTensor):
+        gshape = tuple(global_shape or template.shape)
+        shape, offsets = compute_local_shape_and_global_offset(
+            gshape, template.device_mesh, template.placements)
+        mesh, placements = template.device_mesh, template.placements
+        stride = torch.empty(gshape, device="meta").stride()
+
+        def wrap(local: torch.Tensor) -> torch.Tensor:
+            return DTensor.from_local(local, mesh, placements, run_check=False,
+                                      shape=torch.Size(gshape), stride=stride)
+
+        device = template.to_local().device
+        return Target(Piece(key, dtype, gshape, tuple(offsets), tuple(shape)), device, wrap)
+    gshape = tuple(global_shape or template.shape)
+    return Target(Piece(key, dtype, gshape, (0,) * len(gshape), gshape), template.device,
+                  lambda t: t)

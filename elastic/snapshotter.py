@@ -1,0 +1,222 @@
+"""The worker-side API of elastic snapshots.
+
+Usage (one ``Snapshotter`` per worker)::
+
+    registry = StateRegistry()
+    registry.register("model", model); registry.register("optim", optimizer)
+    registry.register("sched", scheduler); registry.register("data", cursor)
+    snap = Snapshotter(run_uri, registry, rank, world_size, layout="ddp" | "fsdp",
+                       coordinator=handle_or_None, snapshot_every=100, keep_last=2)
+    step = snap.restore()          # newest committed snapshot, resharded; 0 if none
+    while training:
+        loss.backward(); snap.wait_capture(); optimizer.step(); step += 1
+        snap.begin_capture_if_due(step)  # copies overlap the next forward/backward
+    snap.close()                   # flush the last persist
+
+``after_step(step)`` is the simple form (capture when due, wait for the copy at once).
+The pipelined form above (``begin_capture_if_due`` after the optimizer step, ``wait_capture``
+just before the next one) hides the copy behind forward/backward: the only training stall is
+the part of the copy that forward/backward did not cover.
+
+Coordinator: ``None`` means in-process (``LocalCoordinator``) for ``world_size == 1`` and a
+store-based receipt exchange (``StoreCoordinator``, rank 0 commits) otherwise; on a Ray
+cluster pass ``elastic.coordinator.RayCoordinatorClient``. All ranks must call the capture
+methods with the same steps (a step boundary is a consistent cut in synchronous training).
+
+Busy policy (``on_busy``): when the previous snapshot is still being persisted, ``"skip"``
+(default) skips this snapshot so a slow or dead storage never blocks training, ``"wait"``
+waits for it. ``force=True`` (preemption) always waits. Restore agreement: when
+torch.distributed is initialised, ranks agree (all-reduce MIN) that every rank read and
+verified the same snapshot before any rank loads it; a corrupt snapshot is reported by name
+(``restore_errors``) and the previous committed one is tried.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from elastic.capture import CaptureHandle, Capturer
+from elastic.commit import LocalCoordinator
+from elastic.faults import FaultInjector
+from elastic.format import DEFAULT_BLOCK_BYTES, FORMAT_VERSION, Manifest
+from elastic.layout import DEFAULT_SPLIT_MIN_BYTES
+from elastic.persist import CoordinatorClient, Persister
+from elastic.registry import StateRegistry
+from elastic.restore import (
+    ByteSource,
+    SnapshotMismatchError,
+    check_compatible,
+    plan_targets,
+    read_tensors,
+)
+from elastic.store import SnapshotStore
+from elastic.store_coordinator import StoreCoordinator
+
+log = logging.getLogger("baton.elastic")
+
+LAYOUTS = ("ddp", "fsdp")
+
+
+def library_versions() -> dict[str, str]:
+    return {"torch": torch.__version__, "baton_format": str(FORMAT_VERSION)}
+
+
+class Snapshotter:
+    def __init__(self, run_uri: str, registry: StateRegistry, rank: int = 0,
+                 world_size: int = 1, *, layout: str = "ddp",
+                 coordinator: CoordinatorClient | None = None, snapshot_every: int = 100,
+                 keep_last: int = 2, ram: bool = True, on_busy: str = "skip",
+                 durable: bool = True, storage_options: dict[str, Any] | None = None,
+                 block_bytes: int = DEFAULT_BLOCK_BYTES,
+                 split_min_bytes: int = DEFAULT_SPLIT_MIN_BYTES, flush_timeout_s: float = 120.0,
+                 run_info: dict[str, Any] | None = None,
+                 faults: FaultInjector | None = None) -> None:
+        if layout not in LAYOUTS:
+            raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
+        if snapshot_every < 1:
+            raise ValueError(f"snapshot_every must be >= 1, got {snapshot_every}")
+        if on_busy not in ("skip", "wait"):
+            raise ValueError(f"on_busy must be 'skip' or 'wait', got {on_busy!r}")
+        if not 0 <= rank < world_size:
+            raise ValueError(f"rank {rank} is outside world_size {world_size}")
+        self.registry = registry
+        self.rank, self.world_size, self.layout = rank, world_size, layout
+        self.snapshot_every, self.on_busy = snapshot_every, on_busy
+        self.flush_timeout_s = flush_timeout_s
+        self.faults = faults or FaultInjector()
+        self.store = SnapshotStore(run_uri, storage_options)
+        if coordinator is None:
+            if world_size == 1:
+                coordinator = LocalCoordinator(self.store, keep_last=keep_last,
+                                               block_bytes=block_bytes, faults=self.faults,
+                                               ram=ram)
+            else:
+                coordinator = StoreCoordinator(self.store, rank, world_size,
+                                               keep_last=keep_last, block_bytes=block_bytes,
+                                               faults=self.faults)
+        self.coordinator = coordinator
+        self.capturer = Capturer(registry, rank, world_size, split_min_bytes=split_min_bytes,
+                                 faults=self.faults)
+        self.persister = Persister(self.store, coordinator, layout=layout,
+                                   block_bytes=block_bytes, ram=ram, durable=durable,
+                                   faults=self.faults, versions=library_versions())
+        self._handle: CaptureHandle | None = None
+        self.skipped: list[int] = []
+        self.restore_errors: list[str] = []
+        self.restored_from: tuple[str, int] | None = None  # ("ram" | "storage", step)
+        if rank == 0:
+            self.store.ensure_run_json({"format_version": FORMAT_VERSION,
+                                        **library_versions(), **(run_info or {})})
+
+    # ------------------------------------------------------------------ restore
+
+    def restore(self) -> int:
+        """Load the newest committed snapshot that every rank can read; return its step."""
+        steps = sorted(self.coordinator.committed_steps(), reverse=True)
+        for step in steps:
+            loaded: tuple[Any, dict[str, torch.Tensor], ByteSource] | None = None
+            try:
+                manifest = self._manifest(step)
+                templates = self.registry.flatten().tensors
+                check_compatible(self.registry, manifest, templates)
+                source = ByteSource(self.store, step,
+                                    ram=functools.partial(self.coordinator.read_ram, step))
+                tensors = read_tensors(manifest, plan_targets(manifest, templates), source)
+                loaded = (manifest, tensors, source)
+            except SnapshotMismatchError:
+                raise
+            except (ValueError, OSError) as err:
+                msg = f"snapshot {step} of {self.store.run_uri} is unusable: {err}"
+                self.restore_errors.append(msg)
+                log.warning("%s; trying the previous committed snapshot", msg)
+            if not self._all_ranks_agree(loaded is not None):
+                continue
+            assert loaded is not None
+            manifest, tensors, source = loaded
+            self.registry.load(tensors, manifest.state)
+            self.restored_from = ("ram" if source.used_ram and not source.used_storage
+                                  else "storage", step)
+            self.coordinator.rewind(step)
+            return step
+        if steps:
+            raise ValueError(
+                f"no committed snapshot of {self.store.run_uri} could be restored: "
+                + "; ".join(self.restore_errors))
+        return 0
+
+    def _manifest(self, step: int) -> Manifest:
+        data = self.coordinator.read_manifest(step)
+        if data is not None:
+            return Manifest.from_bytes(data, where=f"snapshot {step} (coordinator RAM)")
+        return self.store.load_manifest(step)
+
+    def _all_ranks_agree(self, ok: bool) -> bool:
+        if self.world_size == 1 or not (dist.is_available() and dist.is_initialized()):
+            return ok
+        flag = torch.tensor([1 if ok else 0], dtype=torch.int32)
+        dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+        return bool(flag.item())
+
+    # ------------------------------------------------------------------ capture
+
+    def due(self, step: int) -> bool:
+        return step > 0 and step % self.snapshot_every == 0
+
+    def after_step(self, step: int, *, force: bool = False) -> bool:
+        """Capture when due (or forced) and wait for the copy; persist in background."""
+        started = self.begin_capture_if_due(step, force=force)
+        self.wait_capture()
+        return started
+
+    def begin_capture_if_due(self, step: int, *, force: bool = False) -> bool:
+        self.coordinator.poll()
+        if not (force or self.due(step)):
+            return False
+        return self.begin_capture(step, force=force)
+
+    def begin_capture(self, step: int, *, force: bool = False) -> bool:
+        """Start copying this rank's chunks of step ``step``; False if skipped."""
+        if self._handle is not None:
+            raise RuntimeError("begin_capture called twice; call wait_capture() in between")
+        if self.persister.busy():
+            if self.on_busy == "skip" and not force:
+                self.skipped.append(step)
+                log.info("snapshot %d skipped on rank %d: previous still persisting",
+                         step, self.rank)
+                return False
+            self.persister.wait()
+        try:
+            self._handle = self.capturer.begin(step)
+        except Exception as err:  # a failed capture fails this snapshot, not training
+            self.coordinator.report_failure(step, self.rank, f"capture failed: {err!r}")
+            log.warning("snapshot %d: capture failed on rank %d: %r", step, self.rank, err)
+            return False
+        return True
+
+    def wait_capture(self) -> None:
+        """Block until the pending capture's copies are done, then persist in background.
+        Call before anything mutates the captured state (the next optimizer.step)."""
+        handle, self._handle = self._handle, None
+        if handle is None:
+            return
+        try:
+            captured = handle.wait()
+        except Exception as err:
+            step = handle.step
+            self.coordinator.report_failure(step, self.rank, f"capture failed: {err!r}")
+            return
+        self.persister.submit(captured)
+
+    def close(self) -> None:
+        """Finish the pending capture and persist; rank 0 of a store group commits."""
+        self.wait_capture()
+        self.persister.close()
+        self.capturer.close()
+        flush = getattr(self.coordinator, "flush", None)
+        if callable(flush):
+            flush(self.flush_timeout_s)

@@ -1,0 +1,174 @@
+"""Helpers for tests of elastic snapshots: a tiny model, deterministic steps, gloo groups.
+
+Contract: everything here is deterministic given ``seed``; ``run_group`` runs a picklable
+function on ``world_size`` spawned gloo processes and re-raises the first child's error.
+Every rank trains on the same batch, so DDP/FSDP2 gradients equal the single-process ones
+up to the averaging's rounding (exact for world sizes that are powers of two).
+Not used by production code; lives in the package so spawned processes can import it.
+"""
+
+from __future__ import annotations
+
+import os
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from elastic.registry import StateRegistry, encode_tree
+
+
+class TinyNet(nn.Module):
+    """Uneven row counts on purpose: 2-row layers give empty FSDP2 shards at 3-4 ranks."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp = nn.Linear(8, 24)
+        self.mid = nn.Linear(24, 10)
+        self.out = nn.Linear(10, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.out(torch.nn.functional.gelu(self.mid(torch.nn.functional.gelu(self.inp(x)))))
+
+
+@dataclass
+class Cursor:
+    """A stand-in for the data cursor: plain JSON state."""
+
+    samples: int = 0
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"samples": self.samples}
+
+    def load_state_dict(self, sd: dict[str, Any]) -> None:
+        self.samples = int(sd["samples"])
+
+
+@dataclass
+class TrainState:
+    model: nn.Module
+    optim: torch.optim.Optimizer
+    sched: Any
+    cursor: Cursor
+    registry: StateRegistry
+
+
+def build(seed: int, layout: str = "plain", world_size: int = 1,
+          device: str = "cpu") -> TrainState:
+    torch.manual_seed(seed)
+    model: nn.Module = TinyNet().to(device)
+    if layout == "ddp" and world_size > 1:
+        model = nn.parallel.DistributedDataParallel(model)
+    elif layout == "fsdp":
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+
+        mesh = init_device_mesh("cpu", (world_size,))
+        for sub in (model.inp, model.mid, model.out):
+            fully_shard(sub, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+    optim = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+    sched = torch.optim.lr_scheduler.StepLR(optim, step_size=2, gamma=0.5)
+    cursor = Cursor()
+    registry = StateRegistry()
+    registry.register("model", model)
+    registry.register("optim", optim)
+    registry.register("sched", sched)
+    registry.register("data", cursor)
+    return TrainState(model, optim, sched, cursor, registry)
+
+
+def train_step(ts: TrainState, step: int, batch: int = 6,
+               before_update: Callable[[], None] | None = None) -> None:
+    """Step ``step`` (1-based): the batch depends only on ``step``. ``before_update`` runs
+    between backward and the optimizer step (where a pipelined capture must be waited for)."""
+    gen = torch.Generator().manual_seed(1000 + step)
+    device = next(ts.model.parameters()).device
+    x = torch.randn(batch, 8, generator=gen).to(device)
+    y = torch.randn(batch, 2, generator=gen).to(device)
+    loss = (ts.model(x) - y).pow(2).mean()
+    ts.optim.zero_grad(set_to_none=True)
+    loss.backward()
+    if before_update is not None:
+        before_update()
+    ts.optim.step()
+    ts.sched.step()
+    ts.cursor.samples += batch
+
+
+def full_state(ts: TrainState) -> dict[str, torch.Tensor]:
+    """Every logical tensor (model, moments, step counters), gathered; all ranks call it."""
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        get_model_state_dict,
+        get_optimizer_state_dict,
+    )
+
+    opts = StateDictOptions(full_state_dict=True)
+    tensors: dict[str, torch.Tensor] = {}
+    encode_tree(get_model_state_dict(ts.model, options=opts), "model", tensors)
+    encode_tree(get_optimizer_state_dict(ts.model, ts.optim, options=opts), "optim", tensors)
+    return {k: v.detach().cpu().clone() for k, v in tensors.items()}
+
+
+def json_state(ts: TrainState) -> dict[str, Any]:
+    return {"sched": ts.sched.state_dict(), "data": ts.cursor.state_dict()}
+
+
+def _entry(rank: int, world_size: int, init_file: str, fn: Callable[..., None],
+           args: tuple[Any, ...]) -> None:
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank,
+                            world_size=world_size)
+    try:
+        fn(rank, world_size, *args)
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+def run_group(fn: Callable[..., None], world_size: int, *args: Any, tmp_dir: str) -> None:
+    """Run ``fn(rank, world_size, *args)`` on ``world_size`` gloo processes."""
+    import torch.multiprocessing as mp
+
+    init_file = os.path.join(tmp_dir, f"pg-{uuid.uuid4().hex}")
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    mp.spawn(_entry, args=(world_size, init_file, fn, args), nprocs=world_size, join=True)
+
+
+class SnapshotWorker:
+    """One training rank as a (Ray actor) object: ``ray.remote(SnapshotWorker)`` in tests.
+    Kept free of Ray imports at module level so this module stays Ray-agnostic."""
+
+    def __init__(self, run_uri: str, rank: int, world_size: int, coordinator_name: str,
+                 namespace: str, seed: int = 5) -> None:
+        import ray
+
+        from elastic.coordinator import RayCoordinatorClient
+        from elastic.snapshotter import Snapshotter
+
+        torch.set_num_threads(1)
+        self.ts = build(seed=seed)
+        client = RayCoordinatorClient(ray.get_actor(coordinator_name, namespace=namespace))
+        self.snap = Snapshotter(run_uri, self.ts.registry, rank, world_size,
+                                coordinator=client, snapshot_every=2, durable=False,
+                                split_min_bytes=64)
+
+    def train(self, first: int, last: int) -> list[int]:
+        for step in range(first, last + 1):
+            train_step(self.ts, step)
+            self.snap.after_step(step)
+            self.snap.persister.wait()
+        return list(self.snap.persister.persisted)
+
+    def restore(self) -> dict[str, Any]:
+        step = self.snap.restore()
+        return {"step": step, "restored_from": self.snap.restored_from,
+                "storage_reads": self.snap.store.stats.range_reads,
+                "state": full_state(self.ts)}
+
+    def state(self) -> dict[str, torch.Tensor]:
+        return full_state(self.ts)

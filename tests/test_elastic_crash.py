@@ -1,0 +1,168 @@
+"""Crash at every phase of a snapshot, then restore: the newest *committed* snapshot loads,
+nothing committed is lost, and no partial snapshot is ever visible.
+
+Two ranks of a DDP-style (replicated) run live in this process and share one coordinator, so
+every phase can be hit deterministically; hard crashes (``os._exit`` mid-write) run in a
+spawned process.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+
+import pytest
+import torch
+
+from elastic.catalog import verify
+from elastic.commit import LocalCoordinator
+from elastic.faults import PHASES, FaultInjector
+from elastic.format import DEFAULT_BLOCK_BYTES
+from elastic.snapshotter import Snapshotter
+from elastic.store import SnapshotStore
+from elastic.testing import build, full_state, train_step
+
+WORKER_PHASES = [p for p in PHASES if not p.startswith("commit")]
+COORD_PHASES = [p for p in PHASES if p.startswith("commit")]
+COORD_RANK = -1  # the coordinator's fault key
+
+
+def _check_visible_snapshots_whole(store: SnapshotStore) -> list[int]:
+    committed = store.committed_steps()
+    for step in committed:
+        verify(store, step)
+    return committed
+
+
+def _two_rank_run(
+    run: str, coord: LocalCoordinator, faults: FaultInjector, steps: range, states=None
+) -> tuple[list, list[Snapshotter], dict[int, dict]]:
+    states = states or [build(seed=5), build(seed=5)]
+    snaps = [
+        Snapshotter(
+            run,
+            s.registry,
+            r,
+            2,
+            coordinator=coord,
+            snapshot_every=2,
+            faults=faults,
+            durable=False,
+            split_min_bytes=64,
+        )
+        for r, s in enumerate(states)
+    ]
+    refs = {}
+    for step in steps:
+        for r in (0, 1):
+            train_step(states[r], step)
+            snaps[r].after_step(step)
+            snaps[r].persister.wait()
+            _check_visible_snapshots_whole(coord.core.store)
+        refs[step] = full_state(states[0])
+    for s in snaps:
+        s.persister.close()
+    return states, snaps, refs
+
+
+def _restore_fresh(run: str) -> tuple[int, dict]:
+    """A new incarnation at world size 1: new coordinator (rebuilt from the store), new state."""
+    ts = build(seed=21)
+    step = Snapshotter(run, ts.registry).restore()
+    return step, full_state(ts)
+
+
+@pytest.mark.parametrize("phase", PHASES)
+def test_crash_at_phase_keeps_last_commit(tmp_path, phase: str) -> None:
+    run = str(tmp_path / "run")
+    store = SnapshotStore(run)
+    rank = COORD_RANK if phase in COORD_PHASES else 1
+    faults = FaultInjector().arm(phase, rank=rank, step=6)
+    coord = LocalCoordinator(store, keep_last=3, block_bytes=DEFAULT_BLOCK_BYTES, faults=faults)
+    _, snaps, refs = _two_rank_run(run, coord, faults, range(1, 7))
+    assert faults.fired, f"fault at {phase} never fired"
+    expected = 6 if phase == "commit_end" else 4  # commit_end: the manifest was already written
+    assert coord.committed_steps() == [2, 4, 6][: expected // 2]
+    # The run dies here; a new incarnation (new coordinator, new world size) restores.
+    step, state = _restore_fresh(run)
+    assert step == expected
+    for key, value in refs[expected].items():
+        assert torch.equal(state[key], value), key
+    assert store.all_steps() == store.committed_steps() == [2, 4, 6][: expected // 2]
+
+
+def test_restarted_coordinator_refuses_late_receipts(tmp_path) -> None:
+    """Coordinator killed between two receipts of step 6: its successor must not commit 6
+    from the late receipt alone, and later snapshots commit normally."""
+    run = str(tmp_path / "run")
+    store = SnapshotStore(run)
+    faults = FaultInjector()
+    coord_a = LocalCoordinator(store, keep_last=3, block_bytes=DEFAULT_BLOCK_BYTES)
+    states, snaps, _ = _two_rank_run(run, coord_a, faults, range(1, 5))
+    snaps = [
+        Snapshotter(
+            run,
+            s.registry,
+            r,
+            2,
+            coordinator=coord_a,
+            snapshot_every=2,
+            durable=False,
+            split_min_bytes=64,
+        )
+        for r, s in enumerate(states)
+    ]
+    for r in (0, 1):
+        train_step(states[r], 5)
+        snaps[r].after_step(5)
+        train_step(states[r], 6)
+    snaps[0].after_step(6)
+    snaps[0].persister.wait()
+    assert 6 in coord_a.core.pending  # rank 0's shard is in, rank 1's is not
+    coord_b = LocalCoordinator(store, keep_last=3, block_bytes=DEFAULT_BLOCK_BYTES)  # restart
+    assert coord_b.committed_steps() == [2, 4] and 6 not in store.all_steps()
+    snaps[1].coordinator = snaps[1].persister.coordinator = coord_b
+    snaps[1].after_step(6)
+    snaps[1].persister.wait()
+    assert coord_b.committed_steps() == [2, 4] and 6 not in store.committed_steps()
+    snaps[0].coordinator = snaps[0].persister.coordinator = coord_b
+    _, _, refs = _two_rank_run(run, coord_b, faults, range(7, 9), states=states)
+    assert coord_b.committed_steps() == [2, 4, 8]
+    step, state = _restore_fresh(run)
+    assert step == 8
+    for key, value in refs[8].items():
+        assert torch.equal(state[key], value), key
+
+
+def _hard_crash_child(run: str, phase: str) -> None:
+    faults = FaultInjector().arm(phase, step=4, action="exit")
+    ts = build(seed=5)
+    snap = Snapshotter(run, ts.registry, snapshot_every=2, faults=faults, durable=False)
+    for step in range(1, 5):
+        train_step(ts, step)
+        snap.after_step(step)
+        snap.persister.wait()
+    snap.close()
+
+
+@pytest.mark.parametrize("phase", ["persist_mid", "commit_manifest", "commit_end"])
+def test_hard_crash_mid_write(tmp_path, phase: str) -> None:
+    run = str(tmp_path / "run")
+    child = mp.get_context("spawn").Process(target=_hard_crash_child, args=(run, phase))
+    child.start()
+    child.join(120)
+    assert child.exitcode == 17, "the injected os._exit did not happen"
+    leftovers = [f for _, _, files in os.walk(run) for f in files if ".tmp-" in f]
+    if phase != "commit_end":
+        assert leftovers, "a mid-write crash should leave a temp file behind"
+    expected = 4 if phase == "commit_end" else 2
+    ref = build(seed=5)
+    for step in range(1, expected + 1):
+        train_step(ref, step)
+    step, state = _restore_fresh(run)
+    assert step == expected
+    for key, value in full_state(ref).items():
+        assert torch.equal(state[key], value), key
+    store = SnapshotStore(run)
+    assert store.all_steps() == store.committed_steps()
+    assert not [f for _, _, files in os.walk(run) for f in files if ".tmp-" in f]
