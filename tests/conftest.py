@@ -76,6 +76,16 @@ _S3_ENV = (
 )
 
 
+@pytest.fixture(scope="session")
+def tiny_dataset(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """A small slice of the embedded corpus (seq_len 32, as in recipes/tiny.toml)."""
+    from data_state import prepare_corpus
+
+    out = str(tmp_path_factory.mktemp("tiny-data") / "corpus")
+    prepare_corpus(None, out, seq_len=32, max_bytes=1_000_000, progress=False)
+    return out
+
+
 @pytest.fixture
 def s3_bucket(s3_endpoint: S3Endpoint) -> str:
     """A new empty bucket; returns its name. Created with boto3 (s3fs mkdir fails on moto)."""

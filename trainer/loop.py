@@ -39,7 +39,14 @@ from sketch_ops import sketch_model, sketch_seed
 from trainer.config import FitConfig
 from trainer.model import GPT, GPTConfig
 from trainer.optim import WarmupCosine, build_optimizer
-from trainer.parallel import accumulation_passes, all_reduce_sum, grad_sync, loss_weight, wrap_model
+from trainer.parallel import (
+    accumulation_passes,
+    all_reduce_sum,
+    gather_samples,
+    grad_sync,
+    loss_weight,
+    wrap_model,
+)
 
 # Asking Ray Train for a preemption notice is a barrier across workers: not every step.
 _RAY_PREEMPTION_CHECK_EVERY = 5
@@ -85,6 +92,7 @@ class WorkerEnv:
     on_start: Callable[[int], Any] | None = None  # called with the restored step
     stop_after: int | None = None  # stop gracefully (with a committed snapshot) after this step
     pace_s: float = 0.0  # sleep per step (fault-injection tests: let events land mid-run)
+    record_samples: bool = False  # add every step's global sample indices to its metrics
 
 
 @dataclass
@@ -210,6 +218,15 @@ def run_worker(cfg: FitConfig, env: WorkerEnv) -> WorkerResult:
                 # Copies of a due snapshot overlap the next step's forward/backward.
                 snapshotter.begin_capture_if_due(progress.step)
             stall += time.perf_counter() - stall_started
+            samples = (
+                gather_samples(
+                    [i for mb in microbatches for i in mb.sample_indices],
+                    -(-num_microbatches // env.world_size) * cfg.data.microbatch_size,
+                    env.device,
+                )
+                if env.record_samples
+                else None
+            )
             (loss_sum,) = all_reduce_sum([step_loss], env.device)
             loss_value = loss_sum / num_microbatches
             evaluated = bool(cfg.eval.every) and progress.step % cfg.eval.every == 0
@@ -228,6 +245,7 @@ def run_worker(cfg: FitConfig, env: WorkerEnv) -> WorkerResult:
                         "snapshot_stall_s": stall,  # training time spent on snapshots
                         "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
                         "time": time.time(),
+                        **({"samples": samples} if samples is not None else {}),
                     }
                 )
             if stopping:

@@ -81,3 +81,14 @@ def all_reduce_sum(values: list[float], device: torch.device) -> list[float]:
     tensor = torch.tensor(values, dtype=torch.float64, device=device)
     dist.all_reduce(tensor)
     return tensor.tolist()
+
+
+def gather_samples(mine: list[int], max_per_rank: int, device: torch.device) -> list[int]:
+    """Every rank's sample indices of a step, on every rank, sorted (for the data audit)."""
+    if not distributed():
+        return sorted(mine)
+    padded = torch.full((max_per_rank,), -1, dtype=torch.int64, device=device)
+    padded[: len(mine)] = torch.tensor(mine, dtype=torch.int64)
+    gathered = [torch.empty_like(padded) for _ in range(dist.get_world_size())]
+    dist.all_gather(gathered, padded)
+    return sorted(int(i) for i in torch.cat(gathered).tolist() if i >= 0)

@@ -59,7 +59,8 @@ def _train_fn(loop_config: dict[str, Any]) -> None:
         device=device,
         coordinator=RayCoordinatorClient(get_or_create_coordinator(cfg.snapshots.run_uri)),
         on_metrics=on_metrics,
-        pace_s=loop_config.get("pace_s", 0.0),
+        pace_s=loop_config["pace_s"],
+        record_samples=loop_config["record_samples"],
         on_start=(
             (lambda step: ray.get(monitor.start_attempt.remote(step, world_size, time.time())))
             if rank == 0 else None
@@ -85,6 +86,7 @@ def fit(
     on_progress: Callable[[dict[str, Any]], None] | None = None,
     storage_path: str | None = None,
     pace_s: float = 0.0,
+    record_samples: bool = False,
 ) -> FitResult:
     """Train `config` to `config.steps`, continuing the run if it has committed snapshots.
 
@@ -92,6 +94,8 @@ def fit(
     `storage_path` is where Ray Train keeps its own run state (default: Ray's).
     `pace_s` slows every step down by that many seconds: fault-injection tests and the demo
     use it so that node losses and additions land mid-run on a fast machine.
+    `record_samples` adds each step's global sample indices to the metrics (a data audit:
+    tests check that every sample of an epoch was trained exactly once over committed steps).
     """
     resumed_from = check_run_dir(config)
     config = ensure_dataset(config)
@@ -99,7 +103,11 @@ def fit(
 
     from elastic.coordinator import get_or_create_coordinator
 
-    get_or_create_coordinator(config.snapshots.run_uri, keep_last=config.snapshots.keep_last)
+    # Keep this handle until the fit ends: a (non-detached) actor lives as long as its
+    # creator holds a reference, and the workers must all talk to this one instance.
+    coordinator = get_or_create_coordinator(
+        config.snapshots.run_uri, keep_last=config.snapshots.keep_last
+    )
     monitor = RunMonitor.options(
         name=monitor_name(config.run_name),
         namespace=NAMESPACE,
@@ -115,7 +123,7 @@ def fit(
     )
     trainer = TorchTrainer(
         _train_fn,
-        train_loop_config={"cfg": config, "pace_s": pace_s},
+        train_loop_config={"cfg": config, "pace_s": pace_s, "record_samples": record_samples},
         torch_config=TorchConfig(backend="nccl" if scaling.use_gpu else "gloo"),
         scaling_config=ScalingConfig(
             num_workers=num_workers,
@@ -140,6 +148,7 @@ def fit(
     finally:
         stop.set()
         ray.get(monitor.flush.remote())
+        del coordinator
     summary = summarize(read_records(config.snapshots.run_uri))
     return FitResult(run_uri=config.snapshots.run_uri, summary=summary, resumed_from=resumed_from)
 

@@ -1,0 +1,45 @@
+"""Test helpers: read a run's final committed state through the public snapshot format and
+compare two runs' states up to float summation order."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file
+
+from elastic.catalog import export_model
+from elastic.store import SnapshotStore
+
+
+def final_state(run: Path, tmp: Path, steps: int) -> dict[str, torch.Tensor]:
+    store = SnapshotStore(str(run))
+    step = max(store.committed_steps())
+    assert step == steps, f"{run}: newest committed step is {step}, expected {steps}"
+    state = {}
+    for component in ("model", "optim"):
+        out = tmp / f"{run.name}-{component}.safetensors"
+        export_model(store, step, str(out), component=component)
+        state.update({f"{component}.{k}": v for k, v in load_file(out).items()})
+    return state
+
+
+def assert_same_state(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
+    """Equal up to float summation order (P1): relative difference <= 1e-5 over the model and
+    over the optimizer moments, and no single element off by more than 1e-4.
+
+    Why not per tensor: the attention key bias has an exactly zero gradient (softmax ignores
+    a per-query constant), so AdamW turns summation-order noise (~1e-9) in it into updates
+    of full size; that tensor alone differs by ~1e-6 in absolute value. The bounds above
+    still catch any real divergence (a wrong microbatch, a cold optimizer, a skipped step).
+    """
+    assert a.keys() == b.keys()
+    for component in ("model.", "optim."):
+        keys = [k for k in a if k.startswith(component) and a[k].is_floating_point()]
+        x = torch.cat([a[k].double().flatten() for k in keys])
+        y = torch.cat([b[k].double().flatten() for k in keys])
+        rel = ((x - y).norm() / x.norm()).item()
+        assert rel <= 1e-5, f"{component}*: relative difference {rel:.2e}"
+    for key in a:
+        worst = (a[key].double() - b[key].double()).abs().max().item()
+        assert worst <= 1e-4, f"{key}: an element differs by {worst:.2e}"

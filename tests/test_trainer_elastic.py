@@ -1,0 +1,142 @@
+"""Elastic fit on a local multi-node Ray cluster (issue 5, test 1): lose a node, gain one back.
+
+Run A trains STEPS steps on 2 workers without interruption. Run B starts on 2 workers, loses
+a worker node after step LOSE_AT (Ray Train restarts the group on 1 worker, which restores the
+newest committed snapshot), and gets a node back once it trains at 1 worker (Ray Train grows
+the group to 2 again). Checked at the end, on what the snapshots say:
+- B's final parameters and AdamW moments equal A's (P1, P2);
+- the AdamW step counter is STEPS: the optimizer was never cold-started;
+- over the committed steps every sample was trained exactly once (P5);
+- each restart redid at most `snapshot_every` steps (P6).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import ray
+from snapshot_compare import assert_same_state, final_state
+
+from trainer.config import load_recipe
+from trainer.local_cluster import LocalCluster
+from trainer.metrics import read_records
+from trainer.monitor import NAMESPACE, get_monitor
+from trainer.ray_fit import FitResult, fit
+
+ROOT = Path(__file__).resolve().parents[1]
+STEPS = 80
+SNAPSHOT_EVERY = 5
+LOSE_AT = 8
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
+
+
+@pytest.fixture(scope="module")
+def cluster() -> Any:
+    local = LocalCluster(worker_nodes=2)
+    ray.init(address=local.address, namespace=NAMESPACE, log_to_driver=False)
+    yield local
+    ray.shutdown()
+    local.shutdown()
+
+
+def _config(run: Path, dataset: str, parallelism: str, min_workers: int) -> Any:
+    return load_recipe(
+        ROOT / "recipes" / "tiny.toml",
+        [
+            f'snapshots.run_uri="{run}"', f'data.uri="{dataset}"', f"steps={STEPS}",
+            f"snapshots.snapshot_every={SNAPSHOT_EVERY}", f'parallelism="{parallelism}"',
+            f"scaling.min_workers={min_workers}", "scaling.max_workers=2", "eval.every=0",
+        ],
+    )
+
+
+def _latest(monitor: Any) -> dict[str, Any]:
+    return ray.get(monitor.latest.remote())
+
+
+def _wait(predicate: Any, timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.2)
+
+
+def _fit_with_faults(cluster: LocalCluster, cfg: Any) -> FitResult:
+    """Run fit in a thread; lose a node after LOSE_AT, add one back once at 1 worker.
+    (Cluster changes must happen on the main thread: Ray installs signal handlers.)"""
+    out: dict[str, Any] = {}
+    thread = threading.Thread(
+        target=lambda: out.update(result=fit(cfg, pace_s=0.25, record_samples=True))
+    )
+    thread.start()
+    monitor = None
+
+    def monitor_ready() -> bool:
+        nonlocal monitor
+        try:
+            monitor = get_monitor(cfg.run_name)
+            return True
+        except ValueError:
+            return False
+
+    _wait(monitor_ready, 120, "the run monitor")
+    _wait(lambda: _latest(monitor).get("step", 0) >= LOSE_AT, 180, f"step {LOSE_AT}")
+    cluster.remove_worker()
+    _wait(lambda: _latest(monitor).get("world_size") == 1, 180, "a restart on 1 worker")
+    cluster.add_worker()
+    thread.join(timeout=400)
+    assert "result" in out, "fit did not finish"
+    return out["result"]
+
+
+def _committed_history(run: Path) -> dict[int, list[int]]:
+    """Samples of each step as finally committed: a redone step's last occurrence wins."""
+    history: dict[int, list[int]] = {}
+    for record in read_records(str(run)):
+        if record["kind"] == "step":
+            history[record["step"]] = record["samples"]
+    return history
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(
+    cluster: LocalCluster, tmp_path_factory: pytest.TempPathFactory, tiny_dataset: str
+) -> Path:
+    """Run A: STEPS steps on 2 DDP workers, no faults (FSDP2 must end at the same place)."""
+    run = tmp_path_factory.mktemp("uninterrupted") / "a"
+    fit(_config(run, tiny_dataset, "ddp", min_workers=2))
+    return run
+
+
+@pytest.mark.parametrize("parallelism", ["ddp", "fsdp"])
+def test_node_loss_and_gain_end_where_an_uninterrupted_run_ends(
+    cluster: LocalCluster, uninterrupted: Path, tmp_path: Path, tiny_dataset: str,
+    parallelism: str,
+) -> None:
+    a = uninterrupted
+    b = tmp_path / "b"
+    result = _fit_with_faults(cluster, _config(b, tiny_dataset, parallelism, min_workers=1))
+
+    summary = result.summary
+    assert summary.steps == STEPS
+    assert summary.world_sizes[:2] == [2, 1], summary.world_sizes
+    assert 2 in summary.world_sizes[2:], f"the group never grew back: {summary.world_sizes}"
+    reached = 0
+    for record in read_records(str(b)):
+        if record["kind"] == "start":  # each restart redoes at most snapshot_every steps
+            assert reached - record["step"] <= SNAPSHOT_EVERY, (reached, record)
+        reached = record["step"] if record["kind"] == "start" else max(reached, record["step"])
+
+    state_a, state_b = final_state(a, tmp_path, STEPS), final_state(b, tmp_path, STEPS)
+    assert_same_state(state_a, state_b)
+    counters = {v.item() for k, v in state_b.items() if k.endswith(".step")}
+    assert counters == {float(STEPS)}, f"AdamW step counters {counters}: a cold start"
+
+    history = _committed_history(b)
+    assert sorted(history) == list(range(1, STEPS + 1))
+    trained = [i for samples in history.values() for i in samples]
+    assert len(trained) == len(set(trained)) == STEPS * 8  # global_batch 8, one epoch
