@@ -12,6 +12,10 @@ the group to 2 again). Checked at the end, on what the snapshots say:
 
 from __future__ import annotations
 
+import os
+import re
+import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -21,6 +25,7 @@ import pytest
 import ray
 from snapshot_compare import assert_same_state, final_state
 
+from elastic.store import SnapshotStore
 from trainer.config import load_recipe
 from trainer.local_cluster import LocalCluster
 from trainer.metrics import read_records
@@ -56,6 +61,13 @@ def _config(run: Path, dataset: str, parallelism: str, min_workers: int) -> Any:
 
 def _latest(monitor: Any) -> dict[str, Any]:
     return ray.get(monitor.latest.remote())
+
+
+def _monitor_step(cfg: Any) -> int:
+    try:
+        return _latest(get_monitor(cfg.run_name)).get("step", 0)
+    except ValueError:  # the monitor is not created yet
+        return 0
 
 
 def _wait(predicate: Any, timeout: float, what: str) -> None:
@@ -140,3 +152,67 @@ def test_node_loss_and_gain_end_where_an_uninterrupted_run_ends(
     assert sorted(history) == list(range(1, STEPS + 1))
     trained = [i for samples in history.values() for i in samples]
     assert len(trained) == len(set(trained)) == STEPS * 8  # global_batch 8, one epoch
+
+
+def test_preemption_notice_loses_no_steps(
+    cluster: LocalCluster, uninterrupted: Path, tmp_path: Path, tiny_dataset: str
+) -> None:
+    """A spot notice (a drain with reason PREEMPTION) makes every worker commit a snapshot at
+    the next step boundary and restart without the doomed node: nothing is redone."""
+    cfg = _config(tmp_path / "b", tiny_dataset, "ddp", min_workers=1)
+    out: dict[str, Any] = {}
+    thread = threading.Thread(target=lambda: out.update(result=fit(cfg, pace_s=0.25)))
+    thread.start()
+    try:
+        _wait(lambda: _monitor_step(cfg) >= LOSE_AT, 180, f"step {LOSE_AT}")
+        cluster.drain_worker(deadline_s=60)
+        _wait(lambda: _latest(get_monitor(cfg.run_name)).get("world_size") == 1, 180,
+              "a restart without the drained node")
+        cluster.remove_worker()  # the spot node goes away, as announced
+        thread.join(timeout=400)
+    finally:
+        if len(cluster.workers) < 2:
+            cluster.add_worker()  # later tests start from 2 worker nodes again
+    summary = out["result"].summary
+    assert summary.restarts >= 1 and summary.world_sizes[:2] == [2, 1], summary
+    assert summary.steps_redone == 0
+    assert_same_state(final_state(uninterrupted, tmp_path, STEPS),
+                      final_state(tmp_path / "b", tmp_path, STEPS))
+
+
+def test_a_new_session_continues_after_the_driver_is_killed(
+    cluster: LocalCluster, uninterrupted: Path, tmp_path: Path, tiny_dataset: str
+) -> None:
+    """`baton fit` is killed (SIGKILL) half-way; a new `baton fit` on the same run directory,
+    with a different worker count, continues it and ends where run A ends."""
+    run = tmp_path / "moved"
+    baton = str(Path(sys.executable).with_name("baton"))
+    common = [baton, "fit", str(ROOT / "recipes" / "tiny.toml"), "--run-dir", str(run),
+              "--set", f'data.uri="{tiny_dataset}"', "--set", f"steps={STEPS}",
+              "--set", f"snapshots.snapshot_every={SNAPSHOT_EVERY}", "--set", "eval.every=0"]
+    env = {**os.environ, "RAY_ADDRESS": cluster.address}
+    first = subprocess.Popen(
+        [*common, "--set", "scaling.min_workers=2", "--set", "scaling.max_workers=2",
+         "--pace", "0.25"],
+        env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        start_new_session=True,
+    )
+    try:
+        for line in first.stdout:
+            match = re.match(r"\s*step\s+(\d+)", line)
+            if match and int(match.group(1)) >= STEPS // 2:
+                break
+    finally:
+        first.kill()  # the driver dies without any chance to clean up
+        first.wait(timeout=60)
+    committed = SnapshotStore(str(run)).committed_steps()
+    assert committed and max(committed) < STEPS, committed
+
+    second = subprocess.run(
+        [*common, "--set", "scaling.min_workers=1", "--set", "scaling.max_workers=1"],
+        env=env, capture_output=True, text=True, timeout=400,
+    )
+    assert second.returncode == 0, second.stdout + second.stderr
+    assert f"from committed step {max(committed)}" in second.stderr
+    assert_same_state(final_state(uninterrupted, tmp_path, STEPS),
+                      final_state(run, tmp_path, STEPS))

@@ -20,7 +20,7 @@ from rich.console import Console
 
 from trainer.config import load_recipe
 
-console = Console(stderr=True)
+console = Console(stderr=True, soft_wrap=True)  # never wrap: logs are parsed
 
 
 def _wait_for_step(monitor: Any, step: int, done: threading.Event) -> bool:

@@ -16,7 +16,7 @@ from rich.console import Console
 
 from trainer.config import ConfigError, load_recipe
 
-console = Console(stderr=True)
+console = Console(stderr=True, soft_wrap=True)  # never wrap: logs are parsed
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -25,6 +25,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     fit.add_argument("--run-dir", help="run directory (path or s3://...); sets snapshots.run_uri")
     fit.add_argument("--set", dest="overrides", action="append", default=[],
                      metavar="KEY=VALUE", help="override a recipe value, e.g. optim.lr=1e-3")
+    fit.add_argument("--pace", type=float, default=0.0, metavar="SECONDS",
+                     help="sleep this long after every step (demos and fault-injection tests)")
     fit.set_defaults(func=_cmd_fit)
 
     report = subparsers.add_parser("report", help="plot a run's metrics into a PNG")
@@ -64,7 +66,7 @@ def _cmd_fit(args: argparse.Namespace) -> int:
         console.print(f"continuing run {cfg.snapshots.run_uri} from committed step {resumed}")
     else:
         console.print(f"starting run {cfg.snapshots.run_uri}")
-    result = fit(cfg, on_progress=_print_progress)
+    result = fit(cfg, on_progress=_print_progress, pace_s=args.pace)
     _print_summary(result.summary.to_dict())
     return 0
 

@@ -15,6 +15,9 @@ recipe report both settings.
 from __future__ import annotations
 
 import os
+import shutil
+import subprocess
+import sys
 from typing import Any
 
 from ray.cluster_utils import Cluster
@@ -48,6 +51,7 @@ FAST_FAILURE_DETECTION: dict[str, Any] = {
 FAST_TRAIN_ENV = {
     "RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S": "15",
     "RAY_TRAIN_HEALTH_CHECK_INTERVAL_S": "0.5",
+    "RAY_TRAIN_PREEMPTION_POLL_INTERVAL_S": "1",
 }
 
 
@@ -95,6 +99,21 @@ class LocalCluster:
         """Kill the newest worker node, as a spot reclaim would."""
         node = self.workers.pop()
         self.cluster.remove_node(node, allow_graceful=False)
+
+    def drain_worker(self, deadline_s: int = 60) -> None:
+        """Announce that the newest worker node will be preempted (a spot notice): Ray
+        stops placing work there and Ray Train tells the workers on it."""
+        node = self.workers[-1]
+        ray_cli = shutil.which("ray", path=os.path.dirname(sys.executable)) or "ray"
+        subprocess.run(
+            [
+                ray_cli, "drain-node", "--address", self.address,
+                "--node-id", node.node_id, "--reason", "DRAIN_NODE_REASON_PREEMPTION",
+                "--reason-message", "spot instance reclaimed",
+                "--deadline-remaining-seconds", str(deadline_s),
+            ],
+            check=True, capture_output=True, timeout=60,
+        )
 
     def shutdown(self) -> None:
         self.cluster.shutdown()

@@ -32,7 +32,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from data_state import ResumableLoader, TokenDataset
-from elastic.preemption import PreemptionWatcher
+from elastic.preemption import PreemptionNotice, PreemptionWatcher
 from elastic.registry import StateRegistry
 from elastic.snapshotter import Snapshotter
 from sketch_ops import sketch_model, sketch_seed
@@ -93,6 +93,10 @@ class WorkerEnv:
     stop_after: int | None = None  # stop gracefully (with a committed snapshot) after this step
     pace_s: float = 0.0  # sleep per step (fault-injection tests: let events land mid-run)
     record_samples: bool = False  # add every step's global sample indices to its metrics
+
+
+class PreemptedError(RuntimeError):
+    """This worker group stopped on a preemption notice after committing a snapshot."""
 
 
 @dataclass
@@ -180,6 +184,7 @@ def run_worker(cfg: FitConfig, env: WorkerEnv) -> WorkerResult:
     weight = loss_weight(env.world_size, num_microbatches)
     tokens_per_step = cfg.data.global_batch * (cfg.data.seq_len - 1)
     loss_value, val_loss = float("nan"), None
+    preempted: PreemptionNotice | None = None
     try:
         while progress.step < cfg.steps:
             started = time.perf_counter()
@@ -248,6 +253,9 @@ def run_worker(cfg: FitConfig, env: WorkerEnv) -> WorkerResult:
                         **({"samples": samples} if samples is not None else {}),
                     }
                 )
+            if notice is not None:
+                preempted = notice
+                break
             if stopping:
                 break
             if env.pace_s:
@@ -258,6 +266,13 @@ def run_worker(cfg: FitConfig, env: WorkerEnv) -> WorkerResult:
         loader.close()
         train_set.close()
         val_set.close()
+    if preempted is not None:
+        # The snapshot of this step is committed (close() flushed it). Failing the worker
+        # group makes Ray Train restart it without the preempted node, from exactly here.
+        raise PreemptedError(
+            f"preempted at step {preempted.step} ({preempted.source}); "
+            "its snapshot is committed and training resumes from it"
+        )
     return WorkerResult(
         start_step=start_step, step=progress.step, loss=loss_value, val_loss=val_loss
     )
