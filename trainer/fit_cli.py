@@ -15,6 +15,7 @@ from typing import Any
 from rich.console import Console
 
 from trainer.config import ConfigError, load_recipe
+from trainer.run_dir import RunDirError, check_run_dir
 
 console = Console(stderr=True, soft_wrap=True)  # never wrap: logs are parsed
 
@@ -55,13 +56,12 @@ def _cmd_fit(args: argparse.Namespace) -> int:
         overrides.append(f"snapshots.run_uri={json.dumps(args.run_dir)}")
     try:
         cfg = load_recipe(args.recipe, overrides)
-        from trainer.ray_fit import fit
-        from trainer.run_dir import RunDirError, check_run_dir
-
         resumed = check_run_dir(cfg)
     except (ConfigError, RunDirError) as err:
         console.print(f"[red]error:[/red] {err}")
         return 2
+    from trainer.ray_fit import fit  # imports Ray: only once the input is known to be good
+
     if resumed:
         console.print(f"continuing run {cfg.snapshots.run_uri} from committed step {resumed}")
     else:

@@ -30,14 +30,19 @@ class RunDirError(ValueError):
     """The run directory is unreachable or holds an incompatible run."""
 
 
-def _probe_writable(run_uri: str) -> None:
+def _probe_writable(run_uri: str) -> SnapshotStore:
+    """Write and delete a small object, through the store the workers will use. Buckets are
+    never created here: a mistyped bucket name must be an error, not a new bucket."""
     try:
-        fs, root = fsspec.core.url_to_fs(run_uri)
-        fs.makedirs(root, exist_ok=True)
-        probe = f"{root.rstrip('/')}/.baton-probe-{uuid.uuid4().hex[:8]}"
-        with fs.open(probe, "wb") as out:
-            out.write(b"ok")
-        fs.rm(probe)
+        store = SnapshotStore(run_uri)
+        if store.is_local:
+            store.fs.makedirs(store.root, exist_ok=True)
+        elif not store.fs.exists(store.root.split("/", 1)[0]):
+            raise FileNotFoundError(f"bucket {store.root.split('/', 1)[0]!r} does not exist")
+        probe = store.path(f".baton-probe-{uuid.uuid4().hex[:8]}")
+        store.write_file(probe, b"ok", durable=False)
+        store.fs.rm(probe)
+        return store
     except Exception as err:  # noqa: BLE001 - any failure here means "cannot use this URI"
         raise RunDirError(
             f"snapshots.run_uri {run_uri!r} is not reachable or not writable "
@@ -51,8 +56,7 @@ def _shape_config(cfg_dict: dict) -> dict:
 
 
 def check_run_dir(cfg: FitConfig) -> int:
-    _probe_writable(cfg.snapshots.run_uri)
-    store = SnapshotStore(cfg.snapshots.run_uri)
+    store = _probe_writable(cfg.snapshots.run_uri)
     committed = store.committed_steps()
     run_json = store.read_run_json()
     if committed and run_json and cfg.model_factory is None:
