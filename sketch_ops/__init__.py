@@ -1,1 +1,27 @@
-"""sketch_ops."""
+"""BASIS sketched linear layers: exact outputs and input gradients, a rank-R sketch for dW.
+
+Public API:
+- `SketchedLinear(in_features, out_features, bias=True, *, rank, name="")`: drop-in `nn.Linear`.
+- `sketched_linear(x, weight, bias, *, rank, seed)`: the functional form.
+- `sketch_model(model, *, rank, include=None) -> list[str]`: swap a model's `nn.Linear`s in place.
+- `sketch_seed(seed, step, microbatch=0)`: context manager making sketches a pure function of
+  (seed, step, microbatch, layer name).
+- `gelu_mlp(fc, proj, x)`: `proj(gelu(fc(x)))` that, when both layers are sketched, keeps only
+  x instead of the 4d-wide hidden activations (`fused.py`; the built-in GPT's MLP uses it).
+
+The maths is in DESIGN.md §4; `reference.py` is its executable specification and `kernels.py`
+the CUDA (Triton) implementation, chosen by `dispatch.py`.
+"""
+
+from .function import sketched_linear
+from .fused import gelu_mlp
+from .layer import SketchedLinear, sketch_model
+from .seeds import sketch_seed
+
+__all__ = [
+    "SketchedLinear",
+    "gelu_mlp",
+    "sketch_model",
+    "sketch_seed",
+    "sketched_linear",
+]

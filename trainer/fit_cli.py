@@ -13,6 +13,7 @@ import json
 from typing import Any
 
 from rich.console import Console
+from rich.markup import escape
 
 from trainer.config import ConfigError, load_recipe
 from trainer.run_dir import RunDirError, check_run_dir
@@ -58,7 +59,7 @@ def _cmd_fit(args: argparse.Namespace) -> int:
         cfg = load_recipe(args.recipe, overrides)
         resumed = check_run_dir(cfg)
     except (ConfigError, RunDirError) as err:
-        console.print(f"[red]error:[/red] {err}")
+        console.print(f"[red]error:[/red] {escape(str(err))}")
         return 2
     from trainer.ray_fit import fit  # imports Ray: only once the input is known to be good
 
@@ -89,7 +90,7 @@ def _cmd_report(args: argparse.Namespace) -> int:
     try:
         summary = write_report(args.run_uri, out)
     except FileNotFoundError as err:
-        console.print(f"[red]error:[/red] {err}")
+        console.print(f"[red]error:[/red] {escape(str(err))}")
         return 2
     _print_summary(summary.to_dict())
     console.print(f"report written to {out}")
