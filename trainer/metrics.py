@@ -76,6 +76,8 @@ class RunSummary:
     steps_redone: int  # steps trained again because they were after the last commit
     world_sizes: list[int]  # world size of each worker-group start, in order
     mean_tokens_per_s: float | None
+    snapshot_stall_ms_max: float | None  # longest time one step waited for a snapshot
+    snapshot_stall_ms_mean: float | None  # that time averaged over all steps
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -93,6 +95,7 @@ def summarize(records: list[dict[str, Any]]) -> RunSummary:
             reached = max(reached, record["step"])
     vals = [r["val_loss"] for r in steps if r.get("val_loss") is not None]
     rates = [r["tokens_per_s"] for r in steps[1:]]  # the first step pays one-off costs
+    stalls = [r["snapshot_stall_s"] for r in steps if "snapshot_stall_s" in r]
     return RunSummary(
         steps=max((r["step"] for r in steps), default=0),
         final_loss=steps[-1]["loss"] if steps else None,
@@ -101,4 +104,6 @@ def summarize(records: list[dict[str, Any]]) -> RunSummary:
         steps_redone=redone,
         world_sizes=[r["world_size"] for r in starts],
         mean_tokens_per_s=sum(rates) / len(rates) if rates else None,
+        snapshot_stall_ms_max=1e3 * max(stalls) if stalls else None,
+        snapshot_stall_ms_mean=1e3 * sum(stalls) / len(stalls) if stalls else None,
     )

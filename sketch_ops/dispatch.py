@@ -1,0 +1,70 @@
+"""The one place that chooses between the Triton kernels and the torch reference.
+
+Contract: `bucket_sum(mat, plan)` and `weight_grad(...)` have the semantics of `reference.py`.
+They use `kernels.py` when the data is on CUDA in fp32/bf16/fp16 and triton imports; otherwise
+the reference (which also covers fp64).
+`BATON_SKETCH_BACKEND` overrides the choice:
+- `auto` (default): as above;
+- `torch`: always the reference (e.g. to rule the kernels out when debugging);
+- `triton`: always the kernels, also on CPU tensors — only meaningful with `TRITON_INTERPRET=1`,
+  which is how the tests run the whole layer through the kernels on a CPU-only machine.
+"""
+
+from __future__ import annotations
+
+import os
+from functools import cache
+from types import ModuleType
+
+import torch
+
+from . import reference
+from .seeds import SketchPlan
+
+BACKEND_ENV = "BATON_SKETCH_BACKEND"
+_BACKENDS = ("auto", "torch", "triton")
+_KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def backend() -> str:
+    """The configured backend name, validated."""
+    value = os.environ.get(BACKEND_ENV, "auto").strip().lower() or "auto"
+    if value not in _BACKENDS:
+        raise ValueError(f"{BACKEND_ENV}={value!r} is not one of {', '.join(_BACKENDS)}")
+    return value
+
+
+@cache
+def _kernels() -> ModuleType | None:
+    try:
+        from . import kernels
+    except ImportError:
+        return None
+    return kernels
+
+
+def _use_kernels(tensor: torch.Tensor) -> bool:
+    choice = backend()
+    if choice == "torch" or tensor.dtype not in _KERNEL_DTYPES:
+        return False
+    if choice == "triton":
+        if _kernels() is None:
+            raise ValueError(f"{BACKEND_ENV}=triton but triton cannot be imported; install it")
+        return True
+    return tensor.is_cuda and _kernels() is not None
+
+
+def bucket_sum(mat: torch.Tensor, plan: SketchPlan) -> tuple[torch.Tensor, torch.Tensor]:
+    """Signed bucket sums `S @ mat` (R × N, fp32) and `||mat||_F^2` (fp32 scalar)."""
+    if _use_kernels(mat):
+        return _kernels().bucket_sum(mat, plan)
+    return reference.bucket_sum(mat, plan)
+
+
+def weight_grad(
+    dy_sketch: torch.Tensor, x_sketch: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype
+) -> torch.Tensor:
+    """`scale · dy_sketchᵀ @ x_sketch` (M × N) in `dtype`."""
+    if _use_kernels(dy_sketch):
+        return _kernels().weight_grad(dy_sketch, x_sketch, scale, dtype)
+    return reference.weight_grad(dy_sketch, x_sketch, scale, dtype)

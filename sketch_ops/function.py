@@ -1,0 +1,163 @@
+"""`sketched_linear`: a linear layer whose weight gradient comes from a BASIS sketch.
+
+Contract: `sketched_linear(x, weight, bias, *, rank, seed)` returns exactly
+`F.linear(x, weight, bias)`. In backward, dX = dY W and db = Σ rows of dY are exact; dW is the
+BASIS estimate `γdy γx (S dY)ᵀ (S X)` where x and dY are flattened to n rows, S is the R × n
+sketch expanded from `seed` (`seeds.make_plan`, the same S for x and dY) and
+γ = ||·||_F / (||S ·||_F + 1e-8) are the invariant scalars. R is clamped to n, and at R = n the
+sketch is a signed permutation, so dW is exact up to fp32 summation order.
+
+Saved for backward: the R × N sketch X̂ = γx S X (in x's dtype), a reference to the weight (no
+copy) and the seed as a one-element int64 tensor, from which backward regenerates S. Not x, not
+the hash. Bucket sums and norms accumulate in fp32.
+
+Approximation: dW is a randomised estimate. Without the scalars it is unbiased for any fixed
+hash; with them (the default, as in BASIS) it is slightly biased but norm-stable. Its error is
+given in DESIGN.md §4. The analysis options `invariant_scalars=False` and
+`balanced_hash=False` (uniform i.i.d. hash) exist to test those statements.
+
+Under autocast the inputs are cast to the autocast dtype first (as `F.linear` would be), and the
+sketch runs with autocast off so forward and backward dtypes agree.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from . import dispatch, reference
+from .seeds import effective_rank, make_plan
+
+
+def check_rank(rank: int) -> None:
+    """Raise ValueError unless `rank` is an int >= 1."""
+    if isinstance(rank, bool) or not isinstance(rank, int) or rank < 1:
+        raise ValueError(f"sketch rank must be an int >= 1, got {rank!r}")
+
+
+def validate(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, rank: int) -> None:
+    """Raise ValueError for inputs `sketched_linear` cannot handle, naming the fix."""
+    check_rank(rank)
+    for name, tensor in (("input", x), ("weight", weight), ("bias", bias)):
+        if tensor is not None and not tensor.is_floating_point():
+            raise ValueError(
+                f"sketched_linear: {name} must be a floating-point tensor, got {tensor.dtype}; "
+                "cast it with .float() (or .to(torch.bfloat16))"
+            )
+    if weight.dim() != 2:
+        raise ValueError(
+            f"sketched_linear: weight must be 2-D (out, in), got {tuple(weight.shape)}"
+        )
+    if x.dim() < 1 or x.shape[-1] != weight.shape[1]:
+        raise ValueError(
+            f"sketched_linear: input's last dimension must equal in_features={weight.shape[1]}, "
+            f"got input shape {tuple(x.shape)}"
+        )
+    if bias is not None and tuple(bias.shape) != (weight.shape[0],):
+        raise ValueError(
+            f"sketched_linear: bias must have shape ({weight.shape[0]},), got {tuple(bias.shape)}"
+        )
+
+
+class _SketchedLinearFn(torch.autograd.Function):
+    @staticmethod
+    def forward(  # type: ignore[override]
+        ctx: torch.autograd.function.FunctionCtx,
+        x2d: torch.Tensor,
+        weight: torch.Tensor,
+        bias: torch.Tensor | None,
+        rank: int,
+        seed: int,
+        invariant_scalars: bool,
+        balanced_hash: bool,
+    ) -> torch.Tensor:
+        out = F.linear(x2d, weight, bias)
+        n = x2d.shape[0]
+        x_hat = None
+        if ctx.needs_input_grad[1]:
+            plan = make_plan(n, rank, seed, balanced=balanced_hash, device=x2d.device)
+            sketch, sq_norm = dispatch.bucket_sum(x2d, plan)
+            if invariant_scalars:
+                sketch = sketch.mul_(reference.invariant_scale(sq_norm, sketch))
+            x_hat = sketch.to(x2d.dtype)
+        # The seed travels as a saved tensor, not a ctx attribute: under activation
+        # checkpointing the saved tensors come from the recompute, so seed and X̂ stay paired.
+        seed_t = torch.tensor(seed, dtype=torch.int64)
+        ctx.save_for_backward(x_hat, weight, seed_t)
+        ctx.sketch_args = (n, rank, invariant_scalars, balanced_hash)
+        return out
+
+    @staticmethod
+    def backward(  # type: ignore[override]
+        ctx: torch.autograd.function.FunctionCtx, dy: torch.Tensor
+    ) -> tuple[torch.Tensor | None, ...]:
+        x_hat, weight, seed_t = ctx.saved_tensors
+        n, rank, invariant_scalars, balanced_hash = ctx.sketch_args
+        dx = dw = db = None
+        if ctx.needs_input_grad[0]:
+            dx = dy @ weight.to(dy.dtype)
+        if ctx.needs_input_grad[1]:
+            plan = make_plan(n, rank, int(seed_t), balanced=balanced_hash, device=dy.device)
+            dy_sketch, sq_norm = dispatch.bucket_sum(dy, plan)
+            scale = (
+                reference.invariant_scale(sq_norm, dy_sketch)
+                if invariant_scalars
+                else torch.ones((), dtype=sq_norm.dtype, device=dy.device)
+            )
+            dw = dispatch.weight_grad(dy_sketch, x_hat, scale, weight.dtype)
+        if ctx.needs_input_grad[2]:
+            db = dy.sum(0, dtype=reference.acc_dtype(dy.dtype)).to(dy.dtype)
+        return dx, dw, db, None, None, None, None
+
+
+def autocast_inputs(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """Cast to the autocast dtype when autocast is on (as F.linear would); check dtypes agree."""
+    if torch.is_autocast_enabled(x.device.type):
+        dtype = torch.get_autocast_dtype(x.device.type)
+        x, weight = x.to(dtype), weight.to(dtype)
+        bias = None if bias is None else bias.to(dtype)
+    if x.dtype != weight.dtype or (bias is not None and bias.dtype != weight.dtype):
+        raise ValueError(
+            f"sketched_linear: input ({x.dtype}), weight ({weight.dtype}) and bias dtypes must "
+            "match; cast the input or the layer (or use torch.autocast)"
+        )
+    return x, weight, bias
+
+
+def needs_sketch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
+    """Whether this call records a backward at all (no sketch work, no seed draw otherwise)."""
+    if not torch.is_grad_enabled():
+        return False
+    return any(t is not None and t.requires_grad for t in (x, weight, bias))
+
+
+def sketched_linear(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    *,
+    rank: int,
+    seed: int,
+    invariant_scalars: bool = True,
+    balanced_hash: bool = True,
+) -> torch.Tensor:
+    """`F.linear(x, weight, bias)` whose weight gradient is a rank-`rank` BASIS estimate.
+
+    `seed` (any int; 63 bits used) fixes the sketch. `x` may have any number of leading
+    dimensions; they are flattened to n rows for the sketch. `invariant_scalars` and
+    `balanced_hash` are analysis options (see the module docstring); training uses the defaults.
+    """
+    validate(x, weight, bias, rank)
+    if not needs_sketch(x, weight, bias):
+        return F.linear(x, weight, bias)
+    x, weight, bias = autocast_inputs(x, weight, bias)
+    lead = x.shape[:-1]
+    x2d = x.reshape(-1, x.shape[-1])
+    rank = effective_rank(rank, x2d.shape[0])
+    with torch.autocast(x.device.type, enabled=False):
+        out = _SketchedLinearFn.apply(
+            x2d, weight, bias, rank, seed, invariant_scalars, balanced_hash
+        )
+    return out.reshape(*lead, weight.shape[0])

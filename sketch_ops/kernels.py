@@ -1,0 +1,157 @@
+"""Triton kernels for the BASIS sketch (CUDA path); same contract as `reference.py`.
+
+- `bucket_sum(mat, plan)`: signed bucket sums `S @ mat` (R × N, fp32) and `||mat||_F^2`. Each
+  program owns one bucket, one column block and one slice of the bucket's rows (the plan's
+  bucket-major `rows`/`offsets`), so it sums a gather of rows with no atomics: the result is
+  deterministic, run to run. Per-slice partial sums are added by torch afterwards (the slices
+  keep a GPU busy when R is small). The input norm is accumulated from the same loads.
+- `weight_grad(dy_sketch, x_sketch, scale, dtype)`: `scale · dy_sketchᵀ @ x_sketch`, fp32
+  accumulation (IEEE fp32 dot, not TF32), written in the weight's dtype.
+
+This module imports triton at import time; import it lazily (`dispatch.py` does), so the CPU
+path never needs triton. Under `TRITON_INTERPRET=1` (read when `@triton.jit` runs, i.e. when
+this module is first imported) the kernels run on CPU tensors; the tests use that to check
+them against the reference.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .seeds import SketchPlan
+
+_BLOCK_J = 16  # rows gathered per loop iteration
+_BLOCK_N = 64  # columns per program
+_TARGET_PROGRAMS = 1024  # enough programs to fill a large GPU when R·N is small
+
+
+@triton.jit
+def _bucket_sum_kernel(
+    mat_ptr,
+    rows_ptr,
+    offsets_ptr,
+    signs_ptr,
+    out_ptr,
+    sq_ptr,
+    num_cols,
+    stride_row,
+    rank,
+    slots_per_split,
+    BLOCK_J: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
+    bucket = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    split = tl.program_id(2)
+    num_col_blocks = tl.num_programs(1)
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_ok = cols < num_cols
+    start = tl.load(offsets_ptr + bucket)
+    end = tl.load(offsets_ptr + bucket + 1)
+    first = start + split * slots_per_split  # this program's slice of the bucket's rows
+    acc = tl.zeros([BLOCK_N], dtype=tl.float32)
+    sq = tl.zeros([BLOCK_N], dtype=tl.float32)
+    for j0 in range(0, slots_per_split, BLOCK_J):
+        j = j0 + tl.arange(0, BLOCK_J)
+        idx = first + j
+        ok = (j < slots_per_split) & (idx < end)
+        row = tl.load(rows_ptr + idx, mask=ok, other=0)
+        sign = tl.load(signs_ptr + row, mask=ok, other=0.0)
+        ptrs = mat_ptr + row[:, None] * stride_row + cols[None, :]
+        x = tl.load(ptrs, mask=ok[:, None] & col_ok[None, :], other=0.0).to(tl.float32)
+        acc += tl.sum(x * sign[:, None], axis=0)
+        sq += tl.sum(x * x, axis=0)
+    tl.store(out_ptr + (split * rank + bucket) * num_cols + cols, acc, mask=col_ok)
+    part = (split * rank + bucket) * num_col_blocks + pid_n
+    tl.store(sq_ptr + part, tl.sum(sq, axis=0))
+
+
+@triton.jit
+def _weight_grad_kernel(
+    a_ptr,
+    b_ptr,
+    out_ptr,
+    scale_ptr,
+    rank,
+    num_out,
+    num_in,
+    BLOCK_R: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for r0 in range(0, rank, BLOCK_R):
+        rr = r0 + tl.arange(0, BLOCK_R)
+        r_ok = rr < rank
+        a_mask = r_ok[:, None] & (rm[None, :] < num_out)
+        a = tl.load(a_ptr + rr[:, None] * num_out + rm[None, :], mask=a_mask, other=0.0)
+        b_mask = r_ok[:, None] & (rn[None, :] < num_in)
+        b = tl.load(b_ptr + rr[:, None] * num_in + rn[None, :], mask=b_mask, other=0.0)
+        acc += tl.dot(tl.trans(a.to(tl.float32)), b.to(tl.float32), input_precision="ieee")
+    acc = acc * tl.load(scale_ptr)
+    out_mask = (rm[:, None] < num_out) & (rn[None, :] < num_in)
+    out_ptrs = out_ptr + rm[:, None] * num_in + rn[None, :]
+    tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=out_mask)
+
+
+def bucket_sum(mat: torch.Tensor, plan: SketchPlan) -> tuple[torch.Tensor, torch.Tensor]:
+    """`S @ mat` (R × N, fp32) and `||mat||_F^2` (see the module docstring)."""
+    if mat.stride(1) != 1:
+        mat = mat.contiguous()
+    num_cols = mat.shape[1]
+    rank = plan.rank
+    slots = max(plan.max_bucket, 1)
+    col_blocks = triton.cdiv(num_cols, _BLOCK_N)
+    wanted = triton.cdiv(_TARGET_PROGRAMS, rank * col_blocks)
+    splits = max(1, min(wanted, triton.cdiv(slots, _BLOCK_J)))
+    slots_per_split = triton.cdiv(slots, splits)
+    partial = torch.empty(splits, rank, num_cols, dtype=torch.float32, device=mat.device)
+    sq_partial = torch.empty(splits, rank, col_blocks, dtype=torch.float32, device=mat.device)
+    _bucket_sum_kernel[(rank, col_blocks, splits)](
+        mat,
+        plan.rows,
+        plan.offsets,
+        plan.signs,
+        partial,
+        sq_partial,
+        num_cols,
+        mat.stride(0),
+        rank,
+        slots_per_split,
+        BLOCK_J=_BLOCK_J,
+        BLOCK_N=_BLOCK_N,
+    )
+    # Summing the split partials in a fixed order keeps the result deterministic.
+    return partial.sum(0), sq_partial.sum()
+
+
+def weight_grad(
+    dy_sketch: torch.Tensor, x_sketch: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype
+) -> torch.Tensor:
+    """`scale · dy_sketchᵀ @ x_sketch` (M × N) in `dtype`, fp32 accumulation."""
+    dy_sketch, x_sketch = dy_sketch.contiguous(), x_sketch.contiguous()
+    rank, num_out = dy_sketch.shape
+    num_in = x_sketch.shape[1]
+    out = torch.empty(num_out, num_in, dtype=dtype, device=dy_sketch.device)
+    scale = scale.to(device=dy_sketch.device, dtype=torch.float32).reshape(1)
+    block_m, block_n = 32, 32
+    grid = (triton.cdiv(num_out, block_m), triton.cdiv(num_in, block_n))
+    _weight_grad_kernel[grid](
+        dy_sketch,
+        x_sketch,
+        out,
+        scale,
+        rank,
+        num_out,
+        num_in,
+        BLOCK_R=16,
+        BLOCK_M=block_m,
+        BLOCK_N=block_n,
+    )
+    return out

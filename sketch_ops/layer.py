@@ -1,0 +1,109 @@
+"""`SketchedLinear`, a drop-in `nn.Linear` trained with BASIS, and `sketch_model`.
+
+Contract:
+- `SketchedLinear(in_features, out_features, bias=True, *, rank, name="")` subclasses
+  `nn.Linear`: same parameters, same `state_dict` keys (`weight`, `bias`), same init, same
+  output. Only its weight gradient differs (see `function.py`). Its sketch seed is
+  `layer_seed(name)`: inside `sketch_seed(...)` a pure function of (seed, step, microbatch,
+  name); outside, fresh randomness per call. Layers that share a name share their sketch, so
+  give each layer its own (`sketch_model` uses the module's qualified name).
+- `sketch_model(model, *, rank, include=None)` replaces `nn.Linear` modules in place by
+  `SketchedLinear`s that reuse the same `Parameter` objects (an optimizer built before still
+  points at them) and returns the replaced qualified names, in `named_modules` order.
+  `include` selects the layers: None = every `nn.Linear`; a sequence of `fnmatch` glob
+  patterns matched against the qualified name (e.g. `["blocks.*.mlp.*", "lm_head"]`); or a
+  callable `(name, module) -> bool`. Only modules whose type is exactly `nn.Linear` are
+  candidates: already-sketched layers and subclasses (which may not call `forward`, e.g.
+  `nn.MultiheadAttention.out_proj`) are left alone.
+
+Call `sketch_model` before wrapping the model in DDP/FSDP, so names have no wrapper prefix.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+from collections.abc import Callable, Sequence
+
+import torch
+from torch import nn
+
+from .function import check_rank, needs_sketch, sketched_linear, validate
+from .seeds import layer_seed
+
+Include = Sequence[str] | Callable[[str, nn.Linear], bool] | None
+
+
+class SketchedLinear(nn.Linear):
+    """`nn.Linear` whose weight gradient is a rank-`rank` BASIS sketch estimate."""
+
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        bias: bool = True,
+        *,
+        rank: int,
+        name: str = "",
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
+    ) -> None:
+        check_rank(rank)
+        super().__init__(in_features, out_features, bias, device=device, dtype=dtype)
+        self.rank = rank
+        self.sketch_name = name
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear, *, rank: int, name: str = "") -> SketchedLinear:
+        """A `SketchedLinear` sharing `linear`'s parameter objects (no copy, no re-init)."""
+        new = cls(
+            linear.in_features,
+            linear.out_features,
+            linear.bias is not None,
+            rank=rank,
+            name=name,
+            device="meta",  # parameters are replaced right below; skip allocating and init
+        )
+        new.weight = linear.weight
+        new.bias = linear.bias
+        new.train(linear.training)
+        return new
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not needs_sketch(x, self.weight, self.bias):
+            validate(x, self.weight, self.bias, self.rank)
+            return super().forward(x)
+        seed = layer_seed(self.sketch_name)
+        return sketched_linear(x, self.weight, self.bias, rank=self.rank, seed=seed)
+
+    def extra_repr(self) -> str:
+        return f"{super().extra_repr()}, rank={self.rank}, name={self.sketch_name!r}"
+
+
+def _selector(include: Include) -> Callable[[str, nn.Linear], bool]:
+    if include is None:
+        return lambda name, module: True
+    if callable(include):
+        return include
+    if isinstance(include, str):
+        raise ValueError(
+            f"sketch_model: include must be a list of glob patterns, not a string ({include!r}); "
+            f"write include=[{include!r}]"
+        )
+    patterns = list(include)
+    return lambda name, module: any(fnmatch.fnmatchcase(name, p) for p in patterns)
+
+
+def sketch_model(model: nn.Module, *, rank: int, include: Include = None) -> list[str]:
+    """Swap the selected `nn.Linear`s of `model` for `SketchedLinear`s; return their names."""
+    check_rank(rank)
+    select = _selector(include)
+    chosen = [
+        (name, module)
+        for name, module in model.named_modules()
+        if type(module) is nn.Linear and name and select(name, module)
+    ]
+    for name, module in chosen:
+        parent_name, _, child = name.rpartition(".")
+        parent = model.get_submodule(parent_name)
+        setattr(parent, child, SketchedLinear.from_linear(module, rank=rank, name=name))
+    return [name for name, _ in chosen]

@@ -1,0 +1,65 @@
+"""The plain-torch reference of the BASIS sketch maths: the specification and the CPU path.
+
+Contract (n rows, R buckets; accumulation in fp32, or fp64 for fp64 inputs — `acc_dtype`):
+- `bucket_sum(mat, plan)` returns `(S @ mat, ||mat||_F^2)` where `S[hash[i], i] = signs[i]`
+  (`plan`, a `seeds.SketchPlan`): the signed sum of the n rows into R buckets (R × N) and the
+  squared Frobenius norm of the input (0-dim tensor), both in `acc_dtype`. S is applied as a
+  sparse CSR matrix: one pass over `mat`, no n × N temporary (except a dtype conversion for
+  fp16/bf16 inputs).
+- `invariant_scale(sq_norm, sketch)` is BASIS's norm-matching scalar
+  `||mat||_F / (||S mat||_F + eps)` (eps = 1e-8, as in the paper).
+- `weight_grad(dy_sketch, x_sketch, scale, dtype)` is `scale * dy_sketchᵀ @ x_sketch` (M × N),
+  computed in `acc_dtype` and returned in `dtype`.
+
+The Triton kernels in `kernels.py` must match these functions up to fp32 summation order.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import torch
+
+from .seeds import SketchPlan
+
+EPS = 1e-8
+
+
+def acc_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The accumulation dtype: fp32 for fp32/bf16/fp16, fp64 for fp64."""
+    return torch.promote_types(dtype, torch.float32)
+
+
+def sketch_matrix(plan: SketchPlan, dtype: torch.dtype) -> torch.Tensor:
+    """S as an R × n sparse CSR tensor with entries ±1 in `dtype`."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # "sparse CSR support is in beta"
+        return torch.sparse_csr_tensor(
+            plan.offsets,
+            plan.rows,
+            plan.signs[plan.rows].to(dtype),
+            size=(plan.rank, plan.num_rows),
+            check_invariants=False,  # make_plan builds valid CSR; checking costs a pass
+        )
+
+
+def bucket_sum(mat: torch.Tensor, plan: SketchPlan) -> tuple[torch.Tensor, torch.Tensor]:
+    """Signed bucket sums `S @ mat` (rank × N) and `||mat||_F^2`, in `acc_dtype`."""
+    dtype = acc_dtype(mat.dtype)
+    sq_norm = torch.linalg.vector_norm(mat, dtype=dtype).square()
+    if plan.num_rows == 0:
+        return torch.zeros(plan.rank, mat.shape[1], dtype=dtype, device=mat.device), sq_norm
+    return sketch_matrix(plan, dtype) @ mat.to(dtype), sq_norm
+
+
+def invariant_scale(sq_norm: torch.Tensor, sketch: torch.Tensor) -> torch.Tensor:
+    """gamma = ||mat||_F / (||S mat||_F + eps), a 0-dim tensor."""
+    return sq_norm.sqrt() / (torch.linalg.vector_norm(sketch) + EPS)
+
+
+def weight_grad(
+    dy_sketch: torch.Tensor, x_sketch: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype
+) -> torch.Tensor:
+    """dW ≈ scale · (S dY)ᵀ (S X): (R × M)ᵀ @ (R × N) -> M × N, in `dtype`."""
+    acc = acc_dtype(x_sketch.dtype)
+    return (dy_sketch.to(acc).t() @ x_sketch.to(acc)).mul_(scale).to(dtype)

@@ -1,0 +1,68 @@
+"""What BASIS keeps for backward: an R × N sketch and a seed, independent of the number of rows
+n (nn.Linear keeps the n × N input), and what that does to the whole built-in GPT."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from sketch_ops import SketchedLinear, sketch_model, sketch_seed
+from sketch_ops.memory import saved_bytes
+from trainer.model import GPT, GPTConfig
+
+SEED_BYTES = 8  # the seed travels as one int64
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_sketched_layer_saves_rank_times_in_features(dtype: torch.dtype) -> None:
+    n_in, n_out, rank = 48, 20, 8
+    sketched = SketchedLinear(n_in, n_out, rank=rank).to(dtype)
+    plain = nn.Linear(n_in, n_out).to(dtype)
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    for n in (64, 256):  # n grows 4x
+        x = torch.randn(n, n_in).to(dtype).requires_grad_()
+        got = saved_bytes(lambda x=x: sketched(x), sketched)
+        assert got == rank * n_in * itemsize + SEED_BYTES
+        assert saved_bytes(lambda x=x: plain(x), plain) == n * n_in * itemsize
+
+
+def test_sketched_gpt_saves_well_under_half_of_exact() -> None:
+    cfg = GPTConfig(vocab_size=64, d_model=32, n_layers=2, n_heads=2, seq_len=64)
+    tokens = torch.randint(0, 64, (4, 65))
+    torch.manual_seed(0)
+    exact = GPT(cfg)
+    sketched = GPT(cfg)
+    sketch_model(sketched, rank=8)
+    with sketch_seed(0, 0):
+        exact_bytes = saved_bytes(lambda: exact.loss(tokens), exact)
+        sketched_bytes = saved_bytes(lambda: sketched.loss(tokens), sketched)
+    # Per block: exact keeps ~17 d-wide rows per token, sketched ~7 (LayerNorms, attention and
+    # the MLP's recompute input), see the README.
+    assert sketched_bytes < 0.5 * exact_bytes
+
+
+def test_gelu_mlp_keeps_only_its_input_and_the_proj_sketch() -> None:
+    from sketch_ops import gelu_mlp
+
+    n, d, rank = 128, 16, 4
+    fc, proj = SketchedLinear(d, 4 * d, rank=rank), SketchedLinear(4 * d, d, rank=rank)
+    both = nn.ModuleList([fc, proj])
+    x = torch.randn(n, d, requires_grad=True)
+    fused = saved_bytes(lambda: gelu_mlp(fc, proj, x), both)
+    assert fused == n * d * 4 + rank * 4 * d * 4 + 2 * SEED_BYTES  # x, proj's sketch, 2 seeds
+    unfused = saved_bytes(lambda: proj(torch.nn.functional.gelu(fc(x))), both)
+    # GELU keeps its n x 4d input; each layer its sketch and seed.
+    assert unfused == n * 4 * d * 4 + rank * (d + 4 * d) * 4 + 2 * SEED_BYTES
+
+
+def test_memory_benchmark_imports_and_lists_its_configurations() -> None:
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "sketch_memory.py"
+    spec = importlib.util.spec_from_file_location("sketch_memory_benchmark", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    names = [c["name"] for c in module.configurations([16, 64], [64])]
+    assert names == ["exact", "checkpoint", "basis-R16", "basis-R64", "basis-R64+ckpt"]
