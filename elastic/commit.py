@@ -208,6 +208,30 @@ class LocalCoordinator:
         self.core = CommitCore(store, keep_last=keep_last, block_bytes=block_bytes,
                                faults=faults)
         self.ram = RamCache() if ram else None
+        # On-demand snapshots (before a planned resize): the newest committed step when the
+        # request was made, or None when there is no request.
+        self.requested_after: int | None = None
+
+    def request_snapshot(self) -> int:
+        """Ask the workers for a snapshot at their next step boundary; returns the newest
+        committed step now (the request is met once a newer one commits)."""
+        with self.lock:
+            newest = self.core.latest_committed()
+            self.requested_after = -1 if newest is None else newest
+            return self.requested_after
+
+    def snapshot_requested(self) -> bool:
+        with self.lock:
+            if self.requested_after is None:
+                return False
+            newest = self.core.latest_committed()
+            if newest is not None and newest > self.requested_after:
+                self.requested_after = None  # met
+            return self.requested_after is not None
+
+    def cancel_request(self) -> None:
+        with self.lock:
+            self.requested_after = None
 
     def put_ram(self, step: int, rank: int, file: str, data: bytes) -> None:
         with self.lock:

@@ -70,6 +70,15 @@ class CoordinatorActor:
     def events(self) -> list[str]:
         return self.local.events()
 
+    def request_snapshot(self) -> int:
+        return self.local.request_snapshot()
+
+    def snapshot_requested(self) -> bool:
+        return self.local.snapshot_requested()
+
+    def cancel_request(self) -> None:
+        self.local.cancel_request()
+
 
 def coordinator_name(run_uri: str) -> str:
     tail = re.sub(r"[^A-Za-z0-9_.-]", "-", run_uri.rstrip("/").rsplit("/", 1)[-1])[:40]
@@ -135,3 +144,6 @@ class RayCoordinatorClient:
 
     def events(self) -> list[str]:
         return list(ray.get(self.handle.events.remote()))
+
+    def snapshot_requested(self) -> bool:
+        return bool(ray.get(self.handle.snapshot_requested.remote()))

@@ -22,13 +22,17 @@ Contract
   (``must_exit=False``); a SIGTERM means this process is going away (``must_exit=True``).
 * When torch.distributed is initialised, ``poll`` agrees across ranks (all-reduce MAX), so
   a signal delivered to only some workers still makes every rank snapshot the same step.
-* A notice is returned once per cause; later polls return ``None``.
+* ``requested`` (optional, asked on rank 0 only) reports an on-demand snapshot request, e.g.
+  the coordinator's before a planned resize: source ``"request"``, ``must_exit=False``.
+* A notice is returned once per cause (requests: once per request); later polls return
+  ``None``.
 """
 
 from __future__ import annotations
 
 import signal
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 from types import FrameType
 from typing import Any
@@ -40,19 +44,21 @@ import torch.distributed as dist
 @dataclass(frozen=True)
 class PreemptionNotice:
     step: int
-    source: str  # "signal" or "ray"
+    source: str  # "signal", "ray" (Ray's preemption notice) or "request" (on demand)
     must_exit: bool
     detail: Any = None  # ray.train.PreemptionInfo when source == "ray"
 
 
 class PreemptionWatcher:
     def __init__(self, *, signals: tuple[int, ...] = (signal.SIGTERM,),
-                 use_ray_train: bool | None = None, ray_check_every: int = 1) -> None:
+                 use_ray_train: bool | None = None, ray_check_every: int = 1,
+                 requested: Callable[[], bool] | None = None) -> None:
         if ray_check_every < 1:
             raise ValueError(f"ray_check_every must be >= 1, got {ray_check_every}")
         self.signals = signals
         self.use_ray_train = _in_ray_train() if use_ray_train is None else use_ray_train
         self.ray_check_every = ray_check_every
+        self.requested = requested  # on-demand snapshot (planned resize), asked on rank 0
         self._signalled = threading.Event()
         self._previous: dict[int, Any] = {}
         self._reported: set[str] = set()
@@ -82,13 +88,19 @@ class PreemptionWatcher:
             import ray.train
 
             info = ray.train.get_preemption_info()
-        code = _agree_max(2 if signalled else (1 if info is not None else 0))
+        asked = self.requested is not None and _rank() == 0 and self.requested()
+        code = _agree_max(3 if signalled else 2 if info is not None else 1 if asked else 0)
         if code == 0:
             return None
-        source = "signal" if code == 2 else "ray"
-        self._reported.add(source)
+        source = {3: "signal", 2: "ray", 1: "request"}[code]
+        if source != "request":  # requests may come again (one per planned resize)
+            self._reported.add(source)
         return PreemptionNotice(step=step, source=source, must_exit=source == "signal",
                                 detail=info)
+
+
+def _rank() -> int:
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
 
 
 def _agree_max(code: int) -> int:

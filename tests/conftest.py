@@ -8,21 +8,16 @@ Each test that asks for `s3_bucket` gets a fresh, empty bucket on that server.
 from __future__ import annotations
 
 import os
-import socket
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
 
 import pytest
+from ray_harness import free_port
 
 # Every Ray process the tests start listens on 127.0.0.1 only (see trainer/local_cluster.py).
 os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
 
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 @dataclass
@@ -44,7 +39,7 @@ class S3Endpoint:
 def s3_endpoint() -> Iterator[S3Endpoint]:
     from moto.server import ThreadedMotoServer
 
-    port = _free_port()
+    port = free_port()
     server = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
     server.start()
     url = f"http://127.0.0.1:{port}"

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 from pathlib import Path
 
 import pytest
@@ -17,14 +16,10 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn.functional as F
+from ray_harness import free_port
 
 STEPS = 25
 
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 def _worker(rank: int, world_size: int, port: int, mode: str, out_dir: str) -> None:
@@ -85,7 +80,7 @@ def _worker(rank: int, world_size: int, port: int, mode: str, out_dir: str) -> N
 
 @pytest.mark.parametrize("mode", ["ddp", "fsdp2"])
 def test_training_under_data_parallel_wrappers(mode: str, tmp_path: Path) -> None:
-    mp.spawn(_worker, args=(2, _free_port(), mode, str(tmp_path)), nprocs=2, join=True)
+    mp.spawn(_worker, args=(2, free_port(), mode, str(tmp_path)), nprocs=2, join=True)
     results = [json.loads((tmp_path / f"{r}.json").read_text()) for r in range(2)]
     for result in results:
         assert result["finite"]

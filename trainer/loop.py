@@ -50,6 +50,9 @@ from trainer.parallel import (
 
 # Asking Ray Train for a preemption notice is a barrier across workers: not every step.
 _RAY_PREEMPTION_CHECK_EVERY = 5
+# After the snapshot for a planned resize, how long to wait for the teardown before training
+# on (the resize was called off).
+_RESIZE_GRACE_S = 30.0
 
 
 def next_token_loss(model: nn.Module, tokens: torch.Tensor) -> torch.Tensor:
@@ -175,7 +178,10 @@ def run_worker(cfg: FitConfig, env: WorkerEnv) -> WorkerResult:
         run_info={"config": cfg.to_dict()},
     )
     start_step = snapshotter.restore()
-    watcher = PreemptionWatcher(ray_check_every=_RAY_PREEMPTION_CHECK_EVERY)
+    watcher = PreemptionWatcher(
+        ray_check_every=_RAY_PREEMPTION_CHECK_EVERY,
+        requested=getattr(env.coordinator, "snapshot_requested", None),
+    )
     if threading.current_thread() is threading.main_thread():
         watcher.install()  # SIGTERM -> snapshot at the next step boundary, then exit
     if env.on_start is not None:
@@ -253,7 +259,12 @@ def run_worker(cfg: FitConfig, env: WorkerEnv) -> WorkerResult:
                         **({"samples": samples} if samples is not None else {}),
                     }
                 )
-            if notice is not None:
+            if notice is not None and notice.source == "request":
+                # A planned resize: Ray Train tears this group down once the snapshot just
+                # taken is committed; train no further, so the new group redoes nothing.
+                snapshotter.persister.wait()
+                time.sleep(_RESIZE_GRACE_S)
+            elif notice is not None:
                 preempted = notice
                 break
             if stopping:

@@ -31,6 +31,7 @@ from trainer.config import FitConfig
 from trainer.loop import WorkerEnv, run_worker
 from trainer.metrics import RunSummary, read_records, summarize
 from trainer.monitor import NAMESPACE, RunMonitor, get_monitor, monitor_name
+from trainer.resize import SnapshotBeforeResize
 from trainer.run_dir import check_run_dir, ensure_dataset
 
 
@@ -135,6 +136,7 @@ def fit(
             name=f"{config.run_name}-{int(time.time())}",
             storage_path=storage_path,
             failure_config=FailureConfig(max_failures=scaling.max_failures),
+            callbacks=[SnapshotBeforeResize(config.snapshots.run_uri)],
         ),
     )
     stop = threading.Event()
