@@ -31,7 +31,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from data_state import ResumableLoader, TokenDataset
+from data_state import Microbatch, ResumableLoader, TokenDataset
 from elastic.preemption import PreemptionNotice, PreemptionWatcher
 from elastic.registry import StateRegistry
 from elastic.snapshotter import Snapshotter
@@ -144,6 +144,32 @@ def evaluate(cfg: FitConfig, model: nn.Module, val_set: TokenDataset, env: Worke
     return summed / max(count, 1)
 
 
+def forward_backward(
+    cfg: FitConfig,
+    env: WorkerEnv,
+    model: nn.Module,
+    loss_fn: Callable[[nn.Module, torch.Tensor], torch.Tensor],
+    microbatches: list[Microbatch],
+    step: int,
+) -> float:
+    """Accumulate this rank's share of the step's gradient; returns the sum of its
+    microbatches' losses. Gradients are reduced across ranks in the last pass only."""
+    num_microbatches = cfg.data.num_microbatches
+    weight = loss_weight(env.world_size, num_microbatches)
+    passes = accumulation_passes(len(microbatches), num_microbatches, env.world_size,
+                                 cfg.parallelism)
+    step_loss = 0.0
+    for i in range(passes):
+        real = i < len(microbatches)  # padding passes (FSDP2) only keep collectives in step
+        mb = microbatches[i] if real else microbatches[-1]
+        with grad_sync(model, cfg.parallelism, last=i == passes - 1):
+            with sketch_seed(cfg.seed, step, mb.index):
+                loss = loss_fn(model, mb.tokens.to(env.device))
+            (loss * (weight if real else 0.0)).backward()
+        step_loss += loss.item() if real else 0.0
+    return step_loss
+
+
 def run_worker(cfg: FitConfig, env: WorkerEnv) -> WorkerResult:
     loss_fn = cfg.loss_fn or next_token_loss
     model = wrap_model(build_model(cfg).to(env.device), cfg.parallelism, env.device)
@@ -187,7 +213,6 @@ def run_worker(cfg: FitConfig, env: WorkerEnv) -> WorkerResult:
     if env.on_start is not None:
         env.on_start(start_step)
     num_microbatches = cfg.data.num_microbatches
-    weight = loss_weight(env.world_size, num_microbatches)
     tokens_per_step = cfg.data.global_batch * (cfg.data.seq_len - 1)
     loss_value, val_loss = float("nan"), None
     preempted: PreemptionNotice | None = None
@@ -196,18 +221,7 @@ def run_worker(cfg: FitConfig, env: WorkerEnv) -> WorkerResult:
             started = time.perf_counter()
             step = progress.step
             microbatches = loader.next_step()
-            passes = accumulation_passes(
-                len(microbatches), num_microbatches, env.world_size, cfg.parallelism
-            )
-            step_loss = 0.0
-            for i in range(passes):
-                real = i < len(microbatches)
-                mb = microbatches[i] if real else microbatches[-1]
-                with grad_sync(model, cfg.parallelism, last=i == passes - 1):
-                    with sketch_seed(cfg.seed, step, mb.index):
-                        loss = loss_fn(model, mb.tokens.to(env.device))
-                    (loss * (weight if real else 0.0)).backward()
-                step_loss += loss.item() if real else 0.0
+            step_loss = forward_backward(cfg, env, model, loss_fn, microbatches, step)
             if cfg.optim.grad_clip > 0:
                 torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.optim.grad_clip)
             stall_started = time.perf_counter()
