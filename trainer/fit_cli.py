@@ -47,7 +47,7 @@ def _print_progress(record: dict[str, Any]) -> None:
     console.print(
         f"step {record['step']:>6}  loss {record['loss']:.4f}{val}  "
         f"{record['tokens_per_s']:>8.0f} tok/s  workers {record['world_size']}  "
-        f"lr {record['lr']:.2e}"
+        f"lr {record['lr']:.2e}  last commit {record.get('last_commit', '-')}"
     )
 
 

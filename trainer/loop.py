@@ -93,6 +93,7 @@ class WorkerEnv:
     coordinator: Any = None  # elastic coordinator handle (Ray actor) or None in-process
     on_metrics: Callable[[dict[str, Any]], None] | None = None
     on_start: Callable[[int], Any] | None = None  # called with the restored step
+    report: Callable[[dict[str, Any]], None] | None = None  # all ranks (ray.train.report)
     stop_after: int | None = None  # stop gracefully (with a committed snapshot) after this step
     pace_s: float = 0.0  # sleep per step (fault-injection tests: let events land mid-run)
     record_samples: bool = False  # add every step's global sample indices to its metrics
@@ -257,22 +258,26 @@ def run_worker(cfg: FitConfig, env: WorkerEnv) -> WorkerResult:
             evaluated = bool(cfg.eval.every) and progress.step % cfg.eval.every == 0
             if evaluated:
                 val_loss = evaluate(cfg, model, val_set, env)
+            record = {
+                "step": progress.step,
+                "loss": loss_value,
+                "val_loss": val_loss if evaluated else None,
+                "lr": schedule.lr_at(step),
+                "tokens_per_s": tokens_per_step / (time.perf_counter() - started),
+                "world_size": env.world_size,
+                "snapshot_stall_s": stall,  # training time spent on snapshots
+                "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+                "time": time.time(),
+                **({"samples": samples} if samples is not None else {}),
+            }
             if env.on_metrics is not None and env.rank == 0:
-                elapsed = time.perf_counter() - started
-                env.on_metrics(
-                    {
-                        "step": progress.step,
-                        "loss": loss_value,
-                        "val_loss": val_loss if evaluated else None,
-                        "lr": schedule.lr_at(step),
-                        "tokens_per_s": tokens_per_step / elapsed,
-                        "world_size": env.world_size,
-                        "snapshot_stall_s": stall,  # training time spent on snapshots
-                        "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
-                        "time": time.time(),
-                        **({"samples": samples} if samples is not None else {}),
-                    }
-                )
+                env.on_metrics(record)
+            if env.report is not None and (
+                progress.step % cfg.snapshots.snapshot_every == 0 or progress.step == cfg.steps
+            ):
+                # Every rank, the same steps: Ray Train's report is a barrier. Not every
+                # step: each report waits for the controller's next poll.
+                env.report({k: v for k, v in record.items() if k != "samples"})
             if notice is not None and notice.source == "request":
                 # A planned resize: Ray Train tears this group down once the snapshot just
                 # taken is committed; train no further, so the new group redoes nothing.

@@ -60,6 +60,7 @@ def _train_fn(loop_config: dict[str, Any]) -> None:
         device=device,
         coordinator=RayCoordinatorClient(get_or_create_coordinator(cfg.snapshots.run_uri)),
         on_metrics=on_metrics,
+        report=ray.train.report,
         pace_s=loop_config["pace_s"],
         record_samples=loop_config["record_samples"],
         on_start=(
@@ -91,7 +92,8 @@ def fit(
 ) -> FitResult:
     """Train `config` to `config.steps`, continuing the run if it has committed snapshots.
 
-    `on_progress` is called about once a second with rank 0's newest step record.
+    `on_progress` is called about once a second with rank 0's newest step record, plus
+    `last_commit` (the newest committed snapshot step).
     `storage_path` is where Ray Train keeps its own run state (default: Ray's).
     `pace_s` slows every step down by that many seconds: fault-injection tests and the demo
     use it so that node losses and additions land mid-run on a fast machine.
@@ -141,7 +143,7 @@ def fit(
     )
     stop = threading.Event()
     poller = threading.Thread(
-        target=_poll_progress, args=(monitor, on_progress, stop), daemon=True
+        target=_poll_progress, args=(monitor, coordinator, on_progress, stop), daemon=True
     )
     if on_progress is not None:
         poller.start()
@@ -155,14 +157,15 @@ def fit(
     return FitResult(run_uri=config.snapshots.run_uri, summary=summary, resumed_from=resumed_from)
 
 
-def _poll_progress(monitor: Any, on_progress: Callable[[dict[str, Any]], None],
-                   stop: threading.Event) -> None:
+def _poll_progress(monitor: Any, coordinator: Any,
+                   on_progress: Callable[[dict[str, Any]], None], stop: threading.Event) -> None:
     last_step = None
     while not stop.wait(1.0):
         try:
             record = ray.get(monitor.latest.remote(), timeout=5)
+            committed = ray.get(coordinator.committed_steps.remote(), timeout=5)
         except Exception:  # noqa: BLE001 - progress display must never break a fit
             continue
         if record and record.get("step") != last_step:
             last_step = record.get("step")
-            on_progress(record)
+            on_progress({**record, "last_commit": max(committed, default=None)})
