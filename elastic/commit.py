@@ -208,30 +208,35 @@ class LocalCoordinator:
         self.core = CommitCore(store, keep_last=keep_last, block_bytes=block_bytes,
                                faults=faults)
         self.ram = RamCache() if ram else None
-        # On-demand snapshots (before a planned resize): the newest committed step when the
-        # request was made, or None when there is no request.
-        self.requested_after: int | None = None
+        # On-demand snapshots (before a planned resize): whether one is asked for, and the
+        # step the workers took it at (they answer once they have persisted it).
+        self.requested = False
+        self.answered_step: int | None = None
 
-    def request_snapshot(self) -> int:
-        """Ask the workers for a snapshot at their next step boundary; returns the newest
-        committed step now (the request is met once a newer one commits)."""
+    def request_snapshot(self) -> None:
+        """Ask the workers for a snapshot at their next step boundary."""
         with self.lock:
-            newest = self.core.latest_committed()
-            self.requested_after = -1 if newest is None else newest
-            return self.requested_after
+            self.requested, self.answered_step = True, None
 
     def snapshot_requested(self) -> bool:
         with self.lock:
-            if self.requested_after is None:
-                return False
-            newest = self.core.latest_committed()
-            if newest is not None and newest > self.requested_after:
-                self.requested_after = None  # met
-            return self.requested_after is not None
+            return self.requested and self.answered_step is None
+
+    def answer_request(self, step: int) -> None:
+        """The workers took the requested snapshot at `step` (and train no further)."""
+        with self.lock:
+            if self.requested:
+                self.answered_step = step
+
+    def request_met(self) -> bool:
+        """The answered snapshot is committed: a resize may tear the workers down now. (A
+        periodic snapshot committing meanwhile does not count: it may be older.)"""
+        with self.lock:
+            return self.answered_step is not None and self.answered_step in self.core.committed
 
     def cancel_request(self) -> None:
         with self.lock:
-            self.requested_after = None
+            self.requested, self.answered_step = False, None
 
     def put_ram(self, step: int, rank: int, file: str, data: bytes) -> None:
         with self.lock:

@@ -70,11 +70,17 @@ class CoordinatorActor:
     def events(self) -> list[str]:
         return self.local.events()
 
-    def request_snapshot(self) -> int:
-        return self.local.request_snapshot()
+    def request_snapshot(self) -> None:
+        self.local.request_snapshot()
 
     def snapshot_requested(self) -> bool:
         return self.local.snapshot_requested()
+
+    def answer_request(self, step: int) -> None:
+        self.local.answer_request(step)
+
+    def request_met(self) -> bool:
+        return self.local.request_met()
 
     def cancel_request(self) -> None:
         self.local.cancel_request()
@@ -147,3 +153,6 @@ class RayCoordinatorClient:
 
     def snapshot_requested(self) -> bool:
         return bool(ray.get(self.handle.snapshot_requested.remote()))
+
+    def answer_request(self, step: int) -> None:
+        ray.get(self.handle.answer_request.remote(step))

@@ -16,17 +16,24 @@ def test_a_request_is_met_by_the_next_commit_and_only_then(tmp_path: Path) -> No
     watcher = PreemptionWatcher(use_ray_train=False, requested=coordinator.snapshot_requested)
     train_step(ts, 1)
     assert watcher.poll(1) is None  # nothing asked yet
-    assert coordinator.request_snapshot() == -1  # nothing committed so far
+    coordinator.request_snapshot()
     train_step(ts, 2)
     notice = watcher.poll(2)
     assert notice is not None and notice.source == "request" and not notice.must_exit
     snap.after_step(2, force=True)  # not due (every 100): taken because it was asked for
     snap.persister.wait()
-    assert snap.store.committed_steps() == [2]
-    assert not coordinator.snapshot_requested()  # met by the commit of step 2
-    assert watcher.poll(3) is None
-    assert coordinator.request_snapshot() == 2  # a second resize asks again
-    assert watcher.poll(3).source == "request"
+    assert not coordinator.request_met()  # committed, but not yet answered
+    coordinator.answer_request(2)
+    assert coordinator.request_met() and snap.store.committed_steps() == [2]
+    assert not coordinator.snapshot_requested() and watcher.poll(3) is None
+
+    # A periodic snapshot committing after the request does not meet it: it may be older.
+    coordinator.request_snapshot()
+    train_step(ts, 3)
+    snap.after_step(3, force=True)
+    snap.persister.wait()
+    assert not coordinator.request_met() and coordinator.snapshot_requested()
+    assert watcher.poll(4).source == "request"
     coordinator.cancel_request()
-    assert watcher.poll(4) is None
+    assert watcher.poll(5) is None
     snap.close()

@@ -282,6 +282,8 @@ def run_worker(cfg: FitConfig, env: WorkerEnv) -> WorkerResult:
                 # A planned resize: Ray Train tears this group down once the snapshot just
                 # taken is committed; train no further, so the new group redoes nothing.
                 snapshotter.persister.wait()
+                if env.rank == 0:
+                    env.coordinator.answer_request(progress.step)
                 time.sleep(_RESIZE_GRACE_S)
             elif notice is not None:
                 preempted = notice

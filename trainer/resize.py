@@ -38,11 +38,11 @@ class SnapshotBeforeResize(ControllerCallback):
             coordinator = ray.get_actor(coordinator_name(self.run_uri), namespace=NAMESPACE)
         except ValueError:
             return  # no coordinator: nothing to protect
-        base = ray.get(coordinator.request_snapshot.remote())
+        ray.get(coordinator.request_snapshot.remote())
         deadline = time.monotonic() + self.timeout_s
         try:
             while time.monotonic() < deadline:
-                if max(ray.get(coordinator.committed_steps.remote()), default=-1) > base:
+                if ray.get(coordinator.request_met.remote()):
                     return
                 time.sleep(0.1)
         finally:
