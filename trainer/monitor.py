@@ -43,9 +43,6 @@ class RunMonitor:
     def latest(self) -> dict[str, Any]:
         return dict(self._latest)
 
-    def attempts(self) -> int:
-        return len(self._starts)
-
     def flush(self) -> None:
         self._writer.flush()
 
