@@ -8,8 +8,18 @@ sketch expanded from `seed` (`seeds.make_plan`, the same S for x and dY) and
 sketch is a signed permutation, so dW is exact up to fp32 summation order.
 
 Saved for backward: the R × N sketch X̂ = γx S X (in x's dtype), a reference to the weight (no
-copy) and the seed as a one-element int64 tensor, from which backward regenerates S. Not x, not
-the hash. Bucket sums and norms accumulate in fp32.
+copy) and the seed as a one-element int64 tensor, from which backward regenerates S (and, for the
+centred estimator, the N-vector of row means). Not x, not the hash. Bucket sums and norms
+accumulate in fp32.
+
+Estimators (`estimator=`):
+- `"basis"`: the estimate above.
+- `"centered"`: the same sketch of the *centred* rows `X - 1 μxᵀ` and `dY - 1 μdyᵀ` (μ the row
+  means), plus the exact rank-1 term `n μdy μxᵀ`: `dYᵀX = (dY - 1μdyᵀ)ᵀ(X - 1μxᵀ) + n μdy μxᵀ`
+  holds exactly, so only the centred part is estimated. Without the scalars it is unbiased for
+  any fixed hash, and its error is the formula of DESIGN.md §4 with the centred matrices in
+  place of X and dY — smaller whenever the rows share a common mean (GELU outputs, LayerNorm
+  outputs with their bias). It saves μx (N numbers) more; μdy comes free from db.
 
 Approximation: dW is a randomised estimate. Without the scalars it is unbiased for any fixed
 hash; with them (the default, as in BASIS) it is slightly biased but norm-stable. Its error is
@@ -27,6 +37,21 @@ import torch.nn.functional as F
 
 from . import dispatch, reference
 from .seeds import effective_rank, make_plan
+
+ESTIMATORS = ("basis", "centered")
+
+
+def check_estimator(estimator: str) -> None:
+    """Raise ValueError unless `estimator` is one of ESTIMATORS."""
+    if estimator not in ESTIMATORS:
+        raise ValueError(
+            f"sketch estimator must be one of {', '.join(map(repr, ESTIMATORS))}, got {estimator!r}"
+        )
+
+
+def row_mean(mat: torch.Tensor) -> torch.Tensor:
+    """Mean of the rows in the accumulation dtype (zeros for no rows)."""
+    return mat.sum(0, dtype=reference.acc_dtype(mat.dtype)).div_(max(mat.shape[0], 1))
 
 
 def check_rank(rank: int) -> None:
@@ -68,46 +93,60 @@ class _SketchedLinearFn(torch.autograd.Function):
         bias: torch.Tensor | None,
         rank: int,
         seed: int,
+        estimator: str,
         invariant_scalars: bool,
         balanced_hash: bool,
     ) -> torch.Tensor:
         out = F.linear(x2d, weight, bias)
         n = x2d.shape[0]
-        x_hat = None
+        x_hat = x_mean = None
         if ctx.needs_input_grad[1]:
             plan = make_plan(n, rank, seed, balanced=balanced_hash, device=x2d.device)
             sketch, sq_norm = dispatch.bucket_sum(x2d, plan)
+            if estimator == "centered":
+                x_mean = row_mean(x2d)
+                counts = reference.signed_counts(plan)
+                sketch, sq_norm = reference.center(sketch, sq_norm, x_mean, counts, n)
             if invariant_scalars:
                 sketch = sketch.mul_(reference.invariant_scale(sq_norm, sketch))
             x_hat = sketch.to(x2d.dtype)
         # The seed travels as a saved tensor, not a ctx attribute: under activation
         # checkpointing the saved tensors come from the recompute, so seed and X̂ stay paired.
         seed_t = torch.tensor(seed, dtype=torch.int64)
-        ctx.save_for_backward(x_hat, weight, seed_t)
-        ctx.sketch_args = (n, rank, invariant_scalars, balanced_hash)
+        ctx.save_for_backward(x_hat, x_mean, weight, seed_t)
+        ctx.sketch_args = (n, rank, estimator, invariant_scalars, balanced_hash)
         return out
 
     @staticmethod
     def backward(  # type: ignore[override]
         ctx: torch.autograd.function.FunctionCtx, dy: torch.Tensor
     ) -> tuple[torch.Tensor | None, ...]:
-        x_hat, weight, seed_t = ctx.saved_tensors
-        n, rank, invariant_scalars, balanced_hash = ctx.sketch_args
+        x_hat, x_mean, weight, seed_t = ctx.saved_tensors
+        n, rank, estimator, invariant_scalars, balanced_hash = ctx.sketch_args
         dx = dw = db = None
         if ctx.needs_input_grad[0]:
             dx = dy @ weight.to(dy.dtype)
         if ctx.needs_input_grad[1]:
             plan = make_plan(n, rank, int(seed_t), balanced=balanced_hash, device=dy.device)
             dy_sketch, sq_norm = dispatch.bucket_sum(dy, plan)
+            if x_mean is not None:
+                dy_mean = row_mean(dy)
+                counts = reference.signed_counts(plan)
+                dy_sketch, sq_norm = reference.center(dy_sketch, sq_norm, dy_mean, counts, n)
             scale = (
                 reference.invariant_scale(sq_norm, dy_sketch)
                 if invariant_scalars
                 else torch.ones((), dtype=sq_norm.dtype, device=dy.device)
             )
-            dw = dispatch.weight_grad(dy_sketch, x_hat, scale, weight.dtype)
+            if x_mean is None:
+                dw = dispatch.weight_grad(dy_sketch, x_hat, scale, weight.dtype)
+            else:
+                acc = reference.acc_dtype(weight.dtype)
+                dw = dispatch.weight_grad(dy_sketch, x_hat, scale, acc)
+                dw = dw.add_(reference.mean_outer(dy_mean, x_mean, n)).to(weight.dtype)
         if ctx.needs_input_grad[2]:
             db = dy.sum(0, dtype=reference.acc_dtype(dy.dtype)).to(dy.dtype)
-        return dx, dw, db, None, None, None, None
+        return dx, dw, db, None, None, None, None, None
 
 
 def autocast_inputs(
@@ -140,16 +179,19 @@ def sketched_linear(
     *,
     rank: int,
     seed: int,
+    estimator: str = "basis",
     invariant_scalars: bool = True,
     balanced_hash: bool = True,
 ) -> torch.Tensor:
     """`F.linear(x, weight, bias)` whose weight gradient is a rank-`rank` BASIS estimate.
 
     `seed` (any int; 63 bits used) fixes the sketch. `x` may have any number of leading
-    dimensions; they are flattened to n rows for the sketch. `invariant_scalars` and
-    `balanced_hash` are analysis options (see the module docstring); training uses the defaults.
+    dimensions; they are flattened to n rows for the sketch. `estimator` is `"basis"` or
+    `"centered"` (module docstring). `invariant_scalars` and `balanced_hash` are analysis
+    options; training uses the defaults.
     """
     validate(x, weight, bias, rank)
+    check_estimator(estimator)
     if not needs_sketch(x, weight, bias):
         return F.linear(x, weight, bias)
     x, weight, bias = autocast_inputs(x, weight, bias)
@@ -158,6 +200,6 @@ def sketched_linear(
     rank = effective_rank(rank, x2d.shape[0])
     with torch.autocast(x.device.type, enabled=False):
         out = _SketchedLinearFn.apply(
-            x2d, weight, bias, rank, seed, invariant_scalars, balanced_hash
+            x2d, weight, bias, rank, seed, estimator, invariant_scalars, balanced_hash
         )
     return out.reshape(*lead, weight.shape[0])

@@ -11,6 +11,13 @@ Contract (n rows, R buckets; accumulation in fp32, or fp64 for fp64 inputs — `
 - `weight_grad(dy_sketch, x_sketch, scale, dtype)` is `scale * dy_sketchᵀ @ x_sketch` (M × N),
   computed in `acc_dtype` and returned in `dtype`.
 
+The mean-centred estimator (`estimator="centered"`, DESIGN.md §4 as amended in the README):
+- `signed_counts(plan)` is `S @ 1` (R,), the signed number of rows in each bucket.
+- `center(sketch, sq_norm, mean, counts, n)` turns `(S @ mat, ||mat||_F^2)` into the same pair
+  for the centred matrix `mat - 1 meanᵀ` (S is linear, so `S(mat - 1 meanᵀ) = S mat - (S 1) meanᵀ`,
+  and `||mat - 1 meanᵀ||² = ||mat||² - n ||mean||²` when `mean` is the row mean).
+- `mean_outer(dy_mean, x_mean, n)` is the exact rank-1 part `n · dy_mean x_meanᵀ` of `dYᵀX`.
+
 The Triton kernels in `kernels.py` must match these functions up to fp32 summation order.
 """
 
@@ -63,3 +70,26 @@ def weight_grad(
     """dW ≈ scale · (S dY)ᵀ (S X): (R × M)ᵀ @ (R × N) -> M × N, in `dtype`."""
     acc = acc_dtype(x_sketch.dtype)
     return (dy_sketch.to(acc).t() @ x_sketch.to(acc)).mul_(scale).to(dtype)
+
+
+def signed_counts(plan: SketchPlan) -> torch.Tensor:
+    """`S @ 1`: for each bucket, the sum of its rows' signs (fp32, on the plan's device)."""
+    counts = torch.zeros(plan.rank, dtype=torch.float32, device=plan.signs.device)
+    return counts.index_add_(0, plan.hash, plan.signs)
+
+
+def center(
+    sketch: torch.Tensor, sq_norm: torch.Tensor, mean: torch.Tensor, counts: torch.Tensor, n: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`(S (mat - 1 meanᵀ), ||mat - 1 meanᵀ||_F^2)` from `(S mat, ||mat||_F^2)`; `mean` is the
+    row mean of mat. The norm is clamped at 0 against cancellation in fp32."""
+    mean = mean.to(sketch.dtype)
+    centred = sketch.addr(counts.to(sketch.dtype), mean, alpha=-1)
+    return centred, (sq_norm - n * mean.square().sum()).clamp_min(0)
+
+
+def mean_outer(dy_mean: torch.Tensor, x_mean: torch.Tensor, n: int) -> torch.Tensor:
+    """`n · dy_mean x_meanᵀ` (M × N) in the accumulation dtype: the part of `dYᵀX` carried by
+    the row means, which the centred estimator adds exactly."""
+    acc = acc_dtype(x_mean.dtype)
+    return torch.outer(dy_mean.to(acc), x_mean.to(acc)).mul_(n)
