@@ -63,7 +63,7 @@ LR, WARMUP = 1e-3, 30
 EVAL_EVERY, EVAL_SEQS, FINAL_EVAL_SEQS = 25, 128, 512
 CORPUS_BYTES = 12_000_000
 SEEDS = (0, 1, 2)
-MEMORY_CANDIDATES = (12, 16, 24, 32)  # microbatches tried for the equal-memory comparison
+MEMORY_CANDIDATES = (10, 12, 14, 16, 20)  # microbatches tried for the equal-memory comparison
 # glibc: serve every allocation above 64 KiB by mmap and give it back on free, so the resident
 # set follows live memory and VmHWM measures the real peak (not malloc's cached arenas).
 MALLOC_ENV = {"MALLOC_MMAP_THRESHOLD_": "65536", "MALLOC_TRIM_THRESHOLD_": "0"}
@@ -194,7 +194,9 @@ def build(v: Variant, seed: int) -> tuple[Any, Any, Any]:
         sketch_model(
             model, memory_budget=budget, rows=N_ROWS, include=include, estimator=v.estimator
         )
-    optim_cfg = OptimConfig(lr=LR * v.lr_scale, warmup_steps=WARMUP)
+    # The warmup is the same fraction of every run (runs of the memory comparison are shorter).
+    warmup = max(1, round(WARMUP * v.steps / STEPS))
+    optim_cfg = OptimConfig(lr=LR * v.lr_scale, warmup_steps=warmup)
     optimizer = build_optimizer(model, optim_cfg)
     return model, optimizer, WarmupCosine(optimizer, optim_cfg, v.steps)
 
@@ -429,6 +431,258 @@ def run_training(variants: list[Variant], seeds: tuple[int, ...]) -> None:
                 )
 
 
+# --------------------------------------------------------------------------- gradient error
+
+GRAD_STEPS, GRAD_DRAWS = 100, 8
+
+
+def grad_error() -> dict[str, dict[str, float]]:
+    """Relative squared error ‖dW_est − dW‖² / ‖dW‖² of each estimator, per layer, averaged
+    over GRAD_DRAWS sketches, on one real microbatch after GRAD_STEPS exact training steps.
+
+    Besides the library's estimators ("basis", "centered") it measures two candidates from the
+    literature that keep the O(R·N) bound, implemented here only (kept out of the library
+    unless they help): "top-rows" keeps the R/2 rows of largest ‖x_i‖ exactly and sketches the
+    rest into R/2 buckets (as column-row-sampling methods keep their heaviest pairs), and
+    "seq-centered" centres each sequence on its own mean (b means instead of one).
+    """
+    import torch
+
+    from data_state import ResumableLoader, TokenDataset
+    from sketch_ops import reference
+    from sketch_ops.seeds import make_plan
+
+    torch.set_num_threads(1)
+    model, optimizer, schedule = build(variant("exact"), 0)
+    loader = ResumableLoader(
+        TokenDataset(str(DATA), "train"),
+        global_batch=MICROBATCH,
+        microbatch_size=MICROBATCH,
+        seed=0,
+    )
+    for step in range(GRAD_STEPS):
+        (mb,) = loader.next_step()
+        train_step(model, optimizer, schedule, mb.tokens, 0, step)
+        loader.advance()
+    (mb,) = loader.next_step()
+    loader.close()
+    pairs: dict[str, list[torch.Tensor]] = {}
+
+    def capture(name: str) -> Any:
+        def hook(module: Any, inputs: tuple[Any, ...], output: torch.Tensor) -> None:
+            pairs[name] = [inputs[0].detach().reshape(-1, inputs[0].shape[-1]).double()]
+            output.register_hook(lambda g: pairs[name].append(g.reshape(-1, g.shape[-1]).double()))
+
+        return hook
+
+    for name, module in model.named_modules():
+        if _selected(name, module, None):
+            module.register_forward_hook(capture(name))
+    model.loss(mb.tokens).backward()
+
+    def scaled(sketch: torch.Tensor, sq: torch.Tensor) -> torch.Tensor:
+        return sketch * reference.invariant_scale(sq, sketch)
+
+    def estimate(kind: str, x: torch.Tensor, dy: torch.Tensor, rank: int, seed: int) -> Any:
+        n = x.shape[0]
+        if kind == "top-rows":
+            keep = x.norm(dim=1).topk(rank // 2).indices
+            rest = torch.ones(n, dtype=torch.bool)
+            rest[keep] = False
+            exact_part = dy[keep].T @ x[keep]
+            plan = make_plan(int(rest.sum()), rank - rank // 2, seed)
+            sx, sdy = reference.bucket_sum(x[rest], plan), reference.bucket_sum(dy[rest], plan)
+            return exact_part + scaled(*sdy).T @ scaled(*sx)
+        plan = make_plan(n, rank, seed)
+        if kind == "seq-centered":
+            groups = torch.arange(n) // SEQ
+            x_means = torch.zeros(n // SEQ, x.shape[1], dtype=x.dtype).index_add_(0, groups, x)
+            dy_means = torch.zeros(n // SEQ, dy.shape[1], dtype=x.dtype).index_add_(0, groups, dy)
+            x_means, dy_means = x_means / SEQ, dy_means / SEQ
+            xc, dyc = x - x_means[groups], dy - dy_means[groups]
+            sx, sdy = reference.bucket_sum(xc, plan), reference.bucket_sum(dyc, plan)
+            return scaled(*sdy).T @ scaled(*sx) + SEQ * dy_means.T @ x_means
+        sx, sdy = reference.bucket_sum(x, plan), reference.bucket_sum(dy, plan)
+        if kind == "basis":
+            return scaled(*sdy).T @ scaled(*sx)
+        counts = reference.signed_counts(plan).double()
+        x_mean, dy_mean = x.mean(0), dy.mean(0)
+        sx = reference.center(*sx, x_mean, counts, n)
+        sdy = reference.center(*sdy, dy_mean, counts, n)
+        return scaled(*sdy).T @ scaled(*sx) + reference.mean_outer(dy_mean, x_mean, n)
+
+    table: dict[str, dict[str, float]] = {}
+    for kind in ("basis", "centered", "seq-centered", "top-rows"):
+        for rank in (N_ROWS // 16, N_ROWS // 64):
+            row = {}
+            for name, (x, dy) in pairs.items():
+                exact = dy.T @ x
+                errors = [
+                    float((estimate(kind, x, dy, rank, seed) - exact).square().sum())
+                    for seed in range(GRAD_DRAWS)
+                ]
+                row[name] = statistics.fmean(errors) / float(exact.square().sum())
+            row["mean"] = statistics.fmean(row.values())
+            table[f"{kind} R={rank}"] = row
+            print(f"grad error {kind} R={rank}: mean {row['mean']:.3f}", flush=True)
+    return table
+
+
+# --------------------------------------------------------------------------- equal memory
+
+MEMORY_BASE = "r128-policy"  # the BASIS configuration that spends its savings on the batch
+
+
+def memory_variants(probes: dict[str, dict[str, Any]]) -> list[Variant]:
+    """The equal-peak-memory runs: MEMORY_BASE at the largest candidate microbatch whose probed
+    step peak fits under exact backprop's at MICROBATCH, for exact's wall time and tokens."""
+    base = variant(MEMORY_BASE)
+    fits = [
+        m
+        for m in MEMORY_CANDIDATES
+        if probes[f"{MEMORY_BASE}-mb{m}"]["step_peak_mib"] <= probes["exact"]["step_peak_mib"]
+    ]
+    if not fits:
+        return []
+    mb = max(fits)
+    # Exact's wall time: STEPS exact steps; the candidate's step time relative to exact's
+    # comes from probes taken side by side.
+    ratio = probes[f"{MEMORY_BASE}-mb{mb}"]["step_time_ratio"]
+    same = dict(rank=base.rank, include=base.include, estimator=base.estimator, microbatch=mb)
+    return [
+        Variant(
+            f"mem-time-mb{mb}",
+            f"{base.label}, microbatch {mb}, exact's wall time",
+            steps=round(STEPS / ratio),
+            group="equal memory",
+            **same,
+        ),
+        Variant(
+            f"mem-tokens-mb{mb}",
+            f"{base.label}, microbatch {mb}, exact's tokens",
+            steps=STEPS * MICROBATCH // mb,
+            group="equal memory",
+            **same,
+        ),
+    ]
+
+
+def candidate_variants() -> list[Variant]:
+    base = variant(MEMORY_BASE)
+    return [
+        dataclasses.replace(base, name=f"{MEMORY_BASE}-mb{m}", microbatch=m)
+        for m in MEMORY_CANDIDATES
+    ]
+
+
+# --------------------------------------------------------------------------- report
+
+
+def _mean_std(values: list[float]) -> tuple[float, float]:
+    return statistics.fmean(values), (statistics.stdev(values) if len(values) > 1 else 0.0)
+
+
+def summarize(variants: list[Variant], probes: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
+    """One row per variant with runs: final val mean ± std, difference to exact and whether it
+    is outside the noise (|Δ| > 2 standard errors), memory and time from the probes."""
+    runs = {
+        v.name: [json.loads(p.read_text()) for p in sorted(RUNS.glob(f"{v.name}-s*.json"))]
+        for v in variants
+    }
+    exact_vals = [r["final_val"] for r in runs.get("exact", [])]
+    rows = []
+    for v in variants:
+        if not runs[v.name]:
+            continue
+        vals = [r["final_val"] for r in runs[v.name]]
+        mean, std = _mean_std(vals)
+        row: dict[str, Any] = {
+            "variant": v.name,
+            "label": v.label,
+            "group": v.group,
+            "seeds": len(vals),
+            "steps": v.steps,
+            "microbatch": v.microbatch,
+            "final_val": vals,
+            "val_mean": mean,
+            "val_std": std,
+            "peak_rss_mib": statistics.fmean(r["peak_rss_mib"] for r in runs[v.name]),
+        }
+        if exact_vals and v.name != "exact":
+            e_mean, e_std = _mean_std(exact_vals)
+            se = (std**2 / len(vals) + e_std**2 / len(exact_vals)) ** 0.5
+            row["delta_pct"] = 100 * (mean - e_mean) / e_mean
+            row["significant"] = abs(mean - e_mean) > 2 * se
+        probe_name = v.name if v.name in probes else f"{MEMORY_BASE}-mb{v.microbatch}"
+        if probe_name in probes:
+            p = probes[probe_name]
+            row.update(
+                step_peak_mib=p["step_peak_mib"],
+                saved_mib=p["saved_mib"],
+                step_time_ratio=p.get("step_time_ratio"),
+                memory_ratio=p["step_peak_mib"] / probes["exact"]["step_peak_mib"],
+            )
+        rows.append(row)
+    return rows
+
+
+def markdown(rows: list[dict[str, Any]]) -> str:
+    lines = [
+        "| configuration | steps × microbatch | val loss (mean ± std) | vs exact | step peak MiB "
+        "(× exact) | step time × exact |",
+        "|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        delta = ""
+        if "delta_pct" in r:
+            delta = f"{r['delta_pct']:+.1f} %" + ("" if r["significant"] else " (noise)")
+        mem = f"{r['step_peak_mib']:.0f} ({r['memory_ratio']:.2f})" if "step_peak_mib" in r else ""
+        time_ratio = f"{r['step_time_ratio']:.2f}" if r.get("step_time_ratio") else ""
+        lines.append(
+            f"| {r['label']} | {r['steps']} × {r['microbatch']} | {r['val_mean']:.3f} ± "
+            f"{r['val_std']:.3f} (n={r['seeds']}) | {delta} | {mem} | {time_ratio} |"
+        )
+    return "\n".join(lines)
+
+
+def plot(rows: list[dict[str, Any]], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import numpy as np
+
+    fig, (curves, scatter) = plt.subplots(1, 2, figsize=(13, 5))
+    shown = {"exact", "basis-r128", "basis-r32", MEMORY_BASE, "r32-policy"}
+    shown |= {r["variant"] for r in rows if r["group"] == "equal memory"}
+    for r in rows:
+        if r["variant"] not in shown:
+            continue
+        runs = [json.loads(p.read_text()) for p in sorted(RUNS.glob(f"{r['variant']}-s*.json"))]
+        tokens_per_step = r["microbatch"] * SEQ
+        steps = np.array([s for s, _ in runs[0]["val_curve"]])
+        vals = np.array([[v for _, v in run["val_curve"]] for run in runs])
+        mean, std = vals.mean(0), vals.std(0)
+        x = steps * tokens_per_step / 1e3
+        curves.plot(x, mean, label=r["label"])
+        curves.fill_between(x, mean - std, mean + std, alpha=0.2)
+    curves.set(xlabel="training tokens (thousands)", ylabel="validation loss", ylim=(1.2, 3.2))
+    curves.set_title("Validation loss (mean ± std over seeds)")
+    curves.legend(fontsize=7)
+    for r in rows:
+        if "step_peak_mib" not in r:
+            continue
+        scatter.errorbar(r["step_peak_mib"], r["val_mean"], yerr=r["val_std"], fmt="o")
+        scatter.annotate(r["variant"], (r["step_peak_mib"], r["val_mean"]), fontsize=6)
+    scatter.set(
+        xlabel="training-step peak memory above the resting process (MiB)",
+        ylabel="final validation loss",
+    )
+    scatter.set_title("Memory vs quality")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--only", default="", help="comma-separated variant names")
@@ -449,8 +703,50 @@ def main() -> None:
     seeds = tuple(int(s) for s in args.seeds.split(","))
     if not args.report:
         ensure_corpus()
-        run_probes(chosen)
-        run_training(chosen, seeds)
+        probes = run_probes(chosen)
+        # Learning-rate runs last: they refine, the memory comparison is a headline figure.
+        run_training([v for v in chosen if v.group != "learning rate"], seeds)
+        if not args.only:
+            probes = run_probes(candidate_variants())
+            run_training(memory_variants(probes), seeds)
+        run_training([v for v in chosen if v.group == "learning rate"], seeds)
+        grad_path = RUNS / "grad_error.json"
+        if not args.only and not grad_path.exists():
+            with CpuLock():
+                grad_path.write_text(json.dumps(grad_error(), indent=1))
+    probes = json.loads((RUNS / "probe.json").read_text())
+    everything = (
+        VARIANTS + memory_variants(probes)
+        if all(v.name in probes for v in candidate_variants())
+        else VARIANTS
+    )
+    rows = summarize(everything, probes)
+    grad_path = RUNS / "grad_error.json"
+    result = {
+        "setup": {
+            "d_model": D_MODEL,
+            "n_layers": N_LAYERS,
+            "seq_len": SEQ,
+            "microbatch": MICROBATCH,
+            "rows_per_microbatch": N_ROWS,
+            "steps": STEPS,
+            "lr": LR,
+            "warmup": WARMUP,
+            "corpus_bytes": CORPUS_BYTES,
+            "final_eval_sequences": FINAL_EVAL_SEQS,
+        },
+        "rows": rows,
+        "probes": probes,
+        "grad_error": json.loads(grad_path.read_text()) if grad_path.exists() else None,
+    }
+    (RESULTS / "sketch_quality.json").write_text(json.dumps(result, indent=1))
+    plot(rows, RESULTS / "sketch_quality.png")
+    print(markdown(rows))
+    if result["grad_error"]:
+        print("\n| estimator | mean relative dW error over layers |\n|---|---|")
+        for name, row in result["grad_error"].items():
+            print(f"| {name} | {row['mean']:.3f} |")
+    print(f"wrote {RESULTS / 'sketch_quality.json'} and sketch_quality.png")
 
 
 if __name__ == "__main__":

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import itertools
 import math
+import sys
 from dataclasses import replace
 
 import pytest
@@ -236,3 +237,39 @@ def test_sketch_model_with_a_budget_sets_the_per_layer_ranks() -> None:
     want = ranks_for_budget(_gpt(), memory_budget=budget, rows=256, include=NO_FC)
     assert {n: model.get_submodule(n).rank for n in names} == want
     assert type(model.get_submodule("blocks.0.mlp.fc")) is nn.Linear
+
+
+# --------------------------------------------------------------------------- the benchmark
+
+
+def _quality_benchmark():  # noqa: ANN202 - a module loaded from a path
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "sketch_quality.py"
+    spec = importlib.util.spec_from_file_location("sketch_quality_benchmark", path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up there
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_quality_benchmark_builds_every_variant_and_picks_the_equal_memory_batch() -> None:
+    bench = _quality_benchmark()
+    names = [v.name for v in bench.VARIANTS]
+    assert len(names) == len(set(names)) and "exact" in names and bench.MEMORY_BASE in names
+    for v in bench.VARIANTS:  # every configuration builds (budget, include, estimator)
+        model, _, schedule = bench.build(v, 0)
+        sketched = [m for m in model.modules() if isinstance(m, SketchedLinear)]
+        assert bool(sketched) == bool(v.rank or v.budget_rank)
+        assert all(m.estimator == v.estimator for m in sketched)
+        assert schedule.lr_at(bench.STEPS - 1) < schedule.lr_at(bench.WARMUP)
+    probes = {"exact": {"step_peak_mib": 100.0}}
+    for i, mb in enumerate(bench.MEMORY_CANDIDATES):  # only the first two fit under 100 MiB
+        peak = 90.0 + 5 * i if i < 2 else 130.0 + i
+        probes[f"{bench.MEMORY_BASE}-mb{mb}"] = {"step_peak_mib": peak, "step_time_ratio": 2.0}
+    by_time, by_tokens = bench.memory_variants(probes)
+    fitting = bench.MEMORY_CANDIDATES[1]  # the largest microbatch under exact's 100 MiB
+    assert by_time.microbatch == by_tokens.microbatch == fitting
+    assert by_time.steps == round(bench.STEPS / 2.0)  # each step costs twice exact's
+    assert by_tokens.steps * fitting == bench.STEPS * bench.MICROBATCH

@@ -39,6 +39,9 @@ def test_overrides_parse_toml_values_and_bare_strings() -> None:
         ("scaling.min_workers=0", "scaling.min_workers"),
         ("parallelism=tp", "parallelism"),
         ("sketch.rank=-2", "sketch.rank"),
+        ("sketch.estimator=topk", "sketch.estimator"),
+        ("sketch.memory_budget_mib=-1", "sketch.memory_budget_mib"),
+        ("sketch.memory_budget_mib=2", "sketch.memory_budget_mib"),  # and sketch.rank > 0
         ("snapshots.snapshot_every=0", "snapshots.snapshot_every"),
         ("steps=0", "steps"),
     ],
@@ -73,3 +76,27 @@ def test_missing_run_uri_and_missing_or_broken_recipe(tmp_path: Path) -> None:
 def test_custom_model_needs_a_loss() -> None:
     with pytest.raises(ConfigError, match="model_factory"):
         FitConfig(snapshots=SnapshotConfig(run_uri="runs/x"), model_factory=lambda: None)
+
+
+def test_sketch_policy_reaches_the_model() -> None:
+    """The built-in GPT sketches SKETCH_LAYERS (its fc stays exact: the fused MLP keeps fc's
+    input anyway) with the recipe's estimator; a memory budget becomes per-layer ranks."""
+    from torch import nn
+
+    from sketch_ops import SketchedLinear
+    from trainer.loop import build_model
+
+    cfg = load_recipe(RECIPES[0], RUN + ["sketch.rank=8"])
+    model = build_model(cfg)
+    sketched = {n: m for n, m in model.named_modules() if isinstance(m, SketchedLinear)}
+    assert sketched and not any(n.endswith("mlp.fc") for n in sketched)
+    assert type(model.get_submodule("blocks.0.mlp.fc")) is nn.Linear
+    assert {m.estimator for m in sketched.values()} == {cfg.sketch.estimator} == {"centered"}
+    budget = load_recipe(RECIPES[0], RUN + ["sketch.rank=0", "sketch.memory_budget_mib=0.05"])
+    ranks = {
+        n: m.rank for n, m in build_model(budget).named_modules() if isinstance(m, SketchedLinear)
+    }
+    assert set(ranks) == set(sketched)
+    widths = {n: m.in_features for n, m in sketched.items()}
+    assert sum(r * widths[n] * 4 for n, r in ranks.items()) <= 0.05 * 2**20
+    assert min(ranks.values()) < max(ranks.values())  # wide layers get fewer rows

@@ -105,13 +105,35 @@ class OptimConfig:
 
 @dataclass
 class SketchConfig:
-    """BASIS sketched linear layers. `rank = 0` trains with exact backprop."""
+    """BASIS sketched linear layers: one `rank` for every selected layer, or per-layer ranks
+    from `memory_budget_mib` (sketch memory per microbatch). Neither set: exact backprop."""
 
     rank: int = 0
-    include: list[str] = field(default_factory=list)  # module-name globs; [] = sketch_model default
+    memory_budget_mib: float = 0.0
+    # Module-name globs; [] = the built-in GPT's policy (trainer.model.SKETCH_LAYERS), or every
+    # nn.Linear of a user model.
+    include: list[str] = field(default_factory=list)
+    estimator: str = "centered"  # or "basis" (sketch_ops.function)
 
     def __post_init__(self) -> None:
+        from sketch_ops.function import ESTIMATORS
+
         _require(self.rank >= 0, "sketch.rank", "must be >= 0 (0 turns sketching off)")
+        _require(self.memory_budget_mib >= 0, "sketch.memory_budget_mib", "must be >= 0")
+        _require(
+            not (self.rank and self.memory_budget_mib),
+            "sketch.memory_budget_mib",
+            "cannot be set together with sketch.rank; set one of them (the other to 0)",
+        )
+        _require(
+            self.estimator in ESTIMATORS,
+            "sketch.estimator",
+            f"must be one of {', '.join(ESTIMATORS)}, got {self.estimator!r}",
+        )
+
+    @property
+    def enabled(self) -> bool:
+        return self.rank > 0 or self.memory_budget_mib > 0
 
 
 @dataclass

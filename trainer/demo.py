@@ -59,7 +59,9 @@ def activation_bytes(cfg: FitConfig) -> tuple[int, int]:
     from trainer.loop import build_model, next_token_loss
 
     tokens = torch.randint(0, cfg.model.vocab_size, (cfg.data.microbatch_size, cfg.data.seq_len))
-    exact_cfg = dataclasses.replace(cfg, sketch=dataclasses.replace(cfg.sketch, rank=0))
+    exact_cfg = dataclasses.replace(
+        cfg, sketch=dataclasses.replace(cfg.sketch, rank=0, memory_budget_mib=0.0)
+    )
     sizes = []
     for variant in (exact_cfg, cfg):
         model = build_model(variant)

@@ -37,7 +37,7 @@ from elastic.registry import StateRegistry
 from elastic.snapshotter import Snapshotter
 from sketch_ops import sketch_model, sketch_seed
 from trainer.config import FitConfig
-from trainer.model import GPT, GPTConfig
+from trainer.model import GPT, SKETCH_LAYERS, GPTConfig
 from trainer.optim import WarmupCosine, build_optimizer
 from trainer.parallel import (
     accumulation_passes,
@@ -62,7 +62,7 @@ def next_token_loss(model: nn.Module, tokens: torch.Tensor) -> torch.Tensor:
 
 
 def build_model(cfg: FitConfig) -> nn.Module:
-    """The same initial model on every rank (seeded), with BASIS layers when sketch.rank > 0."""
+    """The same initial model on every rank (seeded), with BASIS layers when sketching is on."""
     torch.manual_seed(cfg.seed)
     if cfg.model_factory is not None:
         model = cfg.model_factory()
@@ -78,8 +78,19 @@ def build_model(cfg: FitConfig) -> nn.Module:
                 checkpoint_blocks=m.checkpoint_blocks,
             )
         )
-    if cfg.sketch.rank > 0:
-        sketch_model(model, rank=cfg.sketch.rank, include=cfg.sketch.include or None)
+    sketch = cfg.sketch
+    if sketch.enabled:
+        include = sketch.include or (SKETCH_LAYERS if cfg.model_factory is None else None)
+        if sketch.rank:
+            sketch_model(model, rank=sketch.rank, include=include, estimator=sketch.estimator)
+        else:
+            sketch_model(
+                model,
+                memory_budget=int(sketch.memory_budget_mib * 2**20),
+                rows=cfg.data.microbatch_size * (cfg.data.seq_len - 1),  # inputs per microbatch
+                include=include,
+                estimator=sketch.estimator,
+            )
     return model
 
 

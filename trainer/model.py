@@ -6,10 +6,11 @@ sequences (predict `tokens[:, 1:]` from `tokens[:, :-1]`). Pre-norm blocks, caus
 attention, GELU MLP, untied LM head. Every linear layer is a plain `nn.Linear`, so
 `sketch_ops.sketch_model` can swap them for BASIS layers by name
 (`blocks.{i}.attn.qkv`, `blocks.{i}.attn.proj`, `blocks.{i}.mlp.fc`, `blocks.{i}.mlp.proj`,
-`lm_head`). `checkpoint_blocks=True` recomputes each block in backward (full activation
-checkpointing), the usual memory baseline BASIS is compared with. When `mlp.fc` and `mlp.proj`
-are sketched, the MLP runs as one fused, row-blocked op that keeps only its input instead of
-the 4·d_model-wide hidden activations (`sketch_ops.gelu_mlp`; outputs and gradients unchanged).
+`lm_head`); `SKETCH_LAYERS` is the default selection. `checkpoint_blocks=True` recomputes each
+block in backward (full activation checkpointing), the usual memory baseline BASIS is compared
+with. When `mlp.proj` is sketched,
+the MLP runs as one fused, row-blocked op that keeps only its input instead of the
+4·d_model-wide hidden activations (`sketch_ops.gelu_mlp`; outputs and gradients unchanged).
 """
 
 from __future__ import annotations
@@ -23,6 +24,12 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from sketch_ops import gelu_mlp
+
+# Which linear layers BASIS sketches by default (`sketch_ops.sketch_model` globs): all but the
+# MLP's fc. The fused MLP (`sketch_ops.gelu_mlp`) keeps fc's input for its recompute anyway, so
+# sketching fc would save no memory and only add gradient noise; fc gets its exact dW for free.
+# Measured in benchmarks/sketch_quality.py (README, "BASIS quality").
+SKETCH_LAYERS = ("blocks.*.attn.qkv", "blocks.*.attn.proj", "blocks.*.mlp.proj", "lm_head")
 
 
 @dataclass
