@@ -20,17 +20,21 @@ The standard recipe (`standard_train_fn` below) is what a typical Ray Train user
 `ray.train.report(metrics, checkpoint=Checkpoint.from_directory(dir) on rank 0)`; on start
 it restores those three from `ray.train.get_checkpoint()`. It does NOT save the LR schedule
 (a fresh scheduler restarts its warmup) nor the data position (a fresh iterator starts the
-epoch again), as most user loops do not. Its per-step metrics go to a JSON-lines file from
-rank 0 (reporting every step would cap it at one step per Ray health-check interval). For a
-like-for-like step, it uses Baton's model builder (BASIS layers and their per-microbatch
-seeds), optimizer, schedule function and loader order; only what is saved and restored
-differs.
+epoch again), as most user loops do not. Its "model only" variant (`standard-model`) is the
+classic loop that saves just the model's state_dict: after a restart AdamW starts cold (no
+moments, step 0), which shows as a bump in the loss curve. The per-step metrics of both go to a
+JSON-lines file from rank 0 (reporting every step would cap them at one step per Ray
+health-check interval). For a like-for-like step, they use Baton's model builder (BASIS
+layers and their per-microbatch seeds), optimizer, schedule function and loader order; only
+what is saved and restored differs.
 
 Ray's failure detection dominates recovery, so two settings are measured, each in its own
 subprocess (fresh cluster and environment): "fast" (`LocalCluster(fast_failure_detection=
 True)`, Baton's default: GCS health checks 1 s x 3, worker-group start timeout 15 s) and
 "ray-defaults" (Ray's own). The table reports each tool with its own defaults (Baton fast,
-standard on Ray defaults) and both under identical settings (both fast).
+standard on Ray defaults) and under identical settings (all fast; the model-only variant runs
+only there). Baton runs on `trainer.fit` as a user gets it (its `LiveNodesElasticPolicy`
+included); the standard recipes on a plain `TorchTrainer`.
 
     python benchmarks/recovery.py           # writes benchmarks/results/recovery.{json,png}
     python benchmarks/recovery.py --quick   # fewer steps (a few minutes)
@@ -85,7 +89,8 @@ def _config(plan: Plan, run: Path, dataset: str) -> Any:
 
 
 def standard_train_fn(config: dict[str, Any]) -> None:
-    """Ray Train's documented checkpoint recipe, on Baton's model, optimizer and data order."""
+    """Ray Train's documented checkpoint recipe, on Baton's model, optimizer and data order.
+    `config["model_only"]`: save and restore only the model (the optimizer restarts cold)."""
     import ray.train
     import ray.train.torch
     import torch
@@ -98,6 +103,7 @@ def standard_train_fn(config: dict[str, Any]) -> None:
     from trainer.parallel import all_reduce_sum, loss_weight
 
     cfg, log_path, pace_s = config["cfg"], Path(config["log"]), config["pace_s"]
+    model_only = bool(config.get("model_only", False))
     context = ray.train.get_context()
     rank, world_size = context.get_world_rank(), context.get_world_size()
     model = ray.train.torch.prepare_model(build_model(cfg))
@@ -109,9 +115,10 @@ def standard_train_fn(config: dict[str, Any]) -> None:
         with checkpoint.as_directory() as directory:
             state = torch.load(Path(directory) / "state.pt", weights_only=True)  # no pickle code
         plain.load_state_dict(state["model"])
-        optimizer.load_state_dict(state["optimizer"])
+        if "optimizer" in state:
+            optimizer.load_state_dict(state["optimizer"])
+            restored_opt_step = float(next(iter(optimizer.state.values()))["step"])
         start = int(state["step"])
-        restored_opt_step = float(next(iter(optimizer.state.values()))["step"])
     # Created after the restore and not saved: it restarts its warmup, as a user's does.
     schedule = WarmupCosine(optimizer, cfg.optim, cfg.steps)
     train_set = TokenDataset(cfg.data.uri, split="train")
@@ -155,8 +162,10 @@ def standard_train_fn(config: dict[str, Any]) -> None:
         if (step + 1) % cfg.snapshots.snapshot_every == 0 or step + 1 == cfg.steps:
             if rank == 0:
                 with tempfile.TemporaryDirectory() as directory:
-                    torch.save({"model": plain.state_dict(), "optimizer": optimizer.state_dict(),
-                                "step": step + 1}, Path(directory) / "state.pt")
+                    state = {"model": plain.state_dict(), "step": step + 1}
+                    if not model_only:
+                        state["optimizer"] = optimizer.state_dict()
+                    torch.save(state, Path(directory) / "state.pt")
                     ray.train.report(metrics, checkpoint=Checkpoint.from_directory(directory))
             else:
                 ray.train.report(metrics)
@@ -235,17 +244,20 @@ def run_baton(cluster: Any, plan: Plan, work: Path, dataset: str, tag: str) -> d
     return result
 
 
-def run_standard(cluster: Any, plan: Plan, work: Path, dataset: str, tag: str) -> dict[str, Any]:
+def run_standard(cluster: Any, plan: Plan, work: Path, dataset: str, tag: str,
+                 model_only: bool = False) -> dict[str, Any]:
     from ray.train import FailureConfig, RunConfig, ScalingConfig
     from ray.train.torch import TorchTrainer
 
-    log = work / f"standard-{tag}.jsonl"
-    cfg = _config(plan, work / f"standard-{tag}", dataset)
+    name = f"standard{'-model' if model_only else ''}-{tag}"
+    log = work / f"{name}.jsonl"
+    cfg = _config(plan, work / name, dataset)
     trainer = TorchTrainer(
         standard_train_fn,
-        train_loop_config={"cfg": cfg, "log": str(log), "pace_s": plan.pace_s},
+        train_loop_config={"cfg": cfg, "log": str(log), "pace_s": plan.pace_s,
+                           "model_only": model_only},
         scaling_config=ScalingConfig(num_workers=(1, 2), resources_per_worker={"CPU": 1}),
-        run_config=RunConfig(name=f"standard-{tag}-{int(time.time())}",
+        run_config=RunConfig(name=f"{name}-{int(time.time())}",
                              storage_path=str(work / "ray"),
                              failure_config=FailureConfig(max_failures=20)),
     )
@@ -304,10 +316,13 @@ def child(args: argparse.Namespace) -> None:
 
     plan = PLANS[args.plan]
     cluster = LocalCluster(worker_nodes=2, fast_failure_detection=args.child == "fast")
-    runner = run_baton if args.tools == "baton" else run_standard
     try:
         ray.init(address=cluster.address, namespace=NAMESPACE, log_to_driver=False)
-        result = runner(cluster, plan, Path(args.work), args.data, args.child)
+        if args.tools == "baton":
+            result = run_baton(cluster, plan, Path(args.work), args.data, args.child)
+        else:
+            result = run_standard(cluster, plan, Path(args.work), args.data, args.child,
+                                  model_only=args.tools == "standard-model")
         result.pop("_restart", None)
         if result["world_sizes"][0] != 2:
             result["error"] = f"started on {result['world_sizes'][0]} workers, not 2: not valid"
@@ -356,13 +371,16 @@ def report(results: dict[str, Any], plan: Plan) -> str:
         _row("Baton (its defaults: fast detection)", fast.get("baton", {"error": "missing"})),
         _row("standard (Ray defaults)", default.get("standard", {"error": "missing"})),
         _row("standard (fast detection, as Baton)", fast.get("standard", {"error": "missing"})),
+        _row("standard, model only (fast detection, as Baton)",
+             fast.get("standard-model", {"error": "missing"})),
     ]
     if "baton" in default:
         lines.append(_row("Baton (Ray defaults)", default["baton"]))
     ratios = {}
     b = fast.get("baton", {})
     for key, other in (("own_defaults", default.get("standard", {})),
-                       ("identical_settings", fast.get("standard", {}))):
+                       ("identical_settings", fast.get("standard", {})),
+                       ("identical_settings_model_only", fast.get("standard-model", {}))):
         if "recovery_s" in b and "recovery_s" in other:
             ratios[key] = b["recovery_s"] / other["recovery_s"]
     results["recovery_ratio_baton_over_standard"] = ratios
@@ -379,22 +397,38 @@ def plot(results: dict[str, Any], plan: Plan, path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    panels = [("each tool with its own defaults", results["fast"].get("baton"),
-               results["ray-defaults"].get("standard")),
-              ("identical Ray settings (fast detection)", results["fast"].get("baton"),
-               results["fast"].get("standard"))]
-    fig, axes = plt.subplots(1, 2, figsize=(12, 4.2), sharey=True)
-    for ax, (title, baton, standard) in zip(axes, panels, strict=True):
-        for name, r, color in (("Baton", baton, "tab:blue"), ("standard", standard, "tab:red")):
+    fast, default = results["fast"], results["ray-defaults"]
+    same = [("Baton", fast.get("baton"), "tab:blue"),
+            ("standard", fast.get("standard"), "tab:red"),
+            ("standard, model only", fast.get("standard-model"), "tab:orange")]
+    around = (max(0, plan.lose_at - 20), min(plan.steps, plan.lose_at + 45))
+    panels = [
+        ("each tool with its own defaults", [("Baton", fast.get("baton"), "tab:blue"),
+                                             ("standard", default.get("standard"), "tab:red")],
+         None),
+        ("identical Ray settings (fast detection)", same, None),
+        # Step losses are noisy (each step its own batch): a 5-step moving average shows
+        # the bump after a restart.
+        ("identical settings, around the node loss (5-step mean)", same, around),
+    ]
+    fig, axes = plt.subplots(1, 3, figsize=(17, 4.4))
+    for ax, (title, runs, xlim) in zip(axes, panels, strict=True):
+        for name, r, color in runs:
             if not r or "curve" not in r:
                 continue
             curve = r["curve"]
             for attempt in sorted({c[2] for c in curve}):
                 pts = sorted((s, loss) for s, loss, a in curve if a == attempt)
+                if xlim is not None:
+                    pts = [(s, sum(p[1] for p in pts[max(0, i - 4):i + 1])
+                            / len(pts[max(0, i - 4):i + 1]))
+                           for i, (s, _) in enumerate(pts) if xlim[0] <= s <= xlim[1]]
                 ax.plot([p[0] for p in pts], [p[1] for p in pts], color=color, lw=1.2,
                         ls="-" if attempt == 0 else "--",
                         label=f"{name}" + (" (after restart)" if attempt else ""))
             ax.axvline(r["kill_step"], color=color, lw=0.8, ls=":")
+        if xlim is not None:
+            ax.set_xlim(*xlim)
         ax.set_title(title)
         ax.set_xlabel("step")
         ax.legend(fontsize=8)
@@ -434,7 +468,7 @@ def main() -> int:
                        max_bytes=recipe.data.max_corpus_bytes or None, progress=False)
         results: dict[str, Any] = {"plan": dataclasses.asdict(plan)}
         results["fast"] = {t: _run_child("fast", t, args, work, dataset)
-                           for t in ("baton", "standard")}
+                           for t in ("baton", "standard", "standard-model")}
         tools = ("standard", "baton") if args.baton_ray_defaults else ("standard",)
         results["ray-defaults"] = {t: _run_child("ray-defaults", t, args, work, dataset)
                                    for t in tools}

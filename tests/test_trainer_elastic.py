@@ -7,7 +7,10 @@ the group to 2 again). Checked at the end, on what the snapshots say:
 - B's final parameters and AdamW moments equal A's (P1, P2);
 - the AdamW step counter is STEPS: the optimizer was never cold-started;
 - over the committed steps every sample was trained exactly once (P5);
-- each restart redid at most `snapshot_every` steps (P6).
+- each restart redid at most `snapshot_every` steps (P6);
+- the restart after the node loss went straight to 1 worker: it began sooner after the loss
+  than Ray Train's worker-group start timeout, so no attempt at the old size timed out first
+  (`trainer.scaling`).
 """
 
 from __future__ import annotations
@@ -27,7 +30,7 @@ from snapshot_compare import assert_same_state, final_state
 
 from elastic.store import SnapshotStore
 from trainer.config import load_recipe
-from trainer.local_cluster import LocalCluster
+from trainer.local_cluster import FAST_TRAIN_ENV, LocalCluster
 from trainer.metrics import read_records
 from trainer.monitor import NAMESPACE, get_monitor
 from trainer.ray_fit import FitResult, fit
@@ -77,9 +80,10 @@ def _wait(predicate: Any, timeout: float, what: str) -> None:
         time.sleep(0.2)
 
 
-def _fit_with_faults(cluster: LocalCluster, cfg: Any) -> FitResult:
-    """Run fit in a thread; lose a node after LOSE_AT, add one back once at 1 worker.
-    (Cluster changes must happen on the main thread: Ray installs signal handlers.)"""
+def _fit_with_faults(cluster: LocalCluster, cfg: Any) -> tuple[FitResult, float]:
+    """Run fit in a thread; lose a node after LOSE_AT, add one back once at 1 worker;
+    returns the result and when the node was lost. (Cluster changes must happen on the main
+    thread: Ray installs signal handlers.)"""
     out: dict[str, Any] = {}
     thread = threading.Thread(
         target=lambda: out.update(result=fit(cfg, pace_s=0.25, record_samples=True))
@@ -97,12 +101,13 @@ def _fit_with_faults(cluster: LocalCluster, cfg: Any) -> FitResult:
 
     _wait(monitor_ready, 120, "the run monitor")
     _wait(lambda: _latest(monitor).get("step", 0) >= LOSE_AT, 180, f"step {LOSE_AT}")
+    lost_at = time.time()
     cluster.remove_worker()
     _wait(lambda: _latest(monitor).get("world_size") == 1, 180, "a restart on 1 worker")
     cluster.add_worker()
     thread.join(timeout=400)
     assert "result" in out, "fit did not finish"
-    return out["result"]
+    return out["result"], lost_at
 
 
 def _committed_history(run: Path) -> dict[int, list[int]]:
@@ -131,7 +136,9 @@ def test_node_loss_and_gain_end_where_an_uninterrupted_run_ends(
 ) -> None:
     a = uninterrupted
     b = tmp_path / "b"
-    result = _fit_with_faults(cluster, _config(b, tiny_dataset, parallelism, min_workers=1))
+    result, lost_at = _fit_with_faults(
+        cluster, _config(b, tiny_dataset, parallelism, min_workers=1)
+    )
 
     summary = result.summary
     assert summary.steps == STEPS
@@ -147,6 +154,15 @@ def test_node_loss_and_gain_end_where_an_uninterrupted_run_ends(
     assert redone[0] == 0 and 0 <= redone[1] <= SNAPSHOT_EVERY and redone[2:] == [0] * len(
         redone[2:]
     ), redone
+    # Failure detection, GCS marking the node dead and a group start take ~10 s here; a first
+    # attempt at 2 workers would add the whole start timeout (15 s) before the 1-worker one.
+    restart = next(r for r in read_records(str(b)) if r["kind"] == "start" and r["attempt"] == 1)
+    start_timeout_s = float(FAST_TRAIN_ENV["RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S"])
+    assert restart["world_size"] == 1
+    assert restart["time"] - lost_at < start_timeout_s + 3, (
+        f"restart began {restart['time'] - lost_at:.1f} s after the node loss: "
+        "a start attempt at the old size timed out first"
+    )
 
     state_a, state_b = final_state(a, tmp_path, STEPS), final_state(b, tmp_path, STEPS)
     assert_same_state(state_a, state_b)

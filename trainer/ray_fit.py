@@ -7,9 +7,12 @@ Contract:
   the run's snapshot coordinator and progress monitor, and runs a `TorchTrainer` with
   `ScalingConfig(num_workers=(min, max))`. Ray Train places the workers, restarts the group
   after a failure and resizes it when nodes come or go; every (re)started worker resumes
-  from the coordinator's restore plan. Baton adds no scheduling of its own.
+  from the coordinator's restore plan. Baton adds no scheduling of its own; it only makes a
+  restart after a node loss go straight to the size the live nodes hold
+  (`trainer.scaling`) and snapshots before a planned resize (`trainer.resize`).
 - Returns a `FitResult` with the run summary (steps, losses, restarts, steps redone).
-This is the only module of `trainer` that talks to Ray Train.
+This module, `trainer.scaling` and `trainer.resize` are the ones of `trainer` that talk to
+Ray Train.
 """
 
 from __future__ import annotations
@@ -24,7 +27,7 @@ from typing import Any
 import ray
 import ray.train
 from ray.train import FailureConfig, RunConfig, ScalingConfig
-from ray.train.torch import TorchConfig, TorchTrainer
+from ray.train.torch import TorchConfig
 
 from elastic.coordinator import HEAD_NODE_RESOURCES
 from trainer.config import FitConfig
@@ -33,6 +36,7 @@ from trainer.metrics import RunSummary, read_records, summarize
 from trainer.monitor import NAMESPACE, RunMonitor, get_monitor, monitor_name
 from trainer.resize import SnapshotBeforeResize
 from trainer.run_dir import check_run_dir, ensure_dataset
+from trainer.scaling import BatonTorchTrainer
 
 
 @dataclasses.dataclass
@@ -124,7 +128,7 @@ def fit(
         if scaling.min_workers == scaling.max_workers
         else (scaling.min_workers, scaling.max_workers)
     )
-    trainer = TorchTrainer(
+    trainer = BatonTorchTrainer(
         _train_fn,
         train_loop_config={"cfg": config, "pace_s": pace_s, "record_samples": record_samples},
         torch_config=TorchConfig(backend="nccl" if scaling.use_gpu else "gloo"),

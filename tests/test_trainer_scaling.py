@@ -1,0 +1,170 @@
+"""`trainer.scaling`: restart decisions after a node loss, on fake cluster states (no Ray).
+
+A fake node table (what `ray.nodes()` returns), raylet probe, fresh reservation and clock
+stand in for the cluster; the policy sees the group through Ray Train's own hooks. The last
+tests pin the Ray Train internals the module relies on, so a Ray upgrade that moves them
+fails here rather than silently restoring the slow restart.
+"""
+
+from __future__ import annotations
+
+import inspect
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+from ray.train import ScalingConfig
+from ray.train.v2._internal.execution.scaling_policy import (
+    ElasticScalingPolicy,
+    FixedScalingPolicy,
+    NoopDecision,
+    ResizeDecision,
+)
+from ray.train.v2.api.data_parallel_trainer import DataParallelTrainer
+
+from trainer.scaling import BatonTorchTrainer, LiveNodesElasticPolicy
+
+CPU = {"CPU": 1.0}
+
+
+class FakeCluster:
+    def __init__(self, nodes: list[str]) -> None:
+        self.alive = {n: True for n in nodes}  # what GCS says
+        self.answers = {n: True for n in nodes}  # whether the raylet answers
+        self.now = 0.0
+        self.reservations = 0
+
+    def table(self) -> list[dict[str, Any]]:
+        return [{"NodeID": n, "Alive": a, "NodeManagerAddress": n, "NodeManagerPort": 1}
+                for n, a in self.alive.items()]
+
+    def probe(self, address: str, port: int, timeout_s: float) -> bool:
+        return self.answers[address]
+
+    def fresh(self) -> dict[str, dict[str, float]]:
+        """The coordinator re-reads the node table: only nodes GCS lists alive."""
+        self.reservations += 1
+        return {n: dict(CPU) for n, a in self.alive.items() if a}
+
+    def sleep(self, seconds: float) -> None:
+        self.now += seconds
+
+    def lose(self, node: str) -> None:
+        self.answers[node] = False  # killed: GCS notices only a few heartbeats later
+
+
+def _policy(cluster: FakeCluster, **kwargs: Any) -> LiveNodesElasticPolicy:
+    policy = LiveNodesElasticPolicy(
+        ScalingConfig(num_workers=(1, 2), resources_per_worker=CPU),
+        node_table=cluster.table, probe=cluster.probe, fresh_reservation=cluster.fresh,
+        clock=lambda: cluster.now, sleep=cluster.sleep, **kwargs,
+    )
+    policy._coordinator_client = SimpleNamespace(maybe_send_resource_request=lambda *a: None)
+    # Ray Train's cached view, as stale as the coordinator's 20 s tick leaves it.
+    policy._latest_reserved_resources = {"a": dict(CPU), "b": dict(CPU)}
+    policy._latest_reserved_resources_query_time = float("inf")
+    return policy
+
+
+def _run_group(policy: LiveNodesElasticPolicy, nodes: list[str]) -> None:
+    """One healthy poll of a running group with a worker on each of `nodes`."""
+    import time
+
+    state = SimpleNamespace(
+        workers=[SimpleNamespace(metadata=SimpleNamespace(node_id=n)) for n in nodes],
+        start_time=time.monotonic(), num_workers=len(nodes),
+    )
+    assert isinstance(policy.make_decision_for_running_worker_group(state, None), NoopDecision)
+
+
+def test_first_start_uses_a_fresh_reservation() -> None:
+    cluster = FakeCluster(["a", "b"])
+    decision = _policy(cluster).make_decision_for_non_running_worker_group()
+    assert decision == ResizeDecision(num_workers=2, resources_per_worker=CPU)
+    assert cluster.reservations == 1
+
+
+def test_node_loss_waits_for_gcs_then_restarts_at_the_size_that_fits() -> None:
+    cluster = FakeCluster(["a", "b"])
+    policy = _policy(cluster)
+    _run_group(policy, ["a", "b"])
+    cluster.lose("b")
+    # GCS still lists b alive: no decision yet (Ray Train's stale view would say 2).
+    for _ in range(3):
+        assert isinstance(policy.make_decision_for_non_running_worker_group(), NoopDecision)
+    assert cluster.reservations == 0
+    cluster.alive["b"] = False  # GCS marks it dead
+    decision = policy.make_decision_for_non_running_worker_group()
+    assert decision == ResizeDecision(num_workers=1, resources_per_worker=CPU)
+    assert cluster.now == pytest.approx(3 * LiveNodesElasticPolicy.CONFIRM_POLL_S)
+
+
+def test_a_node_gcs_never_confirms_is_left_out_after_the_wait() -> None:
+    cluster = FakeCluster(["a", "b"])
+    policy = _policy(cluster, confirm_s=1.0)
+    _run_group(policy, ["a", "b"])
+    cluster.lose("b")
+    decisions = [policy.make_decision_for_non_running_worker_group() for _ in range(10)]
+    resize = [d for d in decisions if isinstance(d, ResizeDecision)]
+    assert resize and resize[0].num_workers == 1, decisions
+    assert cluster.now == pytest.approx(1.0)
+
+
+def test_a_failure_on_healthy_nodes_is_not_delayed() -> None:
+    cluster = FakeCluster(["a", "b"])
+    policy = _policy(cluster)
+    _run_group(policy, ["a", "b"])
+    decision = policy.make_decision_for_non_running_worker_group()  # e.g. a user exception
+    assert decision == ResizeDecision(num_workers=2, resources_per_worker=CPU)
+    assert cluster.now == 0.0
+
+
+def test_below_min_workers_waits_and_rereads_at_most_once_a_second() -> None:
+    cluster = FakeCluster(["a"])
+    policy = _policy(cluster)
+    _run_group(policy, ["a"])
+    cluster.lose("a")
+    cluster.alive["a"] = False
+    for _ in range(5):  # no node left: min_workers=1 cannot be met
+        assert isinstance(policy.make_decision_for_non_running_worker_group(), NoopDecision)
+    assert cluster.reservations == 1
+    cluster.alive["c"], cluster.answers["c"] = True, True  # a replacement node joins
+    cluster.now += 1.0
+    decision = policy.make_decision_for_non_running_worker_group()
+    assert decision == ResizeDecision(num_workers=1, resources_per_worker=CPU)
+
+
+def test_trainer_swaps_in_the_policy_for_elastic_runs_only(monkeypatch: Any) -> None:
+    seen: list[Any] = []
+    monkeypatch.setattr(DataParallelTrainer, "_initialize_and_run_controller",
+                        lambda self, **kwargs: seen.append(kwargs["scaling_policy"]))
+    trainer = BatonTorchTrainer(lambda: None, scaling_config=ScalingConfig(num_workers=(1, 2)))
+    elastic = ElasticScalingPolicy(ScalingConfig(num_workers=(1, 2)))
+    fixed = FixedScalingPolicy(ScalingConfig(num_workers=2))
+    trainer._initialize_and_run_controller(scaling_policy=elastic)
+    trainer._initialize_and_run_controller(scaling_policy=fixed)
+    assert type(seen[0]) is LiveNodesElasticPolicy
+    assert seen[0].scaling_config is elastic.scaling_config
+    assert seen[1] is fixed
+
+
+def test_ray_train_internals_it_relies_on_are_there() -> None:
+    from ray.data._internal.cluster_autoscaler.default_autoscaling_coordinator import (
+        _AutoscalingCoordinatorActor,
+    )
+    from ray.train.v2.api import data_parallel_trainer
+
+    # The controller gets its scaling policy through this hook, built by this factory.
+    assert "create_scaling_policy(self.scaling_config)" in inspect.getsource(
+        data_parallel_trainer.DataParallelTrainer.fit
+    )
+    assert "**controller_init_kwargs" in str(
+        inspect.signature(DataParallelTrainer._initialize_and_run_controller)
+    )
+    # The elastic policy reads its view through `_get_reserved_resources` and caches it here.
+    source = inspect.getsource(ElasticScalingPolicy)
+    for name in ("self._get_reserved_resources()", "_latest_reserved_resources",
+                 "GET_RESERVED_RESOURCES_INTERVAL_S"):
+        assert name in source, name
+    params = inspect.signature(_AutoscalingCoordinatorActor.get_reserved_resources).parameters
+    assert "recompute" in params

@@ -1,0 +1,194 @@
+"""Restart after a node loss straight at the size the live nodes can hold.
+
+Why: Ray Train's elastic policy sizes a restarting worker group from the cluster view of
+Ray's `AutoscalingCoordinator`, which refreshes its node list only every 20 s. Right after
+a node dies that view still holds the dead node, so Ray Train first retries at the old size,
+its placement group cannot be placed, and the restart waits out the worker-group start
+timeout (15-60 s), sometimes twice, before it tries the size that fits.
+
+Contract:
+- `LiveNodesElasticPolicy(scaling_config)` is Ray Train's `ElasticScalingPolicy` with one
+  change, in the decision for a group that is not running (a restart):
+  1. it remembers the nodes the running group's workers were on; when that group fails, it
+     asks each of those nodes' raylet whether it still answers (a TCP connect, `probe_s`);
+  2. for a node that no longer answers but that Ray (GCS) still lists alive, it waits — no
+     decision yet, at most `confirm_s` — until GCS marks it dead, so the new placement group
+     is never offered to a node that is gone (Ray Train's teardown of the old group waits for
+     that verdict anyway: its calls to the dead workers fail only then, so little is added);
+  3. it sizes the new group from a *fresh* reservation (`get_reserved_resources(...,
+     recompute=True)`: the coordinator re-reads the node table first), minus any node that
+     did not answer. Then Ray Train's own counting and `min_workers` rule decide as usual.
+  A failure on healthy nodes (every raylet answers) is not delayed. Decisions for a running
+  group (scale-up) are Ray Train's own.
+- `BatonTorchTrainer` is `TorchTrainer` with that policy in place of the elastic one (a fixed
+  size keeps Ray Train's fixed policy).
+
+It uses Ray Train V2 internals (`ElasticScalingPolicy`, the `_initialize_and_run_controller`
+hook, the coordinator's `recompute` flag), hence the pinned Ray range (>=2.60,<2.61);
+`tests/test_trainer_scaling.py` pins the parts it relies on and tests the decisions on fake
+cluster states; `tests/test_trainer_elastic.py` checks the restart time on a real node loss.
+"""
+
+from __future__ import annotations
+
+import logging
+import socket
+import time
+from collections.abc import Callable, Iterable
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import ray
+from ray.train.torch import TorchTrainer
+from ray.train.v2._internal.execution.scaling_policy import (
+    ElasticScalingPolicy,
+    NoopDecision,
+    ResizeDecision,
+    ScalingDecision,
+)
+from ray.train.v2._internal.execution.scaling_policy.autoscaling_coordinator_client import (
+    AUTOSCALING_REQUESTS_GET_TIMEOUT_S,
+)
+from ray.train.v2.api.config import ScalingConfig
+
+# Under "ray.train" so the lines land in Ray Train's controller log, next to its decisions.
+logger = logging.getLogger("ray.train.baton_scaling")
+
+NodeTable = Callable[[], list[dict[str, Any]]]  # like `ray.nodes()`
+Probe = Callable[[str, int, float], bool]  # (address, port, timeout_s) -> answers
+Reservation = dict[str, dict[str, float]]  # node id -> resources reserved to this run
+
+
+def raylet_answers(address: str, port: int, timeout_s: float) -> bool:
+    """Whether something accepts TCP connections at the node's raylet port. A live raylet
+    always does, however busy (the kernel answers); a killed one refuses, a vanished machine
+    times out."""
+    try:
+        with socket.create_connection((address, port), timeout=timeout_s):
+            return True
+    except OSError:
+        return False
+
+
+class LiveNodesElasticPolicy(ElasticScalingPolicy):
+    # How often to re-read GCS while waiting for it to confirm a node death.
+    CONFIRM_POLL_S = 0.2
+
+    def __init__(
+        self,
+        scaling_config: ScalingConfig,
+        *,
+        probe_s: float = 1.0,
+        confirm_s: float = 60.0,
+        node_table: NodeTable | None = None,
+        probe: Probe = raylet_answers,
+        fresh_reservation: Callable[[], Reservation | None] | None = None,
+        clock: Callable[[], float] = time.monotonic,
+        sleep: Callable[[float], None] = time.sleep,
+    ) -> None:
+        super().__init__(scaling_config)
+        self.probe_s = probe_s
+        self.confirm_s = confirm_s
+        self._node_table = node_table or ray.nodes
+        self._probe = probe
+        self._fresh_reservation = fresh_reservation or self._recomputed_reservation
+        self._clock = clock
+        self._sleep = sleep
+        self._group_nodes: set[str] = set()  # nodes of the group that ran last
+        self._lost: set[str] | None = None  # of those, nodes that no longer answer
+        self._confirm_deadline = 0.0
+        self._restarting = False  # inside a decision for a group that is not running
+        self._last_fresh = float("-inf")  # when the last fresh reservation was read
+
+    # ------------------------------------------------------------------ Ray Train's hooks
+
+    def make_decision_for_running_worker_group(
+        self, worker_group_state: Any, worker_group_status: Any
+    ) -> ScalingDecision:
+        self._group_nodes = {w.metadata.node_id for w in worker_group_state.workers}
+        self._lost = None
+        return super().make_decision_for_running_worker_group(
+            worker_group_state, worker_group_status
+        )
+
+    def make_decision_for_non_running_worker_group(self) -> ScalingDecision:
+        if self._group_nodes and self._lost is None:
+            # The group that ran has just failed: find out once whether it lost nodes.
+            self._lost = self._unanswering(self._group_nodes)
+            self._confirm_deadline = self._clock() + self.confirm_s
+            self._last_fresh = float("-inf")  # Ray Train's cached view predates the failure
+            if self._lost:
+                logger.info("Baton: node(s) %s of the failed group no longer answer; "
+                            "restarting without them", sorted(self._lost))
+        lost = self._lost or set()
+        unconfirmed = lost & self._alive_in_gcs() if lost else set()
+        if unconfirmed and self._clock() < self._confirm_deadline:
+            self._sleep(self.CONFIRM_POLL_S)
+            return NoopDecision()
+        self._restarting = True
+        try:
+            decision = super().make_decision_for_non_running_worker_group()
+        finally:
+            self._restarting = False
+        if isinstance(decision, ResizeDecision):
+            self._group_nodes, self._lost = set(), None
+        return decision
+
+    def _get_reserved_resources(self) -> Reservation | None:
+        """For a restart, a fresh view (at most once per Ray Train's query interval), less the
+        nodes that stopped answering (GCS may not know yet if `confirm_s` ran out); for a
+        running group, Ray Train's own cached view."""
+        if not self._restarting:
+            return super()._get_reserved_resources()
+        now = self._clock()
+        if now - self._last_fresh < self.GET_RESERVED_RESOURCES_INTERVAL_S:
+            return self._latest_reserved_resources
+        self._last_fresh = now
+        reserved = self._fresh_reservation()
+        if reserved is not None:
+            lost = self._lost or set()
+            reserved = {node: res for node, res in reserved.items() if node not in lost}
+        self._latest_reserved_resources = reserved
+        return reserved
+
+    # ------------------------------------------------------------------ the cluster
+
+    def _recomputed_reservation(self) -> Reservation | None:
+        try:
+            return ray.get(
+                self._autoscaling_coordinator.get_reserved_resources.remote(
+                    self._requester_id, recompute=True
+                ),
+                timeout=AUTOSCALING_REQUESTS_GET_TIMEOUT_S,
+            )
+        except Exception:  # noqa: BLE001 - as Ray Train's own query: no decision this round
+            logger.warning("Baton: could not get a fresh reservation", exc_info=True)
+            return None
+
+    def _alive_in_gcs(self) -> set[str]:
+        return {n["NodeID"] for n in self._node_table() if n.get("Alive")}
+
+    def _unanswering(self, node_ids: Iterable[str]) -> set[str]:
+        """Nodes among `node_ids` that GCS lists dead or whose raylet does not answer."""
+        table = {n["NodeID"]: n for n in self._node_table()}
+        alive = [table[i] for i in node_ids if i in table and table[i].get("Alive")]
+        lost = {i for i in node_ids if i not in table or not table[i].get("Alive")}
+        if alive:
+            with ThreadPoolExecutor(max_workers=min(32, len(alive))) as pool:
+                answers = pool.map(
+                    lambda n: self._probe(n["NodeManagerAddress"], int(n["NodeManagerPort"]),
+                                          self.probe_s),
+                    alive,
+                )
+                lost |= {n["NodeID"] for n, ok in zip(alive, answers, strict=True) if not ok}
+        return lost
+
+
+class BatonTorchTrainer(TorchTrainer):
+    """`TorchTrainer` whose elastic restarts size the group from the nodes still alive."""
+
+    def _initialize_and_run_controller(self, **controller_init_kwargs: Any) -> Any:
+        policy = controller_init_kwargs.get("scaling_policy")
+        if type(policy) is ElasticScalingPolicy:
+            controller_init_kwargs["scaling_policy"] = LiveNodesElasticPolicy(policy.scaling_config)
+        return super()._initialize_and_run_controller(**controller_init_kwargs)
