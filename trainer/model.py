@@ -58,12 +58,20 @@ class CausalSelfAttention(nn.Module):
     def __init__(self, cfg: GPTConfig) -> None:
         super().__init__()
         self.n_heads = cfg.n_heads
-        self.qkv = nn.Linear(cfg.d_model, 3 * cfg.d_model)
+        self.qkv = nn.Linear(cfg.d_model, 3 * cfg.d_model, bias=False)
+        # Biases for queries and values only. A key bias adds q·b to every score of a query,
+        # which softmax ignores: its gradient is exactly zero, so AdamW would only amplify
+        # float noise in it into full-size random updates (and break bitwise-close resumes).
+        self.qv_bias = nn.Parameter(torch.zeros(2 * cfg.d_model))
         self.proj = nn.Linear(cfg.d_model, cfg.d_model)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         batch, seq, d_model = x.shape
-        q, k, v = self.qkv(x).split(d_model, dim=-1)
+        q_bias, v_bias = self.qv_bias.split(d_model)
+        # One add over the whole n × 3d output (k gets zeros), so q, k, v stay views of a
+        # single tensor: attention keeps one n × 3d buffer for backward, not four.
+        bias = torch.cat([q_bias, torch.zeros_like(q_bias), v_bias])
+        q, k, v = (self.qkv(x) + bias).split(d_model, dim=-1)
         # (batch, heads, seq, head_dim) for SDPA.
         q, k, v = (t.view(batch, seq, self.n_heads, -1).transpose(1, 2) for t in (q, k, v))
         y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
