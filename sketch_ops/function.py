@@ -14,12 +14,13 @@ accumulate in fp32.
 
 Estimators (`estimator=`):
 - `"basis"`: the estimate above.
-- `"centered"`: the same sketch of the *centred* rows `X - 1 μxᵀ` and `dY - 1 μdyᵀ` (μ the row
-  means), plus the exact rank-1 term `n μdy μxᵀ`: `dYᵀX = (dY - 1μdyᵀ)ᵀ(X - 1μxᵀ) + n μdy μxᵀ`
-  holds exactly, so only the centred part is estimated. Without the scalars it is unbiased for
-  any fixed hash, and its error is the formula of DESIGN.md §4 with the centred matrices in
-  place of X and dY — smaller whenever the rows share a common mean (GELU outputs, LayerNorm
-  outputs with their bias). It saves μx (N numbers) more; μdy comes free from db.
+- `"centered"` (the default): the same sketch of the *centred* rows `X - 1 μxᵀ` and
+  `dY - 1 μdyᵀ` (μ the row means), plus the exact rank-1 term `n μdy μxᵀ`. The identity
+  `dYᵀX = (dY - 1μdyᵀ)ᵀ(X - 1μxᵀ) + n μdy μxᵀ` holds exactly, so only the centred part is
+  estimated. Without the scalars it is unbiased for any fixed hash, and its error is the
+  formula of DESIGN.md §4 with the centred matrices in place of X and dY — smaller whenever
+  the rows share a common mean (GELU outputs, LayerNorm outputs with their bias). It saves
+  μx (N numbers) more; μdy comes free from db.
 
 Approximation: dW is a randomised estimate. Without the scalars it is unbiased for any fixed
 hash; with them (the default, as in BASIS) it is slightly biased but norm-stable. Its error is
@@ -179,7 +180,7 @@ def sketched_linear(
     *,
     rank: int,
     seed: int,
-    estimator: str = "basis",
+    estimator: str = "centered",
     invariant_scalars: bool = True,
     balanced_hash: bool = True,
 ) -> torch.Tensor:

@@ -1,21 +1,22 @@
 """`SketchedLinear`, a drop-in `nn.Linear` trained with BASIS, and `sketch_model`.
 
 Contract:
-- `SketchedLinear(in_features, out_features, bias=True, *, rank, name="", estimator="basis")`
-  subclasses
-  `nn.Linear`: same parameters, same `state_dict` keys (`weight`, `bias`), same init, same
-  output. Only its weight gradient differs (see `function.py`). Its sketch seed is
+- `SketchedLinear(in_features, out_features, bias=True, *, rank, name="", estimator=...)`
+  subclasses `nn.Linear`: same parameters, same `state_dict` keys (`weight`, `bias`), same
+  init, same output. Only its weight gradient differs (see `function.py`). Its sketch seed is
   `layer_seed(name)`: inside `sketch_seed(...)` a pure function of (seed, step, microbatch,
   name); outside, fresh randomness per call. Layers that share a name share their sketch, so
   give each layer its own (`sketch_model` uses the module's qualified name).
-- `sketch_model(model, *, rank, include=None, estimator="basis")` replaces `nn.Linear` modules
-  in place by `SketchedLinear`s that reuse the same `Parameter` objects (an optimizer built
+- `sketch_model(model, *, rank, include=None, estimator="centered")` replaces `nn.Linear`
+  modules in place by `SketchedLinear`s that reuse the same `Parameter` objects (an optimizer built
   before still points at them) and returns the replaced qualified names, in `named_modules`
   order. `rank` is one R for every selected layer, or a mapping from qualified name to R (the
   per-layer ranks of `policy.ranks_for_budget`); a mapping selects exactly its keys, each of
-  which must name an `nn.Linear` the selection admits. `estimator` is `"basis"` or `"centered"`
-  (`function.py`). Instead of `rank`, `memory_budget=B, rows=n` gives per-layer ranks whose
-  sketches of an n-row microbatch fit in B bytes (`policy.py`).
+  which must name an `nn.Linear` the selection admits. `estimator` is `"centered"` (the default:
+  it halves the gradient error on real activations, benchmarks/sketch_quality.py) or
+  `"basis"` (DESIGN.md §4 as written); see `function.py`. Instead of `rank`,
+  `memory_budget=B, rows=n` gives per-layer ranks whose sketches of an n-row microbatch fit in
+  B bytes (`policy.py`).
   `include` selects the layers: None = every `nn.Linear`; a sequence of `fnmatch` glob
   patterns matched against the qualified name (e.g. `["blocks.*.mlp.*", "lm_head"]`); or a
   callable `(name, module) -> bool`. Only modules whose type is exactly `nn.Linear` are
@@ -50,7 +51,7 @@ class SketchedLinear(nn.Linear):
         *,
         rank: int,
         name: str = "",
-        estimator: str = "basis",
+        estimator: str = "centered",
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
     ) -> None:
@@ -63,7 +64,7 @@ class SketchedLinear(nn.Linear):
 
     @classmethod
     def from_linear(
-        cls, linear: nn.Linear, *, rank: int, name: str = "", estimator: str = "basis"
+        cls, linear: nn.Linear, *, rank: int, name: str = "", estimator: str = "centered"
     ) -> SketchedLinear:
         """A `SketchedLinear` sharing `linear`'s parameter objects (no copy, no re-init)."""
         new = cls(
@@ -115,7 +116,7 @@ def sketch_model(
     *,
     rank: int | Mapping[str, int] | None = None,
     include: Include = None,
-    estimator: str = "basis",
+    estimator: str = "centered",
     memory_budget: int | None = None,
     rows: int | None = None,
 ) -> list[str]:

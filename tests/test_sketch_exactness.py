@@ -55,7 +55,7 @@ def test_rank_at_least_n_gives_exact_weight_grad(rank: int) -> None:
 def test_same_sketch_for_x_and_dy_gives_symmetric_psd_estimate() -> None:
     x, _, _, _ = _problem(n_lead=(50,), n_in=12)
     w = torch.eye(12, dtype=torch.float64, requires_grad=True)
-    y = sketched_linear(x, w, None, rank=5, seed=21)
+    y = sketched_linear(x, w, None, rank=5, seed=21, estimator="basis")
     y.backward(x)  # dY = x, so dW_est = gamma^2 (S x)ᵀ (S x)
     dw = w.grad
     torch.testing.assert_close(dw, dw.T, rtol=0, atol=1e-12)

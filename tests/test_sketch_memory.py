@@ -23,7 +23,8 @@ def test_sketched_layer_saves_rank_times_in_features(dtype: torch.dtype) -> None
     for n in (64, 256):  # n grows 4x
         x = torch.randn(n, n_in).to(dtype).requires_grad_()
         got = saved_bytes(lambda x=x: sketched(x), sketched)
-        assert got == rank * n_in * itemsize + SEED_BYTES
+        # The R × N sketch, the seed and (centred estimator) the fp32 row mean of the input.
+        assert got == rank * n_in * itemsize + n_in * 4 + SEED_BYTES
         assert saved_bytes(lambda x=x: plain(x), plain) == n * n_in * itemsize
 
 
@@ -50,10 +51,11 @@ def test_gelu_mlp_keeps_only_its_input_and_the_proj_sketch() -> None:
     both = nn.ModuleList([fc, proj])
     x = torch.randn(n, d, requires_grad=True)
     fused = saved_bytes(lambda: gelu_mlp(fc, proj, x), both)
-    assert fused == n * d * 4 + rank * 4 * d * 4 + 2 * SEED_BYTES  # x, proj's sketch, 2 seeds
+    # x, proj's sketch and its input's row mean, 2 seeds (fc's mean is recomputed from x).
+    assert fused == n * d * 4 + rank * 4 * d * 4 + 4 * d * 4 + 2 * SEED_BYTES
     unfused = saved_bytes(lambda: proj(torch.nn.functional.gelu(fc(x))), both)
     # GELU keeps its n x 4d input; each layer its sketch and seed.
-    assert unfused == n * 4 * d * 4 + rank * (d + 4 * d) * 4 + 2 * SEED_BYTES
+    assert unfused == n * 4 * d * 4 + (rank + 1) * (d + 4 * d) * 4 + 2 * SEED_BYTES
 
 
 def test_memory_benchmark_imports_and_lists_its_configurations() -> None:
