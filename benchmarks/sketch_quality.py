@@ -26,7 +26,7 @@ Phases, each resumable (a finished run is a JSON file and is not redone):
 - report: `benchmarks/results/sketch_quality.json`, `sketch_quality.png` (validation-loss
   curves with ±std bands; memory vs quality) and a Markdown table on stdout.
 
-    python benchmarks/sketch_quality.py              # everything (~1 h on 2 cores)
+    python benchmarks/sketch_quality.py              # everything (~70 min on 2 cores)
     python benchmarks/sketch_quality.py --only exact,basis-r128 --seeds 0
     python benchmarks/sketch_quality.py --report     # re-print from the saved runs
 
@@ -113,6 +113,14 @@ VARIANTS: list[Variant] = [
         "R=128, centred + fc exact",
         rank=128,
         include=NO_FC,
+        estimator="centered",
+        group="ablation",
+    ),
+    Variant(
+        "r128-policy-head-exact",
+        "R=128, centred + fc and LM head exact",
+        rank=128,
+        include=("blocks.*.attn.*", "blocks.*.mlp.proj"),
         estimator="centered",
         group="ablation",
     ),
@@ -666,7 +674,7 @@ def plot(rows: list[dict[str, Any]], path: Path) -> None:
         x = steps * tokens_per_step / 1e3
         curves.plot(x, mean, label=r["label"])
         curves.fill_between(x, mean - std, mean + std, alpha=0.2)
-    curves.set(xlabel="training tokens (thousands)", ylabel="validation loss", ylim=(1.2, 3.2))
+    curves.set(xlabel="training tokens (thousands)", ylabel="validation loss", ylim=(2.3, 3.3))
     curves.set_title("Validation loss (mean ± std over seeds)")
     curves.legend(fontsize=7)
     for r in rows:
