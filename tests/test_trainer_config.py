@@ -80,7 +80,8 @@ def test_custom_model_needs_a_loss() -> None:
 
 def test_sketch_policy_reaches_the_model() -> None:
     """The built-in GPT sketches SKETCH_LAYERS (its fc stays exact: the fused MLP keeps fc's
-    input anyway) with the recipe's estimator; a memory budget becomes per-layer ranks."""
+    input anyway; so does the LM head) with the recipe's estimator; a memory budget becomes
+    per-layer ranks."""
     from torch import nn
 
     from sketch_ops import SketchedLinear
@@ -91,6 +92,7 @@ def test_sketch_policy_reaches_the_model() -> None:
     sketched = {n: m for n, m in model.named_modules() if isinstance(m, SketchedLinear)}
     assert sketched and not any(n.endswith("mlp.fc") for n in sketched)
     assert type(model.get_submodule("blocks.0.mlp.fc")) is nn.Linear
+    assert type(model.get_submodule("lm_head")) is nn.Linear
     assert {m.estimator for m in sketched.values()} == {cfg.sketch.estimator} == {"centered"}
     budget = load_recipe(RECIPES[0], RUN + ["sketch.rank=0", "sketch.memory_budget_mib=0.05"])
     ranks = {

@@ -25,11 +25,14 @@ from torch.utils.checkpoint import checkpoint
 
 from sketch_ops import gelu_mlp
 
-# Which linear layers BASIS sketches by default (`sketch_ops.sketch_model` globs): all but the
-# MLP's fc. The fused MLP (`sketch_ops.gelu_mlp`) keeps fc's input for its recompute anyway, so
-# sketching fc would save no memory and only add gradient noise; fc gets its exact dW for free.
-# Measured in benchmarks/sketch_quality.py (README, "BASIS quality").
-SKETCH_LAYERS = ("blocks.*.attn.qkv", "blocks.*.attn.proj", "blocks.*.mlp.proj", "lm_head")
+# Which linear layers BASIS sketches by default (`sketch_ops.sketch_model` globs): the attention
+# projections and the MLP's down-projection. Not the MLP's fc: the fused MLP
+# (`sketch_ops.gelu_mlp`) keeps fc's input for its recompute anyway, so sketching fc would save
+# no memory and only add gradient noise; fc gets its exact dW for free. Not the LM head: its
+# input (n × d) is small next to the logits (n × vocab) that the cross-entropy keeps anyway,
+# and its sketch noise costs measurable quality. Measured in benchmarks/sketch_quality.py
+# (README, "BASIS quality on real text").
+SKETCH_LAYERS = ("blocks.*.attn.qkv", "blocks.*.attn.proj", "blocks.*.mlp.proj")
 
 
 @dataclass
