@@ -259,24 +259,13 @@ def _reset_peak() -> None:
 
 def _saved_bytes(model: Any, tokens: Any, seed: int) -> int:
     """Bytes of the distinct storages autograd saves for one microbatch's backward."""
-    import torch
-
     from sketch_ops import sketch_seed
+    from sketch_ops.memory import saved_bytes
 
-    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
-    storages: dict[int, int] = {}
-
-    def pack(t: torch.Tensor) -> torch.Tensor:
-        ptr = t.untyped_storage().data_ptr()
-        if ptr not in params:
-            storages[ptr] = t.untyped_storage().nbytes()
-        return t
-
-    with sketch_seed(seed, 10**6, 0), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        loss = model.loss(tokens)
-    loss.backward()
+    with sketch_seed(seed, 10**6, 0):
+        saved = saved_bytes(lambda: model.loss(tokens), model)
     model.zero_grad(set_to_none=True)
-    return sum(storages.values())
+    return saved
 
 
 def probe(v: Variant) -> dict[str, Any]:
