@@ -150,6 +150,16 @@ VARIANTS: list[Variant] = [
         group="learning rate",
     ),
     Variant("exact-lr0.5", "exact, lr x0.5", lr_scale=0.5, group="learning rate"),
+    Variant(
+        "r128-policy-lr2",
+        "R=128 policy, lr x2",
+        rank=128,
+        include=NO_FC,
+        estimator="centered",
+        lr_scale=2.0,
+        group="learning rate",
+    ),
+    Variant("exact-lr2", "exact, lr x2", lr_scale=2.0, group="learning rate"),
 ]
 
 
