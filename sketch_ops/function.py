@@ -37,7 +37,7 @@ import torch
 import torch.nn.functional as F
 
 from . import dispatch, reference
-from .seeds import effective_rank, make_plan
+from .seeds import SketchPlan, effective_rank, make_plan
 
 ESTIMATORS = ("basis", "centered")
 
@@ -50,9 +50,57 @@ def check_estimator(estimator: str) -> None:
         )
 
 
-def row_mean(mat: torch.Tensor) -> torch.Tensor:
-    """Mean of the rows in the accumulation dtype (zeros for no rows)."""
-    return mat.sum(0, dtype=reference.acc_dtype(mat.dtype)).div_(max(mat.shape[0], 1))
+def input_sketch(
+    sketch: torch.Tensor,
+    sq_norm: torch.Tensor,
+    row_sum: torch.Tensor | None,
+    plan: SketchPlan,
+    n: int,
+    *,
+    invariant_scalars: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """What backward needs of the input X: from `S X`, `||X||²` and, for the centred estimator,
+    X's column sums (None for BASIS), the scaled sketch X̂ (accumulation dtype) and X's row
+    mean (None for BASIS). Shared by the layer and the fused MLP."""
+    mean = None
+    if row_sum is not None:
+        mean = row_sum / max(n, 1)
+        counts = reference.signed_counts(plan)
+        sketch, sq_norm = reference.center(sketch, sq_norm, mean, counts, n)
+    if invariant_scalars:
+        sketch = sketch.mul_(reference.invariant_scale(sq_norm, sketch))
+    return sketch, mean
+
+
+def weight_grad_estimate(
+    dy_sketch: torch.Tensor,
+    dy_sq_norm: torch.Tensor,
+    dy_sum: torch.Tensor | None,
+    x_hat: torch.Tensor,
+    x_mean: torch.Tensor | None,
+    plan: SketchPlan,
+    n: int,
+    *,
+    invariant_scalars: bool = True,
+) -> torch.Tensor:
+    """The estimate of dYᵀX (accumulation dtype) from `S dY`, `||dY||²`, dY's column sums (only
+    read when centred) and what `input_sketch` returned: BASIS when `x_mean` is None, else the
+    centred estimator."""
+    dy_mean = None
+    if x_mean is not None:
+        assert dy_sum is not None, "the centred estimator needs dY's column sums"
+        dy_mean = dy_sum / max(n, 1)
+        counts = reference.signed_counts(plan)
+        dy_sketch, dy_sq_norm = reference.center(dy_sketch, dy_sq_norm, dy_mean, counts, n)
+    scale = (
+        reference.invariant_scale(dy_sq_norm, dy_sketch)
+        if invariant_scalars
+        else torch.ones((), dtype=dy_sq_norm.dtype, device=dy_sketch.device)
+    )
+    grad = dispatch.weight_grad(dy_sketch, x_hat, scale, dy_sketch.dtype)
+    if dy_mean is not None:
+        grad = grad.add_(reference.mean_outer(dy_mean, x_mean, n))
+    return grad
 
 
 def check_rank(rank: int) -> None:
@@ -104,18 +152,16 @@ class _SketchedLinearFn(torch.autograd.Function):
         if ctx.needs_input_grad[1]:
             plan = make_plan(n, rank, seed, balanced=balanced_hash, device=x2d.device)
             sketch, sq_norm = dispatch.bucket_sum(x2d, plan)
-            if estimator == "centered":
-                x_mean = row_mean(x2d)
-                counts = reference.signed_counts(plan)
-                sketch, sq_norm = reference.center(sketch, sq_norm, x_mean, counts, n)
-            if invariant_scalars:
-                sketch = sketch.mul_(reference.invariant_scale(sq_norm, sketch))
+            row_sum = x2d.sum(0, dtype=sketch.dtype) if estimator == "centered" else None
+            sketch, x_mean = input_sketch(
+                sketch, sq_norm, row_sum, plan, n, invariant_scalars=invariant_scalars
+            )
             x_hat = sketch.to(x2d.dtype)
         # The seed travels as a saved tensor, not a ctx attribute: under activation
         # checkpointing the saved tensors come from the recompute, so seed and X̂ stay paired.
         seed_t = torch.tensor(seed, dtype=torch.int64)
         ctx.save_for_backward(x_hat, x_mean, weight, seed_t)
-        ctx.sketch_args = (n, rank, estimator, invariant_scalars, balanced_hash)
+        ctx.sketch_args = (n, rank, invariant_scalars, balanced_hash)
         return out
 
     @staticmethod
@@ -123,30 +169,22 @@ class _SketchedLinearFn(torch.autograd.Function):
         ctx: torch.autograd.function.FunctionCtx, dy: torch.Tensor
     ) -> tuple[torch.Tensor | None, ...]:
         x_hat, x_mean, weight, seed_t = ctx.saved_tensors
-        n, rank, estimator, invariant_scalars, balanced_hash = ctx.sketch_args
+        n, rank, invariant_scalars, balanced_hash = ctx.sketch_args
         dx = dw = db = None
+        dy_sum = None  # column sums of dY: db, and μdy when centred; one pass for both
+        if ctx.needs_input_grad[2] or x_mean is not None:
+            dy_sum = dy.sum(0, dtype=reference.acc_dtype(dy.dtype))
         if ctx.needs_input_grad[0]:
             dx = dy @ weight.to(dy.dtype)
         if ctx.needs_input_grad[1]:
             plan = make_plan(n, rank, int(seed_t), balanced=balanced_hash, device=dy.device)
             dy_sketch, sq_norm = dispatch.bucket_sum(dy, plan)
-            if x_mean is not None:
-                dy_mean = row_mean(dy)
-                counts = reference.signed_counts(plan)
-                dy_sketch, sq_norm = reference.center(dy_sketch, sq_norm, dy_mean, counts, n)
-            scale = (
-                reference.invariant_scale(sq_norm, dy_sketch)
-                if invariant_scalars
-                else torch.ones((), dtype=sq_norm.dtype, device=dy.device)
-            )
-            if x_mean is None:
-                dw = dispatch.weight_grad(dy_sketch, x_hat, scale, weight.dtype)
-            else:
-                acc = reference.acc_dtype(weight.dtype)
-                dw = dispatch.weight_grad(dy_sketch, x_hat, scale, acc)
-                dw = dw.add_(reference.mean_outer(dy_mean, x_mean, n)).to(weight.dtype)
+            dw = weight_grad_estimate(
+                dy_sketch, sq_norm, dy_sum, x_hat, x_mean, plan, n,
+                invariant_scalars=invariant_scalars,
+            ).to(weight.dtype)
         if ctx.needs_input_grad[2]:
-            db = dy.sum(0, dtype=reference.acc_dtype(dy.dtype)).to(dy.dtype)
+            db = dy_sum.to(dy.dtype)
         return dx, dw, db, None, None, None, None, None
 
 

@@ -18,7 +18,7 @@ and its part of `S dH` (or, for a plain fc, of the exact `dHᵀ x`). No n × 4d 
 allocated. The price is one extra fc matmul in backward.
 
 Because x is kept for the recompute anyway, sketching fc saves no memory here: a plain fc gets
-its exact weight gradient for free (the built-in GPT's default policy, see `policy.py`).
+its exact weight gradient for free (the built-in GPT's default, `trainer.model.SKETCH_LAYERS`).
 """
 
 from __future__ import annotations
@@ -28,9 +28,15 @@ import torch.nn.functional as F
 from torch import nn
 
 from . import dispatch, reference
-from .function import autocast_inputs, needs_sketch, validate
+from .function import (
+    autocast_inputs,
+    input_sketch,
+    needs_sketch,
+    validate,
+    weight_grad_estimate,
+)
 from .layer import SketchedLinear
-from .seeds import SketchPlan, effective_rank, layer_seed, make_plan
+from .seeds import effective_rank, layer_seed, make_plan
 
 BLOCK_ROWS = 2048  # rows per block: bounds the temporaries to BLOCK_ROWS × hidden width
 
@@ -66,12 +72,11 @@ class _GeluMlpFn(torch.autograd.Function):
             sketch += part
             sq_norm += part_sq
             hidden_sum += hidden.sum(0, dtype=acc)
-        hidden_mean = None
-        if estimators[1] == "centered":
-            hidden_mean = hidden_sum / max(n, 1)
-            counts = reference.signed_counts(plan2.to(x2d.device))
-            sketch, sq_norm = reference.center(sketch, sq_norm, hidden_mean, counts, n)
-        hidden_hat = sketch.mul_(reference.invariant_scale(sq_norm, sketch)).to(x2d.dtype)
+        centred_sum = hidden_sum if estimators[1] == "centered" else None
+        hidden_hat, hidden_mean = input_sketch(
+            sketch, sq_norm, centred_sum, plan2.to(x2d.device), n
+        )
+        hidden_hat = hidden_hat.to(x2d.dtype)
         # Seeds as a saved tensor: under activation checkpointing they then come from the
         # recompute together with the sketch (see function.py).
         seeds_t = torch.tensor(seeds, dtype=torch.int64)
@@ -88,14 +93,16 @@ class _GeluMlpFn(torch.autograd.Function):
         n, acc = x2d.shape[0], reference.acc_dtype(dy.dtype)
         seed1, seed2 = (int(s) for s in seeds_t)
         dw2 = db2 = None
+        dy_sum = None  # column sums of dY: db2, and μdy when centred; one pass for both
+        if need_db2 or (need_dw2 and hidden_mean is not None):
+            dy_sum = dy.sum(0, dtype=acc)
         if need_dw2:
             plan2 = make_plan(n, ctx.ranks[1], seed2).to(dy.device)
             dy_sketch, dy_sq = dispatch.bucket_sum(dy, plan2)
-            dy_sum = dy.sum(0, dtype=acc)
-            dw2 = _sketched_grad((dy_sketch, dy_sq, dy_sum), hidden_hat, hidden_mean, plan2, n)
+            dw2 = weight_grad_estimate(dy_sketch, dy_sq, dy_sum, hidden_hat, hidden_mean, plan2, n)
             dw2 = dw2.to(w2.dtype)
         if need_db2:
-            db2 = dy.sum(0, dtype=acc).to(dy.dtype)
+            db2 = dy_sum.to(dy.dtype)
         dx = torch.empty(x2d.shape, dtype=dy.dtype, device=dy.device) if need_dx else None
         # fc's dW: exact when fc is a plain nn.Linear (rank 0) — x is kept anyway, so an exact
         # dW costs no memory, only the n-row matmul; otherwise its BASIS sketch.
@@ -103,8 +110,9 @@ class _GeluMlpFn(torch.autograd.Function):
         plan1 = make_plan(n, ctx.ranks[0], seed1) if need_dw1 and not fc_exact else None
         dw1 = torch.zeros(w1.shape, dtype=acc, device=dy.device) if need_dw1 and fc_exact else None
         dh_sum = torch.zeros(w1.shape[0], dtype=acc, device=dy.device)
-        dh_sketch = torch.zeros(max(ctx.ranks[0], 1), w1.shape[0], dtype=acc, device=dy.device)
-        dh_sq = torch.zeros((), dtype=acc, device=dy.device)
+        if plan1 is not None:
+            dh_sketch = torch.zeros(plan1.rank, w1.shape[0], dtype=acc, device=dy.device)
+            dh_sq = torch.zeros((), dtype=acc, device=dy.device)
         for start, end in _blocks(n):
             pre = F.linear(x2d[start:end], w1, b1)
             dh = torch.ops.aten.gelu_backward(dy[start:end] @ w2, pre)
@@ -121,39 +129,12 @@ class _GeluMlpFn(torch.autograd.Function):
         if plan1 is not None:
             plan1 = plan1.to(dy.device)
             x_sketch, x_sq = dispatch.bucket_sum(x2d, plan1)
-            x_mean = None
-            if ctx.estimators[0] == "centered":
-                x_mean = x2d.sum(0, dtype=acc) / max(n, 1)
-                counts = reference.signed_counts(plan1)
-                x_sketch, x_sq = reference.center(x_sketch, x_sq, x_mean, counts, n)
-            x_hat = x_sketch.mul_(reference.invariant_scale(x_sq, x_sketch))
-            dw1 = _sketched_grad((dh_sketch, dh_sq, dh_sum), x_hat, x_mean, plan1, n)
+            x_sum = x2d.sum(0, dtype=acc) if ctx.estimators[0] == "centered" else None
+            x_hat, x_mean = input_sketch(x_sketch, x_sq, x_sum, plan1, n)
+            dw1 = weight_grad_estimate(dh_sketch, dh_sq, dh_sum, x_hat, x_mean, plan1, n)
         dw1 = None if dw1 is None else dw1.to(w1.dtype)
         db1 = dh_sum.to(dy.dtype) if need_db1 else None
         return dx, dw1, db1, dw2, db2, None, None, None
-
-
-def _sketched_grad(
-    dy_sketch: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
-    x_hat: torch.Tensor,
-    x_mean: torch.Tensor | None,
-    plan: SketchPlan,
-    n: int,
-) -> torch.Tensor:
-    """The BASIS (`x_mean` None) or centred estimate of dYᵀX, in the accumulation dtype.
-
-    `dy_sketch` = (S dY, ||dY||_F², column sums of dY), accumulated by the caller (block by
-    block for the hidden gradient); `x_hat` is the input sketch with its scalar applied."""
-    sketch, sq_norm, dy_sum = dy_sketch
-    if x_mean is not None:
-        dy_mean = dy_sum / max(n, 1)
-        counts = reference.signed_counts(plan)
-        sketch, sq_norm = reference.center(sketch, sq_norm, dy_mean, counts, n)
-    scale = reference.invariant_scale(sq_norm, sketch)
-    grad = dispatch.weight_grad(sketch, x_hat, scale, sketch.dtype)
-    if x_mean is not None:
-        grad = grad.add_(reference.mean_outer(dy_mean, x_mean, n))
-    return grad
 
 
 def gelu_mlp(fc: nn.Module, proj: nn.Module, x: torch.Tensor) -> torch.Tensor:
