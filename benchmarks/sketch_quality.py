@@ -62,8 +62,8 @@ STEPS = 300
 LR, WARMUP = 1e-3, 30
 EVAL_EVERY, EVAL_SEQS, FINAL_EVAL_SEQS = 25, 128, 512
 CORPUS_BYTES = 12_000_000
-SEEDS = (0, 1, 2)
-MEMORY_CANDIDATES = (10, 12, 14, 16, 20)  # microbatches tried for the equal-memory comparison
+SEEDS = (0, 1, 2, 3, 4)  # a variant trains with the first `Variant.seeds` of them
+MEMORY_CANDIDATES = (12, 14, 16, 20, 24)  # microbatches tried for the equal-memory comparison
 # glibc: serve every allocation above 64 KiB by mmap and give it back on free, so the resident
 # set follows live memory and VmHWM measures the real peak (not malloc's cached arenas).
 MALLOC_ENV = {"MALLOC_MMAP_THRESHOLD_": "65536", "MALLOC_TRIM_THRESHOLD_": "0"}
@@ -76,22 +76,32 @@ class Variant:
     name: str
     label: str
     rank: int = 0
-    include: tuple[str, ...] | None = None  # sketch_model's globs; None = its default
+    include: tuple[str, ...] | None = None  # sketch_model's globs; None = every nn.Linear
     estimator: str = "basis"
     budget_rank: int = 0  # > 0: per-layer ranks from the budget uniform R = budget_rank uses
     checkpoint: bool = False
+    mlp_recompute: str = "auto"  # trainer.model.GPTConfig.mlp_recompute
+    fuse_norms: bool = True  # trainer.model.GPTConfig.fuse_norms
     lr_scale: float = 1.0
     microbatch: int = MICROBATCH
     steps: int = STEPS
+    seeds: int = 3  # how many of SEEDS it trains with (headline rows get more)
     group: str = "equal steps"
 
 
 ALL_LINEARS = ("blocks.*.attn.qkv", "blocks.*.attn.proj", "blocks.*.mlp.*", "lm_head")
+BLOCK_LINEARS = ("blocks.*.attn.*", "blocks.*.mlp.*")
 NO_FC = ("blocks.*.attn.*", "blocks.*.mlp.proj", "lm_head")  # the fused MLP keeps fc's input
 MLP_HEAD = ("blocks.*.mlp.*", "lm_head")
+OLD_POLICY = ("blocks.*.attn.*", "blocks.*.mlp.proj")  # the default before the norm fusion
+POLICY = ("blocks.*.mlp.proj",)  # trainer.model.SKETCH_LAYERS
+HEADLINE_SEEDS = 5
 VARIANTS: list[Variant] = [
-    Variant("exact", "exact backprop"),
-    Variant("ckpt", "activation checkpointing", checkpoint=True),
+    Variant("exact", "exact backprop", seeds=HEADLINE_SEEDS, group="baseline"),
+    Variant("ckpt", "activation checkpointing", checkpoint=True, group="baseline"),
+    Variant(
+        "exact-recompute", "exact, MLP recomputed", mlp_recompute="always", group="baseline"
+    ),
     Variant("basis-r512", "BASIS R=n/4 (512)", rank=512, include=ALL_LINEARS),
     Variant("basis-r128", "BASIS R=n/16 (128)", rank=128, include=ALL_LINEARS),
     Variant("basis-r32", "BASIS R=n/64 (32)", rank=32, include=ALL_LINEARS),
@@ -117,11 +127,20 @@ VARIANTS: list[Variant] = [
         group="ablation",
     ),
     Variant(
-        "r128-policy-head-exact",
+        "r128-old-policy",
         "R=128, centred + fc and LM head exact",
         rank=128,
-        include=("blocks.*.attn.*", "blocks.*.mlp.proj"),
+        include=OLD_POLICY,
         estimator="centered",
+        group="ablation",
+    ),
+    Variant(
+        "r128-mlp-proj",
+        "R=128, centred, MLP proj only (default)",
+        rank=128,
+        include=POLICY,
+        estimator="centered",
+        seeds=HEADLINE_SEEDS,
         group="ablation",
     ),
     Variant(
@@ -133,18 +152,38 @@ VARIANTS: list[Variant] = [
         group="ablation",
     ),
     Variant(
-        "r32-policy",
-        "R=32, centred + fc exact",
+        "r32-mlp-proj",
+        "R=32, centred, MLP proj only",
         rank=32,
-        include=NO_FC,
+        include=POLICY,
         estimator="centered",
         group="ablation",
     ),
+    # Speed: every block linear sketched and no MLP recompute, so each sketched layer saves its
+    # weight-gradient matmul and nothing is recomputed (GELU keeps its input).
+    Variant(
+        "speed-r128",
+        "R=128, all block linears, no recompute",
+        rank=128,
+        include=BLOCK_LINEARS,
+        estimator="centered",
+        mlp_recompute="never",
+        group="speed",
+    ),
+    Variant(
+        "speed-r512",
+        "R=512, all block linears, no recompute",
+        rank=512,
+        include=BLOCK_LINEARS,
+        estimator="centered",
+        mlp_recompute="never",
+        group="speed",
+    ),
     Variant(
         "r128-policy-lr0.5",
-        "R=128 policy, lr x0.5",
+        "R=128 default, lr x0.5",
         rank=128,
-        include=NO_FC,
+        include=POLICY,
         estimator="centered",
         lr_scale=0.5,
         group="learning rate",
@@ -152,9 +191,9 @@ VARIANTS: list[Variant] = [
     Variant("exact-lr0.5", "exact, lr x0.5", lr_scale=0.5, group="learning rate"),
     Variant(
         "r128-policy-lr2",
-        "R=128 policy, lr x2",
+        "R=128 default, lr x2",
         rank=128,
-        include=NO_FC,
+        include=POLICY,
         estimator="centered",
         lr_scale=2.0,
         group="learning rate",
@@ -163,8 +202,20 @@ VARIANTS: list[Variant] = [
 ]
 
 
+# Probed for memory and time only: its values and gradients are exact backprop's.
+PROBE_ONLY = [
+    Variant(
+        "exact-unfused",
+        "exact, plain modules (no norm fusion)",
+        fuse_norms=False,
+        mlp_recompute="never",
+        group="baseline",
+    )
+]
+
+
 def variant(name: str) -> Variant:
-    for v in VARIANTS:
+    for v in VARIANTS + PROBE_ONLY:
         if v.name == name:
             return v
     raise SystemExit(f"unknown variant {name!r}; known: {', '.join(v.name for v in VARIANTS)}")
@@ -190,6 +241,8 @@ def build(v: Variant, seed: int) -> tuple[Any, Any, Any]:
             n_heads=N_HEADS,
             seq_len=SEQ,
             checkpoint_blocks=v.checkpoint,
+            mlp_recompute=v.mlp_recompute,
+            fuse_norms=v.fuse_norms,
         )
     )
     include = list(v.include) if v.include else None
@@ -292,10 +345,11 @@ def probe(v: Variant) -> dict[str, Any]:
     rest = _status_kib("VmRSS")
     _reset_peak()
     times = []
-    for step in range(2, 9):
-        start = time.perf_counter()
+    for step in range(2, 11):
+        # CPU time of this (the only compute) thread: steadier than wall time on a shared box.
+        start = time.thread_time()
         train_step(model, optimizer, schedule, tokens, 0, step)
-        times.append(time.perf_counter() - start)
+        times.append(time.thread_time() - start)
     return {
         "step_peak_mib": (_status_kib("VmHWM") - rest) / 1024,
         "saved_mib": saved / 2**20,
@@ -405,8 +459,14 @@ def _probe_once(name: str, spec: Variant, *, exact_rss: bool) -> dict[str, Any]:
     return json.loads(out.strip().splitlines()[-1])
 
 
-def run_training(variants: list[Variant], seeds: tuple[int, ...]) -> None:
-    jobs = [(v, s) for v in variants for s in seeds if not (RUNS / f"{v.name}-s{s}.json").exists()]
+def run_training(variants: list[Variant], seeds: tuple[int, ...] | None = None) -> None:
+    """Train every (variant, seed) not on disk yet: `seeds`, or each variant's own."""
+    jobs = [
+        (v, s)
+        for v in variants
+        for s in (seeds if seeds is not None else SEEDS[: v.seeds])
+        if not (RUNS / f"{v.name}-s{s}.json").exists()
+    ]
     for i in range(0, len(jobs), 2):
         batch = jobs[i : i + 2]
         with CpuLock():
@@ -450,7 +510,8 @@ def grad_error() -> dict[str, dict[str, float]]:
     from sketch_ops.seeds import make_plan
 
     torch.set_num_threads(1)
-    model, optimizer, schedule = build(variant("exact"), 0)
+    # Unfused norms: the forward hooks below must see every linear layer's input.
+    model, optimizer, schedule = build(dataclasses.replace(variant("exact"), fuse_norms=False), 0)
     loader = ResumableLoader(
         TokenDataset(str(DATA), "train"),
         global_batch=MICROBATCH,
@@ -527,41 +588,80 @@ def grad_error() -> dict[str, dict[str, float]]:
 
 # --------------------------------------------------------------------------- equal memory
 
-MEMORY_BASE = "r128-policy"  # the BASIS configuration that spends its savings on the batch
+MEMORY_BASE = "r128-mlp-proj"  # the BASIS default that spends its savings on the batch
+SPEED_BASES = ("speed-r128", "speed-r512")  # BASIS configurations that spend them on steps
 
 
-def memory_variants(probes: dict[str, dict[str, Any]]) -> list[Variant]:
-    """The equal-peak-memory runs: MEMORY_BASE at the largest candidate microbatch whose probed
-    step peak fits under exact backprop's at MICROBATCH, for exact's wall time and tokens."""
+def derived_variants(probes: dict[str, dict[str, Any]]) -> list[Variant]:
+    """The runs whose shape depends on the probes, all at most exact backprop's step peak:
+
+    - MEMORY_BASE at the largest candidate microbatch that fits under exact's peak at
+      MICROBATCH, trained for exact's wall time and for exact's number of tokens (the issue's
+      "spend the saved memory on a larger microbatch");
+    - each SPEED_BASES variant at MICROBATCH, trained for exact's wall time (more steps);
+    - exact backprop trained for the most steps of those, to show what the steps alone buy.
+    Exact's wall time is STEPS × its step time; the others' step time relative to exact's
+    comes from probes taken side by side."""
+    exact_peak = probes["exact"]["step_peak_mib"]
+    derived: list[Variant] = []
     base = variant(MEMORY_BASE)
     fits = [
         m
         for m in MEMORY_CANDIDATES
-        if probes[f"{MEMORY_BASE}-mb{m}"]["step_peak_mib"] <= probes["exact"]["step_peak_mib"]
+        if f"{MEMORY_BASE}-mb{m}" in probes
+        and probes[f"{MEMORY_BASE}-mb{m}"]["step_peak_mib"] <= exact_peak
     ]
-    if not fits:
-        return []
-    mb = max(fits)
-    # Exact's wall time: STEPS exact steps; the candidate's step time relative to exact's
-    # comes from probes taken side by side.
-    ratio = probes[f"{MEMORY_BASE}-mb{mb}"]["step_time_ratio"]
-    same = dict(rank=base.rank, include=base.include, estimator=base.estimator, microbatch=mb)
-    return [
-        Variant(
-            f"mem-time-mb{mb}",
-            f"{base.label}, microbatch {mb}, exact's wall time",
-            steps=round(STEPS / ratio),
-            group="equal memory",
-            **same,
-        ),
-        Variant(
-            f"mem-tokens-mb{mb}",
-            f"{base.label}, microbatch {mb}, exact's tokens",
-            steps=STEPS * MICROBATCH // mb,
-            group="equal memory",
-            **same,
-        ),
-    ]
+    if fits:
+        mb = max(fits)
+        ratio = probes[f"{MEMORY_BASE}-mb{mb}"]["step_time_ratio"]
+        derived += [
+            dataclasses.replace(
+                base,
+                name=f"mem-time-mb{mb}",
+                label=f"{base.label}, microbatch {mb}, exact's wall time",
+                microbatch=mb,
+                steps=round(STEPS / ratio),
+                seeds=3,
+                group="equal memory",
+            ),
+            dataclasses.replace(
+                base,
+                name=f"mem-tokens-mb{mb}",
+                label=f"{base.label}, microbatch {mb}, exact's tokens",
+                microbatch=mb,
+                steps=STEPS * MICROBATCH // mb,
+                seeds=3,
+                group="equal memory",
+            ),
+        ]
+    most_steps = 0
+    for name in SPEED_BASES:
+        speed = variant(name)
+        if name not in probes or probes[name]["step_peak_mib"] > exact_peak:
+            continue
+        steps = round(STEPS / probes[name]["step_time_ratio"])
+        most_steps = max(most_steps, steps)
+        derived.append(
+            dataclasses.replace(
+                speed,
+                name=f"{name}-time",
+                label=f"{speed.label}, exact's wall time",
+                steps=steps,
+                seeds=HEADLINE_SEEDS,
+                group="equal memory",
+            )
+        )
+    if most_steps > STEPS:
+        derived.append(
+            dataclasses.replace(
+                variant("exact"),
+                name=f"exact-steps{most_steps}",
+                label=f"exact backprop, {most_steps} steps (more wall time)",
+                steps=most_steps,
+                group="reference",
+            )
+        )
+    return derived
 
 
 def candidate_variants() -> list[Variant]:
@@ -610,7 +710,12 @@ def summarize(variants: list[Variant], probes: dict[str, dict[str, Any]]) -> lis
             se = (std**2 / len(vals) + e_std**2 / len(exact_vals)) ** 0.5
             row["delta_pct"] = 100 * (mean - e_mean) / e_mean
             row["significant"] = abs(mean - e_mean) > 2 * se
-        probe_name = v.name if v.name in probes else f"{MEMORY_BASE}-mb{v.microbatch}"
+        exact_runs = runs.get("exact", [])
+        if exact_runs and v.name != "exact":
+            per_step = statistics.fmean(r["train_s"] / r["steps"] for r in runs[v.name])
+            exact_step = statistics.fmean(r["train_s"] / r["steps"] for r in exact_runs)
+            row["run_time_ratio"] = per_step * v.steps / (exact_step * STEPS)
+        probe_name = probe_key(v)
         if probe_name in probes:
             p = probes[probe_name]
             row.update(
@@ -623,11 +728,24 @@ def summarize(variants: list[Variant], probes: dict[str, dict[str, Any]]) -> lis
     return rows
 
 
+def probe_key(v: Variant) -> str:
+    """The probe that measured `v`'s step: its own, or its base's for a derived variant."""
+    if v.name.startswith("mem-"):
+        return f"{MEMORY_BASE}-mb{v.microbatch}"
+    if v.name.endswith("-time"):
+        return v.name.removesuffix("-time")
+    if v.name.startswith("exact-steps"):
+        return "exact"
+    return v.name
+
+
 def markdown(rows: list[dict[str, Any]]) -> str:
+    """The README's table. Run time is the training time of the runs themselves (two at a
+    time on the two cores) relative to exact's 300 steps: the check on "equal wall time"."""
     lines = [
         "| configuration | steps × microbatch | val loss (mean ± std) | vs exact | step peak MiB "
-        "(× exact) | step time × exact |",
-        "|---|---|---|---|---|---|",
+        "(× exact) | step time × exact | run time × exact |",
+        "|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         delta = ""
@@ -635,9 +753,10 @@ def markdown(rows: list[dict[str, Any]]) -> str:
             delta = f"{r['delta_pct']:+.1f} %" + ("" if r["significant"] else " (noise)")
         mem = f"{r['step_peak_mib']:.0f} ({r['memory_ratio']:.2f})" if "step_peak_mib" in r else ""
         time_ratio = f"{r['step_time_ratio']:.2f}" if r.get("step_time_ratio") else ""
+        run_time = f"{r['run_time_ratio']:.2f}" if "run_time_ratio" in r else ""
         lines.append(
             f"| {r['label']} | {r['steps']} × {r['microbatch']} | {r['val_mean']:.3f} ± "
-            f"{r['val_std']:.3f} (n={r['seeds']}) | {delta} | {mem} | {time_ratio} |"
+            f"{r['val_std']:.3f} (n={r['seeds']}) | {delta} | {mem} | {time_ratio} | {run_time} |"
         )
     return "\n".join(lines)
 
@@ -650,8 +769,8 @@ def plot(rows: list[dict[str, Any]], path: Path) -> None:
     import numpy as np
 
     fig, (curves, scatter) = plt.subplots(1, 2, figsize=(13, 5))
-    shown = {"exact", "basis-r128", "basis-r32", MEMORY_BASE, "r32-policy"}
-    shown |= {r["variant"] for r in rows if r["group"] == "equal memory"}
+    shown = {"exact", "basis-r128", "basis-r32", MEMORY_BASE, "speed-r128"}
+    shown |= {r["variant"] for r in rows if r["group"] in ("equal memory", "reference")}
     for r in rows:
         if r["variant"] not in shown:
             continue
@@ -683,7 +802,7 @@ def plot(rows: list[dict[str, Any]], path: Path) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--only", default="", help="comma-separated variant names")
-    parser.add_argument("--seeds", default=",".join(map(str, SEEDS)))
+    parser.add_argument("--seeds", default="", help="comma-separated; default: each variant's")
     parser.add_argument("--report", action="store_true", help="only aggregate saved runs")
     parser.add_argument("--probe", help=argparse.SUPPRESS)
     parser.add_argument("--train", help=argparse.SUPPRESS)
@@ -696,24 +815,30 @@ def main() -> None:
         print(json.dumps(train(Variant(**json.loads(args.train)), args.seed)))
         return
     RUNS.mkdir(parents=True, exist_ok=True)
-    chosen = [variant(n) for n in args.only.split(",") if n] or VARIANTS
-    seeds = tuple(int(s) for s in args.seeds.split(","))
+    probe_path = RUNS / "probe.json"
+    if args.only:  # derived variants can be named too, once the probes that shape them exist
+        saved = json.loads(probe_path.read_text()) if probe_path.exists() else {}
+        derived = {v.name: v for v in derived_variants(saved)} if "exact" in saved else {}
+        chosen = [derived[n] if n in derived else variant(n) for n in args.only.split(",") if n]
+    else:
+        chosen = VARIANTS
+    seeds = tuple(int(s) for s in args.seeds.split(",")) if args.seeds else None
     if not args.report:
         ensure_corpus()
-        probes = run_probes(chosen)
+        probes = run_probes(chosen + ([] if args.only else PROBE_ONLY))
         # Learning-rate runs last: they refine, the memory comparison is a headline figure.
         run_training([v for v in chosen if v.group != "learning rate"], seeds)
         if not args.only:
             probes = run_probes(candidate_variants())
-            run_training(memory_variants(probes), seeds)
+            run_training(derived_variants(probes), seeds)
         run_training([v for v in chosen if v.group == "learning rate"], seeds)
         grad_path = RUNS / "grad_error.json"
         if not args.only and not grad_path.exists():
             with CpuLock():
                 grad_path.write_text(json.dumps(grad_error(), indent=1))
-    probes = json.loads((RUNS / "probe.json").read_text())
+    probes = json.loads(probe_path.read_text())
     everything = (
-        VARIANTS + memory_variants(probes)
+        VARIANTS + derived_variants(probes)
         if all(v.name in probes for v in candidate_variants())
         else VARIANTS
     )
@@ -739,6 +864,18 @@ def main() -> None:
     (RESULTS / "sketch_quality.json").write_text(json.dumps(result, indent=1))
     plot(rows, RESULTS / "sketch_quality.png")
     print(markdown(rows))
+    print(
+        "\n| probed only | step peak MiB (× exact) | saved for backward MiB | step time × exact |"
+    )
+    print("|---|---|---|---|")
+    for v in PROBE_ONLY:
+        if v.name in probes:
+            p = probes[v.name]
+            ratio = p["step_peak_mib"] / probes["exact"]["step_peak_mib"]
+            print(
+                f"| {v.label} | {p['step_peak_mib']:.0f} ({ratio:.2f}) | {p['saved_mib']:.0f} | "
+                f"{p['step_time_ratio']:.2f} |"
+            )
     if result["grad_error"]:
         print("\n| estimator | mean relative dW error over layers |\n|---|---|")
         for name, row in result["grad_error"].items():

@@ -6,8 +6,11 @@ Public API:
 - `sketch_model(model, *, rank, include=None) -> list[str]`: swap a model's `nn.Linear`s in place.
 - `sketch_seed(seed, step, microbatch=0)`: context manager making sketches a pure function of
   (seed, step, microbatch, layer name).
-- `gelu_mlp(fc, proj, x)`: `proj(gelu(fc(x)))` that, when both layers are sketched, keeps only
-  x instead of the 4d-wide hidden activations (`fused.py`; the built-in GPT's MLP uses it).
+- `gelu_mlp(fc, proj, x, *, norm=None, recompute=False)`: `proj(gelu(fc(norm(x))))` that, when
+  proj is sketched (or `recompute`), keeps only x instead of the 4d-wide hidden activations
+  (`fused.py`; the built-in GPT's MLP uses it).
+- `norm_linear(norm, linear, x)`: `linear(norm(x))` keeping only the LayerNorm's input when the
+  linear layer is exact (`norm_linear.py`; the built-in GPT's qkv and LM head use it).
 
 The maths is in DESIGN.md §4; `reference.py` is its executable specification and `kernels.py`
 the CUDA (Triton) implementation, chosen by `dispatch.py`.
@@ -16,11 +19,13 @@ the CUDA (Triton) implementation, chosen by `dispatch.py`.
 from .function import sketched_linear
 from .fused import gelu_mlp
 from .layer import SketchedLinear, sketch_model
+from .norm_linear import norm_linear
 from .seeds import sketch_seed
 
 __all__ = [
     "SketchedLinear",
     "gelu_mlp",
+    "norm_linear",
     "sketch_model",
     "sketch_seed",
     "sketched_linear",

@@ -204,11 +204,12 @@ def autocast_inputs(
     return x, weight, bias
 
 
-def needs_sketch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
-    """Whether this call records a backward at all (no sketch work, no seed draw otherwise)."""
+def needs_sketch(*tensors: torch.Tensor | None) -> bool:
+    """Whether a call on `tensors` (inputs and parameters; None allowed) records a backward at
+    all (no sketch work, no seed draw otherwise)."""
     if not torch.is_grad_enabled():
         return False
-    return any(t is not None and t.requires_grad for t in (x, weight, bias))
+    return any(t is not None and t.requires_grad for t in tensors)
 
 
 def sketched_linear(

@@ -1,24 +1,37 @@
-"""`gelu_mlp`: a transformer MLP `proj(gelu(fc(x)))` whose sketched layers keep only x.
+"""`gelu_mlp`: a transformer MLP `proj(gelu(fc(norm(x))))` that keeps only its input.
 
-Contract: `gelu_mlp(fc, proj, x)` returns `proj(F.gelu(fc(x)))`. When proj is a
-`SketchedLinear`, fc a `SketchedLinear` or a plain `nn.Linear`, and a backward will run, it goes
-through one fused autograd function whose gradients equal those of the unfused composition —
-the same sketches from the same per-layer seeds and estimators, so dX and the biases exact,
-proj's dW (and fc's, if sketched) the same BASIS estimates — up to fp32 summation order.
-Otherwise it is the plain composition.
+Contract: `gelu_mlp(fc, proj, x, *, norm=None, recompute=None)` returns
+`proj(F.gelu(fc(norm(x))))` (no norm when `norm` is None). It goes through one fused,
+row-blocked autograd function that recomputes the hidden activations when a backward will run,
+fc and proj are each an `nn.Linear` or a `SketchedLinear`, and `recompute` is True, or None
+(the default) and proj is sketched. Its gradients equal those of
+the unfused composition — the same sketches from the same per-layer seeds and estimators, so dX,
+the biases and every plain layer's dW exact, a sketched layer's dW the same BASIS estimate — up
+to fp32 summation order. Otherwise it is the plain composition, with the norm fused into fc when
+fc is plain (`norm_linear`).
 
-Why: once proj is sketched, the MLP's largest activations are its 4d-wide hidden tensors: GELU
-saves its input, and the hidden output exists in full between the layers, in forward and again
-(as its gradient) in backward. The fused function walks the rows in blocks of `BLOCK_ROWS`
-instead. Forward, per block: fc, GELU, proj, and the block's part of proj's input sketch (S is
-linear in the rows, so block sketches add up). Saved: x (n × d), proj's R × 4d sketch (plus
-the hidden row mean for the centred estimator) and the two seeds. Backward, per block:
-recompute fc's output, the hidden gradient `dY W2`, GELU's derivative, the block's slice of dX
-and its part of `S dH` (or, for a plain fc, of the exact `dHᵀ x`). No n × 4d tensor is ever
-allocated. The price is one extra fc matmul in backward.
+Why: the MLP's largest activations are its 4d-wide hidden tensors: GELU saves its input, and
+proj keeps GELU's output for its weight gradient. Once proj is sketched, only GELU's input is
+still needed, and the fused function recomputes it instead: it walks the rows in blocks of
+`BLOCK_ROWS`. Forward, per block: norm, fc, GELU, proj, and the block's part of proj's input
+sketch (S is linear in the rows, so block sketches add up). Saved: x (n × d; the norm's input,
+which a LayerNorm keeps anyway), proj's R × 4d sketch (plus the hidden row mean for the centred
+estimator) and the two seeds. Backward, per block: recompute the norm and fc's output, the hidden
+gradient `dY W2`, GELU's derivative, the block's slice of dX and its part of `S dH` (or, for a
+plain fc, of the exact `dHᵀ x`). No n × 4d tensor outlives a block. The price is one extra fc
+matmul in backward.
+
+`recompute=True` with a plain proj is the same recompute with exact gradients (selective
+activation recomputation of the MLP): the same memory as the sketched MLP minus proj's sketch,
+for one more matmul in backward (proj's exact dW from the recomputed hidden rows). It is the
+exact-backprop baseline that BASIS must beat at equal memory. `recompute=False` never fuses:
+GELU keeps its n × 4d input, and sketched layers then save their weight-gradient matmuls
+without paying for the recompute (the fastest step, not the smallest).
 
 Because x is kept for the recompute anyway, sketching fc saves no memory here: a plain fc gets
 its exact weight gradient for free (the built-in GPT's default, `trainer.model.SKETCH_LAYERS`).
+Under autocast the norm runs unfused in front (as `nn.LayerNorm` would, in fp32), and the fused
+function keeps its output instead of x.
 """
 
 from __future__ import annotations
@@ -36,6 +49,7 @@ from .function import (
     weight_grad_estimate,
 )
 from .layer import SketchedLinear
+from .norm_linear import fusable_norm, layer_norm_rows, layer_norm_rows_backward, norm_linear
 from .seeds import effective_rank, layer_seed, make_plan
 
 BLOCK_ROWS = 2048  # rows per block: bounds the temporaries to BLOCK_ROWS × hidden width
@@ -46,107 +60,171 @@ def _blocks(n: int) -> list[tuple[int, int]]:
 
 
 class _GeluMlpFn(torch.autograd.Function):
+    """Rank 0 in `ranks` means that layer is plain (exact dW); `eps` None means no norm."""
+
     @staticmethod
     def forward(  # type: ignore[override]
         ctx: torch.autograd.function.FunctionCtx,
         x2d: torch.Tensor,
+        norm_w: torch.Tensor | None,
+        norm_b: torch.Tensor | None,
         w1: torch.Tensor,
         b1: torch.Tensor | None,
         w2: torch.Tensor,
         b2: torch.Tensor | None,
+        eps: float | None,
         ranks: tuple[int, int],
         seeds: tuple[int, int],
         estimators: tuple[str, str],
     ) -> torch.Tensor:
         n = x2d.shape[0]
         out = torch.empty(n, w2.shape[0], dtype=x2d.dtype, device=x2d.device)
-        plan2 = make_plan(n, ranks[1], seeds[1])
         acc = reference.acc_dtype(x2d.dtype)
-        sketch = torch.zeros(plan2.rank, w2.shape[1], dtype=acc, device=x2d.device)
-        sq_norm = torch.zeros((), dtype=sketch.dtype, device=x2d.device)
-        hidden_sum = torch.zeros(w2.shape[1], dtype=acc, device=x2d.device)
+        proj_sketched = ranks[1] > 0
+        if proj_sketched:
+            plan2 = make_plan(n, ranks[1], seeds[1])
+            sketch = torch.zeros(plan2.rank, w2.shape[1], dtype=acc, device=x2d.device)
+            sq_norm = torch.zeros((), dtype=sketch.dtype, device=x2d.device)
+            hidden_sum = torch.zeros(w2.shape[1], dtype=acc, device=x2d.device)
         for start, end in _blocks(n):
-            hidden = torch.ops.aten.gelu_(F.linear(x2d[start:end], w1, b1))  # no graph here
+            rows = x2d[start:end]
+            if eps is not None:
+                rows = layer_norm_rows(rows, norm_w, norm_b, eps)[0]
+            hidden = torch.ops.aten.gelu_(F.linear(rows, w1, b1))  # no graph here
+            del rows
             out[start:end] = F.linear(hidden, w2, b2)
-            part, part_sq = dispatch.bucket_sum(hidden, plan2.row_block(start, end).to(x2d.device))
-            sketch += part
-            sq_norm += part_sq
-            hidden_sum += hidden.sum(0, dtype=acc)
-        centred_sum = hidden_sum if estimators[1] == "centered" else None
-        hidden_hat, hidden_mean = input_sketch(
-            sketch, sq_norm, centred_sum, plan2.to(x2d.device), n
-        )
-        hidden_hat = hidden_hat.to(x2d.dtype)
+            if proj_sketched:
+                block_plan = plan2.row_block(start, end).to(x2d.device)
+                part, part_sq = dispatch.bucket_sum(hidden, block_plan)
+                sketch += part
+                sq_norm += part_sq
+                hidden_sum += hidden.sum(0, dtype=acc)
+        hidden_hat = hidden_mean = None
+        if proj_sketched:
+            centred_sum = hidden_sum if estimators[1] == "centered" else None
+            hidden_hat, hidden_mean = input_sketch(
+                sketch, sq_norm, centred_sum, plan2.to(x2d.device), n
+            )
+            hidden_hat = hidden_hat.to(x2d.dtype)
         # Seeds as a saved tensor: under activation checkpointing they then come from the
         # recompute together with the sketch (see function.py).
         seeds_t = torch.tensor(seeds, dtype=torch.int64)
-        ctx.save_for_backward(x2d, w1, b1, w2, hidden_hat, hidden_mean, seeds_t)
-        ctx.ranks, ctx.estimators = ranks, estimators
+        ctx.save_for_backward(x2d, norm_w, norm_b, w1, b1, w2, hidden_hat, hidden_mean, seeds_t)
+        ctx.ranks, ctx.estimators, ctx.eps = ranks, estimators, eps
         return out
 
     @staticmethod
     def backward(  # type: ignore[override]
         ctx: torch.autograd.function.FunctionCtx, dy: torch.Tensor
     ) -> tuple[torch.Tensor | None, ...]:
-        x2d, w1, b1, w2, hidden_hat, hidden_mean, seeds_t = ctx.saved_tensors
-        need_dx, need_dw1, need_db1, need_dw2, need_db2 = ctx.needs_input_grad[:5]
-        n, acc = x2d.shape[0], reference.acc_dtype(dy.dtype)
+        x2d, norm_w, norm_b, w1, b1, w2, hidden_hat, hidden_mean, seeds_t = ctx.saved_tensors
+        need_dx, need_dnw, need_dnb, need_dw1, need_db1, need_dw2, need_db2 = (
+            ctx.needs_input_grad[:7]
+        )
+        n, acc, eps = x2d.shape[0], reference.acc_dtype(dy.dtype), ctx.eps
         seed1, seed2 = (int(s) for s in seeds_t)
+        fc_exact, proj_exact = ctx.ranks[0] == 0, ctx.ranks[1] == 0
         dw2 = db2 = None
         dy_sum = None  # column sums of dY: db2, and μdy when centred; one pass for both
         if need_db2 or (need_dw2 and hidden_mean is not None):
             dy_sum = dy.sum(0, dtype=acc)
-        if need_dw2:
+        if need_dw2 and not proj_exact:
             plan2 = make_plan(n, ctx.ranks[1], seed2).to(dy.device)
             dy_sketch, dy_sq = dispatch.bucket_sum(dy, plan2)
             dw2 = weight_grad_estimate(dy_sketch, dy_sq, dy_sum, hidden_hat, hidden_mean, plan2, n)
-            dw2 = dw2.to(w2.dtype)
+        elif need_dw2:
+            dw2 = torch.zeros(w2.shape, dtype=acc, device=dy.device)
         if need_db2:
             db2 = dy_sum.to(dy.dtype)
+        need_rows_grad = need_dx or (eps is not None and (need_dnw or need_dnb))
         dx = torch.empty(x2d.shape, dtype=dy.dtype, device=dy.device) if need_dx else None
-        # fc's dW: exact when fc is a plain nn.Linear (rank 0) — x is kept anyway, so an exact
-        # dW costs no memory, only the n-row matmul; otherwise its BASIS sketch.
-        fc_exact = ctx.ranks[0] == 0
+        dnw = torch.zeros_like(norm_w, dtype=acc) if need_dnw and norm_w is not None else None
+        dnb = torch.zeros_like(norm_b, dtype=acc) if need_dnb and norm_b is not None else None
+        # fc's dW: exact when fc is plain — its input is recomputed anyway, so an exact dW costs
+        # no memory, only the n-row matmul; otherwise its BASIS sketch, built block by block.
         plan1 = make_plan(n, ctx.ranks[0], seed1) if need_dw1 and not fc_exact else None
         dw1 = torch.zeros(w1.shape, dtype=acc, device=dy.device) if need_dw1 and fc_exact else None
         dh_sum = torch.zeros(w1.shape[0], dtype=acc, device=dy.device)
         if plan1 is not None:
             dh_sketch = torch.zeros(plan1.rank, w1.shape[0], dtype=acc, device=dy.device)
+            x_sketch = torch.zeros(plan1.rank, w1.shape[1], dtype=acc, device=dy.device)
             dh_sq = torch.zeros((), dtype=acc, device=dy.device)
+            x_sq = torch.zeros((), dtype=acc, device=dy.device)
+            x_sum = torch.zeros(w1.shape[1], dtype=acc, device=dy.device)
         for start, end in _blocks(n):
-            pre = F.linear(x2d[start:end], w1, b1)
+            raw = x2d[start:end]
+            rows, mean, rstd = (
+                (raw, raw, raw) if eps is None else layer_norm_rows(raw, norm_w, norm_b, eps)
+            )
+            pre = F.linear(rows, w1, b1)
+            if dw2 is not None and proj_exact:
+                dw2.addmm_(dy[start:end].t().to(acc), F.gelu(pre).to(acc))
             dh = torch.ops.aten.gelu_backward(dy[start:end] @ w2, pre)
             del pre
-            if dx is not None:
-                torch.mm(dh, w1, out=dx[start:end])
+            if need_rows_grad:
+                drows = dh @ w1
+                if eps is None:
+                    dx[start:end] = drows
+                else:
+                    parts = layer_norm_rows_backward(
+                        drows, raw, mean, rstd, norm_w, norm_b, (need_dx, need_dnw, need_dnb)
+                    )
+                    if dx is not None:
+                        dx[start:end] = parts[0]
+                    if dnw is not None:
+                        dnw += parts[1]
+                    if dnb is not None:
+                        dnb += parts[2]
+                del drows
             dh_sum += dh.sum(0, dtype=acc)
             if dw1 is not None:
-                dw1.addmm_(dh.t().to(acc), x2d[start:end].to(acc))
+                dw1.addmm_(dh.t().to(acc), rows.to(acc))
             if plan1 is not None:
-                part, part_sq = dispatch.bucket_sum(dh, plan1.row_block(start, end).to(dy.device))
-                dh_sketch += part
-                dh_sq += part_sq
+                block_plan = plan1.row_block(start, end).to(dy.device)
+                for target, target_sq, mat in ((dh_sketch, dh_sq, dh), (x_sketch, x_sq, rows)):
+                    part, part_sq = dispatch.bucket_sum(mat, block_plan)
+                    target += part
+                    target_sq += part_sq
+                x_sum += rows.sum(0, dtype=acc)
         if plan1 is not None:
             plan1 = plan1.to(dy.device)
-            x_sketch, x_sq = dispatch.bucket_sum(x2d, plan1)
-            x_sum = x2d.sum(0, dtype=acc) if ctx.estimators[0] == "centered" else None
-            x_hat, x_mean = input_sketch(x_sketch, x_sq, x_sum, plan1, n)
+            centred_sum = x_sum if ctx.estimators[0] == "centered" else None
+            x_hat, x_mean = input_sketch(x_sketch, x_sq, centred_sum, plan1, n)
             dw1 = weight_grad_estimate(dh_sketch, dh_sq, dh_sum, x_hat, x_mean, plan1, n)
         dw1 = None if dw1 is None else dw1.to(w1.dtype)
+        dw2 = None if dw2 is None else dw2.to(w2.dtype)
         db1 = dh_sum.to(dy.dtype) if need_db1 else None
-        return dx, dw1, db1, dw2, db2, None, None, None
+        dnw = None if dnw is None else dnw.to(norm_w.dtype)
+        dnb = None if dnb is None else dnb.to(norm_b.dtype)
+        return dx, dnw, dnb, dw1, db1, dw2, db2, None, None, None, None
 
 
-def gelu_mlp(fc: nn.Module, proj: nn.Module, x: torch.Tensor) -> torch.Tensor:
-    """`proj(F.gelu(fc(x)))`, fused and row-blocked when proj is a SketchedLinear and fc a
-    SketchedLinear or a plain nn.Linear (whose dW is then exact)."""
-    fusable = isinstance(proj, SketchedLinear) and type(fc) in (nn.Linear, SketchedLinear)
-    if not fusable:
-        return proj(F.gelu(fc(x)))
-    params = (fc.weight, fc.bias, proj.weight, proj.bias)
-    if not needs_sketch(x, *params[:2]) and not needs_sketch(x, *params[2:]):
-        return proj(F.gelu(fc(x)))
-    fc_sketched = isinstance(fc, SketchedLinear)
+def gelu_mlp(
+    fc: nn.Module,
+    proj: nn.Module,
+    x: torch.Tensor,
+    *,
+    norm: nn.Module | None = None,
+    recompute: bool | None = None,
+) -> torch.Tensor:
+    """`proj(F.gelu(fc(norm(x))))`, fused and row-blocked (keeping only x) when `recompute` is
+    True, or None and proj is a SketchedLinear, and fc and proj are `nn.Linear`s or
+    SketchedLinears (a plain layer's dW is then exact)."""
+    layer_types = (nn.Linear, SketchedLinear)
+    fused = type(fc) in layer_types and type(proj) in layer_types
+    if recompute is None:
+        recompute = isinstance(proj, SketchedLinear)
+    if not (fused and recompute):
+        hidden = fc(x) if norm is None else norm_linear(norm, fc, x)
+        return proj(F.gelu(hidden))
+    if norm is not None and (
+        not fusable_norm(norm) or torch.is_autocast_enabled(x.device.type)
+    ):  # other norms, and nn.LayerNorm's fp32 rule under autocast: run the norm in front
+        x, norm = norm(x), None
+    norm_params = (norm.weight, norm.bias) if norm is not None else (None, None)
+    if not needs_sketch(x, *norm_params, fc.weight, fc.bias, proj.weight, proj.bias):
+        return proj(F.gelu(fc(x if norm is None else norm(x))))
+    fc_sketched, proj_sketched = isinstance(fc, SketchedLinear), isinstance(proj, SketchedLinear)
     validate(x, fc.weight, fc.bias, fc.rank if fc_sketched else 1)
     if fc.weight.shape[0] != proj.weight.shape[1]:
         raise ValueError(
@@ -158,9 +236,21 @@ def gelu_mlp(fc: nn.Module, proj: nn.Module, x: torch.Tensor) -> torch.Tensor:
     lead = x.shape[:-1]
     x2d = x.reshape(-1, x.shape[-1])
     n = x2d.shape[0]
-    ranks = (effective_rank(fc.rank, n) if fc_sketched else 0, effective_rank(proj.rank, n))
-    seeds = (layer_seed(fc.sketch_name) if fc_sketched else 0, layer_seed(proj.sketch_name))
-    estimators = (fc.estimator if fc_sketched else "basis", proj.estimator)
+    ranks = (
+        effective_rank(fc.rank, n) if fc_sketched else 0,
+        effective_rank(proj.rank, n) if proj_sketched else 0,
+    )
+    seeds = (
+        layer_seed(fc.sketch_name) if fc_sketched else 0,
+        layer_seed(proj.sketch_name) if proj_sketched else 0,
+    )
+    estimators = (
+        fc.estimator if fc_sketched else "basis",
+        proj.estimator if proj_sketched else "basis",
+    )
+    eps = None if norm is None else norm.eps
     with torch.autocast(x.device.type, enabled=False):
-        out = _GeluMlpFn.apply(x2d, w1, b1, w2, b2, ranks, seeds, estimators)
+        out = _GeluMlpFn.apply(
+            x2d, *norm_params, w1, b1, w2, b2, eps, ranks, seeds, estimators
+        )
     return out.reshape(*lead, w2.shape[0])

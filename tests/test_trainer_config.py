@@ -79,9 +79,9 @@ def test_custom_model_needs_a_loss() -> None:
 
 
 def test_sketch_policy_reaches_the_model() -> None:
-    """The built-in GPT sketches SKETCH_LAYERS (its fc stays exact: the fused MLP keeps fc's
-    input anyway; so does the LM head) with the recipe's estimator; a memory budget becomes
-    per-layer ranks."""
+    """The built-in GPT sketches SKETCH_LAYERS — the MLP's proj only: every other layer's input
+    is kept for free — with the recipe's estimator; a memory budget becomes per-layer ranks;
+    `model.mlp_recompute` reaches the MLP."""
     from torch import nn
 
     from sketch_ops import SketchedLinear
@@ -90,15 +90,23 @@ def test_sketch_policy_reaches_the_model() -> None:
     cfg = load_recipe(RECIPES[0], RUN + ["sketch.rank=8"])
     model = build_model(cfg)
     sketched = {n: m for n, m in model.named_modules() if isinstance(m, SketchedLinear)}
-    assert sketched and not any(n.endswith("mlp.fc") for n in sketched)
-    assert type(model.get_submodule("blocks.0.mlp.fc")) is nn.Linear
-    assert type(model.get_submodule("lm_head")) is nn.Linear
+    assert set(sketched) == {f"blocks.{i}.mlp.proj" for i in range(cfg.model.n_layers)}
+    for name in ("blocks.0.mlp.fc", "blocks.0.attn.qkv", "blocks.0.attn.proj", "lm_head"):
+        assert type(model.get_submodule(name)) is nn.Linear
     assert {m.estimator for m in sketched.values()} == {cfg.sketch.estimator} == {"centered"}
-    budget = load_recipe(RECIPES[0], RUN + ["sketch.rank=0", "sketch.memory_budget_mib=0.05"])
+    assert build_model(load_recipe(RECIPES[0], RUN)).blocks[0].mlp.recompute is None  # auto
+    never = load_recipe(RECIPES[0], RUN + ["model.mlp_recompute='never'"])
+    assert build_model(never).blocks[0].mlp.recompute is False
+    with pytest.raises(ConfigError, match="model.mlp_recompute"):
+        load_recipe(RECIPES[0], RUN + ["model.mlp_recompute='sometimes'"])
+    wider = ["sketch.include=['blocks.*.attn.*', 'blocks.*.mlp.proj']"]
+    budget = load_recipe(
+        RECIPES[0], RUN + wider + ["sketch.rank=0", "sketch.memory_budget_mib=0.05"]
+    )
     ranks = {
         n: m.rank for n, m in build_model(budget).named_modules() if isinstance(m, SketchedLinear)
     }
-    assert set(ranks) == set(sketched)
-    widths = {n: m.in_features for n, m in sketched.items()}
+    assert {n.split(".", 2)[2] for n in ranks} == {"attn.qkv", "attn.proj", "mlp.proj"}
+    widths = {n: m.in_features for n, m in build_model(budget).named_modules() if n in ranks}
     assert sum(r * widths[n] * 4 for n, r in ranks.items()) <= 0.05 * 2**20
     assert min(ranks.values()) < max(ranks.values())  # wide layers get fewer rows

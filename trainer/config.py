@@ -41,10 +41,20 @@ class ModelConfig:
     n_layers: int = 2
     n_heads: int = 4
     checkpoint_blocks: bool = False  # recompute each block in backward (activation checkpointing)
+    # When the MLP recomputes its hidden activations in backward (trainer.model.GPTConfig):
+    # "auto" (when its proj is sketched), "always" (exact gradients in less memory), "never".
+    mlp_recompute: str = "auto"
 
     def __post_init__(self) -> None:
+        from trainer.model import MLP_RECOMPUTE
+
         for name in ("vocab_size", "d_model", "n_layers", "n_heads"):
             _require(getattr(self, name) >= 1, f"model.{name}", "must be >= 1")
+        _require(
+            self.mlp_recompute in MLP_RECOMPUTE,
+            "model.mlp_recompute",
+            f"must be one of {', '.join(MLP_RECOMPUTE)}, got {self.mlp_recompute!r}",
+        )
         _require(
             self.d_model % self.n_heads == 0,
             "model.d_model",

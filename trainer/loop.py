@@ -76,6 +76,7 @@ def build_model(cfg: FitConfig) -> nn.Module:
                 n_heads=m.n_heads,
                 seq_len=cfg.data.seq_len,
                 checkpoint_blocks=m.checkpoint_blocks,
+                mlp_recompute=m.mlp_recompute,
             )
         )
     sketch = cfg.sketch

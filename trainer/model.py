@@ -6,11 +6,14 @@ sequences (predict `tokens[:, 1:]` from `tokens[:, :-1]`). Pre-norm blocks, caus
 attention, GELU MLP, untied LM head. Every linear layer is a plain `nn.Linear`, so
 `sketch_ops.sketch_model` can swap them for BASIS layers by name
 (`blocks.{i}.attn.qkv`, `blocks.{i}.attn.proj`, `blocks.{i}.mlp.fc`, `blocks.{i}.mlp.proj`,
-`lm_head`); `SKETCH_LAYERS` is the default selection. `checkpoint_blocks=True` recomputes each
-block in backward (full activation checkpointing), the usual memory baseline BASIS is compared
-with. When `mlp.proj` is sketched,
-the MLP runs as one fused, row-blocked op that keeps only its input instead of the
-4·d_model-wide hidden activations (`sketch_ops.gelu_mlp`; outputs and gradients unchanged).
+`lm_head`); `SKETCH_LAYERS` is the default selection. Memory, never values or gradients:
+- each LayerNorm is fused into the linear layer it feeds (`sketch_ops.norm_linear`, and the
+  MLP's `norm=`), so an exact qkv, fc or LM head keeps no copy of its input (`fuse_norms`);
+- when `mlp.proj` is sketched (or `mlp_recompute="always"`), the MLP runs as one fused,
+  row-blocked op that keeps only the block's residual input instead of the 4·d_model-wide
+  hidden activations and recomputes them in backward (`sketch_ops.gelu_mlp`);
+- `checkpoint_blocks=True` recomputes each whole block in backward (full activation
+  checkpointing).
 """
 
 from __future__ import annotations
@@ -23,16 +26,19 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from sketch_ops import gelu_mlp
+from sketch_ops import gelu_mlp, norm_linear
 
-# Which linear layers BASIS sketches by default (`sketch_ops.sketch_model` globs): the attention
-# projections and the MLP's down-projection. Not the MLP's fc: the fused MLP
-# (`sketch_ops.gelu_mlp`) keeps fc's input for its recompute anyway, so sketching fc would save
-# no memory and only add gradient noise; fc gets its exact dW for free. Not the LM head: its
-# input (n × d) is small next to the logits (n × vocab) that the cross-entropy keeps anyway,
-# and its sketch noise costs measurable quality. Measured in benchmarks/sketch_quality.py
-# (README, "BASIS quality on real text").
-SKETCH_LAYERS = ("blocks.*.attn.qkv", "blocks.*.attn.proj", "blocks.*.mlp.proj")
+# Which linear layers BASIS sketches by default (`sketch_ops.sketch_model` globs): only the MLP's
+# down-projection, the one layer whose sketch saves memory here. Its input (GELU's n × 4d output)
+# is the block's largest activation, and once proj is sketched the fused MLP keeps only the
+# block's residual input (`sketch_ops.gelu_mlp`). Every other linear layer's input is kept for
+# free: qkv's, fc's and the LM head's are the input of the LayerNorm fused into them
+# (`sketch_ops.norm_linear`), attention proj's is SDPA's own output. Sketching those would only
+# add gradient noise (and save their weight-gradient matmuls: the speed trade, see
+# `mlp_recompute="never"` and the README). Measured in benchmarks/sketch_quality.py (README,
+# "BASIS quality on real text").
+SKETCH_LAYERS = ("blocks.*.mlp.proj",)
+MLP_RECOMPUTE = ("auto", "always", "never")  # the values of GPTConfig.mlp_recompute
 
 
 @dataclass
@@ -45,11 +51,25 @@ class GPTConfig:
     n_heads: int = 4
     seq_len: int = 64  # longest sequence the position table covers
     checkpoint_blocks: bool = False
+    # When the MLP recomputes its hidden activations in backward instead of keeping them
+    # (`sketch_ops.gelu_mlp`): "auto" when its proj is sketched (the sketch's memory saving needs
+    # it), "always" (selective recomputation: exact gradients in less memory), "never" (keep
+    # GELU's input: sketched layers then save time rather than memory).
+    mlp_recompute: str = "auto"
+    # Fuse each LayerNorm into the linear layer it feeds (`sketch_ops.norm_linear`): the same
+    # values and gradients, one n × d tensor less kept per norm. False runs them as separate
+    # modules, so forward hooks on those linear layers fire (for analysis).
+    fuse_norms: bool = True
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "d_model", "n_layers", "n_heads", "seq_len"):
             if getattr(self, name) < 1:
                 raise ValueError(f"GPTConfig.{name} must be >= 1, got {getattr(self, name)}")
+        if self.mlp_recompute not in MLP_RECOMPUTE:
+            raise ValueError(
+                f"GPTConfig.mlp_recompute must be one of {', '.join(MLP_RECOMPUTE)}, "
+                f"got {self.mlp_recompute!r}"
+            )
         if self.d_model % self.n_heads:
             raise ValueError(
                 f"GPTConfig.d_model ({self.d_model}) must be divisible by "
@@ -68,16 +88,21 @@ class CausalSelfAttention(nn.Module):
         self.qv_bias = nn.Parameter(torch.zeros(2 * cfg.d_model))
         self.proj = nn.Linear(cfg.d_model, cfg.d_model)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, norm: nn.LayerNorm, fuse_norm: bool) -> torch.Tensor:
+        """Attention over `norm(x)`, the norm fused into qkv when `fuse_norm`."""
         batch, seq, d_model = x.shape
         q_bias, v_bias = self.qv_bias.split(d_model)
         # One add over the whole n × 3d output (k gets zeros), so q, k, v stay views of a
         # single tensor: attention keeps one n × 3d buffer for backward, not four.
         bias = torch.cat([q_bias, torch.zeros_like(q_bias), v_bias])
-        q, k, v = (self.qkv(x) + bias).split(d_model, dim=-1)
+        qkv = norm_linear(norm, self.qkv, x) if fuse_norm else self.qkv(norm(x))
+        q, k, v = (qkv + bias).split(d_model, dim=-1)
         # (batch, heads, seq, head_dim) for SDPA.
         q, k, v = (t.view(batch, seq, self.n_heads, -1).transpose(1, 2) for t in (q, k, v))
         y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        # SDPA returns y as a (batch, heads)-strided view of a (batch, seq, d) buffer that it
+        # keeps for its own backward, so this reshape is free and proj's input costs nothing:
+        # sketching proj would save no memory.
         return self.proj(y.transpose(1, 2).reshape(batch, seq, d_model))
 
 
@@ -86,11 +111,14 @@ class MLP(nn.Module):
         super().__init__()
         self.fc = nn.Linear(cfg.d_model, 4 * cfg.d_model)
         self.proj = nn.Linear(4 * cfg.d_model, cfg.d_model)
+        self.recompute = {"auto": None, "always": True, "never": False}[cfg.mlp_recompute]
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # proj(gelu(fc(x))). When fc and proj are sketched, the 4d-wide hidden activations would
-        # be the block's largest memory, so `gelu_mlp` keeps only x and works in row blocks.
-        return gelu_mlp(self.fc, self.proj, x)
+    def forward(self, x: torch.Tensor, norm: nn.LayerNorm, fuse_norm: bool) -> torch.Tensor:
+        """proj(gelu(fc(norm(x)))). When proj is sketched (or `recompute`), `gelu_mlp` keeps
+        only x, the norm's input, instead of the 4d-wide hidden activations."""
+        if not fuse_norm:
+            return gelu_mlp(self.fc, self.proj, norm(x), recompute=self.recompute)
+        return gelu_mlp(self.fc, self.proj, x, norm=norm, recompute=self.recompute)
 
 
 class Block(nn.Module):
@@ -100,10 +128,11 @@ class Block(nn.Module):
         self.attn = CausalSelfAttention(cfg)
         self.ln2 = nn.LayerNorm(cfg.d_model)
         self.mlp = MLP(cfg)
+        self.fuse_norms = cfg.fuse_norms
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = x + self.attn(self.ln1(x))
-        return x + self.mlp(self.ln2(x))
+        x = x + self.attn(x, self.ln1, self.fuse_norms)
+        return x + self.mlp(x, self.ln2, self.fuse_norms)
 
 
 class GPT(nn.Module):
@@ -141,6 +170,8 @@ class GPT(nn.Module):
                 x = checkpoint(block, x, use_reentrant=False)
             else:
                 x = block(x)
+        if self.cfg.fuse_norms:
+            return norm_linear(self.ln_f, self.lm_head, x)
         return self.lm_head(self.ln_f(x))
 
     def loss(self, tokens: torch.Tensor) -> torch.Tensor:
