@@ -2,7 +2,11 @@
 
 One training step (forward, backward, AdamW update) of the built-in GPT (d_model 256, 4 layers,
 4 heads, vocab 256, microbatch of 8 sequences, fp32, CPU) at several sequence lengths, for:
-exact backprop; full per-block checkpointing; BASIS at each rank; BASIS with checkpointing.
+exact backprop (the built-in GPT, norms fused into the linear layers they feed); the same with
+plain modules (no fusion); full per-block checkpointing; exact backprop with the MLP recomputed;
+BASIS with the default policy (`trainer.model.SKETCH_LAYERS`) at each rank; BASIS in every
+linear layer (DESIGN.md §4 as written); the speed mode (every block linear sketched, nothing
+recomputed); BASIS with checkpointing.
 
 Memory: each configuration runs in a fresh subprocess, which reports
 - saved bytes: distinct storages packed for backward during one forward
@@ -81,10 +85,12 @@ class Trainee:
             n_heads=4,
             seq_len=spec["seq_len"],
             checkpoint_blocks=spec["checkpoint"],
+            mlp_recompute=spec.get("mlp_recompute", "auto"),
+            fuse_norms=spec.get("fuse_norms", True),
         )
         self.model = GPT(cfg)
         if spec["rank"]:
-            sketch_model(self.model, rank=spec["rank"])
+            sketch_model(self.model, rank=spec["rank"], include=spec.get("include"))
         self.opt = torch.optim.AdamW(self.model.parameters(), lr=1e-4)
         self.tokens = torch.randint(0, cfg.vocab_size, (spec["batch"], spec["seq_len"] + 1))
         self.num_steps = 0
@@ -149,10 +155,36 @@ def measure_time(specs: list[dict[str, Any]], rounds: int, clock: str) -> list[d
 
 
 def configurations(ranks: list[int], combined_ranks: list[int]) -> list[dict[str, Any]]:
-    configs = [{"name": "exact", "rank": 0, "checkpoint": False}]
-    configs.append({"name": "checkpoint", "rank": 0, "checkpoint": True})
-    configs += [{"name": f"basis-R{r}", "rank": r, "checkpoint": False} for r in ranks]
-    configs += [{"name": f"basis-R{r}+ckpt", "rank": r, "checkpoint": True} for r in combined_ranks]
+    """The measured configurations; the first is exact backprop, the reference of the ratios.
+    `ranks` are run with the default policy, the last of them also in every linear layer and
+    in the speed mode; `combined_ranks` with checkpointing."""
+    from trainer.model import SKETCH_LAYERS
+
+    exact = {"rank": 0, "checkpoint": False}
+    policy = {"checkpoint": False, "include": list(SKETCH_LAYERS)}
+    configs = [
+        {"name": "exact", **exact},
+        {"name": "exact-unfused", **exact, "fuse_norms": False, "mlp_recompute": "never"},
+        {"name": "checkpoint", "rank": 0, "checkpoint": True},
+        {"name": "exact-recompute", **exact, "mlp_recompute": "always"},
+    ]
+    configs += [{"name": f"basis-R{r}", "rank": r, **policy} for r in ranks]
+    if ranks:
+        r = ranks[-1]
+        configs.append({"name": f"basis-all-R{r}", "rank": r, "checkpoint": False})
+        configs.append(
+            {
+                "name": f"speed-R{r}",
+                "rank": r,
+                "checkpoint": False,
+                "include": ["blocks.*.attn.*", "blocks.*.mlp.*"],
+                "mlp_recompute": "never",
+            }
+        )
+    configs += [
+        {"name": f"basis-R{r}+ckpt", "rank": r, **policy, "checkpoint": True}
+        for r in combined_ranks
+    ]
     return configs
 
 

@@ -68,4 +68,14 @@ def test_memory_benchmark_imports_and_lists_its_configurations() -> None:
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     names = [c["name"] for c in module.configurations([16, 64], [64])]
-    assert names == ["exact", "checkpoint", "basis-R16", "basis-R64", "basis-R64+ckpt"]
+    assert names == [
+        "exact",
+        "exact-unfused",
+        "checkpoint",
+        "exact-recompute",
+        "basis-R16",
+        "basis-R64",
+        "basis-all-R64",
+        "speed-R64",
+        "basis-R64+ckpt",
+    ]
