@@ -23,7 +23,9 @@ Time: one more subprocess per sequence length builds every configuration and tim
 round-robin (one step of each per round, after a warm-up round). The reported ratio is the
 median over rounds of (configuration step time / exact step time in the same round): the
 machine is shared, and pairing steps taken seconds apart cancels most of the load from other
-processes. Expect ±10–20 % noise between runs anyway. When the machine is heavily loaded,
+processes. Expect ±10–20 % noise between runs anyway. The timing child runs with glibc's
+default allocator settings (the memory children's would make every large allocation fault in
+fresh pages and slow the memory-heavy configurations). When the machine is heavily loaded,
 `--clock cpu` times single-threaded steps by process CPU time instead, which measures the
 work of a step and hardly depends on the load.
 
@@ -189,7 +191,11 @@ def configurations(ranks: list[int], combined_ranks: list[int]) -> list[dict[str
 
 
 def spawn(mode: str, payload: Any) -> Any:
-    env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": _MMAP_THRESHOLD}
+    env = dict(os.environ)
+    if mode == "--child-memory":
+        # Only for memory: mapping every large tensor on its own makes each allocation fault in
+        # fresh pages, which would charge memory-heavy configurations extra time.
+        env["MALLOC_MMAP_THRESHOLD_"] = _MMAP_THRESHOLD
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
     cmd = [sys.executable, __file__, mode, json.dumps(payload)]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, check=False)
