@@ -268,9 +268,11 @@ def test_quality_benchmark_builds_every_variant_and_picks_the_equal_memory_batch
     for i, mb in enumerate(bench.MEMORY_CANDIDATES):  # only the first two fit under 100 MiB
         peak = 90.0 + 5 * i if i < 2 else 130.0 + i
         probes[f"{bench.MEMORY_BASE}-mb{mb}"] = {"step_peak_mib": peak, "step_time_ratio": 2.0}
-    fast, too_big = bench.SPEED_BASES[:2]  # any further one is not probed: left out
+    (fast,) = bench.SPEED_BASES
+    # Over exact's peak (beyond MEMORY_TOLERANCE), a speed variant is left out.
+    probes[fast] = {"step_peak_mib": 120.0, "step_time_ratio": 0.5}
+    assert not [v for v in bench.derived_variants(probes) if v.name.endswith("-time")]
     probes[fast] = {"step_peak_mib": 80.0, "step_time_ratio": 0.8}
-    probes[too_big] = {"step_peak_mib": 120.0, "step_time_ratio": 0.5}  # over exact's peak
     derived = {v.group: [] for v in bench.derived_variants(probes)}
     for v in bench.derived_variants(probes):
         derived[v.group].append(v)
@@ -279,11 +281,14 @@ def test_quality_benchmark_builds_every_variant_and_picks_the_equal_memory_batch
     assert by_time.microbatch == by_tokens.microbatch == fitting
     assert by_time.steps == round(bench.STEPS / 2.0)  # each step costs twice exact's
     assert by_tokens.steps == bench.STEPS * bench.MICROBATCH // fitting  # exact's tokens
-    # The fast variant trains for exact's wall time: 1 / 0.8 as many steps; the one over
-    # exact's peak memory (beyond MEMORY_TOLERANCE) is left out; exact gets those steps too,
-    # as the reference.
+    # The fast variant trains for exact's wall time: 1 / 0.8 as many steps; exact gets those
+    # steps too, as the reference.
     assert speed_time.name == f"{fast}-time" and speed_time.steps == round(bench.STEPS / 0.8)
     (reference,) = derived["reference"]
     assert reference.rank == 0 and reference.steps == speed_time.steps
     assert bench.probe_key(speed_time) == fast and bench.probe_key(reference) == "exact"
     assert bench.probe_key(by_time) == f"{bench.MEMORY_BASE}-mb{fitting}"
+    # Learning-rate variants share their base's probe; every other variant has its own.
+    for v in bench.VARIANTS:
+        assert bench.probe_key(v) in names
+        assert (bench.probe_key(v) == v.name) == (v.lr_scale == 1.0)
