@@ -128,14 +128,6 @@ VARIANTS: list[Variant] = [
         group="ablation",
     ),
     Variant(
-        "r128-policy",
-        "R=128, centred + fc exact",
-        rank=128,
-        include=NO_FC,
-        estimator="centered",
-        group="ablation",
-    ),
-    Variant(
         "r128-old-policy",
         "R=128, centred + fc and LM head exact",
         rank=128,
@@ -180,16 +172,6 @@ VARIANTS: list[Variant] = [
         group="learning rate",
     ),
     Variant("exact-lr0.5", "exact, lr x0.5", lr_scale=0.5, group="learning rate"),
-    Variant(
-        "r128-mlp-proj-lr2",
-        "R=128 default, lr x2",
-        rank=128,
-        include=POLICY,
-        estimator="centered",
-        lr_scale=2.0,
-        group="learning rate",
-    ),
-    Variant("exact-lr2", "exact, lr x2", lr_scale=2.0, group="learning rate"),
 ]
 
 
