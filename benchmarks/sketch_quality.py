@@ -102,16 +102,10 @@ OLD_POLICY = ("blocks.*.attn.*", "blocks.*.mlp.proj")  # the default before the 
 POLICY = ("blocks.*.mlp.proj",)  # trainer.model.SKETCH_LAYERS
 VARIANTS: list[Variant] = [
     Variant("exact", "exact backprop", group="baseline"),
-    # Exact gradients by construction (tests/test_sketch_fusions.py, test_model.py): one seed
-    # each, reported with its difference to exact's same seed, which must be zero.
-    Variant("ckpt", "activation checkpointing", checkpoint=True, seeds=1, group="baseline"),
-    Variant(
-        "exact-recompute",
-        "exact, MLP recomputed",
-        mlp_recompute="always",
-        seeds=1,
-        group="baseline",
-    ),
+    # Exact gradients by construction (tests/test_sketch_fusions.py, test_model.py): each seed
+    # must end at exact's loss for that seed, which checks the benchmark as much as them.
+    Variant("ckpt", "activation checkpointing", checkpoint=True, group="baseline"),
+    Variant("exact-recompute", "exact, MLP recomputed", mlp_recompute="always", group="baseline"),
     Variant("basis-r512", "BASIS R=n/4 (512)", rank=512, include=ALL_LINEARS),
     Variant("basis-r128", "BASIS R=n/16 (128)", rank=128, include=ALL_LINEARS),
     Variant("basis-r32", "BASIS R=n/64 (32)", rank=32, include=ALL_LINEARS),
@@ -129,7 +123,7 @@ VARIANTS: list[Variant] = [
     ),
     Variant(
         "r128-old-policy",
-        "R=128, centred + fc and LM head exact",
+        "R=128, centred, attention + MLP proj (previous default)",
         rank=128,
         include=OLD_POLICY,
         estimator="centered",
@@ -172,6 +166,25 @@ VARIANTS: list[Variant] = [
         group="learning rate",
     ),
     Variant("exact-lr0.5", "exact, lr x0.5", lr_scale=0.5, group="learning rate"),
+    Variant(
+        "r128-mlp-proj-lr0.25",
+        "R=128 default, lr x0.25",
+        rank=128,
+        include=POLICY,
+        estimator="centered",
+        lr_scale=0.25,
+        group="learning rate",
+    ),
+    Variant(
+        "r128-mlp-proj-lr2",
+        "R=128 default, lr x2",
+        rank=128,
+        include=POLICY,
+        estimator="centered",
+        lr_scale=2.0,
+        group="learning rate",
+    ),
+    Variant("exact-lr2", "exact, lr x2", lr_scale=2.0, group="learning rate"),
 ]
 
 
@@ -581,9 +594,12 @@ def grad_error() -> dict[str, dict[str, float]]:
 # --------------------------------------------------------------------------- equal memory
 
 SPEED_BASES = ("speed-r128",)  # BASIS spending saved time on steps
-# "At most exact's step peak" allows this much over it: the attention-only speed variant keeps
-# what exact backprop keeps plus its sketches (0.3 % here), and peaks are measured to about 1 %.
+# "At most exact's step peak" allows this much over it: peaks are measured to about 1 %, and a
+# variant that keeps what exact backprop keeps plus its small sketches should still count.
 MEMORY_TOLERANCE = 1.02
+# The learning rate sketched training does best with here, relative to exact backprop's (the
+# "learning rate" runs: x0.5 beats x1 and x2 for BASIS, while exact is best at x1).
+SKETCH_LR_SCALE = 0.5
 
 
 def derived_variants(probes: dict[str, dict[str, Any]]) -> list[Variant]:
@@ -592,7 +608,8 @@ def derived_variants(probes: dict[str, dict[str, Any]]) -> list[Variant]:
     - MEMORY_BASE at the largest candidate microbatch that fits under exact's peak at
       MICROBATCH, trained for exact's wall time and for exact's number of tokens (the issue's
       "spend the saved memory on a larger microbatch");
-    - each SPEED_BASES variant at MICROBATCH, trained for exact's wall time (more steps);
+    - each SPEED_BASES variant at MICROBATCH, trained for exact's wall time (more steps), at
+      exact's learning rate and at SKETCH_LR_SCALE of it;
     - exact backprop trained for the most steps of those, to show what the steps alone buy.
     Exact's wall time is STEPS × its step time; the others' step time relative to exact's
     comes from probes taken side by side."""
@@ -635,15 +652,23 @@ def derived_variants(probes: dict[str, dict[str, Any]]) -> list[Variant]:
             continue
         steps = round(STEPS / probes[name]["step_time_ratio"])
         most_steps = max(most_steps, steps)
-        derived.append(
+        derived += [
             dataclasses.replace(
                 speed,
                 name=f"{name}-time",
                 label=f"{speed.label}, exact's wall time",
                 steps=steps,
                 group="equal memory",
-            )
-        )
+            ),
+            dataclasses.replace(
+                speed,
+                name=f"{name}-lr{SKETCH_LR_SCALE:g}-time",
+                label=f"{speed.label}, lr x{SKETCH_LR_SCALE:g}, exact's wall time",
+                steps=steps,
+                lr_scale=SKETCH_LR_SCALE,
+                group="equal memory",
+            ),
+        ]
     if most_steps > STEPS:
         derived.append(
             dataclasses.replace(
@@ -678,13 +703,16 @@ def _mean_std(values: list[float]) -> tuple[float, float]:
     return statistics.fmean(values), (statistics.stdev(values) if len(values) > 1 else 0.0)
 
 
+def saved_runs(name: str) -> list[dict[str, Any]]:
+    """The saved seeds of one variant. The digit after "-s" keeps "exact" from also
+    collecting "exact-steps356"."""
+    return [json.loads(p.read_text()) for p in sorted(RUNS.glob(f"{name}-s[0-9]*.json"))]
+
+
 def summarize(variants: list[Variant], probes: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
     """One row per variant with runs: final val mean ± std, difference to exact and whether it
     is outside the noise (|Δ| > 2 standard errors), memory and time from the probes."""
-    runs = {
-        v.name: [json.loads(p.read_text()) for p in sorted(RUNS.glob(f"{v.name}-s*.json"))]
-        for v in variants
-    }
+    runs = {v.name: saved_runs(v.name) for v in variants}
     exact_vals = [r["final_val"] for r in runs.get("exact", [])]
     rows = []
     for v in variants:
@@ -732,7 +760,7 @@ def probe_key(v: Variant) -> str:
     if v.name.startswith("mem-"):
         return f"{MEMORY_BASE}-mb{v.microbatch}"
     if v.name.endswith("-time"):
-        return v.name.removesuffix("-time")
+        return v.name.removesuffix("-time").split("-lr")[0]
     if v.name.startswith("exact-steps"):
         return "exact"
     return v.name.split("-lr")[0]  # a learning rate changes neither memory nor time
@@ -773,7 +801,7 @@ def plot(rows: list[dict[str, Any]], path: Path) -> None:
     for r in rows:
         if r["variant"] not in shown:
             continue
-        runs = [json.loads(p.read_text()) for p in sorted(RUNS.glob(f"{r['variant']}-s*.json"))]
+        runs = saved_runs(r["variant"])
         tokens_per_step = r["microbatch"] * SEQ
         steps = np.array([s for s, _ in runs[0]["val_curve"]])
         vals = np.array([[v for _, v in run["val_curve"]] for run in runs])

@@ -9,6 +9,7 @@ the fused MLP compute exactly the reference estimate, what they save, and `ranks
 from __future__ import annotations
 
 import itertools
+import json
 import math
 import sys
 from dataclasses import replace
@@ -276,7 +277,7 @@ def test_quality_benchmark_builds_every_variant_and_picks_the_equal_memory_batch
     derived = {v.group: [] for v in bench.derived_variants(probes)}
     for v in bench.derived_variants(probes):
         derived[v.group].append(v)
-    by_time, by_tokens, speed_time = derived["equal memory"]
+    by_time, by_tokens, speed_time, speed_time_lr = derived["equal memory"]
     fitting = bench.MEMORY_CANDIDATES[1]  # the largest microbatch under exact's 100 MiB
     assert by_time.microbatch == by_tokens.microbatch == fitting
     assert by_time.steps == round(bench.STEPS / 2.0)  # each step costs twice exact's
@@ -287,8 +288,20 @@ def test_quality_benchmark_builds_every_variant_and_picks_the_equal_memory_batch
     (reference,) = derived["reference"]
     assert reference.rank == 0 and reference.steps == speed_time.steps
     assert bench.probe_key(speed_time) == fast and bench.probe_key(reference) == "exact"
+    # ... and again at the learning rate sketched training prefers, measured by the same probe.
+    assert speed_time_lr.steps == speed_time.steps and speed_time_lr.lr_scale < 1.0
+    assert bench.probe_key(speed_time_lr) == fast
     assert bench.probe_key(by_time) == f"{bench.MEMORY_BASE}-mb{fitting}"
     # Learning-rate variants share their base's probe; every other variant has its own.
     for v in bench.VARIANTS:
         assert bench.probe_key(v) in names
         assert (bench.probe_key(v) == v.name) == (v.lr_scale == 1.0)
+
+
+def test_quality_benchmark_keeps_each_variants_seeds_apart(tmp_path, monkeypatch) -> None:
+    bench = _quality_benchmark()
+    monkeypatch.setattr(bench, "RUNS", tmp_path)
+    for name in ("exact-s0", "exact-s1", "exact-steps356-s0", "exact-recompute-s0"):
+        (tmp_path / f"{name}.json").write_text(json.dumps({"name": name}))
+    assert [r["name"] for r in bench.saved_runs("exact")] == ["exact-s0", "exact-s1"]
+    assert [r["name"] for r in bench.saved_runs("exact-steps356")] == ["exact-steps356-s0"]
