@@ -21,6 +21,7 @@ Nothing read from a snapshot is ever executed or unpickled; JSON and raw bytes o
 from __future__ import annotations
 
 import json
+import re
 import struct
 import zlib
 from dataclasses import asdict, dataclass, field
@@ -67,8 +68,15 @@ def step_dirname(step: int) -> str:
     return f"{step:09d}"
 
 
-def shard_filename(rank: int, world_size: int) -> str:
-    return f"shard-{rank:05d}-of-{world_size:05d}.safetensors"
+def shard_filename(rank: int, world_size: int, generation: int) -> str:
+    """A shard's file name carries the worker-group generation that wrote it, so a name is
+    never reused: a redone step of a later generation writes other files."""
+    return f"shard-{rank:05d}-of-{world_size:05d}-g{generation:06d}.safetensors"
+
+
+# The only file names a manifest may list (no directories, no path separators). The older
+# form without "-gNNNNNN" is what format version 1 snapshots made before generations hold.
+SHARD_NAME_RE = re.compile(r"shard-\d{5}-of-\d{5}(?:-g\d{6})?\.safetensors")
 
 
 def chunk_name(key: str, offsets: tuple[int, ...]) -> str:

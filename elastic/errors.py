@@ -1,0 +1,43 @@
+"""The error vocabulary of elastic snapshots: what a failure means decides what Baton does.
+
+Contract
+--------
+* ``SnapshotIntegrityError`` (a ``ValueError``): a *definite* integrity failure of one
+  snapshot — a checksum mismatch, a malformed or unsafe manifest, a file missing from a
+  store that answered. Only this rejects a snapshot: restore falls back to the previous
+  committed one and the rejected snapshot is moved to ``RUN/quarantine/STEP/`` (never
+  deleted).
+* ``ManifestError``: the manifest itself is malformed or names something it must not
+  (a path outside the snapshot, a dtype that disagrees with the file). A subclass of
+  ``SnapshotIntegrityError``, so it triggers the same fallback.
+* ``StorageUnavailableError`` (an ``OSError``): the store did not answer within its deadline
+  after retries (HTTP 5xx, throttling, a black-holed endpoint). This is *doubt*, not proof:
+  a restore that meets it fails without falling back and without touching any snapshot.
+* ``FencedError``: a report from another worker-group generation or from a driver whose
+  lease was taken over. Refused; nothing it sent is committed.
+* ``FatalRunError``: an error a restart cannot fix (a bad dataset, a recipe that disagrees
+  with the run it continues, a worker running other code). The run fails once, with this
+  message on the driver, instead of restarting forever.
+"""
+
+from __future__ import annotations
+
+
+class SnapshotIntegrityError(ValueError):
+    """A snapshot is definitely unusable (checksum, format, missing file)."""
+
+
+class ManifestError(SnapshotIntegrityError):
+    """A manifest is malformed or unsafe; it is untrusted input."""
+
+
+class StorageUnavailableError(OSError):
+    """The store did not answer within its deadline; nothing is known about the data."""
+
+
+class FencedError(RuntimeError):
+    """A report from a stale generation or a driver that no longer holds the run lease."""
+
+
+class FatalRunError(RuntimeError):
+    """An error that restarting the worker group cannot fix; the run fails once."""
