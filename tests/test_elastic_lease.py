@@ -1,0 +1,198 @@
+"""The run lease (P7 "one writer"): one live driver per run directory, local and S3 (moto).
+
+A fake clock drives expiry, so nothing here sleeps except the renew-thread test.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from elastic.lease import (
+    LEASE_NAME,
+    LeaseHeldError,
+    LeaseLostError,
+    RunLease,
+    lease_holds,
+    ray_job_id_from_env,
+)
+from elastic.store import SnapshotStore
+
+T0 = 1_800_000_000.0  # 2027-01-15 08:00:00 UTC
+
+
+class FakeClock:
+    def __init__(self, now: float = T0) -> None:
+        self.now = now
+
+    def __call__(self) -> float:
+        return self.now
+
+
+@pytest.fixture(params=["local", "s3"])
+def run_uri(request: pytest.FixtureRequest, tmp_path: Path) -> str:
+    if request.param == "local":
+        return str(tmp_path / "run")
+    bucket = request.getfixturevalue("s3_bucket")
+    return f"s3://{bucket}/runs/lease"
+
+
+def _lease(run_uri: str, clock: FakeClock, pid: int, ttl_s: float = 60.0) -> RunLease:
+    holder = {"host": f"host-{pid}", "pid": pid, "ray_job_id": f"raysubmit_{pid}",
+              "started_at": clock.now}
+    return RunLease(SnapshotStore(run_uri), ttl_s=ttl_s, holder=holder, clock=clock)
+
+
+def test_acquire_writes_the_lease(run_uri: str) -> None:
+    clock = FakeClock()
+    lease = _lease(run_uri, clock, 101)
+    record = lease.acquire()
+    assert record["epoch"] == 1 and len(record["token"]) == 32
+    assert record["acquired_at"] == T0 and record["expires_at"] == T0 + 60
+    assert record["holder"]["pid"] == 101
+    store = SnapshotStore(run_uri)
+    assert json.loads(store.read_file(store.path(LEASE_NAME))) == record
+    assert lease.read() == record
+    assert lease_holds(store, record["token"])
+    assert not lease_holds(store, "0" * 32)
+
+
+def test_second_acquire_names_the_holder_and_expiry(run_uri: str) -> None:
+    clock = FakeClock()
+    first = _lease(run_uri, clock, 101)
+    first.acquire()
+    clock.now += 15
+    with pytest.raises(LeaseHeldError) as info:
+        _lease(run_uri, clock, 202).acquire()
+    message = str(info.value)
+    assert "\n" not in message
+    for part in ("host-101", "pid 101", "Ray job raysubmit_101", "started 2027-01-15 08:00:00 UTC",
+                 "expires at 2027-01-15 08:01:00 UTC", "(in 45 s)", "--force-takeover",
+                 "stop that driver", run_uri):
+        assert part in message, (part, message)
+    assert lease_holds(SnapshotStore(run_uri), first.token or "")
+
+
+def test_expired_lease_is_taken_over_and_fences_the_old_holder(run_uri: str) -> None:
+    clock = FakeClock()
+    old = _lease(run_uri, clock, 101)
+    old_record = old.acquire()
+    clock.now += 30
+    old.renew()  # a live holder's renew moves the expiry
+    assert old.read()["expires_at"] == T0 + 90
+    clock.now = T0 + 91  # it stopped renewing
+    new = _lease(run_uri, clock, 202)
+    record = new.acquire()
+    assert record["epoch"] == 2 and record["token"] != old_record["token"]
+    store = SnapshotStore(run_uri)
+    assert not lease_holds(store, old_record["token"])
+    assert lease_holds(store, record["token"])
+    with pytest.raises(LeaseLostError, match="pid 202"):
+        old.renew()
+    assert lease_holds(store, record["token"])  # the failed renew wrote nothing
+
+
+def test_force_takes_over_a_live_lease(run_uri: str) -> None:
+    clock = FakeClock()
+    old = _lease(run_uri, clock, 101)
+    old.acquire()
+    new = _lease(run_uri, clock, 202)
+    with pytest.raises(LeaseHeldError):
+        new.acquire()
+    record = new.acquire(force=True)
+    assert record["epoch"] == 2
+    assert not lease_holds(SnapshotStore(run_uri), old.token or "")
+    with pytest.raises(LeaseLostError, match="pid 202"):
+        old.renew()
+
+
+def test_release_removes_only_its_own_lease(run_uri: str) -> None:
+    clock = FakeClock()
+    old = _lease(run_uri, clock, 101)
+    old.acquire()
+    new = _lease(run_uri, clock, 202)
+    record = new.acquire(force=True)
+    old.release()  # taken over: must not delete the new holder's lease
+    assert new.read() == record
+    new.release()
+    assert new.read() is None
+    again = _lease(run_uri, clock, 303)
+    assert again.acquire()["epoch"] == 1  # a released run is free at once
+    again.release()
+    again.release()  # idempotent
+
+
+@pytest.mark.parametrize("expired", [False, True], ids=["fresh", "takeover"])
+def test_concurrent_acquire_has_one_winner(run_uri: str, expired: bool) -> None:
+    clock = FakeClock()
+    if expired:
+        _lease(run_uri, clock, 100).acquire()
+        clock.now += 3600
+    leases = [_lease(run_uri, clock, 201 + i) for i in range(8)]
+    for lease in leases:
+        lease._probed = True  # the S3 probe is not what this test races
+    barrier = threading.Barrier(len(leases))
+    winners: list[RunLease] = []
+    refused: list[str] = []
+    errors: list[BaseException] = []
+
+    def contend(lease: RunLease) -> None:
+        barrier.wait()
+        try:
+            lease.acquire()
+            winners.append(lease)
+        except LeaseHeldError as err:
+            refused.append(str(err))
+        except BaseException as err:  # noqa: BLE001 - reported below
+            errors.append(err)
+
+    threads = [threading.Thread(target=contend, args=(lease,)) for lease in leases]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=60)
+    assert not errors, errors
+    assert len(winners) == 1 and len(refused) == 7, (len(winners), refused)
+    store = SnapshotStore(run_uri)
+    assert lease_holds(store, winners[0].token or "")
+    assert winners[0].read()["epoch"] == (2 if expired else 1)
+    pid = winners[0].holder["pid"]
+    assert all(f"pid {pid}" in message for message in refused)
+
+
+def test_renew_thread_reports_a_takeover(run_uri: str) -> None:
+    lease = _lease(run_uri, FakeClock(), 101)  # the expiry never passes; only a force can win
+    lease.acquire()
+    lease.start_renewing(interval_s=0.05)
+    try:
+        time.sleep(0.2)
+        assert lease.lost is None
+        _lease(run_uri, FakeClock(), 202).acquire(force=True)
+        deadline = time.monotonic() + 10
+        while lease.lost is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert lease.lost is not None and "pid 202" in lease.lost
+    finally:
+        lease.stop_renewing()
+
+
+def test_s3_lease_probe_finds_conditional_writes(s3_bucket: str) -> None:
+    lease = _lease(f"s3://{s3_bucket}/runs/probe", FakeClock(), 101)
+    lease.acquire()
+    assert lease.conditional  # moto enforces If-None-Match/If-Match, like AWS S3
+    fs = lease.store.fs
+    assert [p for p in fs.ls(f"{s3_bucket}/runs/probe", detail=False)
+            if ".baton-lease-probe" in p] == []
+
+
+def test_ray_job_id_from_env() -> None:
+    assert ray_job_id_from_env({}) is None
+    assert ray_job_id_from_env({"RAY_JOB_SUBMISSION_ID": "raysubmit_a"}) == "raysubmit_a"
+    assert ray_job_id_from_env({"RAY_JOB_ID": "02000000"}) == "02000000"
+    config = json.dumps({"metadata": {"job_submission_id": "raysubmit_b"}})
+    assert ray_job_id_from_env({"RAY_JOB_CONFIG_JSON_ENV_VAR": config}) == "raysubmit_b"
+    assert ray_job_id_from_env({"RAY_JOB_CONFIG_JSON_ENV_VAR": "not json"}) is None
