@@ -11,6 +11,9 @@ The lease is the object ``RUN/lease.json``::
   stopped renewing (``expires_at < now``), or any lease with ``force=True``. Every acquire
   or takeover writes a new token and ``epoch + 1``. A live lease held by someone else raises
   ``LeaseHeldError``: one line naming the holder, the expiry and the fix.
+  A lease whose holder ran on this kernel and in this pid namespace and whose process is
+  gone (killed without releasing) is taken over at once, without waiting for the expiry
+  (``holder_is_dead``); a holder elsewhere is only taken over once its lease expires.
 * ``renew()`` pushes ``expires_at`` to ``now + ttl``; ``start_renewing()`` does it from a
   daemon thread every ``ttl / 3``. A renew that finds another token raises (thread: records)
   ``LeaseLostError``; the driver must stop committing.
@@ -105,8 +108,50 @@ def ray_job_id_from_env(environ: Mapping[str, str] | None = None) -> str | None:
 
 
 def default_holder(clock: Callable[[], float] = time.time) -> dict[str, Any]:
-    return {"host": socket.gethostname(), "pid": os.getpid(),
-            "ray_job_id": ray_job_id_from_env(), "started_at": clock()}
+    holder: dict[str, Any] = {"host": socket.gethostname(), "pid": os.getpid(),
+                              "ray_job_id": ray_job_id_from_env(), "started_at": clock()}
+    identity = _process_identity(os.getpid())
+    if identity is not None:
+        holder["boot_id"], holder["pid_ns"], holder["pid_start"] = identity
+    return holder
+
+
+def _process_identity(pid: int) -> tuple[str, str, int] | None:
+    """(kernel boot id, pid namespace, start tick) of ``pid`` as seen from here (Linux), or
+    None. Boot id + namespace say whether a pid in a lease means a process we can look at."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as fh:
+            boot_id = fh.read().strip()
+        pid_ns = os.readlink("/proc/self/ns/pid")
+        with open(f"/proc/{pid}/stat") as fh:
+            start = int(fh.read().rsplit(")", 1)[1].split()[19])
+    except (OSError, ValueError, IndexError):
+        return None
+    return boot_id, pid_ns, start
+
+
+def holder_is_dead(holder: dict[str, Any]) -> bool:
+    """True only when the holder's process provably ended: same kernel boot and pid namespace
+    as ours (so its pid means the same process here) and that pid is gone, a zombie, or now a
+    different process (another start tick). Anything uncertain counts as alive: then the
+    lease is only taken over once it expires."""
+    mine = _process_identity(os.getpid())
+    pid = holder.get("pid")
+    if mine is None or not isinstance(pid, int) or pid <= 0:
+        return False
+    if (holder.get("boot_id"), holder.get("pid_ns")) != mine[:2]:
+        return False  # another machine or container: its pids are not ours to look at
+    try:
+        with open(f"/proc/{pid}/stat") as fh:
+            fields = fh.read().rsplit(")", 1)[1].split()
+    except FileNotFoundError:
+        return True
+    except OSError:
+        return False
+    if fields[0] in ("Z", "X"):
+        return True
+    start = holder.get("pid_start")
+    return start is not None and fields[19] != str(start)  # the pid was reused
 
 
 def _when(t: float) -> str:
@@ -369,7 +414,7 @@ class RunLease:
                 expires = current.get("expires_at")
                 if not isinstance(expires, (int, float)):
                     raise LeaseHeldError(self._unreadable_message())
-                if expires >= now:
+                if expires >= now and not holder_is_dead(current.get("holder") or {}):
                     raise LeaseHeldError(self._held_message(current, now))
             epoch = int(current.get("epoch", 0)) if current else 0
             record = {"token": uuid.uuid4().hex, "holder": self.holder, "acquired_at": now,

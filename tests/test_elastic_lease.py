@@ -6,6 +6,9 @@ A fake clock drives expiry, so nothing here sleeps except the renew-thread test.
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -196,3 +199,24 @@ def test_ray_job_id_from_env() -> None:
     config = json.dumps({"metadata": {"job_submission_id": "raysubmit_b"}})
     assert ray_job_id_from_env({"RAY_JOB_CONFIG_JSON_ENV_VAR": config}) == "raysubmit_b"
     assert ray_job_id_from_env({"RAY_JOB_CONFIG_JSON_ENV_VAR": "not json"}) is None
+
+
+_HOLD_AND_DIE = """
+import os, sys
+from elastic.lease import RunLease
+from elastic.store import SnapshotStore
+RunLease(SnapshotStore(sys.argv[1])).acquire()
+os._exit(0)  # dies without releasing, as a SIGKILLed driver would
+"""
+
+
+def test_a_dead_local_holder_is_taken_over_before_expiry(tmp_path: Path) -> None:
+    run = str(tmp_path / "run")
+    subprocess.run([sys.executable, "-c", _HOLD_AND_DIE, run], check=True, timeout=120,
+                   cwd=Path(__file__).resolve().parents[1])
+    lease = RunLease(SnapshotStore(run))
+    assert lease.read()["expires_at"] > time.time()  # still live by the clock
+    assert lease.acquire()["epoch"] == 2  # but its process is gone
+    with pytest.raises(LeaseHeldError, match=f"pid {os.getpid()}"):
+        RunLease(SnapshotStore(run)).acquire()  # this process is alive: refused
+    lease.release()
