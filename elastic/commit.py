@@ -1,134 +1,353 @@
-"""The commit protocol, as plain Python (the Ray actor in coordinator.py is a thin wrapper).
+"""The commit protocol, as plain Python (the Ray actor in coordinator.py is this, made remote).
 
 Contract
 --------
 ``CommitCore`` owns the snapshot store's namespace for one run:
 
+* **Generations.** Every worker-group attempt calls ``new_generation()`` once (rank 0; the
+  others learn the number from it). The number is monotonic and persisted in
+  ``RUN/generation.json``, so a restarted coordinator or a new driver continues it. Shard
+  files carry it in their names (``shard-R-of-W-gG.safetensors``), so a redone step never
+  reuses a name. Receipts, failure reports and RAM puts of any other generation are refused,
+  and starting a generation aborts what the previous one left in flight: a straggler of a
+  torn-down group can never complete, overwrite or mix into a snapshot.
 * ``report(receipt)`` records that one rank's shard of step ``s`` is durable. When all
   ``world_size`` receipts of ``s`` are in, it checks that the chunks cover every logical
-  tensor exactly (element counts), writes ``manifest.json`` last (the commit), then
-  garbage-collects: older in-flight steps are aborted, only the newest ``keep_last``
-  committed snapshots are kept, and uncommitted leftovers are deleted.
-* ``fail(step, rank, reason)`` / ``worker_lost(rank)`` abort the affected in-flight
-  snapshots and delete what they wrote. A receipt for an aborted or stale step is refused.
+  tensor exactly (element counts), checks it is not fenced (the persisted generation is
+  still its own and, when it holds a run lease, the lease still names it), writes
+  ``manifest.json`` with an exclusive create (the commit; a committed name is never
+  rewritten), then garbage-collects: older in-flight steps are aborted, only the newest
+  ``keep_last`` committed snapshots are kept, and uncommitted leftovers are deleted.
+* ``fail(step, rank, reason, generation)`` / ``worker_lost(rank)`` abort the affected
+  in-flight snapshots and delete the files their generation wrote (never another
+  generation's). An in-flight snapshot older than ``pending_timeout_s``, or beyond the
+  ``max_pending`` newest, is aborted the same way, so a stuck rank cannot grow memory or
+  step directories without bound.
+* ``reject(step, reason)``: a worker found a *definite* integrity failure in a committed
+  snapshot; it is moved to ``RUN/quarantine/`` with the reason (never deleted).
+  ``rewind(step)`` (training restarted from ``step``) quarantines any newer committed
+  snapshot the same way: doubt never destroys.
 * On construction it rebuilds its view from the store (so a restarted coordinator loses no
   committed snapshot) and removes every uncommitted leftover, remembering those steps as
   aborted so that late receipts for them cannot resurrect a partial snapshot.
+* ``health()`` is what the driver shows: the newest commit, in-flight steps, the workers'
+  most recent failure reasons, and whether this coordinator has been fenced.
 
-``LocalCoordinator`` adds a lock and the in-memory copy of the newest snapshot's shard
-files (``RamCache``), and is what a worker talks to, in-process or through Ray.
-A receipt is a JSON-able dict: ``step, rank, world_size, layout, file, chunks`` (tensor key
--> chunk records) and, from rank 0, ``skeletons`` and ``catalog`` (all logical tensors).
+Storage I/O (manifest writes, deletions, quarantine moves, the fencing reads) happens
+outside the core's lock, so a slow store never blocks a worker's poll or another report.
+
+``LocalCoordinator`` adds the in-memory copy of the newest snapshot's shard files
+(``RamCache``, capped by ``ram_cap_bytes``) and on-demand snapshot requests, and is what a
+worker talks to, in-process or through Ray (see ``elastic.protocol``). A receipt is a
+JSON-able dict: ``step, rank, world_size, generation, layout, file, chunks`` (tensor key ->
+chunk records) and, from rank 0, ``skeletons`` and ``catalog`` (all logical tensors).
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import math
 import threading
+import time
+from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from elastic.errors import StorageUnavailableError
 from elastic.faults import FaultInjector
-from elastic.format import ChunkRecord, Manifest, TensorRecord
+from elastic.format import (
+    RECEIPT_SUFFIX,
+    ChunkRecord,
+    Manifest,
+    TensorRecord,
+    shard_filename,
+)
 from elastic.store import SnapshotStore
 
 log = logging.getLogger("baton.elastic")
+
+GENERATION_NAME = "generation.json"
+# Reasons kept for the driver's display (newest last).
+_FAILURES_KEPT = 20
 
 
 @dataclass
 class _Pending:
     world_size: int
+    generation: int
+    started: float
     receipts: dict[int, dict[str, Any]] = field(default_factory=dict)
+
+
+# A storage action decided under the lock and carried out after it is released.
+_Action = Callable[[], None]
+
+
+def read_generation(store: SnapshotStore) -> int:
+    """The newest generation persisted in the run directory (0 when none was ever started)."""
+    path = store.path(GENERATION_NAME)
+    try:
+        raw = store.read_file(path)
+    except FileNotFoundError:
+        return 0
+    try:
+        value = json.loads(raw)["generation"]
+    except (ValueError, KeyError, TypeError) as err:
+        raise ValueError(f"{path}: not a Baton generation file ({err}); restore it or remove "
+                         "it if no driver is running") from err
+    if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+        raise ValueError(f"{path}: generation must be a non-negative integer, got {value!r}")
+    return value
 
 
 class CommitCore:
     def __init__(self, store: SnapshotStore, *, keep_last: int = 2, block_bytes: int,
-                 faults: FaultInjector | None = None, versions: dict[str, str] | None = None
-                 ) -> None:
+                 faults: FaultInjector | None = None, versions: dict[str, str] | None = None,
+                 lease_token: str | None = None, pending_timeout_s: float = 600.0,
+                 max_pending: int = 3, clock: Callable[[], float] = time.monotonic) -> None:
         if keep_last < 1:
             raise ValueError(f"keep_last must be >= 1 (got {keep_last}); at least the newest "
                              "committed snapshot must be kept")
+        if max_pending < 1:
+            raise ValueError(f"max_pending must be >= 1 (got {max_pending})")
         self.store = store
         self.keep_last = keep_last
         self.block_bytes = block_bytes
         self.faults = faults or FaultInjector()
         self.versions = dict(versions or {})
+        self.lease_token = lease_token
+        self.pending_timeout_s = pending_timeout_s
+        self.max_pending = max_pending
+        self.clock = clock
+        self._lock = threading.RLock()
+        self._generation_lock = threading.Lock()
         self.pending: dict[int, _Pending] = {}
-        self.aborted: set[int] = set()
-        self.events: list[str] = []  # human-readable log of aborts and commits
+        self.committing: set[int] = set()
+        self.aborted: set[tuple[int, int]] = set()  # (generation, step)
+        self.events: list[str] = []  # human-readable log of aborts, refusals and commits
+        self.failures: deque[dict[str, Any]] = deque(maxlen=_FAILURES_KEPT)
         self.manifests: dict[int, bytes] = {}  # committed in this process's lifetime
+        self.fenced: str | None = None
+        self.last_commit_time: float | None = None
+        self.generation = read_generation(store)
         self.committed: list[int] = store.committed_steps()
         for step in store.all_steps():
             if step not in self.committed:
-                self._abort(step, "uncommitted leftover found at coordinator start")
+                self.aborted.add((self.generation, step))
+                self.events.append(f"aborted step {step}: uncommitted leftover found at "
+                                   "coordinator start")
+                store.delete_step(step)
+
+    # ------------------------------------------------------------------ generations
+
+    def new_generation(self) -> int:
+        """Start a worker-group attempt: the next generation number, persisted before it is
+        returned. Everything the previous generation left in flight is aborted."""
+        with self._generation_lock:
+            persisted = read_generation(self.store)
+            with self._lock:
+                if self.fenced:
+                    raise _fenced_error(self.fenced)
+                generation = max(persisted, self.generation) + 1
+            self.store.write_json(self.store.path(GENERATION_NAME),
+                                  {"generation": generation, "time": time.time()})
+            with self._lock:
+                self.generation = generation
+                actions = [self._abort_locked(step, f"generation {generation} started")
+                           for step in sorted(self.pending)]
+                self.events.append(f"generation {generation} started")
+        _run(actions)
+        return generation
+
+    def current_generation(self) -> int:
+        with self._lock:
+            return self.generation
 
     # ------------------------------------------------------------------ protocol
 
     def report(self, receipt: dict[str, Any]) -> int | None:
         """Record one shard receipt; return the step if this receipt committed it."""
         step, rank, world = int(receipt["step"]), int(receipt["rank"]), int(receipt["world_size"])
-        if step in self.aborted or step in self.committed or (
-                self.committed and step < self.committed[-1]):
-            self.events.append(f"refused receipt of rank {rank} for stale/aborted step {step}")
+        generation = int(receipt.get("generation", -1))
+        commit: Manifest | None = None
+        actions: list[_Action] = []
+        with self._lock:
+            refusal = self._refusal_locked(step, generation)
+            if refusal is not None:
+                self.events.append(f"refused receipt of rank {rank} for step {step}: {refusal}")
+                return None
+            actions += self._expire_locked()
+            pending = self.pending.get(step)
+            if pending is None:
+                pending = self.pending[step] = _Pending(world, generation, self.clock())
+                actions += self._bound_pending_locked()
+            if step not in self.pending:  # aborted just now to bound the in-flight steps
+                _run(actions)
+                return None
+            if pending.world_size != world:
+                actions.append(self._abort_locked(
+                    step, f"rank {rank} reported world_size {world}, expected "
+                          f"{pending.world_size}"))
+            else:
+                pending.receipts[rank] = receipt
+                if len(pending.receipts) == world:
+                    try:
+                        commit = self._build_manifest(step, pending)
+                    except ValueError as err:
+                        actions.append(self._abort_locked(step, str(err)))
+                    else:
+                        self.pending.pop(step)
+                        self.committing.add(step)
+        _run(actions)
+        if commit is None:
             return None
-        pending = self.pending.setdefault(step, _Pending(world))
-        if pending.world_size != world:
-            self._abort(step, f"rank {rank} reported world_size {world}, expected "
-                              f"{pending.world_size}")
-            return None
-        pending.receipts[rank] = receipt
-        if len(pending.receipts) < world:
-            return None
-        self._commit(step)
-        return step
+        return self._commit(commit, generation)
 
-    def fail(self, step: int, rank: int, reason: str) -> None:
-        if step in self.committed:
-            return
-        self._abort(step, f"rank {rank} failed: {reason}")
+    def fail(self, step: int, rank: int, reason: str, generation: int | None = None,
+             where: str = "") -> None:
+        """A rank could not make its shard of ``step`` durable: abort that snapshot."""
+        with self._lock:
+            gen = self.generation if generation is None else generation
+            if gen != self.generation:
+                self.events.append(f"ignored failure report of rank {rank} for step {step} "
+                                   f"from generation {gen} (current {self.generation})")
+                return
+            self.failures.append({"step": step, "rank": rank, "reason": reason, "where": where,
+                                  "generation": gen, "time": time.time()})
+            if step in self.committed or step in self.committing:
+                return
+            action = self._abort_locked(step, f"rank {rank} failed: {reason}")
+        action()
 
     def worker_lost(self, rank: int) -> None:
-        for step in sorted(self.pending):
-            if rank not in self.pending[step].receipts:
-                self._abort(step, f"worker {rank} lost before its shard was durable")
+        with self._lock:
+            actions = [self._abort_locked(step, f"worker {rank} lost before its shard was "
+                                                "durable")
+                       for step in sorted(self.pending)
+                       if rank not in self.pending[step].receipts]
+        _run(actions)
+
+    def reject(self, step: int, reason: str) -> None:
+        """A definite integrity failure of committed snapshot ``step``: quarantine it."""
+        with self._lock:
+            if step not in self.committed:
+                return
+            self.committed.remove(step)
+            self.manifests.pop(step, None)
+            self.events.append(f"quarantined snapshot {step}: {reason}")
+        log.warning("snapshot %d quarantined: %s", step, reason)
+        self.store.quarantine_step(step, reason)
 
     def rewind(self, step: int) -> None:
-        """Training restarted from ``step``: newer snapshots (unreadable, or from a future
-        that is being redone) are removed so the same steps can commit again."""
-        for s in sorted(self.pending):
-            if s > step:
-                self._abort(s, f"training restarted from step {step}")
-        for s in [s for s in self.committed if s > step]:
-            self.committed.remove(s)
-            self.manifests.pop(s, None)
-            self.aborted.discard(s)
-            self.store.delete_step(s)
-            self.events.append(f"removed snapshot {s}: training restarted from step {step}")
-        self.aborted = {s for s in self.aborted if s <= step}
+        """Training restarted from ``step``: in-flight newer steps are aborted; a newer
+        committed snapshot (one the restore could not use) is quarantined, never deleted."""
+        with self._lock:
+            actions = [self._abort_locked(s, f"training restarted from step {step}")
+                       for s in sorted(self.pending) if s > step]
+            newer = [s for s in self.committed if s > step]
+        _run(actions)
+        for s in newer:
+            self.reject(s, f"training restarted from the older step {step}")
 
     def latest_committed(self) -> int | None:
-        return self.committed[-1] if self.committed else None
+        with self._lock:
+            return self.committed[-1] if self.committed else None
+
+    def expire(self) -> None:
+        """Abort in-flight snapshots older than ``pending_timeout_s`` (called on every poll)."""
+        with self._lock:
+            actions = self._expire_locked()
+        _run(actions)
+
+    def health(self) -> dict[str, Any]:
+        """What the driver shows: newest commit, in-flight steps, recent failure reasons."""
+        with self._lock:
+            return {
+                "generation": self.generation,
+                "committed": list(self.committed),
+                "latest": self.committed[-1] if self.committed else None,
+                "pending": sorted(self.pending),
+                "failures": list(self.failures),
+                "fenced": self.fenced,
+            }
 
     # ------------------------------------------------------------------ internals
 
-    def _commit(self, step: int) -> None:
-        pending = self.pending[step]
+    def _refusal_locked(self, step: int, generation: int) -> str | None:
+        if self.fenced:
+            return f"this coordinator is fenced ({self.fenced})"
+        if generation != self.generation:
+            return f"it is from generation {generation}, the current one is {self.generation}"
+        if (generation, step) in self.aborted:
+            return "the step was aborted"
+        if step in self.committed or step in self.committing:
+            return "the step is already committed"
+        if self.committed and step < self.committed[-1]:
+            return f"the step is older than the newest commit {self.committed[-1]}"
+        return None
+
+    def _commit(self, manifest: Manifest, generation: int) -> int | None:
+        step = manifest.step
         self.faults.hit(-1, step, "commit_begin")
-        try:
-            manifest = self._build_manifest(step, pending)
-        except ValueError as err:
-            self._abort(step, str(err))
-            return
-        self.store.write_manifest(
-            manifest, mid_write=lambda: self.faults.hit(-1, step, "commit_manifest"))
-        self.manifests[step] = manifest.to_bytes()
-        self.pending.pop(step)
-        self.committed.append(step)
-        self.committed.sort()
-        self.events.append(f"committed step {step}")
+        fenced = self._fencing_reason(generation)
+        if fenced is None:
+            try:
+                self.store.write_manifest(
+                    manifest, exclusive=True,
+                    mid_write=lambda: self.faults.hit(-1, step, "commit_manifest"))
+            except FileExistsError:
+                fenced = f"a manifest for step {step} already exists (written by another driver)"
+            except OSError as err:
+                with self._lock:
+                    self.committing.discard(step)
+                    self.failures.append({"step": step, "rank": -1, "where": "coordinator",
+                                          "reason": f"manifest write failed: {describe(err)}",
+                                          "generation": generation, "time": time.time()})
+                    action = self._abort_locked(step, f"manifest write failed: {describe(err)}",
+                                                generation=generation, world=manifest.world_size)
+                action()
+                return None
+        if fenced is not None:
+            with self._lock:
+                self.committing.discard(step)
+                self.fenced = fenced
+                action = self._abort_locked(step, f"fenced: {fenced}", generation=generation,
+                                            world=manifest.world_size)
+            log.error("snapshot %d not committed: %s", step, fenced)
+            action()
+            return None
+        with self._lock:
+            self.committing.discard(step)
+            self.manifests[step] = manifest.to_bytes()
+            self.committed.append(step)
+            self.committed.sort()
+            self.last_commit_time = time.time()
+            self.events.append(f"committed step {step}")
         self.faults.hit(-1, step, "commit_end")
         self.gc()
+        return step
+
+    def _fencing_reason(self, generation: int) -> str | None:
+        """Why this coordinator may no longer commit, or None. Reads the store (small files)."""
+        try:
+            persisted = read_generation(self.store)
+        except (OSError, ValueError) as err:
+            return f"could not read {GENERATION_NAME}: {describe(err)}"
+        if persisted > generation:
+            return (f"generation {persisted} was started by another coordinator or driver "
+                    f"(this one is at {generation})")
+        if self.lease_token is not None:
+            from elastic.lease import lease_holds
+
+            try:
+                holds = lease_holds(self.store, self.lease_token)
+            except OSError as err:
+                return f"could not check the run lease: {describe(err)}"
+            if not holds:
+                return "the run lease was taken over by another driver"
+        return None
 
     def _build_manifest(self, step: int, pending: _Pending) -> Manifest:
         head = pending.receipts.get(0)
@@ -139,6 +358,13 @@ class CommitCore:
         files = []
         for rank in sorted(pending.receipts):
             receipt = pending.receipts[rank]
+            if receipt.get("versions") != head.get("versions"):
+                raise ValueError(f"step {step}: rank {rank} runs {receipt.get('versions')}, "
+                                 f"rank 0 runs {head.get('versions')}; install the same Baton "
+                                 "on every node")
+            if receipt["file"] != shard_filename(rank, pending.world_size, pending.generation):
+                raise ValueError(f"step {step}: rank {rank} wrote {receipt['file']!r}, not its "
+                                 f"generation-{pending.generation} shard")
             files.append(receipt["file"])
             for key, chunks in receipt["chunks"].items():
                 if key not in tensors:
@@ -154,38 +380,119 @@ class CommitCore:
                         state=head["skeletons"], files=files,
                         versions={**self.versions, **head.get("versions", {})})
 
-    def _abort(self, step: int, reason: str) -> None:
-        self.pending.pop(step, None)
-        self.aborted.add(step)
+    def _abort_locked(self, step: int, reason: str, *, generation: int | None = None,
+                      world: int | None = None) -> _Action:
+        """Mark ``step`` aborted for its generation; return the deletion to run unlocked."""
+        pending = self.pending.pop(step, None)
+        gen = pending.generation if pending else (
+            self.generation if generation is None else generation)
+        world = pending.world_size if pending else world
+        self.aborted.add((gen, step))
         self.events.append(f"aborted step {step}: {reason}")
         log.warning("snapshot %d aborted: %s", step, reason)
-        self.store.delete_step(step)
+        return lambda: self._delete_generation_files(step, gen, world)
+
+    def _delete_generation_files(self, step: int, generation: int, world: int | None) -> None:
+        """Remove what ``generation`` wrote for ``step`` (shards, receipts, temp files), and the
+        step directory when nothing else is left in it. Another generation's files stay."""
+        tag = f"-g{generation:06d}."
+        try:
+            names = self.store.step_files(step)
+        except OSError as err:  # deletion is housekeeping: never let it fail a report
+            log.warning("snapshot %d: could not list files to delete: %s", step, describe(err))
+            return
+        mine = [n for n in names if tag in n]
+        if world is not None:
+            mine += [shard_filename(r, world, generation) + RECEIPT_SUFFIX for r in range(world)
+                     if shard_filename(r, world, generation) + RECEIPT_SUFFIX not in mine]
+        try:
+            if set(names) <= set(mine) and step not in self.committed:
+                self.store.delete_step(step)
+            else:
+                self.store.delete_files(step, mine)
+        except OSError as err:
+            log.warning("snapshot %d: could not delete aborted files: %s", step, describe(err))
+
+    def _expire_locked(self) -> list[_Action]:
+        now = self.clock()
+        return [self._abort_locked(step, f"not complete after {self.pending_timeout_s:.0f} s "
+                                         "(snapshots.pending_timeout_s)")
+                for step, p in sorted(self.pending.items())
+                if now - p.started > self.pending_timeout_s]
+
+    def _bound_pending_locked(self) -> list[_Action]:
+        excess = sorted(self.pending)[: max(0, len(self.pending) - self.max_pending)]
+        return [self._abort_locked(step, f"more than {self.max_pending} snapshots in flight; "
+                                         "a rank is not finishing its shards")
+                for step in excess]
 
     def gc(self) -> None:
-        newest = self.latest_committed()
-        if newest is None:
-            return
-        for step in sorted(self.pending):
-            if step < newest:
-                self._abort(step, f"superseded by committed step {newest}")
-        for step in self.committed[: -self.keep_last]:
-            self.store.delete_step(step)
-            self.events.append(f"removed old snapshot {step} (keep_last={self.keep_last})")
-        self.committed = self.committed[-self.keep_last:]
-        self.manifests = {s: m for s, m in self.manifests.items() if s in self.committed}
-        for step in self.store.all_steps():
-            if step < newest and step not in self.committed and step not in self.pending:
+        with self._lock:
+            newest = self.committed[-1] if self.committed else None
+            if newest is None:
+                return
+            actions = [self._abort_locked(step, f"superseded by committed step {newest}")
+                       for step in sorted(self.pending) if step < newest]
+            old = self.committed[: -self.keep_last]
+            self.committed = self.committed[-self.keep_last:]
+            self.manifests = {s: m for s, m in self.manifests.items() if s in self.committed}
+            for step in old:
+                self.events.append(f"removed old snapshot {step} (keep_last={self.keep_last})")
+        _run(actions)
+        try:
+            for step in old:
                 self.store.delete_step(step)
+            for step in self.store.all_steps():
+                with self._lock:
+                    leftover = (step < newest and step not in self.committed
+                                and step not in self.pending and step not in self.committing)
+                if leftover:
+                    self.store.delete_step(step)
+        except OSError as err:  # retention is housekeeping: a later commit retries it
+            log.warning("garbage collection after step %d failed: %s", newest, describe(err))
+
+
+def _run(actions: list[_Action]) -> None:
+    for action in actions:
+        action()
+
+
+def _fenced_error(reason: str) -> Exception:
+    from elastic.errors import FencedError
+
+    return FencedError(f"this coordinator may no longer start worker groups: {reason}")
+
+
+def describe(err: BaseException) -> str:
+    """A failure reason a person can act on: errno names for OS errors (ENOSPC, EACCES),
+    the store's words for unreachable storage."""
+    import errno as errno_module
+
+    if isinstance(err, StorageUnavailableError):
+        return f"storage unreachable: {err}"
+    if isinstance(err, OSError) and err.errno in errno_module.errorcode:
+        name = errno_module.errorcode[err.errno]
+        where = f" ({err.filename})" if err.filename else ""
+        return f"{name}: {err.strerror or err}{where}"
+    return f"{type(err).__name__}: {err}"
 
 
 class RamCache:
-    """Shard-file bytes of the newest snapshots, keyed by (step, file)."""
+    """Shard-file bytes of the newest snapshots, keyed by (step, file), at most ``cap``
+    bytes in all (None: no cap; 0: nothing is held)."""
 
-    def __init__(self) -> None:
+    def __init__(self, cap: int | None = None) -> None:
+        self.cap = cap
         self.files: dict[int, dict[str, bytes]] = {}
 
-    def put(self, step: int, file: str, data: bytes) -> None:
+    def held(self) -> int:
+        return sum(len(d) for files in self.files.values() for d in files.values())
+
+    def put(self, step: int, file: str, data: bytes) -> bool:
+        if self.cap is not None and self.held() + len(data) > self.cap:
+            return False
         self.files.setdefault(step, {})[file] = data
+        return True
 
     def keep_only(self, steps: set[int]) -> None:
         for step in list(self.files):
@@ -200,18 +507,34 @@ class RamCache:
 
 
 class LocalCoordinator:
-    """Thread-safe coordinator for one run; used in-process or inside the Ray actor."""
+    """Thread-safe coordinator for one run; used in-process or as the Ray actor."""
 
     def __init__(self, store: SnapshotStore, *, keep_last: int = 2, block_bytes: int,
-                 faults: FaultInjector | None = None, ram: bool = True) -> None:
-        self.lock = threading.RLock()
+                 faults: FaultInjector | None = None, ram: bool = True,
+                 ram_cap_bytes: int | None = None, lease_token: str | None = None,
+                 pending_timeout_s: float = 600.0, max_pending: int = 3,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.lock = threading.RLock()  # guards the RAM copy and the request flags only
         self.core = CommitCore(store, keep_last=keep_last, block_bytes=block_bytes,
-                               faults=faults)
-        self.ram = RamCache() if ram else None
+                               faults=faults, lease_token=lease_token,
+                               pending_timeout_s=pending_timeout_s, max_pending=max_pending,
+                               clock=clock)
+        self.ram = RamCache(ram_cap_bytes) if ram and ram_cap_bytes != 0 else None
+        self._ram_refused: set[int] = set()
         # On-demand snapshots (before a planned resize): whether one is asked for, and the
         # step the workers took it at (they answer once they have persisted it).
         self.requested = False
         self.answered_step: int | None = None
+
+    # ---------------------------------------------------------------- generations
+
+    def new_generation(self) -> int:
+        return self.core.new_generation()
+
+    def current_generation(self) -> int:
+        return self.core.current_generation()
+
+    # ---------------------------------------------------------------- on-demand snapshots
 
     def request_snapshot(self) -> None:
         """Ask the workers for a snapshot at their next step boundary."""
@@ -232,39 +555,50 @@ class LocalCoordinator:
         """The answered snapshot is committed: a resize may tear the workers down now. (A
         periodic snapshot committing meanwhile does not count: it may be older.)"""
         with self.lock:
-            return self.answered_step is not None and self.answered_step in self.core.committed
+            answered = self.answered_step
+        return answered is not None and answered in self.core.committed
 
     def cancel_request(self) -> None:
         with self.lock:
             self.requested, self.answered_step = False, None
 
-    def put_ram(self, step: int, rank: int, file: str, data: bytes) -> None:
+    # ---------------------------------------------------------------- shards
+
+    def put_ram(self, step: int, rank: int, file: str, data: bytes, generation: int) -> bool:
+        """Hold a copy of a shard file; False when refused (other generation, stale step, or
+        over the RAM cap: that snapshot is then storage-only)."""
+        core = self.core
+        with core._lock:
+            if core._refusal_locked(step, generation) is not None:
+                return False
         with self.lock:
             if self.ram is None:
-                return
-            newest = self.core.latest_committed()
-            if step in self.core.aborted or (newest is not None and step <= newest):
-                return
-            self.ram.put(step, file, data)
+                return False
+            if not self.ram.put(step, file, data):
+                if step not in self._ram_refused:
+                    self._ram_refused.add(step)
+                    log.warning("snapshot %d: RAM copy would exceed snapshots.ram_copy_mib "
+                                "(%.0f MiB held); this snapshot is storage-only", step,
+                                self.ram.held() / 2**20)
+                return False
+            return True
 
     def report_shard(self, receipt: dict[str, Any]) -> int | None:
-        with self.lock:
-            step = self.core.report(receipt)
-            self._trim_ram()
-            return step
+        step = self.core.report(receipt)
+        self._trim_ram()
+        return step
 
-    def report_failure(self, step: int, rank: int, reason: str) -> None:
-        with self.lock:
-            self.core.fail(step, rank, reason)
-            self._trim_ram()
+    def report_failure(self, step: int, rank: int, reason: str,
+                       generation: int | None = None, where: str = "") -> None:
+        self.core.fail(step, rank, reason, generation, where)
+        self._trim_ram()
 
     def worker_lost(self, rank: int) -> None:
-        with self.lock:
-            self.core.worker_lost(rank)
-            self._trim_ram()
+        self.core.worker_lost(rank)
+        self._trim_ram()
 
     def committed_steps(self) -> list[int]:
-        with self.lock:
+        with self.core._lock:
             return list(self.core.committed)
 
     def read_ram(self, step: int, requests: list[tuple[str, int, int]]) -> list[bytes] | None:
@@ -272,24 +606,41 @@ class LocalCoordinator:
             return None if self.ram is None else self.ram.read(step, requests)
 
     def read_manifest(self, step: int) -> bytes | None:
-        with self.lock:
+        with self.core._lock:
             return self.core.manifests.get(step)
 
+    def reject(self, step: int, reason: str) -> None:
+        self.core.reject(step, reason)
+        self._trim_ram()
+
     def rewind(self, step: int) -> None:
-        with self.lock:
-            self.core.rewind(step)
-            self._trim_ram()
+        self.core.rewind(step)
+        self._trim_ram()
 
     def poll(self) -> None:
-        """Nothing to do in-process; receipts arrive by call."""
+        """In-process receipts arrive by call; only expire stuck in-flight snapshots."""
+        self.core.expire()
+
+    def flush(self, timeout_s: float) -> None:
+        """Receipts arrive by call, so whatever can commit has committed."""
+
+    def health(self) -> dict[str, Any]:
+        self.core.expire()
+        info = self.core.health()
+        with self.lock:
+            info["ram_bytes"] = self.ram.held() if self.ram is not None else 0
+        return info
 
     def events(self) -> list[str]:
-        with self.lock:
+        with self.core._lock:
             return list(self.core.events)
 
     def _trim_ram(self) -> None:
-        if self.ram is None:
-            return
-        newest = self.core.latest_committed()
-        keep = set(self.core.pending) | ({newest} if newest is not None else set())
-        self.ram.keep_only(keep)
+        with self.core._lock:
+            newest = self.core.committed[-1] if self.core.committed else None
+            keep = set(self.core.pending) | set(self.core.committing) | (
+                {newest} if newest is not None else set())
+        with self.lock:
+            if self.ram is not None:
+                self.ram.keep_only(keep)
+            self._ram_refused &= keep

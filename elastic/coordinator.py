@@ -5,9 +5,10 @@ Contract
 ``get_or_create_coordinator(run_uri)`` returns a handle to the named actor
 ``baton-coordinator-<run>`` in namespace ``baton`` (``get_if_exists``), placed on the head
 node (the ``node:__internal_head__`` resource, as Ray's own state actor does) with
-``max_restarts=-1``. The actor is a thin wrapper around ``LocalCoordinator``: all protocol
-logic (receipts, commit, GC, abort, rebuild-from-store) lives in ``elastic.commit`` and
-is tested without Ray. When the actor restarts it rebuilds its view from the store (no
+``max_restarts=-1``. The actor is ``LocalCoordinator`` itself made remote (threaded, so a
+slow store never blocks a poll): all protocol logic (generations, receipts, commit,
+fencing, GC, abort, quarantine, rebuild-from-store) lives in ``elastic.commit`` and is
+tested without Ray. When the actor restarts it rebuilds its view from the store (no
 committed snapshot is lost; the in-memory copy is, so restores fall back to storage).
 
 The in-memory copy of the newest snapshot lives in the actor's process on the head node:
@@ -36,54 +37,24 @@ _HEAD_RESOURCE = "node:__internal_head__"
 HEAD_NODE_RESOURCES = {_HEAD_RESOURCE: 0.001}
 
 
-@ray.remote(num_cpus=0)
-class CoordinatorActor:
-    def __init__(self, run_uri: str, keep_last: int, block_bytes: int,
-                 storage_options: dict[str, Any] | None, ram: bool) -> None:
-        self.local = LocalCoordinator(SnapshotStore(run_uri, storage_options),
-                                      keep_last=keep_last, block_bytes=block_bytes, ram=ram)
+class _StoreBackedCoordinator(LocalCoordinator):
+    """The local coordinator, built from a run URI (what a Ray actor's constructor gets)."""
 
-    def put_ram(self, step: int, rank: int, file: str, data: bytes) -> None:
-        self.local.put_ram(step, rank, file, data)
+    def __init__(self, run_uri: str, *, storage_options: dict[str, Any] | None = None,
+                 storage_timeout_s: float | None = None, storage_retry_s: float | None = None,
+                 **kwargs: Any) -> None:
+        deadlines: dict[str, float] = {}
+        if storage_timeout_s is not None:
+            deadlines["timeout_s"] = storage_timeout_s
+        if storage_retry_s is not None:
+            deadlines["retry_deadline_s"] = storage_retry_s
+        super().__init__(SnapshotStore(run_uri, storage_options, **deadlines), **kwargs)
 
-    def report_shard(self, receipt: dict[str, Any]) -> int | None:
-        return self.local.report_shard(receipt)
 
-    def report_failure(self, step: int, rank: int, reason: str) -> None:
-        self.local.report_failure(step, rank, reason)
-
-    def worker_lost(self, rank: int) -> None:
-        self.local.worker_lost(rank)
-
-    def committed_steps(self) -> list[int]:
-        return self.local.committed_steps()
-
-    def read_ram(self, step: int, requests: list[tuple[str, int, int]]) -> list[bytes] | None:
-        return self.local.read_ram(step, requests)
-
-    def read_manifest(self, step: int) -> bytes | None:
-        return self.local.read_manifest(step)
-
-    def rewind(self, step: int) -> None:
-        self.local.rewind(step)
-
-    def events(self) -> list[str]:
-        return self.local.events()
-
-    def request_snapshot(self) -> None:
-        self.local.request_snapshot()
-
-    def snapshot_requested(self) -> bool:
-        return self.local.snapshot_requested()
-
-    def answer_request(self, step: int) -> None:
-        self.local.answer_request(step)
-
-    def request_met(self) -> bool:
-        return self.local.request_met()
-
-    def cancel_request(self) -> None:
-        self.local.cancel_request()
+# The actor *is* the local coordinator, made remote. Threaded (max_concurrency): a commit
+# writing its manifest to a slow store must not hold up a worker's poll or another report;
+# LocalCoordinator and CommitCore are thread-safe and do storage I/O outside their locks.
+CoordinatorActor = ray.remote(num_cpus=0, max_concurrency=8)(_StoreBackedCoordinator)
 
 
 def coordinator_name(run_uri: str) -> str:
@@ -95,9 +66,14 @@ def coordinator_name(run_uri: str) -> str:
 def get_or_create_coordinator(run_uri: str, *, keep_last: int = 2,
                               block_bytes: int = DEFAULT_BLOCK_BYTES,
                               storage_options: dict[str, Any] | None = None, ram: bool = True,
+                              ram_cap_bytes: int | None = None, lease_token: str | None = None,
+                              pending_timeout_s: float = 600.0,
+                              storage_timeout_s: float | None = None,
+                              storage_retry_s: float | None = None,
                               on_head: bool = True, detached: bool = False
                               ) -> ray.actor.ActorHandle:
-    """The run's coordinator; created on first call, found by name afterwards."""
+    """The run's coordinator; created on first call, found by name afterwards (then the
+    settings of the first call hold)."""
     options: dict[str, Any] = {
         "name": coordinator_name(run_uri),
         "namespace": NAMESPACE,
@@ -111,24 +87,34 @@ def get_or_create_coordinator(run_uri: str, *, keep_last: int = 2,
         options["resources"] = dict(HEAD_NODE_RESOURCES)
     if detached:
         options["lifetime"] = "detached"
-    return CoordinatorActor.options(**options).remote(run_uri, keep_last, block_bytes,
-                                                      storage_options, ram)
+    return CoordinatorActor.options(**options).remote(
+        run_uri, storage_options=storage_options, storage_timeout_s=storage_timeout_s,
+        storage_retry_s=storage_retry_s, keep_last=keep_last, block_bytes=block_bytes,
+        ram=ram, ram_cap_bytes=ram_cap_bytes, lease_token=lease_token,
+        pending_timeout_s=pending_timeout_s)
 
 
 class RayCoordinatorClient:
-    """The worker side of the coordinator protocol, over a Ray actor handle."""
+    """The worker side of the coordinator protocol (``elastic.protocol``) over an actor."""
 
     def __init__(self, handle: ray.actor.ActorHandle) -> None:
         self.handle = handle
 
-    def put_ram(self, step: int, rank: int, file: str, data: bytes) -> None:
-        ray.get(self.handle.put_ram.remote(step, rank, file, data))
+    def new_generation(self) -> int:
+        return int(ray.get(self.handle.new_generation.remote()))
+
+    def current_generation(self) -> int:
+        return int(ray.get(self.handle.current_generation.remote()))
+
+    def put_ram(self, step: int, rank: int, file: str, data: bytes, generation: int) -> bool:
+        return bool(ray.get(self.handle.put_ram.remote(step, rank, file, data, generation)))
 
     def report_shard(self, receipt: dict[str, Any]) -> int | None:
         return ray.get(self.handle.report_shard.remote(receipt))
 
-    def report_failure(self, step: int, rank: int, reason: str) -> None:
-        ray.get(self.handle.report_failure.remote(step, rank, reason))
+    def report_failure(self, step: int, rank: int, reason: str,
+                       generation: int | None = None, where: str = "") -> None:
+        ray.get(self.handle.report_failure.remote(step, rank, reason, generation, where))
 
     def worker_lost(self, rank: int) -> None:
         ray.get(self.handle.worker_lost.remote(rank))
@@ -142,11 +128,20 @@ class RayCoordinatorClient:
     def read_manifest(self, step: int) -> bytes | None:
         return ray.get(self.handle.read_manifest.remote(step))
 
+    def reject(self, step: int, reason: str) -> None:
+        ray.get(self.handle.reject.remote(step, reason))
+
     def rewind(self, step: int) -> None:
         ray.get(self.handle.rewind.remote(step))
 
     def poll(self) -> None:
         """Receipts go straight to the actor; nothing to poll."""
+
+    def flush(self, timeout_s: float) -> None:
+        """Receipts go straight to the actor; nothing to flush."""
+
+    def health(self) -> dict[str, Any]:
+        return dict(ray.get(self.handle.health.remote()))
 
     def events(self) -> list[str]:
         return list(ray.get(self.handle.events.remote()))

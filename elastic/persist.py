@@ -4,11 +4,15 @@ Contract
 --------
 ``Persister.submit(captured)`` hands a finished capture to the background thread and returns
 at once. The thread (1) sends the shard file's bytes to the coordinator's in-memory copy
-(RAM path, off this worker's node when the coordinator is a Ray actor), (2) computes the
+(RAM path, off this worker's node when the coordinator is a Ray actor; the coordinator may
+refuse it, e.g. over its cap, and the snapshot is then storage-only), (2) computes the
 crc32 of every checksum block, (3) writes the image as the shard file through the store
 (temp name + rename locally, one PUT on S3), (4) reports the receipt to the coordinator.
-Any failure — storage down, injected fault — is reported with ``report_failure`` and fails
-only that snapshot; training never sees it (``last_error`` keeps it for logs and tests).
+The shard's file name and receipt carry the worker group's generation, so the coordinator
+refuses them once another generation has started. Any failure — storage down, disk full,
+injected fault — is reported with ``report_failure`` (a reason a person can act on, e.g.
+``ENOSPC``, and the host) and fails only that snapshot; training never sees it
+(``last_error`` keeps it for logs and tests; the driver shows the coordinator's reasons).
 
 The thread runs at a lower CPU priority (``PERSIST_NICE``) so it takes idle cycles first.
 At most one snapshot is in flight per worker: ``busy()`` tells the snapshotter whether the
@@ -23,34 +27,17 @@ import logging
 import os
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any, Protocol
+import socket
+from typing import Any
 
 from elastic.capture import Captured
+from elastic.commit import describe
 from elastic.faults import FaultInjector
 from elastic.format import shard_filename
+from elastic.protocol import CoordinatorClient
 from elastic.store import SnapshotStore
 
 log = logging.getLogger("baton.elastic")
-
-
-class CoordinatorClient(Protocol):
-    """What a worker needs from the run's coordinator (in-process, store-based or Ray)."""
-
-    def put_ram(self, step: int, rank: int, file: str, data: bytes) -> None: ...
-
-    def report_shard(self, receipt: dict[str, Any]) -> int | None: ...
-
-    def report_failure(self, step: int, rank: int, reason: str) -> None: ...
-
-    def committed_steps(self) -> list[int]: ...
-
-    def read_ram(self, step: int, requests: list[tuple[str, int, int]]) -> list[bytes] | None: ...
-
-    def read_manifest(self, step: int) -> bytes | None: ...
-
-    def rewind(self, step: int) -> None: ...
-
-    def poll(self) -> None: ...
 
 
 class Persister:
@@ -83,24 +70,24 @@ class Persister:
         if future is not None:
             future.result()
 
-    def submit(self, captured: Captured) -> None:
+    def submit(self, captured: Captured, generation: int) -> None:
         with self._lock:
             if self._future is not None and not self._future.done():
                 raise RuntimeError("a snapshot is still being persisted; wait() first")
-            self._future = self._pool.submit(self._persist, captured)
+            self._future = self._pool.submit(self._persist, captured, generation)
 
     def close(self) -> None:
         self.wait()
         self._pool.shutdown(wait=True)
 
-    def _persist(self, cap: Captured) -> None:
-        file = shard_filename(cap.rank, cap.world_size)
+    def _persist(self, cap: Captured, generation: int) -> None:
+        file = shard_filename(cap.rank, cap.world_size, generation)
         try:
             self.faults.hit(cap.rank, cap.step, "persist_begin")
             view = cap.image.memoryview()
             if self.ram:
                 # One copy of the image: the image itself is reused by the next capture.
-                self.coordinator.put_ram(cap.step, cap.rank, file, bytes(view))
+                self.coordinator.put_ram(cap.step, cap.rank, file, bytes(view), generation)
             chunks = cap.image.chunk_records(file, self.block_bytes)
             self.store.write_file(
                 self.store.step_path(cap.step, file), view, durable=self.durable,
@@ -108,21 +95,24 @@ class Persister:
             self.faults.hit(cap.rank, cap.step, "persist_end")
             receipt: dict[str, Any] = {
                 "step": cap.step, "rank": cap.rank, "world_size": cap.world_size,
-                "layout": self.layout, "file": file,
+                "generation": generation, "layout": self.layout, "file": file,
                 "chunks": {k: [c.to_json() for c in v] for k, v in chunks.items()},
+                # Every receipt names the code that wrote it: the coordinator refuses to mix.
+                "versions": self.versions,
             }
             if cap.rank == 0:
-                receipt.update(skeletons=cap.skeletons, catalog=cap.catalog,
-                               versions=self.versions)
+                receipt.update(skeletons=cap.skeletons, catalog=cap.catalog)
             self.coordinator.report_shard(receipt)
             self.persisted.append(cap.step)
             self.last_error = None
         except BaseException as err:  # a failed persist fails only this snapshot
             self.last_error = err
-            log.warning("snapshot %d: rank %d could not persist its shard: %r",
-                        cap.step, cap.rank, err)
+            reason = describe(err)
+            log.warning("snapshot %d: rank %d could not persist its shard: %s",
+                        cap.step, cap.rank, reason)
             try:
-                self.coordinator.report_failure(cap.step, cap.rank, repr(err))
+                self.coordinator.report_failure(cap.step, cap.rank, reason, generation,
+                                                socket.gethostname())
             except Exception as report_err:  # the coordinator may be down too
                 log.warning("snapshot %d: failure report lost: %r", cap.step, report_err)
 

@@ -26,9 +26,14 @@ methods with the same steps (a step boundary is a consistent cut in synchronous 
 Busy policy (``on_busy``): when the previous snapshot is still being persisted, ``"skip"``
 (default) skips this snapshot so a slow or dead storage never blocks training, ``"wait"``
 waits for it. ``force=True`` (preemption) always waits. Restore agreement: when
-torch.distributed is initialised, ranks agree (all-reduce MIN) that every rank read and
-verified the same snapshot before any rank loads it; a corrupt snapshot is reported by name
-(``restore_errors``) and the previous committed one is tried.
+torch.distributed is initialised, ranks agree (all-reduce MAX of a verdict) that every rank
+read and verified the same snapshot before any rank loads it. A definitely corrupt snapshot
+is reported by name (``restore_errors``), quarantined by the coordinator, and the previous
+committed one is tried; storage that does not answer fails the restore and touches nothing.
+
+Generations: every worker-group attempt writes under its own generation number (rank 0
+starts it at the coordinator in ``restore()``, the others receive it by broadcast), so a
+straggler of an earlier attempt can never complete or mix into this attempt's snapshots.
 """
 
 from __future__ import annotations
@@ -42,10 +47,12 @@ import torch.distributed as dist
 
 from elastic.capture import CaptureHandle, Capturer
 from elastic.commit import LocalCoordinator
+from elastic.errors import SnapshotIntegrityError, StorageUnavailableError
 from elastic.faults import FaultInjector
 from elastic.format import DEFAULT_BLOCK_BYTES, FORMAT_VERSION, Manifest
 from elastic.layout import DEFAULT_SPLIT_MIN_BYTES
-from elastic.persist import CoordinatorClient, Persister
+from elastic.persist import Persister
+from elastic.protocol import CoordinatorClient
 from elastic.registry import StateRegistry
 from elastic.restore import (
     ByteSource,
@@ -63,7 +70,23 @@ LAYOUTS = ("ddp", "fsdp")
 
 
 def library_versions() -> dict[str, str]:
-    return {"torch": torch.__version__, "baton_format": str(FORMAT_VERSION)}
+    return {"torch": torch.__version__, "baton_format": str(FORMAT_VERSION),
+            "baton": baton_version()}
+
+
+@functools.cache
+def baton_version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("baton-train")
+    except PackageNotFoundError:  # running from a source tree that was never installed
+        return "unknown"
+
+
+# A restore verdict per snapshot, agreed across ranks by taking the maximum: one rank's doubt
+# (storage unreachable) outranks another's integrity failure, which outranks success.
+_OK, _CORRUPT, _UNREACHABLE = 0, 1, 2
 
 
 class Snapshotter:
@@ -75,7 +98,9 @@ class Snapshotter:
                  block_bytes: int = DEFAULT_BLOCK_BYTES,
                  split_min_bytes: int = DEFAULT_SPLIT_MIN_BYTES, flush_timeout_s: float = 120.0,
                  run_info: dict[str, Any] | None = None,
-                 faults: FaultInjector | None = None) -> None:
+                 faults: FaultInjector | None = None, generation: int | None = None,
+                 storage_timeout_s: float | None = None,
+                 storage_retry_s: float | None = None) -> None:
         if layout not in LAYOUTS:
             raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
         if snapshot_every < 1:
@@ -89,7 +114,15 @@ class Snapshotter:
         self.snapshot_every, self.on_busy = snapshot_every, on_busy
         self.flush_timeout_s = flush_timeout_s
         self.faults = faults or FaultInjector()
-        self.store = SnapshotStore(run_uri, storage_options)
+        deadlines: dict[str, float] = {}
+        if storage_timeout_s is not None:
+            deadlines["timeout_s"] = storage_timeout_s
+        if storage_retry_s is not None:
+            deadlines["retry_deadline_s"] = storage_retry_s
+        self.store = SnapshotStore(run_uri, storage_options, **deadlines)
+        # The worker-group generation this rank writes for (None until joined: restore() or
+        # the first capture, both points every rank reaches together).
+        self.generation = generation
         if coordinator is None:
             if world_size == 1:
                 coordinator = LocalCoordinator(self.store, keep_last=keep_last,
@@ -116,10 +149,17 @@ class Snapshotter:
     # ------------------------------------------------------------------ restore
 
     def restore(self) -> int:
-        """Load the newest committed snapshot that every rank can read; return its step."""
+        """Load the newest committed snapshot that every rank can read; return its step.
+
+        Only a definite integrity failure (checksum, malformed manifest, missing file on a
+        store that answered) moves on to the previous snapshot, and the rejected one is
+        quarantined, not deleted. Storage that does not answer within its deadline raises
+        ``StorageUnavailableError`` and changes nothing: restarting later restores it."""
+        self.join_generation()
         steps = sorted(self.coordinator.committed_steps(), reverse=True)
         for step in steps:
             loaded: tuple[Any, dict[str, torch.Tensor], ByteSource] | None = None
+            verdict, reason = _OK, ""
             try:
                 manifest = self._manifest(step)
                 templates = self.registry.flatten().tensors
@@ -130,11 +170,24 @@ class Snapshotter:
                 loaded = (manifest, tensors, source)
             except SnapshotMismatchError:
                 raise
-            except (ValueError, OSError) as err:
-                msg = f"snapshot {step} of {self.store.run_uri} is unusable: {err}"
+            except FileNotFoundError as err:  # the store answered: the file is not there
+                verdict, reason = _CORRUPT, f"missing file: {err}"
+            except (SnapshotIntegrityError, ValueError) as err:
+                verdict, reason = _CORRUPT, str(err)
+            except (StorageUnavailableError, OSError) as err:
+                verdict, reason = _UNREACHABLE, str(err)
+            verdict = self._agree(verdict)
+            if verdict == _UNREACHABLE:
+                raise StorageUnavailableError(
+                    f"snapshot {step} of {self.store.run_uri} could not be read"
+                    f"{': ' + reason if reason else ' (on another rank)'}; nothing was "
+                    "changed or removed: the run restores it once storage answers again")
+            if verdict == _CORRUPT:
+                msg = (f"snapshot {step} of {self.store.run_uri} is unusable: "
+                       f"{reason or 'another rank found it corrupt'}")
                 self.restore_errors.append(msg)
-                log.warning("%s; trying the previous committed snapshot", msg)
-            if not self._all_ranks_agree(loaded is not None):
+                log.warning("%s; quarantined, trying the previous committed snapshot", msg)
+                self.coordinator.reject(step, msg)
                 continue
             assert loaded is not None
             manifest, tensors, source = loaded
@@ -144,10 +197,31 @@ class Snapshotter:
             self.coordinator.rewind(step)
             return step
         if steps:
-            raise ValueError(
-                f"no committed snapshot of {self.store.run_uri} could be restored: "
-                + "; ".join(self.restore_errors))
+            raise SnapshotIntegrityError(
+                f"no committed snapshot of {self.store.run_uri} could be restored (each was "
+                "moved to quarantine/): " + "; ".join(self.restore_errors))
         return 0
+
+    def join_generation(self) -> int:
+        """This rank's worker-group generation: rank 0 starts one at the coordinator and
+        the others receive it over the process group (collective: all ranks call this).
+        Without a process group, ranks > 0 take the coordinator's current one (in-process
+        tests that drive rank 0 first)."""
+        if self.generation is not None:
+            return self.generation
+        grouped = self.world_size > 1 and dist.is_available() and dist.is_initialized()
+        if self.rank == 0:
+            generation = self.coordinator.new_generation()
+        elif not grouped:
+            generation = self.coordinator.current_generation()
+        else:
+            generation = -1
+        if grouped:
+            value = torch.tensor([generation], dtype=torch.int64)
+            dist.broadcast(value, src=0)
+            generation = int(value.item())
+        self.generation = generation
+        return generation
 
     def _manifest(self, step: int) -> Manifest:
         data = self.coordinator.read_manifest(step)
@@ -155,12 +229,12 @@ class Snapshotter:
             return Manifest.from_bytes(data, where=f"snapshot {step} (coordinator RAM)")
         return self.store.load_manifest(step)
 
-    def _all_ranks_agree(self, ok: bool) -> bool:
+    def _agree(self, verdict: int) -> int:
         if self.world_size == 1 or not (dist.is_available() and dist.is_initialized()):
-            return ok
-        flag = torch.tensor([1 if ok else 0], dtype=torch.int32)
-        dist.all_reduce(flag, op=dist.ReduceOp.MIN)
-        return bool(flag.item())
+            return verdict
+        flag = torch.tensor([verdict], dtype=torch.int32)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        return int(flag.item())
 
     # ------------------------------------------------------------------ capture
 
@@ -183,6 +257,7 @@ class Snapshotter:
         """Start copying this rank's chunks of step ``step``; False if skipped."""
         if self._handle is not None:
             raise RuntimeError("begin_capture called twice; call wait_capture() in between")
+        self.join_generation()
         if self.persister.busy():
             if self.on_busy == "skip" and not force:
                 self.skipped.append(step)
@@ -193,7 +268,8 @@ class Snapshotter:
         try:
             self._handle = self.capturer.begin(step)
         except Exception as err:  # a failed capture fails this snapshot, not training
-            self.coordinator.report_failure(step, self.rank, f"capture failed: {err!r}")
+            self.coordinator.report_failure(step, self.rank, f"capture failed: {err!r}",
+                                            self.generation)
             log.warning("snapshot %d: capture failed on rank %d: %r", step, self.rank, err)
             return False
         return True
@@ -208,15 +284,15 @@ class Snapshotter:
             captured = handle.wait()
         except Exception as err:
             step = handle.step
-            self.coordinator.report_failure(step, self.rank, f"capture failed: {err!r}")
+            self.coordinator.report_failure(step, self.rank, f"capture failed: {err!r}",
+                                            self.generation)
             return
-        self.persister.submit(captured)
+        assert self.generation is not None  # joined in begin_capture
+        self.persister.submit(captured, self.generation)
 
     def close(self) -> None:
         """Finish the pending capture and persist; rank 0 of a store group commits."""
         self.wait_capture()
         self.persister.close()
         self.capturer.close()
-        flush = getattr(self.coordinator, "flush", None)
-        if callable(flush):
-            flush(self.flush_timeout_s)
+        self.coordinator.flush(self.flush_timeout_s)

@@ -3,12 +3,14 @@
 Contract
 --------
 Every rank constructs a ``StoreCoordinator``. Ranks other than 0 write each receipt as a
-small JSON file next to their shard (``shard-RRRRR-of-WWWWW.safetensors.receipt.json``; a
-failed persist writes ``{"failed": reason}`` there instead). Rank 0 owns the commit logic (a
-``LocalCoordinator``): ``poll()`` — called by the snapshotter at every step boundary and by
-``flush()`` — collects the receipts of its in-flight steps and commits each step once all are
-in. No collective is needed, so it works from background threads and never blocks training.
-There is no off-node RAM copy in this mode (``read_ram`` serves only rank 0's own process).
+small JSON file next to their shard (``shard-RRRRR-of-WWWWW-gGGGGGG.safetensors.receipt.json``;
+a failed persist writes ``{"failed": reason}`` there instead). Rank 0 owns the commit logic
+(a ``LocalCoordinator``): ``poll()`` — called by the snapshotter at every step boundary and
+by ``flush()`` — collects the receipts of its in-flight steps (for the generation that
+started them: another generation's receipt files are never read) and commits each step once
+all are in. No collective is needed, so it works from background threads and never blocks
+training. Rank 0 starts each generation (``new_generation``); the snapshotter broadcasts it.
+There is no off-node RAM copy in this mode (``read_ram`` serves nothing).
 """
 
 from __future__ import annotations
@@ -32,11 +34,25 @@ class StoreCoordinator:
         self.local = (LocalCoordinator(store, keep_last=keep_last, block_bytes=block_bytes,
                                        faults=faults, ram=False) if rank == 0 else None)
 
-    def _receipt_path(self, step: int, rank: int, world_size: int) -> str:
-        return self.store.step_path(step, shard_filename(rank, world_size) + RECEIPT_SUFFIX)
+    def _receipt_path(self, step: int, rank: int, world_size: int, generation: int) -> str:
+        name = shard_filename(rank, world_size, generation) + RECEIPT_SUFFIX
+        return self.store.step_path(step, name)
 
-    def put_ram(self, step: int, rank: int, file: str, data: bytes) -> None:
+    def _owner(self) -> LocalCoordinator:
+        if self.local is None:
+            raise RuntimeError(f"rank {self.rank}: only rank 0 of a store group runs the "
+                               "coordinator; other ranks receive the generation by broadcast")
+        return self.local
+
+    def new_generation(self) -> int:
+        return self._owner().new_generation()
+
+    def current_generation(self) -> int:
+        return self._owner().current_generation()
+
+    def put_ram(self, step: int, rank: int, file: str, data: bytes, generation: int) -> bool:
         """No RAM copy off the node without Ray."""
+        return False
 
     def report_shard(self, receipt: dict[str, Any]) -> int | None:
         if self.local is not None:
@@ -44,15 +60,19 @@ class StoreCoordinator:
             self.poll()
             return committed
         step, world = int(receipt["step"]), int(receipt["world_size"])
-        self.store.write_json(self._receipt_path(step, self.rank, world), receipt)
+        path = self._receipt_path(step, self.rank, world, int(receipt["generation"]))
+        self.store.write_json(path, receipt)
         return None
 
-    def report_failure(self, step: int, rank: int, reason: str) -> None:
+    def report_failure(self, step: int, rank: int, reason: str,
+                       generation: int | None = None, where: str = "") -> None:
         if self.local is not None:
-            self.local.report_failure(step, rank, reason)
+            self.local.report_failure(step, rank, reason, generation, where)
             return
-        self.store.write_json(self._receipt_path(step, rank, self.world_size),
-                              {"failed": reason, "step": step, "rank": rank})
+        if generation is None:
+            return  # never joined a generation: nothing of this rank can be in flight
+        self.store.write_json(self._receipt_path(step, rank, self.world_size, generation),
+                              {"failed": reason, "step": step, "rank": rank, "where": where})
 
     def committed_steps(self) -> list[int]:
         if self.local is not None:
@@ -65,32 +85,51 @@ class StoreCoordinator:
     def read_manifest(self, step: int) -> bytes | None:
         return None
 
+    def reject(self, step: int, reason: str) -> None:
+        if self.local is not None:  # rank 0 quarantines; every rank reached the same verdict
+            self.local.reject(step, reason)
+
     def rewind(self, step: int) -> None:
         if self.local is not None:
             self.local.rewind(step)
 
+    def health(self) -> dict[str, Any]:
+        return self._owner().health()
+
+    def snapshot_requested(self) -> bool:
+        return False
+
+    def answer_request(self, step: int) -> None:
+        """No on-demand requests without a Ray driver."""
+
     def poll(self) -> None:
         if self.local is None:
             return
-        with self.local.lock:
-            self._collect()
+        self.local.poll()
+        self._collect()
 
     def _collect(self) -> None:
         assert self.local is not None
         core = self.local.core
-        for step in sorted(core.pending):
-            pending = core.pending.get(step)
-            if pending is None:
-                continue
-            for r in range(pending.world_size):
-                if r in pending.receipts:
+        with core._lock:
+            pending = {step: (p.world_size, p.generation, set(p.receipts))
+                       for step, p in core.pending.items()}
+        for step in sorted(pending):
+            world, generation, have = pending[step]
+            for r in range(world):
+                if r in have:
                     continue
-                path = self._receipt_path(step, r, pending.world_size)
+                path = self._receipt_path(step, r, world, generation)
                 if not self.store.exists(path):
                     continue
-                receipt = json.loads(self.store.read_file(path))
+                try:
+                    receipt = json.loads(self.store.read_file(path))
+                except (ValueError, FileNotFoundError) as err:  # half-seen or removed meanwhile
+                    self.local.report_failure(step, r, f"unreadable receipt: {err}", generation)
+                    break
                 if "failed" in receipt:
-                    self.local.report_failure(step, r, str(receipt["failed"]))
+                    self.local.report_failure(step, r, str(receipt["failed"]), generation,
+                                              str(receipt.get("where", "")))
                     break
                 if self.local.report_shard(receipt) is not None or step not in core.pending:
                     break

@@ -144,7 +144,7 @@ class SnapshotWorker:
     Kept free of Ray imports at module level so this module stays Ray-agnostic."""
 
     def __init__(self, run_uri: str, rank: int, world_size: int, coordinator_name: str,
-                 namespace: str, seed: int = 5) -> None:
+                 namespace: str, seed: int = 5, generation: int | None = None) -> None:
         import ray
 
         from elastic.coordinator import RayCoordinatorClient
@@ -155,7 +155,7 @@ class SnapshotWorker:
         client = RayCoordinatorClient(ray.get_actor(coordinator_name, namespace=namespace))
         self.snap = Snapshotter(run_uri, self.ts.registry, rank, world_size,
                                 coordinator=client, snapshot_every=2, durable=False,
-                                split_min_bytes=64)
+                                split_min_bytes=64, generation=generation)
 
     def train(self, first: int, last: int) -> list[int]:
         for step in range(first, last + 1):

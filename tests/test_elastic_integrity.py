@@ -49,7 +49,8 @@ def _restore(run: str) -> tuple[Snapshotter, TrainState, int]:
 
 
 def _shard(run: str, step: int) -> str:
-    return os.path.join(run, "snapshots", step_dirname(step), shard_filename(0, 1))
+    # One Snapshotter wrote the whole run: worker-group generation 1.
+    return os.path.join(run, "snapshots", step_dirname(step), shard_filename(0, 1, 1))
 
 
 def _assert_state(ts: TrainState, ref: dict[str, torch.Tensor]) -> None:
@@ -77,8 +78,10 @@ def test_flipped_bytes_fall_back_to_previous(tmp_path) -> None:
         for e in snap.restore_errors
     ), snap.restore_errors
     _assert_state(ts, refs[2])
-    # The unreadable snapshot 4 was dropped so training can commit step 4 again.
+    # The unreadable snapshot 4 was quarantined (kept, out of the way), so training can
+    # commit step 4 again.
     assert snap.coordinator.committed_steps() == [2]
+    assert os.path.exists(os.path.join(run, "quarantine", step_dirname(4), "reason.json"))
     assert baton_main(["snapshots", "verify", run]) == 0  # newest is now 2, which is fine
 
 

@@ -41,8 +41,11 @@ def test_coordinator_restart_node_loss_and_ram_restore(tmp_path) -> None:
         assert get_or_create_coordinator(run)._actor_id == coord._actor_id  # get_if_exists
         worker = ray.remote(SnapshotWorker)
         on_a = worker.options(num_cpus=0, resources={"node_a": 1})
-        w0 = on_a.remote(run, 0, 2, name, NAMESPACE)
-        w1 = worker.options(num_cpus=0, resources={"node_b": 1}).remote(run, 1, 2, name, NAMESPACE)
+        # Ranks of one group share a generation (in Ray Train, rank 0 broadcasts it).
+        generation = ray.get(coord.new_generation.remote())
+        w0 = on_a.remote(run, 0, 2, name, NAMESPACE, 5, generation)
+        w1 = worker.options(num_cpus=0, resources={"node_b": 1}).remote(
+            run, 1, 2, name, NAMESPACE, 5, generation)
         ray.get([w0.train.remote(1, 4), w1.train.remote(1, 4)])
         assert ray.get(coord.committed_steps.remote()) == [2, 4]
 
