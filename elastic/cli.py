@@ -49,7 +49,12 @@ def _fail(err: Exception) -> int:
 
 
 def _ls(args: argparse.Namespace) -> int:
-    rows = snapshot_rows(SnapshotStore(args.run_uri))
+    store = SnapshotStore(args.run_uri)
+    # Quarantined snapshots (rejected, never deleted) are listed with their reason too.
+    rows = sorted(snapshot_rows(store) + [
+        {"step": q["step"], "committed": False, "quarantined": True, "where": q["where"],
+         "time": q["time"], "note": f"quarantined: {q['reason'] or '(no reason.json)'}"}
+        for q in store.quarantined()], key=lambda r: r["step"])
     if args.json:
         print(json.dumps(rows, indent=1))
         return 0
@@ -58,7 +63,8 @@ def _ls(args: argparse.Namespace) -> int:
         return 0
     print(f"{'step':>10}  {'state':<11} {'world':>5}  {'layout':<6} {'MiB':>9}  note")
     for r in rows:
-        state = "committed" if r["committed"] else "incomplete"
+        state = ("quarantined" if r.get("quarantined")
+                 else "committed" if r["committed"] else "incomplete")
         mib = f"{r['bytes'] / 2**20:9.2f}" if "bytes" in r else " " * 9
         print(f"{r['step']:>10}  {state:<11} {r.get('world_size', ''):>5}  "
               f"{r.get('layout', ''):<6} {mib}  {r.get('note', '')}")

@@ -3,6 +3,7 @@
 `s3_endpoint`: a real S3 API over HTTP on 127.0.0.1 (moto's server, in this process, on a free
 port), with credentials and endpoint exported the standard AWS way so s3fs/boto3 find it.
 Each test that asks for `s3_bucket` gets a fresh, empty bucket on that server.
+`s3_faults`: a fault-injecting proxy in front of that server, for one test (see its docstring).
 """
 
 from __future__ import annotations
@@ -11,9 +12,13 @@ import os
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import pytest
 from ray_harness import free_port
+
+if TYPE_CHECKING:
+    from s3_fault_proxy import S3FaultProxy
 
 # Every Ray process the tests start listens on 127.0.0.1 only (see trainer/local_cluster.py).
 os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
@@ -89,6 +94,26 @@ def s3_bucket(s3_endpoint: S3Endpoint) -> str:
     name = f"baton-test-{uuid.uuid4().hex[:12]}"
     boto3.client("s3", endpoint_url=s3_endpoint.url).create_bucket(Bucket=name)
     return name
+
+
+@pytest.fixture
+def s3_faults(s3_endpoint: S3Endpoint) -> Iterator[S3FaultProxy]:
+    """A fault-injecting proxy (tests/s3_fault_proxy.py) in front of the moto server; for this
+    test AWS_ENDPOINT_URL(_S3) point at it, so new stores and clients go through it."""
+    from s3_fault_proxy import S3FaultProxy
+
+    proxy = S3FaultProxy(s3_endpoint.url)
+    saved = {k: os.environ.get(k) for k in ("AWS_ENDPOINT_URL", "AWS_ENDPOINT_URL_S3")}
+    os.environ.update(AWS_ENDPOINT_URL=proxy.url, AWS_ENDPOINT_URL_S3=proxy.url)
+    try:
+        yield proxy
+    finally:
+        proxy.stop()
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
