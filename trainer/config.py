@@ -168,7 +168,11 @@ class ScalingSettings:
     cpus_per_worker: float = 1.0
     use_gpu: bool = False  # one GPU per worker, NCCL; otherwise CPU and gloo
     resize_interval_s: float = 5.0  # how often Ray Train checks whether the group can grow
-    max_failures: int = -1  # worker-group restarts allowed (-1 = unlimited)
+    # Worker-group restarts allowed after errors (-1 = unlimited). Finite by default: an
+    # error that keeps coming back must end the run, not retry it forever. Preemptions
+    # that committed their snapshot and node losses Ray Train sees as preemptions are
+    # not counted (see trainer.scaling).
+    max_failures: int = 10
 
     def __post_init__(self) -> None:
         _require(self.min_workers >= 1, "scaling.min_workers", "must be >= 1")

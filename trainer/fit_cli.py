@@ -1,7 +1,9 @@
 """`baton fit`, `baton report` and `baton demo` (registered into `trainer.cli`).
 
 Contract: bad recipes, overrides and run directories exit with code 2 and one line naming
-the field and the fix, before Ray starts; `fit` prints one progress line per second (step,
+the field and the fix, before Ray starts; a run that gives up (an error no restart can
+fix, or `scaling.max_failures` restarts) exits with code 1 and one line, `error: <the
+worker's message> (after N restarts)`; `fit` prints one progress line per second (step,
 loss, tokens/s, world size) and a summary at the end; `report` writes a PNG and prints the
 summary table.
 """
@@ -62,12 +64,17 @@ def _cmd_fit(args: argparse.Namespace) -> int:
         console.print(f"[red]error:[/red] {escape(str(err))}")
         return 2
     from trainer.ray_fit import fit  # imports Ray: only once the input is known to be good
+    from trainer.scaling import RunFailedError
 
     if resumed:
         console.print(f"continuing run {cfg.snapshots.run_uri} from committed step {resumed}")
     else:
         console.print(f"starting run {cfg.snapshots.run_uri}")
-    result = fit(cfg, on_progress=_print_progress, pace_s=args.pace)
+    try:
+        result = fit(cfg, on_progress=_print_progress, pace_s=args.pace)
+    except RunFailedError as err:  # one line: the worker's message and the restarts
+        console.print(f"[red]error:[/red] {escape(str(err))}")
+        return 1
     _print_summary(result.summary.to_dict())
     return 0
 

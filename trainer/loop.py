@@ -23,7 +23,8 @@ from __future__ import annotations
 import resource
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -32,8 +33,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from data_state import Microbatch, ResumableLoader, TokenDataset
+from data_state.manifest import DatasetError
+from elastic.errors import FatalRunError
 from elastic.preemption import PreemptionNotice, PreemptionWatcher
 from elastic.registry import StateRegistry
+from elastic.restore import SnapshotMismatchError
 from elastic.snapshotter import Snapshotter
 from sketch_ops import sketch_model, sketch_seed
 from trainer.config import FitConfig
@@ -47,6 +51,7 @@ from trainer.parallel import (
     loss_weight,
     wrap_model,
 )
+from trainer.run_dir import RunDirError, check_continuation
 
 # Asking Ray Train for a preemption notice is a barrier across workers: not every step.
 _RAY_PREEMPTION_CHECK_EVERY = 5
@@ -113,6 +118,27 @@ class WorkerEnv:
 
 class PreemptedError(RuntimeError):
     """This worker group stopped on a preemption notice after committing a snapshot."""
+
+
+@contextmanager
+def dataset_errors_are_fatal(uri: str) -> Iterator[None]:
+    """A dataset that cannot be opened or read (missing, corrupt, inconsistent: `DatasetError`,
+    a missing file) fails the same way after any restart: raise `FatalRunError` so the run
+    fails once. Storage that did not answer (`StorageUnavailableError`, other `OSError`s)
+    passes through unchanged: a restart may well fix that."""
+    try:
+        yield
+    except (DatasetError, FileNotFoundError) as err:
+        raise FatalRunError(f"dataset {uri!r} cannot be used: {err}") from err
+
+
+def refuse_other_run(cfg: FitConfig, fingerprint: str) -> None:
+    """A recipe that disagrees with the run it continues (seed, shapes, dataset) is refused
+    the same way on every restart: `FatalRunError` with the driver's pre-flight message."""
+    try:
+        check_continuation(cfg, fingerprint=fingerprint)
+    except RunDirError as err:
+        raise FatalRunError(str(err)) from err
 
 
 @dataclass
@@ -188,16 +214,22 @@ def run_worker(cfg: FitConfig, env: WorkerEnv) -> WorkerResult:
     model = wrap_model(build_model(cfg).to(env.device), cfg.parallelism, env.device)
     optimizer = build_optimizer(model, cfg.optim)
     schedule = WarmupCosine(optimizer, cfg.optim, cfg.steps)
-    train_set = TokenDataset(cfg.data.uri, split="train")
-    val_set = TokenDataset(cfg.data.uri, split="val")
-    loader = ResumableLoader(
-        train_set,
-        global_batch=cfg.data.global_batch,
-        microbatch_size=cfg.data.microbatch_size,
-        seed=cfg.seed,
-        rank=env.rank,
-        world_size=env.world_size,
-    )
+    with dataset_errors_are_fatal(cfg.data.uri):
+        train_set = TokenDataset(cfg.data.uri, split="train")
+        val_set = TokenDataset(cfg.data.uri, split="val")
+    try:
+        loader = ResumableLoader(
+            train_set,
+            global_batch=cfg.data.global_batch,
+            microbatch_size=cfg.data.microbatch_size,
+            seed=cfg.seed,
+            rank=env.rank,
+            world_size=env.world_size,
+        )
+    except ValueError as err:  # e.g. a global batch larger than the dataset: no retry helps
+        raise FatalRunError(f"dataset {cfg.data.uri!r}: {err}") from err
+    if env.rank == 0:  # one rank reads run.json and the manifest; its error fails the group
+        refuse_other_run(cfg, train_set.fingerprint)
     progress = TrainerProgress()
     registry = StateRegistry()
     registry.register("model", model)
@@ -216,7 +248,10 @@ def run_worker(cfg: FitConfig, env: WorkerEnv) -> WorkerResult:
         keep_last=cfg.snapshots.keep_last,
         run_info={"config": cfg.to_dict()},
     )
-    start_step = snapshotter.restore()
+    try:
+        start_step = snapshotter.restore()
+    except SnapshotMismatchError as err:  # the recipe's model is not the snapshot's: always
+        raise FatalRunError(f"the recipe disagrees with the snapshot it continues: {err}") from err
     watcher = PreemptionWatcher(
         ray_check_every=_RAY_PREEMPTION_CHECK_EVERY,
         requested=getattr(env.coordinator, "snapshot_requested", None),
@@ -233,7 +268,8 @@ def run_worker(cfg: FitConfig, env: WorkerEnv) -> WorkerResult:
         while progress.step < cfg.steps:
             started = time.perf_counter()
             step = progress.step
-            microbatches = loader.next_step()
+            with dataset_errors_are_fatal(cfg.data.uri):  # a corrupt page found mid-run
+                microbatches = loader.next_step()
             step_loss = forward_backward(cfg, env, model, loss_fn, microbatches, step)
             if cfg.optim.grad_clip > 0:
                 torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.optim.grad_clip)
@@ -269,7 +305,8 @@ def run_worker(cfg: FitConfig, env: WorkerEnv) -> WorkerResult:
             loss_value = loss_sum / num_microbatches
             evaluated = bool(cfg.eval.every) and progress.step % cfg.eval.every == 0
             if evaluated:
-                val_loss = evaluate(cfg, model, val_set, env)
+                with dataset_errors_are_fatal(cfg.data.uri):
+                    val_loss = evaluate(cfg, model, val_set, env)
             record = {
                 "step": progress.step,
                 "loss": loss_value,

@@ -11,6 +11,10 @@ Contract:
   restart after a node loss go straight to the size the live nodes hold
   (`trainer.scaling`) and snapshots before a planned resize (`trainer.resize`).
 - Returns a `FitResult` with the run summary (steps, losses, restarts, steps redone).
+- Raises `trainer.scaling.RunFailedError` (one line: the worker's message and the restarts)
+  when the run gives up: at once on an error no restart can fix (`FatalRunError`: a bad
+  dataset, a recipe the run cannot continue with, a worker whose `code_version()` differs from
+  the driver's), or after `scaling.max_failures` restarts.
 This module, `trainer.scaling` and `trainer.resize` are the ones of `trainer` that talk to
 Ray Train.
 """
@@ -30,6 +34,8 @@ from ray.train import FailureConfig, RunConfig, ScalingConfig
 from ray.train.torch import TorchConfig
 
 from elastic.coordinator import HEAD_NODE_RESOURCES
+from elastic.errors import FatalRunError
+from elastic.version import code_version
 from trainer.config import FitConfig
 from trainer.loop import WorkerEnv, run_worker
 from trainer.metrics import RunSummary, read_records, summarize
@@ -53,6 +59,7 @@ def _train_fn(loop_config: dict[str, Any]) -> None:
     from elastic.coordinator import RayCoordinatorClient, get_or_create_coordinator
 
     cfg: FitConfig = loop_config["cfg"]
+    _refuse_other_code(loop_config["code_version"])
     context = ray.train.get_context()
     rank, world_size = context.get_world_rank(), context.get_world_size()
     device = ray.train.torch.get_device() if cfg.scaling.use_gpu else torch.device("cpu")
@@ -73,6 +80,30 @@ def _train_fn(loop_config: dict[str, Any]) -> None:
         ),
     )
     run_worker(cfg, env)
+
+
+def _refuse_other_code(driver_version: str | None) -> None:
+    """A worker whose Baton code differs from the driver's (a node set up from another
+    commit) would fail the same way on every restart, or worse, train differently: fatal.
+    `None`: the driver turned the check off (`SKIP_CODE_CHECK_ENV`)."""
+    if driver_version is None:
+        return
+    mine = code_version()
+    if mine != driver_version:
+        node = ray.util.get_node_ip_address()
+        raise FatalRunError(
+            f"worker on node {node} runs Baton {mine}, the driver {driver_version}; install "
+            "the same version on every node (cluster.yaml pins it)"
+        )
+
+
+# Set to 1 to let workers run other code than the driver: only for a checkout that is edited
+# while a local cluster trains from it (a worker started after the edit would be refused).
+SKIP_CODE_CHECK_ENV = "BATON_SKIP_CODE_CHECK"
+
+
+def _driver_code_version() -> str | None:
+    return None if os.environ.get(SKIP_CODE_CHECK_ENV) == "1" else code_version()
 
 
 def _connect_ray() -> None:
@@ -130,7 +161,8 @@ def fit(
     )
     trainer = BatonTorchTrainer(
         _train_fn,
-        train_loop_config={"cfg": config, "pace_s": pace_s, "record_samples": record_samples},
+        train_loop_config={"cfg": config, "pace_s": pace_s, "record_samples": record_samples,
+                           "code_version": _driver_code_version()},
         torch_config=TorchConfig(backend="nccl" if scaling.use_gpu else "gloo"),
         scaling_config=ScalingConfig(
             num_workers=num_workers,

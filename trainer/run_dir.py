@@ -2,9 +2,18 @@
 
 Contract:
 - `check_run_dir(cfg)` fails fast with `RunDirError` when the run URI cannot be reached or
-  written, or when it already holds a run of a different model (the shapes recorded in its
-  `run.json` differ from the recipe's); returns the newest committed step (0 if none), so the
-  CLI can say "continuing from step N".
+  written, or when it already holds a run that this recipe cannot continue
+  (`check_continuation`); returns the newest committed step (0 if none), so the CLI can say
+  "continuing from step N".
+- `check_continuation(cfg, fingerprint=...)` refuses — `RunDirError` naming the field, the
+  saved and the new value, and the fix — a recipe that changes what a continued run must
+  keep: `seed`, `data.seq_len`, the model's shape (`model.vocab_size`, `d_model`, `n_layers`,
+  `n_heads`; not for a custom `model_factory`), or the dataset (its train split's fingerprint
+  differs from the one the newest snapshot's data cursor was made on). Saved values come from
+  `run.json`'s `config` (written by the run's first session; these fields never change after)
+  and the newest committed manifest's data cursor. What cannot be read is not held against
+  the recipe (doubt never refuses). The driver runs it before Ray starts and every worker's
+  rank 0 runs it again (`trainer.loop`), so the two refuse exactly the same recipes.
 - `ensure_dataset(cfg)` returns the config with `data.uri` set: an empty `data.uri` means the
   embedded default corpus, prepared once into `RUN/data` (later sessions reuse it).
 (`RUN/run.json`, with the recipe and library versions, is written once by the first
@@ -14,16 +23,23 @@ worker's `elastic.Snapshotter`.)
 from __future__ import annotations
 
 import dataclasses
+import json
 import uuid
+from typing import Any
 
 import fsspec
 
 from elastic.store import SnapshotStore
 from trainer.config import FitConfig
 
-# The parts of a config that fix tensor shapes: a run directory holding snapshots made with
-# other values cannot be continued with this config.
-_SHAPE_FIELDS = ("model", "data.seq_len")
+# What a continued run must keep. The seed fixes the sample order (the data cursor carries
+# it) and the sketches; seq_len and the model fields fix tensor shapes and what they mean.
+# Other fields (lr, steps, global_batch, workers, checkpointing, ...) may change between
+# sessions. `model.*` is skipped for a custom model_factory (its shapes are its own).
+_FIXED_FIELDS = (
+    "seed", "data.seq_len", "model.vocab_size", "model.d_model", "model.n_layers",
+    "model.n_heads",
+)
 
 
 class RunDirError(ValueError):
@@ -51,23 +67,84 @@ def _probe_writable(run_uri: str) -> SnapshotStore:
         ) from err
 
 
-def _shape_config(cfg_dict: dict) -> dict:
-    return {"model": cfg_dict.get("model"), "seq_len": cfg_dict.get("data", {}).get("seq_len")}
+_MISSING = object()
+
+
+def _field(config: Any, dotted: str) -> Any:
+    for part in dotted.split("."):
+        if not isinstance(config, dict) or part not in config:
+            return _MISSING
+        config = config[part]
+    return config
+
+
+def _saved_cursor(store: SnapshotStore, committed: list[int]) -> dict[str, Any] | None:
+    """The data cursor of the newest committed snapshot, or None if it cannot be read."""
+    if not committed:
+        return None
+    try:
+        cursor = store.load_manifest(max(committed)).state.get("data")
+    except (ValueError, OSError):  # a corrupt newest snapshot is restore's business
+        return None
+    return cursor if isinstance(cursor, dict) else None
+
+
+def dataset_fingerprint(uri: str) -> str | None:
+    """The train split's fingerprint of the dataset at `uri`, or None if it cannot be read
+    (a missing or bad dataset is reported by its own check, not as a mismatch)."""
+    if not uri:
+        return None
+    from data_state.dataset import read_manifest
+
+    try:
+        return read_manifest(uri).fingerprint("train")
+    except (ValueError, OSError):
+        return None
+
+
+def check_continuation(cfg: FitConfig, *, fingerprint: str | None,
+                       store: SnapshotStore | None = None,
+                       committed: list[int] | None = None) -> None:
+    """Refuse a recipe that the run at `cfg.snapshots.run_uri` cannot be continued with
+    (module docstring); `fingerprint` is the train split's (None: not checked)."""
+    store = store or SnapshotStore(cfg.snapshots.run_uri)
+    committed = store.committed_steps() if committed is None else committed
+    if not committed:
+        return  # nothing to continue: a new run may use any recipe
+    run_uri = cfg.snapshots.run_uri
+    fix = "Use the original value, or another --run-dir to start a new run."
+    run_json = store.read_run_json() or {}
+    saved_config, wanted = run_json.get("config", {}), cfg.to_dict()
+    for name in _FIXED_FIELDS:
+        if name.startswith("model.") and cfg.model_factory is not None:
+            continue
+        saved, new = _field(saved_config, name), _field(wanted, name)
+        if saved is not _MISSING and saved != new:
+            what = ("another seed (it fixes the sample order and the sketches)"
+                    if name == "seed" else "a different model")
+            raise RunDirError(
+                f"{name}: {run_uri} holds a run of {what}: it was made with "
+                f"{name} = {json.dumps(saved)}, this recipe asks for {json.dumps(new)}; a "
+                f"continued run cannot change it. {fix} (--set {name}={json.dumps(saved)})"
+            )
+    cursor = _saved_cursor(store, committed)
+    saved_fp = cursor.get("dataset") if cursor else None
+    if saved_fp and fingerprint and saved_fp != fingerprint:
+        raise RunDirError(
+            f"data.uri: the run in {run_uri} reads the dataset with fingerprint {saved_fp} "
+            f"(its data cursor), but {cfg.data.uri or 'the default corpus'} has fingerprint "
+            f"{fingerprint} (other content); a continued run cannot change its data. Use the "
+            "dataset the run was started on, or another --run-dir to start a new run."
+        )
 
 
 def check_run_dir(cfg: FitConfig) -> int:
     store = _probe_writable(cfg.snapshots.run_uri)
     committed = store.committed_steps()
-    run_json = store.read_run_json()
-    if committed and run_json and cfg.model_factory is None:
-        saved = _shape_config(run_json.get("config", {}))
-        wanted = _shape_config(cfg.to_dict())
-        if saved != wanted:
-            raise RunDirError(
-                f"snapshots.run_uri {cfg.snapshots.run_uri!r} holds a run of a different model: "
-                f"it was made with {saved}, this recipe asks for {wanted}. Use another "
-                "--run-dir, or the recipe the run was started with."
-            )
+    # An empty data.uri means the corpus that `ensure_dataset` prepared into RUN/data.
+    data_uri = cfg.data.uri or f"{cfg.snapshots.run_uri.rstrip('/')}/data"
+    check_continuation(cfg, fingerprint=dataset_fingerprint(data_uri) if committed else None,
+                       store=store, committed=committed)
     return max(committed, default=0)
 
 
