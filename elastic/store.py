@@ -290,7 +290,7 @@ class SnapshotStore:
         def attempt(timeout: float | None) -> None:
             nonlocal tries
             tries += 1
-            if exclusive and self._info(path, timeout) is not None:
+            if exclusive and self._head(path, timeout) is not None:
                 # Found before our PUT: ours only if an earlier attempt landed unanswered.
                 if tries > 1 and self._holds(path, data, timeout):
                     return
@@ -308,8 +308,8 @@ class SnapshotStore:
         self._io("write", path, attempt, nbytes=len(data))
 
     def _holds(self, path: str, data: bytes, timeout: float | None) -> bool:
-        info = self._info(path, timeout)
-        if info is None or int(info.get("size", -1)) != len(data):
+        head = self._head(path, timeout)
+        if head is None or int(head.get("ContentLength", -1)) != len(data):
             return False
         return bytes(self._aio(timeout, self.fs._cat_file, path)) == data
 
@@ -367,6 +367,14 @@ class SnapshotStore:
         """One uncached HEAD (or listing for a prefix); None when nothing is there."""
         try:
             return self._aio(timeout, self.fs._info, path, refresh=True)
+        except FileNotFoundError:
+            return None
+
+    def _head(self, path: str, timeout: float | None) -> dict[str, Any] | None:
+        """One HEAD of an object (no listing fallback); None when it is absent."""
+        bucket, key, _ = self.fs.split_path(path)
+        try:
+            return self._aio(timeout, self.fs._call_s3, "head_object", Bucket=bucket, Key=key)
         except FileNotFoundError:
             return None
 

@@ -144,6 +144,17 @@ def test_black_hole_fails_within_the_deadline(s3_bucket: str, s3_faults: S3Fault
     assert elapsed < 3 * 2.0, f"took {elapsed:.1f}s against a 2s deadline"
 
 
+def test_slow_answer_times_out_and_is_retried(s3_bucket: str, s3_faults: S3FaultProxy
+                                              ) -> None:
+    store = s3_store(s3_bucket, timeout_s=1.0, retry_deadline_s=10.0)
+    path = store.step_path(2, "shard.bin")
+    store.write_file(path, DATA)
+    rule = s3_faults.add_rule("GET", key_regex(store, path), "delay", seconds=3.0, times=1)
+    begin = time.monotonic()
+    assert store.read_range(path, 0, 100) == DATA[:100]
+    assert rule.hits == 1 and time.monotonic() - begin < 3.0  # did not wait for the slow one
+
+
 def test_response_cut_short_is_retried(s3_bucket: str, s3_faults: S3FaultProxy) -> None:
     store = s3_store(s3_bucket)
     path = store.step_path(2, "shard.bin")
