@@ -6,12 +6,14 @@ Contract
 reads and writes ``RUN/run.json``, ``RUN/snapshots/<step>/...`` and ``RUN/quarantine/...``.
 It never lies and never hangs:
 
-* **Deadlines.** Every S3 call runs under a total deadline of ``timeout_s`` (plus one
-  second per ``_MIN_BYTES_PER_S`` of payload, so a large shard may take the time its bytes
-  need; the retry deadline grows by the same): fsspec's ``sync(..., timeout=)`` cancels
-  the request however the endpoint misbehaves (accepts TCP and never answers, trickles
-  bytes). botocore's and s3fs's own retry loops are switched off; this module's one retry
-  helper owns retrying. Local paths have no deadline.
+* **Deadlines.** Every S3 request (one attempt) gives up after ``timeout_s``, plus
+  ``nbytes / _MIN_BYTES_PER_S`` for a transfer of known size so a large shard gets the time
+  its bytes need: fsspec's ``sync(..., timeout=)`` cancels it however the endpoint
+  misbehaves (accepts TCP and never answers, trickles bytes). A whole call, retries
+  included, ends within about ``retry_deadline_s`` (plus the same transfer allowance).
+  botocore's and s3fs's own retry loops are switched off (one HTTP attempt per s3fs call);
+  this module's one retry helper owns retrying, its time injectable through
+  ``store.retry`` (a ``RetryPolicy``). Local paths have no deadline.
 * **Retries.** Reads, listings and whole-object writes that fail *transiently* (HTTP 5xx,
   429, SlowDown/throttling, connection refused/reset, timeouts, a response cut short) are
   retried with exponential backoff and full jitter until ``retry_deadline_s`` has passed;
