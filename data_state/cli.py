@@ -2,7 +2,9 @@
 
 Contract: `register(subparsers)` adds the `data` group with two commands; each sets
 `func(args) -> int` (0 on success). Errors in user input print one line on stderr naming the
-field or file and return 2; nothing here executes code from a dataset.
+field or file and return 2 (a `--out` that cannot be written is found before any source is
+read; a URI that is not a prepared dataset directory, an unsupported scheme or an unknown
+split is named as such); nothing here executes code from a dataset.
 
     baton data prepare --out URI [--seq-len N] [--val-fraction F] [--max-bytes N]
                        [--overwrite] [--quiet] [PATH ...]
@@ -13,10 +15,15 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
+import uuid
 from typing import Any
 
+from botocore.exceptions import BotoCoreError
+
+from data_state import storage
 from data_state.corpus import prepare_corpus
 from data_state.dataset import TokenDataset, read_manifest
 from data_state.manifest import DatasetManifest
@@ -77,8 +84,41 @@ def register(subparsers: Any) -> None:
     data.set_defaults(func=lambda _args: (data.print_help(), 2)[1])
 
 
+def _fail(command: str, message: object) -> int:
+    """One line on stderr (logs are parsed line by line); exit code 2 (bad input)."""
+    print(f"baton data {command}: {' '.join(str(message).split())}", file=sys.stderr)
+    return 2
+
+
+def _check_writable(out: str) -> None:
+    """Raise `OSError`/`ValueError` unless a file can be created under `out`: write and
+    delete a probe there, before minutes of reading sources. A local directory created
+    just for the probe is removed again. Buckets are never created."""
+    fs, root = storage.resolve(out)
+    if fs.isfile(root):
+        raise NotADirectoryError(f"{out} is a file, not a directory")
+    created: list[str] = []  # local directories the probe makes, deepest first
+    path = root
+    while storage.is_local(fs) and not os.path.exists(path):
+        created.append(path)
+        path = os.path.dirname(path)
+    probe = storage.join(root, f".baton-probe-{uuid.uuid4().hex[:8]}")
+    storage.write_atomic(fs, probe, b"ok")
+    fs.rm(probe)
+    for directory in created:
+        os.rmdir(directory)
+
+
 def _prepare(args: argparse.Namespace) -> int:
     started = time.perf_counter()
+    try:
+        _check_writable(args.out)
+    except ValueError as err:  # empty or unsupported URI
+        return _fail("prepare", f"--out: {err}")
+    except (OSError, BotoCoreError) as err:  # BotoCoreError: S3 credentials, endpoint
+        return _fail("prepare", f"--out {args.out!r} is not writable "
+                                f"({type(err).__name__}: {getattr(err, 'strerror', None) or err}); "
+                                "choose a directory you can write (or s3://bucket/prefix)")
     try:
         manifest = prepare_corpus(
             args.paths or None,
@@ -90,8 +130,11 @@ def _prepare(args: argparse.Namespace) -> int:
             progress=not args.quiet,
         )
     except ValueError as err:
-        print(f"baton data prepare: {err}", file=sys.stderr)
-        return 2
+        return _fail("prepare", err)
+    except OSError as err:  # a source that cannot be read, --out failing mid-way
+        name = f" {err.filename!r}" if err.filename else ""
+        return _fail("prepare", f"cannot read or write{name} "
+                                f"({type(err).__name__}: {err.strerror or err})")
     elapsed = time.perf_counter() - started
     files = manifest.sources["files"]
     print(
@@ -106,7 +149,14 @@ def _prepare(args: argparse.Namespace) -> int:
 
 def _inspect(args: argparse.Namespace) -> int:
     try:
+        fs, root = storage.resolve(args.uri)
+        if fs.isfile(root):
+            return _fail("inspect", f"{args.uri} is a file, not a prepared dataset (pass the "
+                                    "directory that holds dataset.json)")
         manifest = read_manifest(args.uri)
+        if args.split and args.split not in manifest.splits:
+            return _fail("inspect", f"--split {args.split!r}: {args.uri} has no such split; "
+                                    f"splits: {', '.join(sorted(manifest.splits))}")
         splits = [args.split] if args.split else sorted(manifest.splits)
         summary: dict[str, Any] = {
             "uri": args.uri,
@@ -129,9 +179,12 @@ def _inspect(args: argparse.Namespace) -> int:
                         for i in range(min(args.show, len(ds)))
                     ],
                 }
-    except ValueError as err:
-        print(f"baton data inspect: {err}", file=sys.stderr)
-        return 2
+    except ValueError as err:  # DatasetError: absent, malformed, checksum mismatch
+        return _fail("inspect", err)
+    except (OSError, BotoCoreError) as err:  # not a directory, permissions, S3 credentials
+        reason = getattr(err, "strerror", None) or err
+        return _fail("inspect", f"cannot read {args.uri!r} ({type(err).__name__}: "
+                                f"{reason}); is it a prepared dataset?")
     if args.json:
         print(json.dumps(summary, indent=1))
         return 0

@@ -2,15 +2,24 @@
 
 Contract: ``register(subparsers)`` adds the ``snapshots`` group; each command takes a run
 URI (local path or ``s3://bucket/prefix/run``), prints to stdout and returns 0 on success,
-1 when a snapshot is missing or corrupt (the message names it on stderr).
+1 when a snapshot is missing or corrupt or storage fails (the message names it on stderr),
+2 for bad input: an empty run URI, another scheme than a local path or ``s3://``, a run
+directory that does not exist, an ``--out`` that cannot be written. Every error is one line
+``error: ...`` on stderr, never a traceback.
 ``ls`` and ``show`` accept ``--json`` for machine-readable output.
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
+import os
 import sys
+from collections.abc import Callable
+
+from botocore.exceptions import BotoCoreError
+from safetensors import SafetensorError
 
 from elastic.catalog import describe, export_model, resolve_step, snapshot_rows, verify
 from elastic.store import SnapshotStore
@@ -23,29 +32,72 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p = sub.add_parser("ls", help="list the snapshots of a run")
     p.add_argument("run_uri")
     p.add_argument("--json", action="store_true", help="print JSON")
-    p.set_defaults(func=_ls)
+    p.set_defaults(func=_guarded(_ls))
 
     p = sub.add_parser("show", help="describe one snapshot (default: newest committed)")
     p.add_argument("run_uri")
     p.add_argument("step", nargs="?", type=int)
     p.add_argument("--json", action="store_true", help="print JSON")
-    p.set_defaults(func=_show)
+    p.set_defaults(func=_guarded(_show))
 
     p = sub.add_parser("verify", help="re-read a snapshot and check every checksum")
     p.add_argument("run_uri")
     p.add_argument("step", nargs="?", type=int)
-    p.set_defaults(func=_verify)
+    p.set_defaults(func=_guarded(_verify))
 
     p = sub.add_parser("export", help="write the model weights as one safetensors file")
     p.add_argument("run_uri")
     p.add_argument("step", nargs="?", type=int)
     p.add_argument("--out", required=True, help="output FILE.safetensors")
-    p.set_defaults(func=_export)
+    p.set_defaults(func=_guarded(_export))
 
 
-def _fail(err: Exception) -> int:
-    print(f"error: {err}", file=sys.stderr)
-    return 1
+def _fail(err: Exception | str, code: int = 1) -> int:
+    print(f"error: {' '.join(str(err).split())}", file=sys.stderr)  # one line: logs are parsed
+    return code
+
+
+def _bad_input(args: argparse.Namespace) -> str | None:
+    """What is wrong with the run URI (or ``--out``) before any command reads it, or None."""
+    uri = args.run_uri
+    if not uri:
+        return "the run URI is empty: pass a run directory (a local path or s3://bucket/prefix/run)"
+    scheme, sep, _ = uri.partition("://")
+    if sep and scheme not in ("s3", "file"):
+        return (f"{uri}: unsupported scheme {scheme}://; snapshots are read from local paths "
+                "and s3:// only")
+    store = SnapshotStore(uri)
+    if not store.fs.isdir(store.root):
+        if store.fs.isfile(store.root):
+            return f"{uri} is a file, not a run directory"
+        return f"run directory {uri} does not exist"
+    out = getattr(args, "out", None)
+    if out is not None:
+        parent = os.path.dirname(os.path.abspath(out))
+        if not os.path.isdir(parent) or not os.access(parent, os.W_OK):
+            return f"--out {out}: directory {parent} does not exist or is not writable"
+    return None
+
+
+def _guarded(command: Callable[[argparse.Namespace], int]) -> Callable[..., int]:
+    """``command`` with its input checked first (exit 2) and storage errors as one line
+    (exit 1) instead of a traceback."""
+
+    @functools.wraps(command)
+    def run(args: argparse.Namespace) -> int:
+        try:
+            problem = _bad_input(args)
+        except (OSError, BotoCoreError) as err:  # S3 credentials, endpoint, permissions
+            return _fail(f"{args.run_uri}: cannot read the run directory "
+                         f"({type(err).__name__}: {err})", 2)
+        if problem:
+            return _fail(problem, 2)
+        try:
+            return command(args)
+        except (ValueError, OSError, BotoCoreError, SafetensorError) as err:
+            return _fail(err)
+
+    return run
 
 
 def _ls(args: argparse.Namespace) -> int:

@@ -5,12 +5,18 @@ its exit code. Each package that owns a command group exposes `register(subparse
 adds its parsers and sets `func` (a callable taking the parsed namespace and returning an exit
 code). This module only wires the groups together, so every command is defined next to the
 code it drives.
+
+Errors: commands report bad input themselves (one line on stderr, exit 2). As a safety net, a
+`ValueError` that still escapes a command prints `error: <message>` on one line and exits 2,
+an `OSError` the same with exit 1; `BATON_DEBUG=1` re-raises instead, for the traceback.
+`KeyboardInterrupt` and other exceptions are not caught.
 """
 
 from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
 
 # (module, what it adds). Imported lazily so `baton --help` stays fast and a broken optional
@@ -47,7 +53,21 @@ def main(argv: list[str] | None = None) -> int:
     if not getattr(args, "func", None):
         parser.print_help()
         return 2
-    return int(args.func(args) or 0)
+    try:
+        return int(args.func(args) or 0)
+    except (ValueError, OSError) as err:
+        if os.environ.get("BATON_DEBUG") == "1":
+            raise
+        print(f"error: {one_line(err)}", file=sys.stderr)
+        return 2 if isinstance(err, ValueError) else 1
+
+
+def one_line(err: BaseException | str) -> str:
+    """`err`'s message on one line (logs are parsed line by line), never empty."""
+    text = " ".join(str(err).split())
+    if isinstance(err, BaseException):
+        return text or type(err).__name__
+    return text
 
 
 if __name__ == "__main__":

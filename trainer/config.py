@@ -3,6 +3,8 @@
 Contract:
 - Every section is a dataclass documented per field and validated in `__post_init__`; a bad
   value raises `ConfigError` (a `ValueError`) naming the dotted field (`optim.lr`) and the fix.
+  Types are checked first, for every field, from the dataclass annotations (`_check_types`):
+  `steps = "10"`, `steps = true` or `d_model = 32.0` is one `ConfigError`, never a `TypeError`.
 - `load_recipe(path, overrides)` reads a TOML recipe, applies `key=value` overrides
   (`optim.lr=3e-4`; the value is parsed as TOML, else taken as a string) and returns a
   validated `FitConfig`. Unknown sections or keys are errors that list the valid ones.
@@ -13,8 +15,13 @@ Contract:
 
 from __future__ import annotations
 
+import collections.abc
 import dataclasses
+import functools
+import math
 import tomllib
+import types
+import typing
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -32,6 +39,84 @@ def _require(condition: bool, field_name: str, message: str) -> None:
         raise ConfigError(f"{field_name}: {message}")
 
 
+@functools.cache
+def _field_types(cls: type) -> dict[str, Any]:
+    # Annotations are strings here (`from __future__ import annotations`): resolve them once.
+    return typing.get_type_hints(cls)
+
+
+def _check_types(obj: Any, section: str = "") -> None:
+    """Refuse any field of dataclass `obj` whose value does not match its annotation.
+
+    The one type check for every config section (each `__post_init__` calls it first, so a
+    field added later is covered without more code). TOML and `--set` give the wrong type
+    easily (`steps = "10"`, `--set optim.lr=abc`), and Python would otherwise fail later with
+    a `TypeError` traceback, or silently accept `true` as 1. Rules: `bool` is not an integer;
+    an integer field refuses floats (`32.0` too); a float field takes integers (stored as
+    float) but not nan or infinity; `list[str]` wants a list of strings. Raises `ConfigError`
+    naming the dotted field, what it must be and what it got.
+    """
+    prefix = f"{section}." if section else ""
+    for f in dataclasses.fields(obj):
+        expected = _field_types(type(obj))[f.name]
+        value = getattr(obj, f.name)
+        wanted = _type_mismatch(value, expected)
+        if wanted is not None:
+            raise ConfigError(f"{prefix}{f.name}: must be {wanted}, got {_describe(value)}")
+        if expected is float and type(value) is int:
+            setattr(obj, f.name, float(value))  # to_dict()/run.json then show one type
+
+
+def _type_mismatch(value: Any, expected: Any) -> str | None:
+    """None if `value` fits the annotation `expected`, else what it must be (in words)."""
+    origin = typing.get_origin(expected)
+    if origin in (typing.Union, types.UnionType):
+        options = typing.get_args(expected)
+        misses = [_type_mismatch(value, option) for option in options]
+        return None if None in misses else " or ".join(m for m in misses if m)
+    if expected is type(None):
+        return None if value is None else "unset (None)"
+    if expected is bool:
+        return None if isinstance(value, bool) else "true or false"
+    if expected is int:
+        return None if isinstance(value, int) and not isinstance(value, bool) else "an integer"
+    if expected is float:
+        if isinstance(value, bool) or not isinstance(value, int | float):
+            return "a number"
+        return None if math.isfinite(value) else "a finite number"
+    if expected is str:
+        return None if isinstance(value, str) else "a string (in quotes)"
+    if origin is list:
+        (item,) = typing.get_args(expected) or (Any,)
+        if isinstance(value, list) and all(_type_mismatch(v, item) is None for v in value):
+            return None
+        return "a list of strings, e.g. ['a', 'b']" if item is str else "a list"
+    if origin is collections.abc.Callable:
+        return None if callable(value) else "a callable"
+    if dataclasses.is_dataclass(expected):
+        return None if isinstance(value, expected) else f"a {expected.__name__}"
+    return None  # Any and other annotations are not checked
+
+
+def _describe(value: Any) -> str:
+    """How a wrong value reads in an error, with the likely fix when there is one."""
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, str):
+        try:
+            parsed = tomllib.loads(f"v = {value}")["v"]
+        except tomllib.TOMLDecodeError:
+            return f"the string {value!r}"
+        if isinstance(parsed, int | float | bool):
+            return f"the string {value!r} (remove the quotes)"
+        return f"the string {value!r}"
+    if isinstance(value, float) and value.is_integer():
+        return f"{value!r} (write {int(value)})"
+    if isinstance(value, dict):
+        return "a table"
+    return f"{value!r} ({type(value).__name__})"
+
+
 @dataclass
 class ModelConfig:
     """The built-in GPT (see `trainer.model.GPTConfig`)."""
@@ -46,6 +131,7 @@ class ModelConfig:
     mlp_recompute: str = "auto"
 
     def __post_init__(self) -> None:
+        _check_types(self, "model")
         from trainer.model import MLP_RECOMPUTE
 
         for name in ("vocab_size", "d_model", "n_layers", "n_heads"):
@@ -73,6 +159,7 @@ class DataConfig:
     max_corpus_bytes: int = 0  # cap on text read when preparing the default corpus (0 = all)
 
     def __post_init__(self) -> None:
+        _check_types(self, "data")
         _require(self.seq_len >= 2, "data.seq_len", "must be >= 2 (a prediction needs 2 tokens)")
         _require(self.microbatch_size >= 1, "data.microbatch_size", "must be >= 1")
         _require(self.global_batch >= 1, "data.global_batch", "must be >= 1")
@@ -103,6 +190,7 @@ class OptimConfig:
     min_lr_ratio: float = 0.1
 
     def __post_init__(self) -> None:
+        _check_types(self, "optim")
         _require(self.lr > 0, "optim.lr", "must be > 0")
         _require(self.weight_decay >= 0, "optim.weight_decay", "must be >= 0")
         for name in ("beta1", "beta2"):
@@ -126,6 +214,7 @@ class SketchConfig:
     estimator: str = "centered"  # or "basis" (sketch_ops.function)
 
     def __post_init__(self) -> None:
+        _check_types(self, "sketch")
         from sketch_ops.function import ESTIMATORS
 
         _require(self.rank >= 0, "sketch.rank", "must be >= 0 (0 turns sketching off)")
@@ -153,10 +242,25 @@ class SnapshotConfig:
     run_uri: str = ""  # run directory (local path or s3://bucket/prefix/NAME); required
     snapshot_every: int = 10  # steps between snapshots (plus on preemption or resize)
     keep_last: int = 3  # committed snapshots kept; older ones are deleted
+    # Cap on the coordinator's in-memory copy of the newest snapshot (MiB; 0 turns it off).
+    # A snapshot that does not fit is storage-only, and the coordinator's log says so.
+    ram_copy_mib: float = 4096.0
+    # An in-flight snapshot not complete after this long is aborted and its files removed.
+    pending_timeout_s: float = 600.0
+    # S3: the total deadline of one storage call (a black-holed endpoint fails within it),
+    # and how long transient errors (HTTP 5xx, throttling, timeouts) are retried in all.
+    storage_timeout_s: float = 30.0
+    storage_retry_s: float = 120.0
 
     def __post_init__(self) -> None:
+        _check_types(self, "snapshots")
         _require(self.snapshot_every >= 1, "snapshots.snapshot_every", "must be >= 1")
         _require(self.keep_last >= 1, "snapshots.keep_last", "must be >= 1")
+        _require(self.ram_copy_mib >= 0, "snapshots.ram_copy_mib", "must be >= 0 (0 = off)")
+        _require(self.pending_timeout_s > 0, "snapshots.pending_timeout_s", "must be > 0")
+        _require(self.storage_timeout_s > 0, "snapshots.storage_timeout_s", "must be > 0")
+        _require(self.storage_retry_s >= self.storage_timeout_s, "snapshots.storage_retry_s",
+                 f"must be >= snapshots.storage_timeout_s ({self.storage_timeout_s})")
 
 
 @dataclass
@@ -175,6 +279,7 @@ class ScalingSettings:
     max_failures: int = 10
 
     def __post_init__(self) -> None:
+        _check_types(self, "scaling")
         _require(self.min_workers >= 1, "scaling.min_workers", "must be >= 1")
         _require(
             self.max_workers >= self.min_workers,
@@ -194,6 +299,7 @@ class EvalConfig:
     batches: int = 4  # microbatches of the val split per evaluation
 
     def __post_init__(self) -> None:
+        _check_types(self, "eval")
         _require(self.every >= 0, "eval.every", "must be >= 0 (0 disables evaluation)")
         _require(self.batches >= 1, "eval.batches", "must be >= 1")
 
@@ -230,6 +336,7 @@ class FitConfig:
     loss_fn: Callable[[torch.nn.Module, torch.Tensor], torch.Tensor] | None = None
 
     def __post_init__(self) -> None:
+        _check_types(self)
         _require(
             self.parallelism in _PARALLELISMS,
             "parallelism",

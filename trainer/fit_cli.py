@@ -17,6 +17,7 @@ from typing import Any
 from rich.console import Console
 from rich.markup import escape
 
+from trainer.cli import one_line
 from trainer.config import ConfigError, load_recipe
 from trainer.run_dir import RunDirError, check_run_dir
 
@@ -61,7 +62,7 @@ def _cmd_fit(args: argparse.Namespace) -> int:
         cfg = load_recipe(args.recipe, overrides)
         resumed = check_run_dir(cfg)
     except (ConfigError, RunDirError) as err:
-        console.print(f"[red]error:[/red] {escape(str(err))}")
+        console.print(f"[red]error:[/red] {escape(one_line(err))}")
         return 2
     from trainer.ray_fit import fit  # imports Ray: only once the input is known to be good
     from trainer.scaling import RunFailedError
@@ -96,8 +97,8 @@ def _cmd_report(args: argparse.Namespace) -> int:
     out = args.out or "report.png"
     try:
         summary = write_report(args.run_uri, out)
-    except FileNotFoundError as err:
-        console.print(f"[red]error:[/red] {escape(str(err))}")
+    except (ValueError, OSError) as err:  # no such run, no metrics, unwritable --out
+        console.print(f"[red]error:[/red] {escape(one_line(err))}")
         return 2
     _print_summary(summary.to_dict())
     console.print(f"report written to {out}")

@@ -7,8 +7,13 @@ Contract:
 - `MetricsWriter` buffers records and writes each flush as a new object
   `RUN/metrics/part-<session>-<seq>.jsonl` through fsspec. Objects are never appended to or
   rewritten, so the same code works on local disk and S3, and a crash loses at most the
-  unflushed tail (metrics are not training state: snapshots never depend on them).
-- `read_records(run_uri)` returns every record of every session, oldest first.
+  unflushed tail (metrics are not training state: snapshots never depend on them). Each
+  object appears whole or not at all: on local disk it is written under a temporary name and
+  renamed; on S3 it is one PUT.
+- `read_records(run_uri)` returns every record of every session, oldest first. A part file
+  that cannot be read, or a line that is not a valid record (a truncated or hand-edited file),
+  is skipped with one logged warning per call; it never raises for bad content, so `fit` and
+  `baton report` never fail on it.
 - `summarize(records)` derives what a user asks after a run: restarts, steps redone,
   final losses, mean throughput.
 """
@@ -16,12 +21,23 @@ Contract:
 from __future__ import annotations
 
 import json
+import logging
 import time
 import uuid
 from dataclasses import asdict, dataclass
 from typing import Any
 
 import fsspec
+
+from data_state.storage import write_atomic
+
+log = logging.getLogger(__name__)
+
+# Fields `summarize` and the report read from each kind; a record without them is invalid.
+_NUMERIC_FIELDS: dict[str, tuple[str, ...]] = {
+    "start": ("attempt", "step", "world_size", "time"),
+    "step": ("attempt", "step", "loss", "tokens_per_s", "world_size", "time"),
+}
 
 
 def _join(run_uri: str, *parts: str) -> str:
@@ -49,20 +65,66 @@ class MetricsWriter:
         path = _join(self.run_uri, "metrics", f"part-{self.session}-{self._seq:06d}.jsonl")
         fs, fs_path = fsspec.core.url_to_fs(path)
         fs.makedirs(fs_path.rsplit("/", 1)[0], exist_ok=True)
-        with fs.open(fs_path, "w") as out:
-            out.write("".join(json.dumps(r) + "\n" for r in self._buffer))
+        # Whole-object write: a crash mid-flush leaves no half-written part for readers.
+        write_atomic(fs, fs_path, "".join(json.dumps(r) + "\n" for r in self._buffer).encode())
         self._buffer.clear()
         self._seq += 1
 
 
+def _is_number(value: Any) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool)
+
+
+def _valid_record(record: Any) -> bool:
+    """A JSON object with a string `kind`, a numeric `time` if any, and the numeric fields
+    its kind needs (`_NUMERIC_FIELDS`). Unknown kinds are kept for newer readers."""
+    if not isinstance(record, dict) or not isinstance(record.get("kind"), str):
+        return False
+    if "time" in record and not _is_number(record["time"]):
+        return False
+    return all(_is_number(record.get(k)) for k in _NUMERIC_FIELDS.get(record["kind"], ()))
+
+
+def _parse_part(text: str) -> tuple[list[dict[str, Any]], int]:
+    """The valid records of one part file and the number of lines that were not."""
+    records, bad = [], 0
+    for line in text.splitlines():
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except ValueError:
+            record = None
+        if _valid_record(record):
+            records.append(record)
+        else:
+            bad += 1
+    return records, bad
+
+
 def read_records(run_uri: str) -> list[dict[str, Any]]:
+    """Every valid record under `RUN/metrics/`, oldest first ([] if there is none); bad parts
+    and lines are skipped with one warning (module docstring)."""
     fs, root = fsspec.core.url_to_fs(_join(run_uri, "metrics"))
     if not fs.exists(root):
         return []
     records: list[dict[str, Any]] = []
+    skipped: list[str] = []  # "name (why)" of each part file with something skipped
     for path in sorted(fs.glob(root + "/part-*.jsonl")):
-        with fs.open(path, "r") as f:
-            records.extend(json.loads(line) for line in f if line.strip())
+        try:
+            text = fs.cat_file(path).decode("utf-8")
+        except (OSError, UnicodeDecodeError) as err:
+            skipped.append(f"{path.rsplit('/', 1)[-1]} ({type(err).__name__})")
+            continue
+        part, bad = _parse_part(text)
+        records.extend(part)
+        if bad:
+            skipped.append(f"{path.rsplit('/', 1)[-1]} ({bad} bad line(s))")
+    if skipped:
+        shown = ", ".join(skipped[:3]) + (f" and {len(skipped) - 3} more" if len(skipped) > 3
+                                          else "")
+        log.warning("metrics of %s: skipped unreadable or invalid records in %s; the other "
+                    "records are used", run_uri, shown)
     records.sort(key=lambda r: (r.get("time", 0.0), r.get("kind") != "start"))
     return records
 

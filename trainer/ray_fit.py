@@ -11,6 +11,9 @@ Contract:
   restart after a node loss go straight to the size the live nodes hold
   (`trainer.scaling`) and snapshots before a planned resize (`trainer.resize`).
 - Returns a `FitResult` with the run summary (steps, losses, restarts, steps redone).
+- Right after connecting, before the trainer starts, refuses (`ConfigError`) a worker that no
+  alive node can hold (`trainer.run_dir.check_worker_fits`: `scaling.cpus_per_worker`, a GPU),
+  unless the cluster has an autoscaler that can add nodes (`_cluster_can_grow`).
 - Raises `trainer.scaling.RunFailedError` (one line: the worker's message and the restarts)
   when the run gives up: at once on an error no restart can fix (`FatalRunError`: a bad
   dataset, a recipe the run cannot continue with, a worker whose `code_version()` differs from
@@ -22,6 +25,7 @@ Ray Train.
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 import threading
 import time
@@ -41,7 +45,7 @@ from trainer.loop import WorkerEnv, run_worker
 from trainer.metrics import RunSummary, read_records, summarize
 from trainer.monitor import NAMESPACE, RunMonitor, get_monitor, monitor_name
 from trainer.resize import SnapshotBeforeResize
-from trainer.run_dir import check_run_dir, ensure_dataset
+from trainer.run_dir import check_run_dir, check_worker_fits, ensure_dataset
 from trainer.scaling import BatonTorchTrainer
 
 
@@ -106,6 +110,42 @@ def _driver_code_version() -> str | None:
     return None if os.environ.get(SKIP_CODE_CHECK_ENV) == "1" else code_version()
 
 
+def _cluster_can_grow() -> bool:
+    """Whether an autoscaler may add nodes to the connected cluster (then a worker that fits
+    no node today may fit one tomorrow, and is not refused). Ray 2.60 keeps two signals:
+    - the cluster config an autoscaler reports to GCS (autoscaler v2, KubeRay): a node group
+      that may grow (`max_count` -1 or above `min_count`) - the test Ray Data uses;
+    - the status the v1 autoscaler monitor writes on every update (internal KV
+      `DEBUG_AUTOSCALING_STATUS`): without an autoscaling config (`ray start`, `ray.init`)
+      its read-only provider names each node's type `node_<node id>`, while a config's node
+      types have their own names (cluster.yaml's `head`, `gpu_spot_worker`) and launchable
+      types are listed under `node_availabilities`.
+    When neither can be read (no monitor yet, an older Ray), it answers True: doubt never
+    refuses a run."""
+    try:
+        from ray._private import ray_constants
+        from ray._private.state import state
+        from ray.experimental.internal_kv import _internal_kv_get
+
+        config = state.get_cluster_config()
+        if config is not None and config.node_group_configs:
+            return any(g.max_count == -1 or g.max_count > g.min_count
+                       for g in config.node_group_configs if g.max_count != 0)
+        raw = _internal_kv_get(ray_constants.DEBUG_AUTOSCALING_STATUS)
+        if not raw:
+            return True
+        report = json.loads(raw).get("autoscaler_report") or {}
+        mapping = report.get("node_type_mapping") or {}
+        availability = (report.get("node_availability_summary") or {}).get(
+            "node_availabilities") or {}
+        if not mapping:
+            return True
+        named = any(kind != f"node_{node_id}" for node_id, kind in mapping.items())
+        return named or bool(availability)
+    except Exception:  # noqa: BLE001 - private Ray APIs: if they change, do not refuse
+        return True
+
+
 def _connect_ray() -> None:
     if ray.is_initialized():
         return
@@ -137,7 +177,12 @@ def fit(
     """
     resumed_from = check_run_dir(config)
     config = ensure_dataset(config)
+    embedded = not os.environ.get("RAY_ADDRESS") and not ray.is_initialized()
     _connect_ray()
+    # Before the trainer starts: a worker no node can hold would wait forever.
+    if embedded or not _cluster_can_grow():
+        check_worker_fits(config, [n["Resources"] for n in ray.nodes() if n.get("Alive")],
+                          "this machine" if embedded else "the Ray cluster")
 
     from elastic.coordinator import get_or_create_coordinator
 

@@ -4,14 +4,19 @@ Contract: `write_report(run_uri, out_png)` reads the run's metrics (`trainer.met
 draws four panels: training and validation loss per step (each worker-group attempt in its
 own colour, so steps redone after a failure show as overlapping segments), tokens per
 second, world size over wall time with each restart marked, and a summary table. Returns
-the `RunSummary`. Raises `FileNotFoundError` naming the run if it has no metrics yet.
+the `RunSummary`. Raises `ValueError` for a run URI that is empty or not a local path or
+s3:// (the only schemes Baton supports), `FileNotFoundError` naming the run if it does not
+exist or has no valid metrics yet, and `OSError` naming `out_png` if it cannot be written.
+Invalid metrics records are skipped with a warning (`trainer.metrics.read_records`).
 """
 
 from __future__ import annotations
 
 from pathlib import Path
 
+import fsspec
 import matplotlib
+from botocore.exceptions import BotoCoreError
 
 matplotlib.use("Agg")  # files only; never needs a display
 import matplotlib.pyplot as plt  # noqa: E402
@@ -19,7 +24,28 @@ import matplotlib.pyplot as plt  # noqa: E402
 from trainer.metrics import RunSummary, read_records, summarize  # noqa: E402
 
 
+def _check_run_uri(run_uri: str) -> None:
+    """Refuse a run URI no Baton run can have: empty, another scheme, or nothing there."""
+    if not run_uri:
+        raise ValueError("run URI is empty: pass the run directory (a local path or "
+                         "s3://bucket/prefix/NAME)")
+    scheme, sep, _ = run_uri.partition("://")
+    if sep and scheme not in ("s3", "file"):
+        raise ValueError(f"run URI {run_uri!r}: unsupported scheme {scheme}://; Baton runs "
+                         "live on local paths or s3:// only")
+    try:
+        fs, root = fsspec.core.url_to_fs(run_uri)
+        is_dir = fs.isdir(root)
+        is_file = not is_dir and fs.isfile(root)
+    except (OSError, BotoCoreError) as err:  # S3 bucket, credentials, endpoint
+        raise OSError(f"run {run_uri!r} cannot be read ({type(err).__name__}: {err})") from err
+    if not is_dir:
+        what = "is a file, not a run directory" if is_file else "does not exist"
+        raise FileNotFoundError(f"run {run_uri!r} {what} (pass the --run-dir of a `baton fit`)")
+
+
 def write_report(run_uri: str, out_png: str | Path) -> RunSummary:
+    _check_run_uri(run_uri)
     records = read_records(run_uri)
     steps = [r for r in records if r["kind"] == "step"]
     if not steps:
@@ -71,9 +97,14 @@ def write_report(run_uri: str, out_png: str | Path) -> RunSummary:
     table.scale(1, 1.6)
     fig.suptitle(f"Baton run {run_uri}")
     fig.tight_layout()
-    Path(out_png).parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(out_png, dpi=100)
-    plt.close(fig)
+    try:
+        Path(out_png).parent.mkdir(parents=True, exist_ok=True)
+        fig.savefig(out_png, dpi=100)
+    except OSError as err:
+        raise OSError(f"cannot write the report to {str(out_png)!r} "
+                      f"({err.strerror or err}); choose another --out") from err
+    finally:
+        plt.close(fig)
     return summary
 
 

@@ -14,6 +14,14 @@ Contract:
   and the newest committed manifest's data cursor. What cannot be read is not held against
   the recipe (doubt never refuses). The driver runs it before Ray starts and every worker's
   rank 0 runs it again (`trainer.loop`), so the two refuse exactly the same recipes.
+- Before anything else, `check_run_dir` also runs `check_dataset` (a set `data.uri` must
+  hold a prepared dataset with a train split of `data.seq_len` tokens per sequence; local
+  paths and s3://, a missing `dataset.json` is the same error) and `check_local_capacity`
+  (when the fit will start its own local Ray, this machine must have
+  `scaling.cpus_per_worker` CPUs: otherwise Ray would wait forever for a place for the
+  worker). Both raise `ConfigError` naming the field. `check_worker_fits(cfg, nodes, where)`
+  is the same test against a Ray cluster's nodes (`trainer.ray_fit` runs it after
+  `ray.init`, unless the cluster has an autoscaler that can add nodes).
 - `ensure_dataset(cfg)` returns the config with `data.uri` set: an empty `data.uri` means the
   embedded default corpus, prepared once into `RUN/data` (later sessions reuse it).
 (`RUN/run.json`, with the recipe and library versions, is written once by the first
@@ -24,13 +32,16 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
+import sys
 import uuid
+from collections.abc import Mapping
 from typing import Any
 
 import fsspec
 
 from elastic.store import SnapshotStore
-from trainer.config import FitConfig
+from trainer.config import ConfigError, FitConfig
 
 # What a continued run must keep. The seed fixes the sample order (the data cursor carries
 # it) and the sketches; seq_len and the model fields fix tensor shapes and what they mean.
@@ -138,7 +149,79 @@ def check_continuation(cfg: FitConfig, *, fingerprint: str | None,
         )
 
 
+def check_dataset(cfg: FitConfig) -> None:
+    """Refuse (`ConfigError` naming `data.uri`) a set `data.uri` that holds no readable prepared
+    dataset, or one whose sequences are not `data.seq_len` tokens long. An empty `data.uri`
+    (the default corpus, prepared by `ensure_dataset`) passes."""
+    uri = cfg.data.uri
+    if not uri:
+        return
+    from data_state.dataset import read_manifest
+
+    fix = "prepare one with `baton data prepare --out URI`, or leave data.uri empty for the " \
+          "default corpus"
+    try:
+        manifest = read_manifest(uri)
+    except ValueError as err:  # DatasetError (absent, malformed), unsupported scheme, ...
+        raise ConfigError(f"data.uri: {' '.join(str(err).split())}") from err
+    except Exception as err:  # noqa: BLE001 - OSError, botocore's: any means "cannot read it"
+        raise ConfigError(
+            f"data.uri {uri!r} cannot be read ({type(err).__name__}: "
+            f"{' '.join(str(err).split())}): check the path, or for s3:// the bucket and the "
+            "AWS credentials/endpoint (AWS_ENDPOINT_URL)"
+        ) from err
+    if "train" not in manifest.splits:
+        raise ConfigError(f"data.uri {uri!r} has no train split (splits: "
+                          f"{sorted(manifest.splits)}): {fix}")
+    if manifest.seq_len != cfg.data.seq_len:
+        raise ConfigError(
+            f"data.seq_len: the dataset at data.uri {uri!r} stores sequences of "
+            f"{manifest.seq_len} tokens, the recipe asks for {cfg.data.seq_len}; set "
+            f"data.seq_len = {manifest.seq_len}, or prepare the dataset with --seq-len "
+            f"{cfg.data.seq_len}"
+        )
+
+
+def check_worker_fits(cfg: FitConfig, nodes: list[Mapping[str, float]], where: str) -> None:
+    """Refuse (`ConfigError`) a worker that none of `nodes` (their total resources, as in
+    `ray.nodes()[i]["Resources"]`) can hold: `scaling.cpus_per_worker` CPUs, and a GPU when
+    `scaling.use_gpu`. Without an autoscaler Ray would otherwise wait forever to place it.
+    `where` names the nodes in the message ("this machine", "the Ray cluster")."""
+    scaling = cfg.scaling
+    if scaling.use_gpu:
+        nodes = [n for n in nodes if n.get("GPU", 0.0) >= 1]
+        if not nodes:
+            raise ConfigError(
+                f"scaling.use_gpu: no node of {where} has a GPU; set scaling.use_gpu = false "
+                "to train on CPUs, or add GPU nodes"
+            )
+    most = max((n.get("CPU", 0.0) for n in nodes), default=0.0)
+    if scaling.cpus_per_worker > most:
+        kind = "GPU node" if scaling.use_gpu else "node"
+        raise ConfigError(
+            f"scaling.cpus_per_worker: a worker needs {scaling.cpus_per_worker:g} CPUs but no "
+            f"{kind} of {where} has more than {most:g}, so it could never be placed; set "
+            f"scaling.cpus_per_worker <= {most:g}"
+            + ("" if where == "this machine" else ", or add bigger nodes")
+        )
+
+
+def check_local_capacity(cfg: FitConfig) -> None:
+    """When the fit will start a local Ray of its own (no `RAY_ADDRESS` and no Ray initialized
+    in this process), refuse a worker this machine cannot hold, before Ray starts."""
+    if os.environ.get("RAY_ADDRESS"):
+        return  # an existing cluster: trainer.ray_fit checks its nodes after ray.init
+    # Look Ray up rather than import it: this module must not start or load Ray.
+    ray = sys.modules.get("ray")
+    if ray is not None and ray.is_initialized():
+        return  # connected already (the demo, tests): trainer.ray_fit checks that cluster
+    check_worker_fits(cfg, [{"CPU": float(os.cpu_count() or 1), "GPU": float("inf")}],
+                      "this machine")  # GPUs are counted once Ray has started
+
+
 def check_run_dir(cfg: FitConfig) -> int:
+    check_dataset(cfg)
+    check_local_capacity(cfg)
     store = _probe_writable(cfg.snapshots.run_uri)
     committed = store.committed_steps()
     # An empty data.uri means the corpus that `ensure_dataset` prepared into RUN/data.
