@@ -1,11 +1,12 @@
 """`baton fit`, `baton report` and `baton demo` (registered into `trainer.cli`).
 
 Contract: bad recipes, overrides and run directories exit with code 2 and one line naming
-the field and the fix, before Ray starts; a run that gives up (an error no restart can
-fix, or `scaling.max_failures` restarts) exits with code 1 and one line, `error: <the
-worker's message> (after N restarts)`; `fit` prints one progress line per second (step,
-loss, tokens/s, world size) and a summary at the end; `report` writes a PNG and prints the
-summary table.
+the field and the fix, before Ray starts; so does a run directory whose lease another live
+driver holds (`elastic.lease`; `--force-takeover` takes it anyway); a run that gives up (an
+error no restart can fix, or `scaling.max_failures` restarts) exits with code 1 and one
+line, `error: <the worker's message> (after N restarts)`; `fit` prints one progress line per
+second (step, loss, tokens/s, world size) and a summary at the end; `report` writes a PNG and
+prints the summary table.
 """
 
 from __future__ import annotations
@@ -32,6 +33,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                      metavar="KEY=VALUE", help="override a recipe value, e.g. optim.lr=1e-3")
     fit.add_argument("--pace", type=float, default=0.0, metavar="SECONDS",
                      help="sleep this long after every step (demos and fault-injection tests)")
+    fit.add_argument("--force-takeover", action="store_true",
+                     help="take the run over even if another driver holds its lease; that "
+                          "driver's snapshots are refused from then on")
     fit.set_defaults(func=_cmd_fit)
 
     report = subparsers.add_parser("report", help="plot a run's metrics into a PNG")
@@ -64,18 +68,37 @@ def _cmd_fit(args: argparse.Namespace) -> int:
     except (ConfigError, RunDirError) as err:
         console.print(f"[red]error:[/red] {escape(one_line(err))}")
         return 2
+    from elastic.lease import LeaseHeldError, LeaseLostError, RunLease
+    from elastic.store import SnapshotStore
+
+    # One driver per run directory: take the lease before Ray starts (and before importing
+    # it), so a second driver fails in a second instead of after a cluster start-up.
+    lease = RunLease(SnapshotStore(cfg.snapshots.run_uri))
+    try:
+        record = lease.acquire(force=args.force_takeover)
+    except LeaseHeldError as err:
+        console.print(f"[red]error:[/red] {escape(str(err))}")
+        return 2
     from trainer.ray_fit import fit  # imports Ray: only once the input is known to be good
     from trainer.scaling import RunFailedError
 
-    if resumed:
-        console.print(f"continuing run {cfg.snapshots.run_uri} from committed step {resumed}")
-    else:
-        console.print(f"starting run {cfg.snapshots.run_uri}")
     try:
-        result = fit(cfg, on_progress=_print_progress, pace_s=args.pace)
+        if record["epoch"] > 1:
+            console.print(f"took over the run lease of {cfg.snapshots.run_uri} "
+                          f"(epoch {record['epoch']})")
+        if resumed:
+            console.print(f"continuing run {cfg.snapshots.run_uri} from committed step {resumed}")
+        else:
+            console.print(f"starting run {cfg.snapshots.run_uri}")
+        result = fit(cfg, on_progress=_print_progress, pace_s=args.pace, lease=lease)
+    except LeaseLostError as err:
+        console.print(f"[red]error:[/red] {escape(str(err))}")
+        return 1
     except RunFailedError as err:  # one line: the worker's message and the restarts
         console.print(f"[red]error:[/red] {escape(str(err))}")
         return 1
+    finally:
+        lease.release()  # only if still ours
     _print_summary(result.summary.to_dict())
     return 0
 

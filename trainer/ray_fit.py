@@ -39,6 +39,8 @@ from ray.train.torch import TorchConfig
 
 from elastic.coordinator import HEAD_NODE_RESOURCES
 from elastic.errors import FatalRunError
+from elastic.lease import LeaseLostError, RunLease
+from elastic.store import SnapshotStore
 from elastic.version import code_version
 from trainer.config import FitConfig
 from trainer.loop import WorkerEnv, run_worker
@@ -164,6 +166,8 @@ def fit(
     storage_path: str | None = None,
     pace_s: float = 0.0,
     record_samples: bool = False,
+    force_takeover: bool = False,
+    lease: RunLease | None = None,
 ) -> FitResult:
     """Train `config` to `config.steps`, continuing the run if it has committed snapshots.
 
@@ -174,8 +178,45 @@ def fit(
     use it so that node losses and additions land mid-run on a fast machine.
     `record_samples` adds each step's global sample indices to the metrics (a data audit:
     tests check that every sample of an epoch was trained exactly once over committed steps).
+    `lease`: the run lease this driver holds (`elastic.lease`); when None, fit acquires one
+    (`force_takeover` takes it even from a live driver) and releases it at the end, so the
+    Python API is one-driver-per-run too. A lease passed in is renewed during the fit and
+    left to its owner to release. Raises `LeaseHeldError` when another driver holds the run,
+    `LeaseLostError` when the lease was taken over during the fit (its commits were refused).
     """
     resumed_from = check_run_dir(config)
+    own_lease = lease is None
+    if lease is None:
+        lease = RunLease(SnapshotStore(config.snapshots.run_uri))
+        lease.acquire(force=force_takeover)
+    lease.start_renewing()
+    try:
+        result = _fit_leased(config, lease, resumed_from, on_progress=on_progress,
+                             storage_path=storage_path, pace_s=pace_s,
+                             record_samples=record_samples)
+    except BaseException as err:
+        if lease.lost:  # the failure is most likely the refused commits: say why
+            raise LeaseLostError(lease.lost) from err
+        raise
+    finally:
+        lease.stop_renewing()
+        if own_lease:
+            lease.release()  # conditional: never deletes the lease of a driver that took over
+    if lease.lost:
+        raise LeaseLostError(lease.lost)
+    return result
+
+
+def _fit_leased(
+    config: FitConfig,
+    lease: RunLease,
+    resumed_from: int,
+    *,
+    on_progress: Callable[[dict[str, Any]], None] | None,
+    storage_path: str | None,
+    pace_s: float,
+    record_samples: bool,
+) -> FitResult:
     config = ensure_dataset(config)
     embedded = not os.environ.get("RAY_ADDRESS") and not ray.is_initialized()
     _connect_ray()
@@ -189,7 +230,8 @@ def fit(
     # Keep this handle until the fit ends: a (non-detached) actor lives as long as its
     # creator holds a reference, and the workers must all talk to this one instance.
     coordinator = get_or_create_coordinator(
-        config.snapshots.run_uri, keep_last=config.snapshots.keep_last
+        config.snapshots.run_uri, keep_last=config.snapshots.keep_last,
+        lease_token=lease.token,  # fencing: no manifest once another driver took the run
     )
     monitor = RunMonitor.options(
         name=monitor_name(config.run_name),
