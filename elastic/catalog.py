@@ -1,10 +1,16 @@
 """Read-only tools over a run's snapshots: list, describe, verify, export.
 
 Contract: these functions never modify the store. ``verify`` re-reads every chunk of a
-snapshot and checks every checksum block (raises ``ValueError`` naming the first bad file,
-chunk and block). ``export_model`` writes the logical model weights (keys without the
-``model.`` prefix) as one plain safetensors file for inference. All reads go through the
-same verified path as restore; nothing is unpickled.
+snapshot through the same checks as restore — the manifest validated as it is parsed, each
+file's safetensors header compared with the manifest, symlinked shard files refused, every
+checksum block verified — and raises ``SnapshotIntegrityError`` (``ManifestError`` for a
+malformed or unsafe manifest; both are ``ValueError``) with one line naming the snapshot and
+the first bad field, file, chunk or block. ``export_model`` writes the logical model weights
+(keys without the ``model.`` prefix) as one plain safetensors file for inference, only after
+every tensor it exports was read and verified: on any failure nothing is written. What
+``verify`` cannot check without a live trainer is whether the JSON state fits the
+components that will load it (restore does that, ``StateRegistry.check_state``). Nothing is
+unpickled.
 """
 
 from __future__ import annotations
@@ -15,7 +21,7 @@ from typing import Any
 import torch
 from safetensors.torch import save_file
 
-from elastic.format import MANIFEST_NAME, Manifest, str_to_dtype
+from elastic.format import MANIFEST_NAME, Manifest, itemsize, str_to_dtype
 from elastic.layout import Piece, Target
 from elastic.restore import ByteSource, read_tensors
 from elastic.store import SnapshotStore
@@ -67,32 +73,32 @@ def describe(manifest: Manifest) -> dict[str, Any]:
     }
 
 
-def _whole(manifest: Manifest, keys: list[str], store: SnapshotStore
+def _whole(manifest: Manifest, keys: list[str], source: ByteSource
            ) -> dict[str, torch.Tensor]:
     targets = {}
     for key in keys:
         rec = manifest.tensors[key]
         piece = Piece(key, str_to_dtype(rec.dtype), rec.shape, (0,) * len(rec.shape), rec.shape)
         targets[key] = Target(piece, torch.device("cpu"), lambda t: t)
-    return read_tensors(manifest, targets, ByteSource(store, manifest.step))
+    return read_tensors(manifest, targets, source)
 
 
 def verify(store: SnapshotStore, step: int, batch_bytes: int = 256 << 20) -> dict[str, int]:
-    """Re-read every chunk of snapshot ``step`` and check all checksums."""
+    """Re-read every chunk of snapshot ``step`` and check headers and all checksums."""
     manifest = store.load_manifest(step)
-    keys = sorted(manifest.tensors)
+    source = ByteSource(store, manifest.step)  # one source: each file's header read once
     checked = 0
     batch: list[str] = []
     size = 0
-    for key in keys + [None]:  # type: ignore[list-item]
-        if key is not None:
-            rec = manifest.tensors[key]
-            batch.append(key)
-            size += math.prod(rec.shape) * torch.empty((), dtype=str_to_dtype(rec.dtype)
-                                                       ).element_size()
-        if batch and (key is None or size >= batch_bytes):
-            checked += len(_whole(manifest, batch, store))
+    for key in sorted(manifest.tensors):
+        rec = manifest.tensors[key]
+        batch.append(key)
+        size += math.prod(rec.shape) * itemsize(rec.dtype)
+        if size >= batch_bytes:
+            checked += len(_whole(manifest, batch, source))
             batch, size = [], 0
+    if batch:
+        checked += len(_whole(manifest, batch, source))
     return {"step": step, "tensors": checked, "bytes": manifest.nbytes()}
 
 
@@ -103,7 +109,7 @@ def export_model(store: SnapshotStore, step: int, out: str, component: str = "mo
     if not keys:
         raise ValueError(f"snapshot {step} has no tensors under {component!r}; components: "
                          f"{sorted({k.split('.', 1)[0] for k in manifest.tensors})}")
-    tensors = _whole(manifest, keys, store)
+    tensors = _whole(manifest, keys, ByteSource(store, manifest.step))
     save_file({k[len(prefix):]: v.contiguous() for k, v in tensors.items()}, out,
               metadata={"baton_step": str(step)})
     return len(keys)

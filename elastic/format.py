@@ -4,15 +4,35 @@ Contract
 --------
 A snapshot of step ``s`` of a run lives in ``RUN/snapshots/{s:09d}/``:
 
-* ``shard-{rank:05d}-of-{world_size:05d}.safetensors`` — plain safetensors files (8-byte
-  little-endian header length, JSON header, raw little-endian bytes). Each entry is one
-  *chunk*: a hyper-rectangle of a logical tensor, named ``"<tensor key>@<o0>,<o1>,..."``
-  after its offsets into the logical tensor.
+* ``shard-{rank:05d}-of-{world_size:05d}-g{generation:06d}.safetensors`` — plain
+  safetensors files (8-byte little-endian header length, JSON header, raw little-endian
+  bytes). Each entry is one *chunk*: a hyper-rectangle of a logical tensor, named
+  ``"<tensor key>@<o0>,<o1>,..."`` after its offsets into the logical tensor.
 * ``manifest.json`` — written last; its presence is the commit. It lists every logical
   tensor (``model.<fqn>``, ``optim.state.<fqn>.exp_avg``, ...) with its global shape, dtype
   and the chunks covering it (file, absolute byte range in the file, offsets, shape, crc32
   per ``block_bytes`` block), plus all non-tensor state as plain JSON (``state``: one JSON
   tree per registered component, tensors replaced by ``{"__tensor__": key}``).
+
+A manifest is untrusted input (DESIGN P8). ``Manifest.from_bytes`` accepts only a
+well-formed one and raises ``ManifestError`` (one line naming the snapshot, the field and
+what is wrong) for anything else:
+
+* every field has its JSON type (an int is an int, not a bool, float or string); ``step >=
+  0``, ``world_size >= 1``, ``layout`` in ``LAYOUTS``, ``1 <= block_bytes <= 1 GiB``;
+* ``tensors`` is non-empty; every dtype is a known safetensors name; every shape is a list of
+  non-negative ints with at most ``MAX_ELEMENTS`` elements; the chunks of a tensor lie inside
+  it and cover it exactly once; a chunk's byte range starts at >= 0 and spans exactly
+  prod(shape) x itemsize bytes, with one crc32 per ``block_bytes`` block of that range;
+* every file name (in ``files`` and in chunks) is a bare shard name (``SHARD_NAME_RE``, no
+  path separator) and every chunk's file is listed in ``files``;
+* ``state`` is a tree of JSON values with well-formed tags; every ``{"__tensor__": name}``
+  names a tensor of ``tensors`` under its own component (``"<component>.``...), and every
+  tensor is referenced exactly once.
+
+What the manifest cannot prove alone is checked when the files are read (``elastic.restore``
+compares each used chunk with its file's safetensors header, ``parse_header`` here) and when
+the state is loaded (``StateRegistry.check_state`` compares it with the live components).
 
 Everything here is pure data and pure functions: no torch.distributed, no storage, no Ray.
 Nothing read from a snapshot is ever executed or unpickled; JSON and raw bytes only.
@@ -21,13 +41,17 @@ Nothing read from a snapshot is ever executed or unpickled; JSON and raw bytes o
 from __future__ import annotations
 
 import json
+import math
 import re
 import struct
 import zlib
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import Any, NoReturn
 
 import torch
+
+from elastic.errors import ManifestError, SnapshotIntegrityError
 
 FORMAT_NAME = "baton-snapshot"
 FORMAT_VERSION = 1
@@ -36,6 +60,22 @@ RECEIPT_SUFFIX = ".receipt.json"
 # Checksums cover fixed-size blocks of a chunk so a worker that reads only part of a chunk
 # (resharding) can still verify what it read, at the cost of reading at most two partial blocks.
 DEFAULT_BLOCK_BYTES = 4 << 20
+LAYOUTS = ("ddp", "fsdp")
+
+# Bounds of a sane manifest. They exist so a crafted manifest fails with a clear error
+# instead of an allocation failure or an overflow deep inside torch or the OS.
+MAX_ELEMENTS = 1 << 48  # per logical tensor (a 256 TiB fp8 tensor; far beyond any model)
+MAX_DIMS = 32
+MAX_BLOCK_BYTES = 1 << 30
+MAX_WORLD_SIZE = 1 << 20
+MAX_BYTE_OFFSET = 1 << 62
+MAX_HEADER_BYTES = 100 << 20
+MAX_STATE_DEPTH = 64  # JSON nesting of one component's state (real ones are < 10 deep)
+
+# Tags of the JSON skeletons (elastic.registry encodes and decodes them).
+TENSOR_TAG = "__tensor__"
+TUPLE_TAG = "__tuple__"
+ITEMS_TAG = "__items__"  # dicts whose keys are not all strings (e.g. int-keyed)
 
 _DTYPE_TO_ST: dict[torch.dtype, str] = {
     torch.float64: "F64",
@@ -50,6 +90,9 @@ _DTYPE_TO_ST: dict[torch.dtype, str] = {
     torch.bool: "BOOL",
 }
 _ST_TO_DTYPE: dict[str, torch.dtype] = {v: k for k, v in _DTYPE_TO_ST.items()}
+_ST_ITEMSIZE: dict[str, int] = {
+    name: torch.empty((), dtype=dt).element_size() for name, dt in _ST_TO_DTYPE.items()
+}
 
 
 def dtype_to_str(dtype: torch.dtype) -> str:
@@ -60,8 +103,13 @@ def dtype_to_str(dtype: torch.dtype) -> str:
 
 def str_to_dtype(name: str) -> torch.dtype:
     if name not in _ST_TO_DTYPE:
-        raise ValueError(f"unknown dtype {name!r} in snapshot; known: {sorted(_ST_TO_DTYPE)}")
+        raise ManifestError(f"unknown dtype {name!r} in snapshot; known: {sorted(_ST_TO_DTYPE)}")
     return _ST_TO_DTYPE[name]
+
+
+def itemsize(name: str) -> int:
+    """Bytes per element of the safetensors dtype ``name`` (a validated, known name)."""
+    return _ST_ITEMSIZE[name]
 
 
 def step_dirname(step: int) -> str:
@@ -79,6 +127,12 @@ def shard_filename(rank: int, world_size: int, generation: int) -> str:
 SHARD_NAME_RE = re.compile(r"shard-\d{5}-of-\d{5}(?:-g\d{6})?\.safetensors")
 
 
+def is_shard_name(name: object) -> bool:
+    """Whether ``name`` may appear as a file of a manifest: a bare shard file name."""
+    return (isinstance(name, str) and "/" not in name and "\\" not in name
+            and SHARD_NAME_RE.fullmatch(name) is not None)
+
+
 def chunk_name(key: str, offsets: tuple[int, ...]) -> str:
     return f"{key}@{','.join(str(o) for o in offsets)}"
 
@@ -89,6 +143,11 @@ def crc32_blocks(data: memoryview | bytes, block_bytes: int) -> list[int]:
     if len(view) == 0:
         return [0]
     return [zlib.crc32(view[i : i + block_bytes]) for i in range(0, len(view), block_bytes)]
+
+
+def block_count(nbytes: int, block_bytes: int) -> int:
+    """How many crc32 values ``crc32_blocks`` gives for ``nbytes`` bytes (at least one)."""
+    return max(1, -(-nbytes // block_bytes))
 
 
 @dataclass(frozen=True)
@@ -107,6 +166,7 @@ class ChunkRecord:
 
     @staticmethod
     def from_json(obj: dict[str, Any]) -> ChunkRecord:
+        """A chunk from a worker's receipt (trusted: written by this run's own workers)."""
         return ChunkRecord(
             file=str(obj["file"]),
             name=str(obj["name"]),
@@ -131,14 +191,6 @@ class TensorRecord:
             "shape": list(self.shape),
             "chunks": [c.to_json() for c in self.chunks],
         }
-
-    @staticmethod
-    def from_json(obj: dict[str, Any]) -> TensorRecord:
-        return TensorRecord(
-            dtype=str(obj["dtype"]),
-            shape=tuple(int(x) for x in obj["shape"]),
-            chunks=[ChunkRecord.from_json(c) for c in obj["chunks"]],
-        )
 
 
 @dataclass
@@ -170,35 +222,290 @@ class Manifest:
         return json.dumps(obj, indent=1).encode()
 
     @staticmethod
-    def from_bytes(data: bytes, where: str = "manifest.json") -> Manifest:
+    def from_bytes(data: bytes, where: str = MANIFEST_NAME, step: int | None = None
+                   ) -> Manifest:
+        """Parse and validate an untrusted manifest (see the module contract); ``step``,
+        when given, is the step the manifest must say it is. Raises ``ManifestError``."""
         try:
             obj = json.loads(data)
-        except (UnicodeDecodeError, json.JSONDecodeError) as err:
-            raise ValueError(f"{where}: not valid JSON ({err}); the snapshot is corrupt") from err
-        if not isinstance(obj, dict) or obj.get("format") != FORMAT_NAME:
-            raise ValueError(f"{where}: 'format' is not {FORMAT_NAME!r}; not a Baton snapshot")
-        if int(obj.get("version", -1)) > FORMAT_VERSION:
-            raise ValueError(
-                f"{where}: format version {obj['version']} is newer than this Baton "
-                f"({FORMAT_VERSION}); upgrade Baton to read it"
-            )
-        try:
-            return Manifest(
-                step=int(obj["step"]),
-                world_size=int(obj["world_size"]),
-                layout=str(obj["layout"]),
-                block_bytes=int(obj["checksum"]["block_bytes"]),
-                tensors={k: TensorRecord.from_json(v) for k, v in obj["tensors"].items()},
-                state=dict(obj["state"]),
-                files=[str(f) for f in obj["files"]],
-                versions=dict(obj.get("versions", {})),
-            )
-        except (KeyError, TypeError, IndexError) as err:
-            raise ValueError(f"{where}: missing or malformed field {err}; corrupt") from err
+        except (ValueError, RecursionError) as err:  # JSONDecodeError, UnicodeDecodeError
+            detail = str(err).splitlines()[0] if str(err) else type(err).__name__
+            raise ManifestError(f"{where}: not valid JSON ({detail}); the snapshot is corrupt"
+                                ) from err
+        return _ManifestParser(where).parse(obj, step)
 
     def nbytes(self) -> int:
         return sum(c.byte_range[1] - c.byte_range[0] for t in self.tensors.values()
                    for c in t.chunks)
+
+
+# ---------------------------------------------------------------------------- validation
+
+
+def json_kind(value: object) -> str:
+    """The JSON name of ``value``'s type, for error messages."""
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "bool"
+    for typ, name in ((int, "int"), (float, "float"), (str, "str"), (list, "list"),
+                      (dict, "object")):
+        if isinstance(value, typ):
+            return name
+    return type(value).__name__
+
+
+def short_repr(value: object, limit: int = 60) -> str:
+    """A one-line, bounded rendering of an untrusted value for an error message."""
+    text = repr(value).replace("\n", " ")
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+class _ManifestParser:
+    """Validates one manifest's JSON; every failure is one ``ManifestError`` line."""
+
+    def __init__(self, where: str) -> None:
+        self.where = where
+
+    def fail(self, path: str, what: str) -> NoReturn:
+        raise ManifestError(f"{self.where}: field {path}: {what}; the manifest is corrupt or "
+                            "was edited")
+
+    def get(self, obj: dict[str, Any], key: str, path: str) -> Any:
+        if key not in obj:
+            self.fail(f"{path}.{key}" if path else key, "missing")
+        return obj[key]
+
+    def int_(self, value: object, path: str, lo: int, hi: int) -> int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            self.fail(path, f"expected an int, got {json_kind(value)} {short_repr(value)}")
+        if not lo <= value <= hi:
+            self.fail(path, f"{value} is outside [{lo}, {hi}]")
+        return value
+
+    def str_(self, value: object, path: str) -> str:
+        if not isinstance(value, str):
+            self.fail(path, f"expected a string, got {json_kind(value)} {short_repr(value)}")
+        return value
+
+    def list_(self, value: object, path: str) -> list[Any]:
+        if not isinstance(value, list):
+            self.fail(path, f"expected a list, got {json_kind(value)} {short_repr(value)}")
+        return value
+
+    def dict_(self, value: object, path: str) -> dict[str, Any]:
+        if not isinstance(value, dict):
+            self.fail(path, f"expected an object, got {json_kind(value)} {short_repr(value)}")
+        return value
+
+    def file_name(self, value: object, path: str) -> str:
+        name = self.str_(value, path)
+        if not is_shard_name(name):
+            self.fail(path, f"{short_repr(name)} is not a bare shard file name "
+                            "(shard-NNNNN-of-NNNNN[-gNNNNNN].safetensors)")
+        return name
+
+    def ints(self, value: object, path: str, hi: int, length: int | None = None
+             ) -> tuple[int, ...]:
+        items = self.list_(value, path)
+        if length is not None and len(items) != length:
+            self.fail(path, f"has {len(items)} entries, expected {length}")
+        if len(items) > MAX_DIMS:
+            self.fail(path, f"has {len(items)} dimensions; at most {MAX_DIMS} are supported")
+        return tuple(self.int_(x, f"{path}[{i}]", 0, hi) for i, x in enumerate(items))
+
+    # ------------------------------------------------------------------ the manifest
+
+    def parse(self, obj: object, step: int | None) -> Manifest:
+        if not isinstance(obj, dict) or obj.get("format") != FORMAT_NAME:
+            raise ManifestError(f"{self.where}: 'format' is not {FORMAT_NAME!r}; not a Baton "
+                                "snapshot")
+        version = self.get(obj, "version", "")
+        if isinstance(version, int) and not isinstance(version, bool) \
+                and version > FORMAT_VERSION:
+            raise ManifestError(f"{self.where}: format version {version} is newer than this "
+                                f"Baton ({FORMAT_VERSION}); upgrade Baton to read it")
+        self.int_(version, "version", 1, FORMAT_VERSION)
+        got_step = self.int_(self.get(obj, "step", ""), "step", 0, MAX_BYTE_OFFSET)
+        if step is not None and got_step != step:
+            self.fail("step", f"says {got_step} but the snapshot is step {step}; moved or edited")
+        world_size = self.int_(self.get(obj, "world_size", ""), "world_size", 1, MAX_WORLD_SIZE)
+        layout = self.str_(self.get(obj, "layout", ""), "layout")
+        if layout not in LAYOUTS:
+            self.fail("layout", f"{short_repr(layout)} is not one of {list(LAYOUTS)}")
+        checksum = self.dict_(self.get(obj, "checksum", ""), "checksum")
+        if self.get(checksum, "algo", "checksum") != "crc32":
+            self.fail("checksum.algo", f"{short_repr(checksum['algo'])} is not 'crc32'")
+        block_bytes = self.int_(self.get(checksum, "block_bytes", "checksum"),
+                                "checksum.block_bytes", 1, MAX_BLOCK_BYTES)
+        files = [self.file_name(f, f"files[{i}]")
+                 for i, f in enumerate(self.list_(self.get(obj, "files", ""), "files"))]
+        if len(set(files)) != len(files):
+            self.fail("files", "lists a file twice")
+        versions = self.dict_(obj.get("versions", {}), "versions")
+        for k, v in versions.items():
+            self.str_(v, f"versions.{k}")
+        raw_tensors = self.dict_(self.get(obj, "tensors", ""), "tensors")
+        if not raw_tensors:
+            self.fail("tensors", "is empty; a snapshot holds at least one tensor")
+        listed = set(files)
+        tensors = {key: self.tensor(key, rec, block_bytes, listed)
+                   for key, rec in raw_tensors.items()}
+        self.unique_chunks(tensors)
+        state = self.dict_(self.get(obj, "state", ""), "state")
+        self.state(state, tensors)
+        return Manifest(step=got_step, world_size=world_size, layout=layout,
+                        block_bytes=block_bytes, tensors=tensors, state=state, files=files,
+                        versions=dict(versions))
+
+    def tensor(self, key: str, obj: object, block_bytes: int, files: set[str]) -> TensorRecord:
+        path = f"tensors[{short_repr(key)}]"
+        if not key or "." not in key:
+            self.fail(path, "a tensor key is '<component>.<name>'")
+        rec = self.dict_(obj, path)
+        dtype = self.str_(self.get(rec, "dtype", path), f"{path}.dtype")
+        if dtype not in _ST_TO_DTYPE:
+            self.fail(f"{path}.dtype", f"unknown dtype {short_repr(dtype)}; known: "
+                                        f"{sorted(_ST_TO_DTYPE)}")
+        shape = self.ints(self.get(rec, "shape", path), f"{path}.shape", MAX_ELEMENTS)
+        if math.prod(shape) > MAX_ELEMENTS:
+            self.fail(f"{path}.shape", f"{list(shape)} has {math.prod(shape)} elements, more "
+                                        f"than {MAX_ELEMENTS}")
+        chunks = [self.chunk(key, c, f"{path}.chunks[{i}]", dtype, shape, block_bytes, files)
+                  for i, c in enumerate(self.list_(self.get(rec, "chunks", path),
+                                                   f"{path}.chunks"))]
+        self.exact_cover(path, shape, chunks)
+        return TensorRecord(dtype=dtype, shape=shape, chunks=chunks)
+
+    def chunk(self, key: str, obj: object, path: str, dtype: str, tshape: tuple[int, ...],
+              block_bytes: int, files: set[str]) -> ChunkRecord:
+        c = self.dict_(obj, path)
+        file = self.file_name(self.get(c, "file", path), f"{path}.file")
+        if file not in files:
+            self.fail(f"{path}.file", f"{file} is not listed in 'files'")
+        offsets = self.ints(self.get(c, "offsets", path), f"{path}.offsets", MAX_ELEMENTS,
+                            len(tshape))
+        shape = self.ints(self.get(c, "shape", path), f"{path}.shape", MAX_ELEMENTS,
+                          len(tshape))
+        for d, (o, s, n) in enumerate(zip(offsets, shape, tshape, strict=True)):
+            if o + s > n:
+                self.fail(path, f"offsets {list(offsets)} + shape {list(shape)} leave the "
+                                f"tensor's shape {list(tshape)} in dimension {d}")
+        name = self.str_(self.get(c, "name", path), f"{path}.name")
+        if name != chunk_name(key, offsets):
+            self.fail(f"{path}.name", f"{short_repr(name)} is not "
+                                      f"{chunk_name(key, offsets)!r} (key@offsets)")
+        span = self.ints(self.get(c, "byte_range", path), f"{path}.byte_range",
+                         MAX_BYTE_OFFSET, 2)
+        nbytes = math.prod(shape) * itemsize(dtype)
+        if span[1] - span[0] != nbytes:
+            self.fail(f"{path}.byte_range", f"{list(span)} spans {span[1] - span[0]} bytes but "
+                                            f"shape {list(shape)} of {dtype} needs {nbytes}")
+        crcs = self.list_(self.get(c, "crc32", path), f"{path}.crc32")
+        blocks = block_count(nbytes, block_bytes)
+        if len(crcs) != blocks:
+            self.fail(f"{path}.crc32", f"has {len(crcs)} checksums; {nbytes} bytes in blocks "
+                                       f"of {block_bytes} need {blocks}")
+        crc32 = tuple(self.int_(x, f"{path}.crc32[{i}]", 0, 0xFFFFFFFF)
+                      for i, x in enumerate(crcs))
+        return ChunkRecord(file=file, name=name, offsets=offsets, shape=shape,
+                           byte_range=(span[0], span[1]), crc32=crc32)
+
+    def exact_cover(self, path: str, shape: tuple[int, ...], chunks: list[ChunkRecord]
+                    ) -> None:
+        """Chunks inside the tensor (checked per chunk), pairwise disjoint and as many
+        elements as the tensor: then they cover it exactly once (else a gap would be left
+        uninitialised by a restore)."""
+        covered = sum(math.prod(c.shape) for c in chunks)
+        if covered != math.prod(shape):
+            self.fail(f"{path}.chunks", f"cover {covered} of {math.prod(shape)} elements")
+        boxes = [c for c in chunks if math.prod(c.shape) > 0]
+        if all(c.offsets[1:] == (0,) * (len(shape) - 1) and c.shape[1:] == shape[1:]
+               for c in boxes) and shape:
+            # Row blocks (the common case): sorted by first row they must not overlap.
+            rows = sorted((c.offsets[0], c.offsets[0] + c.shape[0]) for c in boxes)
+            overlap = any(a[1] > b[0] for a, b in zip(rows, rows[1:], strict=False))
+        else:
+            overlap = any(_boxes_overlap(a, b) for i, a in enumerate(boxes)
+                          for b in boxes[i + 1:])
+        if overlap:
+            self.fail(f"{path}.chunks", "overlap each other")
+
+    def unique_chunks(self, tensors: dict[str, TensorRecord]) -> None:
+        seen: set[tuple[str, str]] = set()
+        for key, rec in tensors.items():
+            for c in rec.chunks:
+                if (c.file, c.name) in seen:
+                    self.fail(f"tensors[{short_repr(key)}].chunks",
+                              f"chunk {c.name} of {c.file} is listed twice")
+                seen.add((c.file, c.name))
+
+    # ------------------------------------------------------------------ the JSON state
+
+    def state(self, state: dict[str, Any], tensors: dict[str, TensorRecord]) -> None:
+        referenced: set[str] = set()
+        for comp, tree in state.items():
+            if not comp or "." in comp or comp.startswith("__"):
+                self.fail(f"state[{short_repr(comp)}]", "is not a component key")
+            for path, name in self.tensor_refs(tree, f"state.{comp}", 0):
+                if name not in tensors:
+                    self.fail(path, f"refers to tensor {short_repr(name)}, which is not in "
+                                    "'tensors'")
+                if not name.startswith(comp + "."):
+                    self.fail(path, f"tensor {short_repr(name)} belongs to another component "
+                                    f"than {comp!r}")
+                if name in referenced:
+                    self.fail(path, f"tensor {short_repr(name)} is referenced twice")
+                referenced.add(name)
+        unused = sorted(set(tensors) - referenced)
+        if unused:
+            self.fail("tensors", f"{short_repr(unused)} are referenced by no state")
+
+    def tensor_refs(self, value: object, path: str, depth: int) -> Iterator[tuple[str, str]]:
+        """(path, name) of every tensor reference in a state tree, checking its tags."""
+        if depth > MAX_STATE_DEPTH:
+            self.fail(path, f"is nested more than {MAX_STATE_DEPTH} levels deep")
+        if isinstance(value, dict):
+            tagged = [k for k in value if k in (TENSOR_TAG, TUPLE_TAG, ITEMS_TAG)]
+            if tagged and len(value) != 1:
+                self.fail(path, f"a {tagged[0]} object has other keys too")
+            if TENSOR_TAG in value:
+                yield path, self.str_(value[TENSOR_TAG], f"{path}.{TENSOR_TAG}")
+            elif TUPLE_TAG in value:
+                for i, v in enumerate(self.list_(value[TUPLE_TAG], f"{path}.{TUPLE_TAG}")):
+                    yield from self.tensor_refs(v, f"{path}[{i}]", depth + 1)
+            elif ITEMS_TAG in value:
+                pairs = self.list_(value[ITEMS_TAG], f"{path}.{ITEMS_TAG}")
+                for i, pair in enumerate(pairs):
+                    where = f"{path}.{ITEMS_TAG}[{i}]"
+                    if not isinstance(pair, list) or len(pair) != 2:
+                        self.fail(where, "expected a [key, value] pair")
+                    self.hashable_key(pair[0], where)
+                    yield from self.tensor_refs(pair[1], f"{path}[{short_repr(pair[0])}]",
+                                                depth + 1)
+            else:
+                for k, v in value.items():
+                    if k.startswith("__"):
+                        self.fail(f"{path}.{k}", "unknown tag")
+                    yield from self.tensor_refs(v, f"{path}.{k}", depth + 1)
+        elif isinstance(value, list):
+            for i, v in enumerate(value):
+                yield from self.tensor_refs(v, f"{path}[{i}]", depth + 1)
+
+    def hashable_key(self, key: object, path: str) -> None:
+        # A decoded key must be hashable: a scalar or a tuple of scalars.
+        if isinstance(key, dict) and list(key) == [TUPLE_TAG] and isinstance(
+                key[TUPLE_TAG], list):
+            for k in key[TUPLE_TAG]:
+                self.hashable_key(k, path)
+            return
+        if not (key is None or isinstance(key, (bool, int, float, str))):
+            self.fail(path, f"key {short_repr(key)} is not a scalar")
+
+
+def _boxes_overlap(a: ChunkRecord, b: ChunkRecord) -> bool:
+    return all(ao < bo + bs and bo < ao + as_ for ao, as_, bo, bs
+               in zip(a.offsets, a.shape, b.offsets, b.shape, strict=True))
 
 
 # ---------------------------------------------------------------------------- safetensors
@@ -210,6 +517,14 @@ class HeaderEntry:
     dtype: str
     shape: tuple[int, ...]
     data_offsets: tuple[int, int]  # relative to the start of the data section
+
+
+@dataclass(frozen=True)
+class SafetensorsHeader:
+    """A parsed header: where the data section starts and each entry by name."""
+
+    data_start: int  # absolute: 8 + header length
+    entries: dict[str, HeaderEntry]
 
 
 def build_header(entries: list[HeaderEntry]) -> bytes:
@@ -226,29 +541,56 @@ def build_header(entries: list[HeaderEntry]) -> bytes:
     return struct.pack("<Q", len(raw)) + raw
 
 
-def parse_header_length(first8: bytes, where: str) -> int:
-    if len(first8) != 8:
-        raise ValueError(f"{where}: file shorter than a safetensors header; truncated")
-    (n,) = struct.unpack("<Q", first8)
-    if n > 100 << 20:
-        raise ValueError(f"{where}: header length {n} is implausible; corrupt file")
-    return n
+def header_length(first8: bytes, where: str) -> int:
+    """The JSON header's length from a file's first 8 bytes (bounded)."""
+    if len(first8) < 8:
+        raise SnapshotIntegrityError(f"{where}: file shorter than a safetensors header; "
+                                     "truncated")
+    (n,) = struct.unpack("<Q", first8[:8])
+    if n > MAX_HEADER_BYTES:
+        raise SnapshotIntegrityError(f"{where}: header length {n} is implausible; corrupt file")
+    return int(n)
 
 
-def parse_header(raw: bytes, where: str) -> dict[str, HeaderEntry]:
-    """Parse the JSON header (without the 8-byte prefix) into entries by name."""
+def parse_header(data: bytes, where: str) -> SafetensorsHeader:
+    """Parse a safetensors header from a file's first bytes (the 8-byte length and at least
+    the whole JSON header). Untrusted: a malformed header is ``SnapshotIntegrityError``."""
+    n = header_length(data, where)
+    if len(data) < 8 + n:
+        raise SnapshotIntegrityError(f"{where}: header is {n} bytes but only {len(data) - 8} "
+                                     "were given")
     try:
-        obj = json.loads(raw)
-    except (UnicodeDecodeError, json.JSONDecodeError) as err:
-        raise ValueError(f"{where}: safetensors header is not JSON ({err}); corrupt") from err
-    out: dict[str, HeaderEntry] = {}
+        obj = json.loads(data[8: 8 + n])
+    except (ValueError, RecursionError) as err:
+        raise SnapshotIntegrityError(f"{where}: safetensors header is not JSON; corrupt") \
+            from err
+    if not isinstance(obj, dict):
+        raise SnapshotIntegrityError(f"{where}: safetensors header is not a JSON object")
+    entries: dict[str, HeaderEntry] = {}
     for name, e in obj.items():
         if name == "__metadata__":
             continue
-        out[name] = HeaderEntry(
-            name=name,
-            dtype=str(e["dtype"]),
-            shape=tuple(int(x) for x in e["shape"]),
-            data_offsets=(int(e["data_offsets"][0]), int(e["data_offsets"][1])),
-        )
-    return out
+        entry = _header_entry(name, e)
+        if entry is None:
+            raise SnapshotIntegrityError(f"{where}: safetensors header entry "
+                                         f"{short_repr(name)} is malformed; corrupt file")
+        entries[name] = entry
+    return SafetensorsHeader(data_start=8 + n, entries=entries)
+
+
+def _header_entry(name: str, e: object) -> HeaderEntry | None:
+    if not isinstance(e, dict):
+        return None
+    dtype, shape, offs = e.get("dtype"), e.get("shape"), e.get("data_offsets")
+    if not isinstance(dtype, str) or not _int_list(shape) or not _int_list(offs):
+        return None
+    assert isinstance(shape, list) and isinstance(offs, list)
+    if len(offs) != 2 or not 0 <= offs[0] <= offs[1]:
+        return None
+    return HeaderEntry(name=name, dtype=dtype, shape=tuple(shape),
+                       data_offsets=(offs[0], offs[1]))
+
+
+def _int_list(value: object) -> bool:
+    return isinstance(value, list) and all(
+        isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in value)

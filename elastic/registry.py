@@ -23,13 +23,33 @@ dicts, lists, tuples, str/int/float/bool/None and tensors.
 each tensor is replaced by ``{"__tensor__": name}``. ``load(tensors, skeletons)`` is the
 inverse. Plain (non-DTensor) tensors are assumed identical on every rank (replicated): a
 per-rank tensor state is not supported because it has no meaning at another world size.
+
+Skeletons read from a snapshot are untrusted (DESIGN P8). ``check_state(skeletons)``
+compares each registered component's snapshot skeleton with the skeleton of its live
+``state_dict()`` *before anything is loaded* (``load`` calls it first; restore calls it
+before reading tensors) and raises ``ManifestError`` naming the component and the path
+(``data.epoch: expected int, got str``) unless:
+
+* objects have the same keys (also each optimizer param group: the live group's keys);
+* leaves have the same JSON type — bool is not int, a string is not a number, an int may
+  stand for a float; where the live value is null anything is accepted (its type is
+  unknown), and inside optimizer ``param_groups`` a null may stand for any scalar (torch's
+  optional flags such as ``foreach``);
+* tuples have the live length; a list is compared element by element, and elements past
+  the live list's end with its last element (lists such as a loss history may grow);
+* a tensor reference stands where the live state has a tensor, with the same name;
+* an optimizer's ``param_groups[*].params`` name parameters the live optimizer has.
+
+Model and optimizer tensors themselves (names, shapes, dtypes) are checked by restore. A
+snapshot that lacks a registered component raises ``SnapshotMismatchError``.
 """
 
 from __future__ import annotations
 
+import json
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, NoReturn, Protocol
 
 import torch
 from torch import nn
@@ -40,9 +60,12 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
-TENSOR_TAG = "__tensor__"
-_TUPLE_TAG = "__tuple__"
-_ITEMS_TAG = "__items__"  # dicts whose keys are not all strings (e.g. int-keyed)
+from elastic.errors import ManifestError
+from elastic.format import ITEMS_TAG, TENSOR_TAG, TUPLE_TAG, json_kind, short_repr
+
+
+class SnapshotMismatchError(ValueError):
+    """The snapshot holds a different model (or set of components) than the one registered."""
 
 
 class Stateful(Protocol):
@@ -125,6 +148,10 @@ class StateRegistry:
         return [k for k, c in self._components.items()
                 if isinstance(c, (ModelState, OptimizerState))]
 
+    def module_keys(self) -> list[str]:
+        """Keys of registered models (their tensors must match the snapshot's exactly)."""
+        return [k for k, c in self._components.items() if isinstance(c, ModelState)]
+
     def modules(self) -> list[nn.Module]:
         return [c.model for c in self._components.values() if isinstance(c, ModelState)]
 
@@ -134,15 +161,155 @@ class StateRegistry:
                      for key, comp in self._components.items() if keys is None or key in keys}
         return FlatState(tensors=tensors, skeletons=skeletons)
 
-    def load(self, tensors: Mapping[str, torch.Tensor], skeletons: Mapping[str, Any]) -> None:
-        missing = [k for k in self._components if k not in skeletons]
-        if missing:
-            raise ValueError(
-                f"snapshot has no state for registered component(s) {missing}; it was saved "
-                f"with components {sorted(skeletons)}"
-            )
+    def load(self, tensors: Mapping[str, torch.Tensor], skeletons: Mapping[str, Any],
+             where: str = "snapshot") -> None:
+        """Load every component from ``skeletons`` (tensors resolved from ``tensors``), after
+        checking all of them: nothing is loaded unless everything fits."""
+        self.check_state(skeletons, where)
+        for key in self._components:
+            for path, name in _tensor_refs(skeletons[key], key):
+                if not isinstance(name, str) or name not in tensors:
+                    raise ManifestError(f"{where}: state {path}: tensor {short_repr(name)} was "
+                                        "not read from the snapshot")
         for key, comp in self._components.items():
             comp.load_state_dict(decode_tree(skeletons[key], tensors))
+
+    def check_state(self, skeletons: Mapping[str, Any], where: str = "snapshot") -> None:
+        """Raise unless each component's snapshot skeleton fits its live state (see the
+        module contract); ``where`` names the snapshot in the message."""
+        missing = [k for k in self._components if k not in skeletons]
+        if missing:
+            raise SnapshotMismatchError(
+                f"{where} has no state for registered component(s) {missing}; it was saved "
+                f"with components {sorted(skeletons)}"
+            )
+        live = self.flatten().skeletons
+        for key, comp in self._components.items():
+            checker = _SkeletonCheck(where)
+            if isinstance(comp, OptimizerState):
+                checker.optimizer(live[key], skeletons[key], key)
+            else:
+                checker.compare(live[key], skeletons[key], key)
+
+
+class _SkeletonCheck:
+    """Compares a snapshot skeleton with a live one; the first difference is raised."""
+
+    def __init__(self, where: str) -> None:
+        self.where = where
+
+    def fail(self, path: str, what: str) -> NoReturn:
+        raise ManifestError(f"{self.where}: state {path}: {what}; the snapshot does not fit "
+                            "the registered component")
+
+    def compare(self, exp: Any, got: Any, path: str, null_ok: bool = False) -> None:
+        ek, gk = _node_kind(exp), _node_kind(got)
+        if ek == "null":
+            return  # the live value does not say what type it takes
+        if gk == "null" and null_ok and ek in _SCALARS:
+            return
+        if ek == "float" and gk == "int":
+            return  # JSON writes 2.0 as 2.0, but a hand-written or other writer's 2 is fine
+        if ek != gk:
+            self.fail(path, f"expected {ek}, got {gk} {short_repr(got)}")
+        if ek == "tensor":
+            if got[TENSOR_TAG] != exp[TENSOR_TAG]:
+                self.fail(path, f"expected tensor {exp[TENSOR_TAG]!r}, got "
+                                f"{short_repr(got[TENSOR_TAG])}")
+        elif ek == "dict":
+            self.same_keys(list(exp), list(got), path)
+            for k in exp:
+                self.compare(exp[k], got[k], f"{path}.{k}", null_ok)
+        elif ek == "items":
+            want = {_key_id(k): (k, v) for k, v in exp[ITEMS_TAG]}
+            have = {_key_id(k): v for k, v in got[ITEMS_TAG]}
+            self.same_keys(list(want), list(have), path)
+            for kid, (k, v) in want.items():
+                self.compare(v, have[kid], f"{path}[{short_repr(k)}]", null_ok)
+        elif ek == "tuple":
+            if len(got[TUPLE_TAG]) != len(exp[TUPLE_TAG]):
+                self.fail(path, f"expected a tuple of {len(exp[TUPLE_TAG])}, got "
+                                f"{len(got[TUPLE_TAG])} items")
+            for i, (e, g) in enumerate(zip(exp[TUPLE_TAG], got[TUPLE_TAG], strict=True)):
+                self.compare(e, g, f"{path}[{i}]", null_ok)
+        elif ek == "list" and exp:
+            for i, g in enumerate(got):
+                self.compare(exp[min(i, len(exp) - 1)], g, f"{path}[{i}]", null_ok)
+
+    def same_keys(self, exp: list[Any], got: list[Any], path: str) -> None:
+        have, want = set(got), set(exp)
+        missing = [k for k in exp if k not in have]
+        unexpected = [k for k in got if k not in want]
+        if missing or unexpected:
+            self.fail(path, f"missing key(s) {short_repr(missing)}, unexpected "
+                            f"{short_repr(unexpected)}")
+
+    def optimizer(self, exp: Any, got: Any, path: str) -> None:
+        """DCP's optimizer state: ``state`` as usual; param groups may hold null for any
+        scalar flag, and must name live parameters."""
+        if _node_kind(exp) != "dict" or _node_kind(got) != "dict":
+            self.compare(exp, got, path)  # not DCP's layout: compare it like any state
+            return
+        self.same_keys(list(exp), list(got), path)
+        for k in exp:
+            if k != "param_groups":
+                self.compare(exp[k], got[k], f"{path}.{k}")
+        groups, live = got.get("param_groups"), exp.get("param_groups")
+        if not isinstance(live, list) or not live:
+            self.compare(live, groups, f"{path}.param_groups")
+            return
+        if not isinstance(groups, list):
+            self.fail(f"{path}.param_groups", f"expected list, got {_node_kind(groups)}")
+        params = {p for g in live if isinstance(g, dict)
+                  for p in g.get("params", []) if isinstance(p, str)}
+        for i, group in enumerate(groups):
+            where = f"{path}.param_groups[{i}]"
+            self.compare(live[min(i, len(live) - 1)], group, where, null_ok=True)
+            for name in group.get("params", []) if isinstance(group, dict) else []:
+                if not isinstance(name, str) or name not in params:
+                    self.fail(f"{where}.params", f"names parameter {short_repr(name)}, which "
+                                                 "the optimizer does not have")
+
+
+_SCALARS = ("bool", "int", "float", "str")
+
+
+def _node_kind(value: Any) -> str:
+    """The kind of a skeleton node: JSON kinds plus the tagged tensor/tuple/items objects."""
+    if isinstance(value, dict):
+        if TENSOR_TAG in value:
+            return "tensor" if isinstance(value[TENSOR_TAG], str) else "malformed tensor"
+        if TUPLE_TAG in value:
+            return "tuple" if isinstance(value[TUPLE_TAG], list) else "malformed tuple"
+        if ITEMS_TAG in value:
+            pairs = value[ITEMS_TAG]
+            ok = isinstance(pairs, list) and all(isinstance(p, list) and len(p) == 2
+                                                 for p in pairs)
+            return "items" if ok else "malformed items"
+        return "dict"
+    return {"object": "dict"}.get(json_kind(value), json_kind(value))
+
+
+def _key_id(key: Any) -> str:
+    # Keys of an items-dict are JSON scalars or tagged tuples; their JSON text identifies them.
+    return json.dumps(key, sort_keys=True)
+
+
+def _tensor_refs(value: Any, path: str) -> list[tuple[str, str]]:
+    """(path, name) of every tensor reference in a skeleton, iteratively (no deep recursion
+    on untrusted input)."""
+    out: list[tuple[str, str]] = []
+    stack: list[tuple[Any, str]] = [(value, path)]
+    while stack:
+        node, where = stack.pop()
+        if isinstance(node, dict):
+            if TENSOR_TAG in node:
+                out.append((where, node[TENSOR_TAG]))
+            else:
+                stack.extend((v, f"{where}.{k}") for k, v in node.items())
+        elif isinstance(node, list):
+            stack.extend((v, f"{where}[{i}]") for i, v in enumerate(node))
+    return out
 
 
 def encode_tree(value: Any, path: str, tensors: dict[str, torch.Tensor]) -> Any:
@@ -155,11 +322,11 @@ def encode_tree(value: Any, path: str, tensors: dict[str, torch.Tensor]) -> Any:
     if isinstance(value, Mapping):
         if all(isinstance(k, str) and not k.startswith("__") for k in value):
             return {k: encode_tree(v, f"{path}.{k}", tensors) for k, v in value.items()}
-        return {_ITEMS_TAG: [[encode_tree(k, f"{path}.key{i}", tensors),
+        return {ITEMS_TAG: [[encode_tree(k, f"{path}.key{i}", tensors),
                               encode_tree(v, f"{path}.{k}", tensors)]
                              for i, (k, v) in enumerate(value.items())]}
     if isinstance(value, tuple):
-        return {_TUPLE_TAG: [encode_tree(v, f"{path}.{i}", tensors) for i, v in enumerate(value)]}
+        return {TUPLE_TAG: [encode_tree(v, f"{path}.{i}", tensors) for i, v in enumerate(value)]}
     if isinstance(value, list):
         return [encode_tree(v, f"{path}.{i}", tensors) for i, v in enumerate(value)]
     if value is None or isinstance(value, (bool, int, float, str)):
@@ -177,23 +344,12 @@ def decode_tree(value: Any, tensors: Mapping[str, torch.Tensor]) -> Any:
             if name not in tensors:
                 raise ValueError(f"snapshot state refers to tensor {name!r}, which is absent")
             return tensors[name]
-        if _TUPLE_TAG in value:
-            return tuple(decode_tree(v, tensors) for v in value[_TUPLE_TAG])
-        if _ITEMS_TAG in value:
+        if TUPLE_TAG in value:
+            return tuple(decode_tree(v, tensors) for v in value[TUPLE_TAG])
+        if ITEMS_TAG in value:
             return {decode_tree(k, tensors): decode_tree(v, tensors)
-                    for k, v in value[_ITEMS_TAG]}
+                    for k, v in value[ITEMS_TAG]}
         return {k: decode_tree(v, tensors) for k, v in value.items()}
     if isinstance(value, list):
         return [decode_tree(v, tensors) for v in value]
     return value
-
-
-def skeleton_tensor_names(value: Any) -> list[str]:
-    """Every tensor name a skeleton refers to."""
-    if isinstance(value, dict):
-        if TENSOR_TAG in value:
-            return [value[TENSOR_TAG]]
-        return [n for v in value.values() for n in skeleton_tensor_names(v)]
-    if isinstance(value, list):
-        return [n for v in value for n in skeleton_tensor_names(v)]
-    return []

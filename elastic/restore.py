@@ -2,56 +2,88 @@
 
 Contract
 --------
-``restore_into(registry, manifest, source)`` makes the registry hold snapshot
-``manifest.step`` for the *current* layout of its model and optimizer (any world size, DDP
-replica or FSDP2 shards, any device), or raises ``ValueError`` leaving the registry
-untouched (everything is read and verified before anything is loaded).
+A restore is ``check_compatible`` → ``plan_targets`` → ``read_tensors`` →
+``StateRegistry.load``: everything is read and verified before anything is loaded, so a
+failure leaves the registry untouched. The manifest was validated when it was parsed
+(``Manifest.from_bytes``); what it claims about the files is checked here, because a
+manifest is untrusted input (DESIGN P8):
 
-* Targets come from the registry's current tensors (``layout.target_piece``). Optimizer
-  moments that do not exist yet (fresh optimizer) take the layout of their parameter —
-  the tensor named ``<param fqn>`` inside their key with the same global shape — and
-  everything else is a plain CPU tensor (the optimizer's load_state_dict places it).
+* ``check_compatible``: the snapshot's model tensors are the registered model's (else
+  ``SnapshotMismatchError`` listing missing, unexpected and shape-mismatched tensors), and
+  every component's JSON state fits the live component (``StateRegistry.check_state``; a
+  misfit is ``ManifestError`` naming the component and path).
+* Targets come from the registry's current tensors (``layout.target_piece``); a registered
+  tensor whose dtype differs from the manifest's is ``ManifestError`` (an edited dtype must
+  fail, not load reinterpreted bytes). Optimizer moments that do not exist yet take the
+  layout of their parameter — the tensor named ``<param fqn>`` inside their key with the same
+  global shape — and everything else is a plain CPU tensor (the optimizer's load_state_dict
+  places it).
+* Before any tensor bytes are read, the safetensors header of every file used is read (one
+  small range read per file, cached in the ``ByteSource``: from the first byte up to the
+  file's first chunk) and each used chunk must be in it with the manifest's dtype, shape and
+  absolute byte range (else ``ManifestError``).
 * For each target rectangle and each overlapping chunk the reader asks for one byte range:
   when the chunk and the target both span all of dims 1.. the needed rows are contiguous,
   otherwise the whole chunk is read. The range is widened to whole checksum blocks and
-  every block read is verified against the manifest's crc32 (a mismatch names the file,
-  chunk and block). Values are copied bitwise; nothing is ever unpickled.
-* A snapshot whose tensors do not match the registered model raises
-  ``SnapshotMismatchError`` listing missing, unexpected and shape-mismatched tensors.
-* ``ByteSource`` is where bytes come from: the coordinator's RAM copy or the store.
+  every block read is verified against the manifest's crc32 (a mismatch is
+  ``SnapshotIntegrityError`` naming the file, chunk and block). Values are copied bitwise;
+  nothing is ever unpickled.
+* ``ByteSource`` is where bytes come from: the coordinator's RAM copy or the store. On a
+  local store it refuses a shard file that is a symbolic link or whose real path is not in
+  the snapshot's directory (``ManifestError``); a missing file is ``SnapshotIntegrityError``.
+
+Bad input never surfaces as RuntimeError/KeyError/TypeError/IndexError: every failure is a
+``SnapshotIntegrityError`` (or its subclass ``ManifestError``), which restore answers by
+falling back to the previous committed snapshot.
 """
 
 from __future__ import annotations
 
 import math
+import os
 import zlib
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
-from elastic.format import ChunkRecord, Manifest, step_dirname, str_to_dtype
-from elastic.layout import Target, target_piece
-from elastic.registry import ModelState, StateRegistry
+from elastic.errors import ManifestError, SnapshotIntegrityError
+from elastic.format import (
+    MAX_HEADER_BYTES,
+    ChunkRecord,
+    Manifest,
+    SafetensorsHeader,
+    parse_header,
+    step_dirname,
+    str_to_dtype,
+)
+from elastic.layout import Piece, Target, target_piece
+from elastic.registry import SnapshotMismatchError, StateRegistry
 from elastic.store import SnapshotStore
+
+__all__ = ["ByteSource", "SnapshotMismatchError", "check_compatible", "coalesce",
+           "plan_targets", "read_tensors"]
 
 # (file, start, end) requests -> bytes per request, or None when the source cannot serve.
 ReadMany = Callable[[list[tuple[str, int, int]]], list[bytes] | None]
 
 
-class SnapshotMismatchError(ValueError):
-    """The snapshot holds a different model than the one registered."""
+def _snap(step: int) -> str:
+    return f"snapshot {step_dirname(step)}"
 
 
 @dataclass
 class ByteSource:
-    """Reads of one snapshot: from RAM when ``ram`` serves them, else from ``store``."""
+    """Reads of one snapshot: from RAM when ``ram`` serves them, else from ``store``.
+    One per restore (or verify): it caches the files' headers and the symlink checks."""
 
     store: SnapshotStore
     step: int
     ram: ReadMany | None = None
     used_ram: bool = False
     used_storage: bool = False
+    headers: dict[str, SafetensorsHeader] = field(default_factory=dict)
+    _safe_files: set[str] = field(default_factory=set)
 
     def read_many(self, requests: list[tuple[str, int, int]]) -> list[bytes]:
         if self.ram is not None and requests:
@@ -63,15 +95,28 @@ class ByteSource:
         out: list[bytes] = [b""] * len(requests)
         for file, start, end, members in coalesce(requests, MERGE_GAP_BYTES):
             path = self.store.step_path(self.step, file)
+            self._refuse_links(file, path)
             try:
                 data = self.store.read_range(path, start, end)
             except FileNotFoundError as err:
-                raise ValueError(f"snapshot {step_dirname(self.step)}: shard file {file} is "
-                                 "missing") from err
+                raise SnapshotIntegrityError(f"{_snap(self.step)}: shard file {file} is "
+                                             "missing") from err
             view = memoryview(data)
             for i in members:
                 out[i] = bytes(view[requests[i][1] - start: requests[i][2] - start])
         return out
+
+    def _refuse_links(self, file: str, path: str) -> None:
+        """A local shard must be a regular file inside the snapshot's own directory: a
+        symlink could make restore read any file the process can read into a weight."""
+        if not self.store.is_local or file in self._safe_files:
+            return
+        directory = os.path.join(os.path.realpath(self.store.path("snapshots")),
+                                 step_dirname(self.step))
+        if os.path.islink(path) or os.path.dirname(os.path.realpath(path)) != directory:
+            raise ManifestError(f"{_snap(self.step)}: shard file {file} is a symbolic link or "
+                                "resolves outside the snapshot directory; refused")
+        self._safe_files.add(file)
 
 
 # Requests closer than this are fetched as one range: one GET instead of many on S3, at the
@@ -109,7 +154,9 @@ class _ReadOp:
 
 def check_compatible(registry: StateRegistry, manifest: Manifest,
                      templates: dict[str, torch.Tensor]) -> None:
-    model_keys = [k for k, c in registry._components.items() if isinstance(c, ModelState)]
+    """The snapshot holds the registered model (``SnapshotMismatchError``) and its JSON state
+    fits every live component (``ManifestError``); nothing is read or loaded."""
+    model_keys = registry.module_keys()
     missing = sorted(k for k in templates if k not in manifest.tensors)
     unexpected = sorted(k for k in manifest.tensors if k not in templates
                         and any(k.startswith(m + ".") for m in model_keys))
@@ -122,22 +169,28 @@ def check_compatible(registry: StateRegistry, manifest: Manifest,
             f"missing {missing}, unexpected {unexpected}, "
             f"shape-mismatched (saved, expected) {mismatched}"
         )
+    registry.check_state(manifest.state, _snap(manifest.step))
 
 
 def plan_targets(manifest: Manifest, templates: dict[str, torch.Tensor]) -> dict[str, Target]:
     # State the registry does not hold yet (a fresh optimizer's moments and step counters)
     # is built on CPU; the optimizer's own load_state_dict moves moments next to their
     # parameters and keeps non-capturable step counters on CPU, as torch expects.
-    default_device = torch.device("cpu")
     targets: dict[str, Target] = {}
     for key, rec in manifest.tensors.items():
         dtype = str_to_dtype(rec.dtype)
         template = templates.get(key)
+        if template is not None and template.dtype != dtype:
+            raise ManifestError(f"{_snap(manifest.step)}: tensor {key!r} is {rec.dtype} in the "
+                                f"manifest but the registered tensor is {template.dtype}")
         if template is None:
             template = _parameter_like(key, rec.shape, templates)
         if template is None:
-            template = torch.empty(rec.shape, dtype=dtype, device=default_device)
-        targets[key] = target_piece(key, template, dtype=dtype, global_shape=rec.shape)
+            # No allocation here: the bytes are only allocated once the file headers agree.
+            piece = Piece(key, dtype, rec.shape, (0,) * len(rec.shape), rec.shape)
+            targets[key] = Target(piece, torch.device("cpu"), lambda t: t)
+        else:
+            targets[key] = target_piece(key, template, dtype=dtype, global_shape=rec.shape)
     return targets
 
 
@@ -159,6 +212,10 @@ def _plan_reads(manifest: Manifest, targets: dict[str, Target]) -> list[_ReadOp]
     block = manifest.block_bytes
     for key, target in targets.items():
         rec = manifest.tensors[key]
+        if len(target.piece.shape) != len(rec.shape):
+            raise ManifestError(f"{_snap(manifest.step)}: tensor {key!r} has "
+                                f"{len(rec.shape)} dimensions, the target "
+                                f"{len(target.piece.shape)}")
         esize = torch.empty((), dtype=target.piece.dtype).element_size()
         t_lo = target.piece.offsets
         t_hi = tuple(o + s for o, s in zip(t_lo, target.piece.shape, strict=True))
@@ -184,30 +241,90 @@ def _plan_reads(manifest: Manifest, targets: dict[str, Target]) -> list[_ReadOp]
     return ops
 
 
+def check_headers(manifest: Manifest, used: list[tuple[str, ChunkRecord]],
+                  source: ByteSource) -> None:
+    """Each used chunk must be in its file's safetensors header with the manifest's dtype,
+    shape and absolute byte range. Reads each file's header once per ``source``."""
+    snap = _snap(manifest.step)
+    wanted = sorted({chunk.file for _, chunk in used} - set(source.headers))
+    if wanted:
+        # The header ends where the file's first chunk starts (capture writes the data
+        # section right after it), so one range read per file fetches exactly the header.
+        first: dict[str, int] = {}
+        todo = set(wanted)
+        for rec in manifest.tensors.values():
+            for c in rec.chunks:
+                if c.file in todo:
+                    first[c.file] = min(first.get(c.file, c.byte_range[0]), c.byte_range[0])
+        for file in wanted:
+            if not 8 <= first[file] <= 8 + MAX_HEADER_BYTES:
+                raise ManifestError(f"{snap}: the first chunk of {file} starts at byte "
+                                    f"{first[file]}, where no safetensors data section can")
+        blobs = source.read_many([(f, 0, first[f]) for f in wanted])
+        for file, blob in zip(wanted, blobs, strict=True):
+            if len(blob) != first[file]:
+                raise SnapshotIntegrityError(f"{snap}: {file} ends within its header; "
+                                             "truncated")
+            header = parse_header(blob, f"{snap}: {file}")
+            source.headers[file] = header
+    for key, chunk in used:
+        header = source.headers[chunk.file]
+        entry = header.entries.get(chunk.name)
+        dtype = manifest.tensors[key].dtype
+        where = f"{snap}: chunk {chunk.name} of {chunk.file}"
+        if entry is None:
+            raise ManifestError(f"{where} is not in the file's safetensors header")
+        if entry.dtype != dtype:
+            raise ManifestError(f"{where} is {entry.dtype} in the file but {dtype} in the "
+                                "manifest")
+        if entry.shape != chunk.shape:
+            raise ManifestError(f"{where} has shape {list(entry.shape)} in the file but "
+                                f"{list(chunk.shape)} in the manifest")
+        span = (header.data_start + entry.data_offsets[0],
+                header.data_start + entry.data_offsets[1])
+        if span != chunk.byte_range:
+            raise ManifestError(f"{where} is at bytes {list(span)} of the file but "
+                                f"{list(chunk.byte_range)} in the manifest")
+
+
 def _verify(op: _ReadOp, data: bytes, block: int, step: int) -> None:
     c0 = op.chunk.byte_range[0]
     first = (op.start - c0) // block
     for i, pos in enumerate(range(0, len(data), block)):
         idx = first + i
         if idx >= len(op.chunk.crc32) or zlib.crc32(data[pos:pos + block]) != op.chunk.crc32[idx]:
-            raise ValueError(
-                f"snapshot {step_dirname(step)}: checksum mismatch in {op.chunk.file}, chunk "
+            raise SnapshotIntegrityError(
+                f"{_snap(step)}: checksum mismatch in {op.chunk.file}, chunk "
                 f"{op.chunk.name}, block {idx}; the snapshot is corrupt"
             )
+
+
+def _allocate(targets: dict[str, Target], step: int) -> dict[str, torch.Tensor]:
+    local: dict[str, torch.Tensor] = {}
+    for key, t in targets.items():
+        try:
+            local[key] = torch.empty(t.piece.shape, dtype=t.piece.dtype)
+        except RuntimeError as err:  # torch's allocation failure (out of memory)
+            raise SnapshotIntegrityError(
+                f"{_snap(step)}: cannot allocate {t.piece.nbytes} bytes for {key!r} "
+                f"({str(err).splitlines()[0]})") from err
+    return local
 
 
 def read_tensors(manifest: Manifest, targets: dict[str, Target],
                  source: ByteSource) -> dict[str, torch.Tensor]:
     """Read, verify and assemble every target's local tensor (wrapped as DTensor if needed)."""
     ops = _plan_reads(manifest, targets)
+    check_headers(manifest, [(op.key, op.chunk) for op in ops], source)
     blobs = source.read_many([(op.chunk.file, op.start, op.end) for op in ops])
-    local = {k: torch.empty(t.piece.shape, dtype=t.piece.dtype) for k, t in targets.items()}
-    filled = dict.fromkeys(targets, 0)
     for op, data in zip(ops, blobs, strict=True):
         if len(data) != op.end - op.start:
-            raise ValueError(f"snapshot {step_dirname(manifest.step)}: {op.chunk.file} is "
-                             f"truncated (chunk {op.chunk.name})")
+            raise SnapshotIntegrityError(f"{_snap(manifest.step)}: {op.chunk.file} is "
+                                         f"truncated (chunk {op.chunk.name})")
         _verify(op, data, manifest.block_bytes, manifest.step)
+    local = _allocate(targets, manifest.step)
+    filled = dict.fromkeys(targets, 0)
+    for op, data in zip(ops, blobs, strict=True):
         target = targets[op.key]
         dtype = target.piece.dtype
         c_lo = op.chunk.offsets
@@ -217,7 +334,8 @@ def read_tensors(manifest: Manifest, targets: dict[str, Target],
             skip = (op.lo[0] - c_lo[0]) * row_bytes - (op.start - op.chunk.byte_range[0])
             raw = bytearray(data[skip: skip + (op.hi[0] - op.lo[0]) * row_bytes])
             src = torch.frombuffer(raw, dtype=torch.uint8).view(dtype).view(
-                (op.hi[0] - op.lo[0], *op.chunk.shape[1:]))
+                (op.hi[0] - op.lo[0], *op.chunk.shape[1:])) if raw else \
+                torch.empty((op.hi[0] - op.lo[0], *op.chunk.shape[1:]), dtype=dtype)
         else:
             raw = bytearray(data)
             whole = torch.frombuffer(raw, dtype=torch.uint8).view(dtype).view(op.chunk.shape) \
@@ -231,14 +349,6 @@ def read_tensors(manifest: Manifest, targets: dict[str, Target],
         filled[op.key] += src.numel()
     for key, target in targets.items():
         if filled[key] != target.piece.numel:
-            raise ValueError(f"snapshot {step_dirname(manifest.step)}: chunks cover "
-                             f"{filled[key]} of {target.piece.numel} elements of {key!r}")
+            raise ManifestError(f"{_snap(manifest.step)}: chunks cover "
+                                f"{filled[key]} of {target.piece.numel} elements of {key!r}")
     return {k: t.wrap(local[k].to(t.device)) for k, t in targets.items()}
-
-
-def restore_into(registry: StateRegistry, manifest: Manifest, source: ByteSource) -> None:
-    templates = registry.flatten().tensors
-    check_compatible(registry, manifest, templates)
-    targets = plan_targets(manifest, templates)
-    tensors = read_tensors(manifest, targets, source)
-    registry.load(tensors, manifest.state)
