@@ -57,9 +57,12 @@ class _StoreBackedCoordinator(LocalCoordinator):
 CoordinatorActor = ray.remote(num_cpus=0, max_concurrency=8)(_StoreBackedCoordinator)
 
 
-def coordinator_name(run_uri: str) -> str:
+def coordinator_name(run_uri: str, lease_token: str | None = None) -> str:
+    """One actor per (run, lease): a driver that took a run over (``--force-takeover``) on
+    the same Ray cluster gets a coordinator of its own instead of the fenced one."""
     tail = re.sub(r"[^A-Za-z0-9_.-]", "-", run_uri.rstrip("/").rsplit("/", 1)[-1])[:40]
-    digest = hashlib.blake2b(run_uri.encode(), digest_size=4).hexdigest()
+    key = run_uri if lease_token is None else f"{run_uri}\n{lease_token}"
+    digest = hashlib.blake2b(key.encode(), digest_size=4).hexdigest()
     return f"baton-coordinator-{tail}-{digest}"
 
 
@@ -75,7 +78,7 @@ def get_or_create_coordinator(run_uri: str, *, keep_last: int = 2,
     """The run's coordinator; created on first call, found by name afterwards (then the
     settings of the first call hold)."""
     options: dict[str, Any] = {
-        "name": coordinator_name(run_uri),
+        "name": coordinator_name(run_uri, lease_token),
         "namespace": NAMESPACE,
         "get_if_exists": True,
         "max_restarts": -1,

@@ -25,9 +25,9 @@ from __future__ import annotations
 
 import logging
 import os
+import socket
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
-import socket
 from typing import Any
 
 from elastic.capture import Captured

@@ -49,7 +49,7 @@ from elastic.capture import CaptureHandle, Capturer
 from elastic.commit import LocalCoordinator
 from elastic.errors import SnapshotIntegrityError, StorageUnavailableError
 from elastic.faults import FaultInjector
-from elastic.format import DEFAULT_BLOCK_BYTES, FORMAT_VERSION, Manifest
+from elastic.format import DEFAULT_BLOCK_BYTES, FORMAT_VERSION, LAYOUTS, Manifest
 from elastic.layout import DEFAULT_SPLIT_MIN_BYTES
 from elastic.persist import Persister
 from elastic.protocol import CoordinatorClient
@@ -63,25 +63,17 @@ from elastic.restore import (
 )
 from elastic.store import SnapshotStore
 from elastic.store_coordinator import StoreCoordinator
+from elastic.version import code_version
 
 log = logging.getLogger("baton.elastic")
 
-LAYOUTS = ("ddp", "fsdp")
 
 
 def library_versions() -> dict[str, str]:
+    """What every receipt and manifest records about the code that wrote it; ``baton`` is
+    the package version plus a digest of its sources, so mixed code never commits."""
     return {"torch": torch.__version__, "baton_format": str(FORMAT_VERSION),
-            "baton": baton_version()}
-
-
-@functools.cache
-def baton_version() -> str:
-    from importlib.metadata import PackageNotFoundError, version
-
-    try:
-        return version("baton-train")
-    except PackageNotFoundError:  # running from a source tree that was never installed
-        return "unknown"
+            "baton": code_version()}
 
 
 # A restore verdict per snapshot, agreed across ranks by taking the maximum: one rank's doubt
@@ -226,7 +218,8 @@ class Snapshotter:
     def _manifest(self, step: int) -> Manifest:
         data = self.coordinator.read_manifest(step)
         if data is not None:
-            return Manifest.from_bytes(data, where=f"snapshot {step} (coordinator RAM)")
+            return Manifest.from_bytes(data, where=f"snapshot {step} (coordinator RAM)",
+                                       step=step)
         return self.store.load_manifest(step)
 
     def _agree(self, verdict: int) -> int:

@@ -68,7 +68,7 @@ from typing import Any, TypeVar
 import fsspec
 import fsspec.asyn
 
-from elastic.errors import SnapshotIntegrityError, StorageUnavailableError
+from elastic.errors import ManifestError, SnapshotIntegrityError, StorageUnavailableError
 from elastic.format import MANIFEST_NAME, Manifest, step_dirname
 
 T = TypeVar("T")
@@ -443,10 +443,10 @@ class SnapshotStore:
             data = self.read_file(path)
         except FileNotFoundError as err:
             raise ValueError(f"{path}: no manifest; snapshot {step} is not committed") from err
-        manifest = Manifest.from_bytes(data, where=path)
-        if manifest.step != step:
-            raise ValueError(f"{path}: manifest says step {manifest.step}; corrupt or moved")
-        return manifest
+        if self.is_local and os.path.islink(path):
+            raise ManifestError(f"{path}: is a symbolic link; a snapshot's files must be "
+                                "plain files inside it")
+        return Manifest.from_bytes(data, where=path, step=step)
 
     def write_manifest(self, manifest: Manifest, *,
                        mid_write: Callable[[], None] | None = None,

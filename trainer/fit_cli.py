@@ -56,6 +56,8 @@ def _print_progress(record: dict[str, Any]) -> None:
         f"{record['tokens_per_s']:>8.0f} tok/s  workers {record['world_size']}  "
         f"lr {record['lr']:.2e}  last commit {record.get('last_commit', '-')}"
     )
+    if record.get("warning"):
+        console.print(f"[yellow]warning:[/yellow] {escape(record['warning'])}")
 
 
 def _cmd_fit(args: argparse.Namespace) -> int:
@@ -79,6 +81,7 @@ def _cmd_fit(args: argparse.Namespace) -> int:
     except LeaseHeldError as err:
         console.print(f"[red]error:[/red] {escape(str(err))}")
         return 2
+    from trainer.commit_watch import FinalCommitError
     from trainer.ray_fit import fit  # imports Ray: only once the input is known to be good
     from trainer.scaling import RunFailedError
 
@@ -95,6 +98,9 @@ def _cmd_fit(args: argparse.Namespace) -> int:
         console.print(f"[red]error:[/red] {escape(str(err))}")
         return 1
     except RunFailedError as err:  # one line: the worker's message and the restarts
+        console.print(f"[red]error:[/red] {escape(str(err))}")
+        return 1
+    except FinalCommitError as err:  # trained to the end, but the end is not committed
         console.print(f"[red]error:[/red] {escape(str(err))}")
         return 1
     finally:

@@ -246,6 +246,9 @@ def run_worker(cfg: FitConfig, env: WorkerEnv) -> WorkerResult:
         coordinator=env.coordinator,
         snapshot_every=cfg.snapshots.snapshot_every,
         keep_last=cfg.snapshots.keep_last,
+        ram=cfg.snapshots.ram_copy_mib != 0,
+        storage_timeout_s=cfg.snapshots.storage_timeout_s,
+        storage_retry_s=cfg.snapshots.storage_retry_s,
         run_info={"config": cfg.to_dict()},
     )
     try:

@@ -11,6 +11,10 @@ Contract:
   restart after a node loss go straight to the size the live nodes hold
   (`trainer.scaling`) and snapshots before a planned resize (`trainer.resize`).
 - Returns a `FitResult` with the run summary (steps, losses, restarts, steps redone).
+- Shows what happens to snapshots: every progress record carries the newest committed step,
+  and a `warning` when none has committed for 3 snapshot intervals, with the workers' reason
+  (`trainer.commit_watch`). A run that trains to its last step but cannot commit it raises
+  `FinalCommitError` (the CLI exits 1 and says why); the committed snapshots stay usable.
 - Right after connecting, before the trainer starts, refuses (`ConfigError`) a worker that no
   alive node can hold (`trainer.run_dir.check_worker_fits`: `scaling.cpus_per_worker`, a GPU),
   unless the cluster has an autoscaler that can add nodes (`_cluster_can_grow`).
@@ -26,6 +30,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import os
 import threading
 import time
@@ -42,6 +47,7 @@ from elastic.errors import FatalRunError
 from elastic.lease import LeaseLostError, RunLease
 from elastic.store import SnapshotStore
 from elastic.version import code_version
+from trainer.commit_watch import CommitWatch, FinalCommitError, final_commit_error
 from trainer.config import FitConfig
 from trainer.loop import WorkerEnv, run_worker
 from trainer.metrics import RunSummary, read_records, summarize
@@ -49,6 +55,8 @@ from trainer.monitor import NAMESPACE, RunMonitor, get_monitor, monitor_name
 from trainer.resize import SnapshotBeforeResize
 from trainer.run_dir import check_run_dir, check_worker_fits, ensure_dataset
 from trainer.scaling import BatonTorchTrainer
+
+log = logging.getLogger("baton.fit")
 
 
 @dataclasses.dataclass
@@ -75,7 +83,8 @@ def _train_fn(loop_config: dict[str, Any]) -> None:
         rank=rank,
         world_size=world_size,
         device=device,
-        coordinator=RayCoordinatorClient(get_or_create_coordinator(cfg.snapshots.run_uri)),
+        coordinator=RayCoordinatorClient(get_or_create_coordinator(
+            cfg.snapshots.run_uri, lease_token=loop_config["lease_token"])),
         on_metrics=on_metrics,
         report=ray.train.report,
         pace_s=loop_config["pace_s"],
@@ -229,9 +238,13 @@ def _fit_leased(
 
     # Keep this handle until the fit ends: a (non-detached) actor lives as long as its
     # creator holds a reference, and the workers must all talk to this one instance.
+    snaps = config.snapshots
     coordinator = get_or_create_coordinator(
-        config.snapshots.run_uri, keep_last=config.snapshots.keep_last,
+        snaps.run_uri, keep_last=snaps.keep_last,
         lease_token=lease.token,  # fencing: no manifest once another driver took the run
+        ram=snaps.ram_copy_mib != 0, ram_cap_bytes=int(snaps.ram_copy_mib * 2**20),
+        pending_timeout_s=snaps.pending_timeout_s, storage_timeout_s=snaps.storage_timeout_s,
+        storage_retry_s=snaps.storage_retry_s,
     )
     monitor = RunMonitor.options(
         name=monitor_name(config.run_name),
@@ -249,6 +262,7 @@ def _fit_leased(
     trainer = BatonTorchTrainer(
         _train_fn,
         train_loop_config={"cfg": config, "pace_s": pace_s, "record_samples": record_samples,
+                           "lease_token": lease.token,
                            "code_version": _driver_code_version()},
         torch_config=TorchConfig(backend="nccl" if scaling.use_gpu else "gloo"),
         scaling_config=ScalingConfig(
@@ -261,34 +275,49 @@ def _fit_leased(
             name=f"{config.run_name}-{int(time.time())}",
             storage_path=storage_path,
             failure_config=FailureConfig(max_failures=scaling.max_failures),
-            callbacks=[SnapshotBeforeResize(config.snapshots.run_uri)],
+            callbacks=[SnapshotBeforeResize(config.snapshots.run_uri,
+                                            lease_token=lease.token)],
         ),
     )
     stop = threading.Event()
+    watch = CommitWatch(snaps.snapshot_every, start_step=resumed_from)
     poller = threading.Thread(
-        target=_poll_progress, args=(monitor, coordinator, on_progress, stop), daemon=True
+        target=_poll_progress, args=(monitor, coordinator, watch, on_progress, stop),
+        daemon=True,
     )
-    if on_progress is not None:
-        poller.start()
+    poller.start()
     try:
         trainer.fit()
+        health = ray.get(coordinator.health.remote())
     finally:
         stop.set()
         ray.get(monitor.flush.remote())
         del coordinator
+    failed = final_commit_error(health, config.steps)
+    if failed is not None:
+        raise FinalCommitError(failed)
     summary = summarize(read_records(config.snapshots.run_uri))
     return FitResult(run_uri=config.snapshots.run_uri, summary=summary, resumed_from=resumed_from)
 
 
-def _poll_progress(monitor: Any, coordinator: Any,
-                   on_progress: Callable[[dict[str, Any]], None], stop: threading.Event) -> None:
+def _poll_progress(monitor: Any, coordinator: Any, watch: CommitWatch,
+                   on_progress: Callable[[dict[str, Any]], None] | None,
+                   stop: threading.Event) -> None:
+    """About once a second: hand rank 0's newest step record (with the newest commit) to
+    `on_progress`, and warn when snapshots stopped committing (`trainer.commit_watch`):
+    as the record's `warning` when there is a progress display, else in the log."""
     last_step = None
     while not stop.wait(1.0):
         try:
             record = ray.get(monitor.latest.remote(), timeout=5)
-            committed = ray.get(coordinator.committed_steps.remote(), timeout=5)
+            health = ray.get(coordinator.health.remote(), timeout=5)
         except Exception:  # noqa: BLE001 - progress display must never break a fit
             continue
-        if record and record.get("step") != last_step:
-            last_step = record.get("step")
-            on_progress({**record, "last_commit": max(committed, default=None)})
+        if not record or record.get("step") == last_step:
+            continue
+        last_step = record.get("step")
+        warning = watch.check(int(record["step"]), health)
+        if on_progress is not None:
+            on_progress({**record, "last_commit": health.get("latest"), "warning": warning})
+        elif warning is not None:
+            log.warning("%s", warning)

@@ -25,9 +25,11 @@ from elastic.coordinator import NAMESPACE, coordinator_name
 
 
 class SnapshotBeforeResize(ControllerCallback):
-    def __init__(self, run_uri: str, timeout_s: float = 60.0) -> None:
+    def __init__(self, run_uri: str, timeout_s: float = 60.0,
+                 lease_token: str | None = None) -> None:
         self.run_uri = run_uri
         self.timeout_s = timeout_s
+        self.lease_token = lease_token  # names the run's coordinator (one per lease)
 
     def after_controller_state_update(self, previous_state: Any, current_state: Any) -> None:
         if isinstance(previous_state, RunningState) and isinstance(current_state, ResizingState):
@@ -35,7 +37,8 @@ class SnapshotBeforeResize(ControllerCallback):
 
     def _snapshot_now(self) -> None:
         try:
-            coordinator = ray.get_actor(coordinator_name(self.run_uri), namespace=NAMESPACE)
+            coordinator = ray.get_actor(coordinator_name(self.run_uri, self.lease_token),
+                                        namespace=NAMESPACE)
         except ValueError:
             return  # no coordinator: nothing to protect
         ray.get(coordinator.request_snapshot.remote())
