@@ -36,9 +36,8 @@ Contract
 Storage I/O (manifest writes, deletions, quarantine moves, the fencing reads) happens
 outside the core's lock, so a slow store never blocks a worker's poll or another report.
 
-``LocalCoordinator`` adds the in-memory copy of the newest snapshot's shard files
-(``RamCache``, capped by ``ram_cap_bytes``) and on-demand snapshot requests, and is what a
-worker talks to, in-process or through Ray (see ``elastic.protocol``). A receipt is a
+``elastic.local_coordinator.LocalCoordinator`` wraps it with the in-memory copy and the
+on-demand requests, and is what a worker talks to (see ``elastic.protocol``). A receipt is a
 JSON-able dict: ``step, rank, world_size, generation, layout, file, chunks`` (tensor key ->
 chunk records) and, from rank 0, ``skeletons`` and ``catalog`` (all logical tensors).
 """
@@ -55,7 +54,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from elastic.errors import StorageUnavailableError
+from elastic.errors import FencedError, describe
 from elastic.faults import FaultInjector
 from elastic.format import (
     RECEIPT_SUFFIX,
@@ -458,189 +457,4 @@ def _run(actions: list[_Action]) -> None:
 
 
 def _fenced_error(reason: str) -> Exception:
-    from elastic.errors import FencedError
-
     return FencedError(f"this coordinator may no longer start worker groups: {reason}")
-
-
-def describe(err: BaseException) -> str:
-    """A failure reason a person can act on: errno names for OS errors (ENOSPC, EACCES),
-    the store's words for unreachable storage."""
-    import errno as errno_module
-
-    if isinstance(err, StorageUnavailableError):
-        return f"storage unreachable: {err}"
-    if isinstance(err, OSError) and err.errno in errno_module.errorcode:
-        name = errno_module.errorcode[err.errno]
-        where = f" ({err.filename})" if err.filename else ""
-        return f"{name}: {err.strerror or err}{where}"
-    return f"{type(err).__name__}: {err}"
-
-
-class RamCache:
-    """Shard-file bytes of the newest snapshots, keyed by (step, file), at most ``cap``
-    bytes in all (None: no cap; 0: nothing is held)."""
-
-    def __init__(self, cap: int | None = None) -> None:
-        self.cap = cap
-        self.files: dict[int, dict[str, bytes]] = {}
-
-    def held(self) -> int:
-        return sum(len(d) for files in self.files.values() for d in files.values())
-
-    def put(self, step: int, file: str, data: bytes) -> bool:
-        if self.cap is not None and self.held() + len(data) > self.cap:
-            return False
-        self.files.setdefault(step, {})[file] = data
-        return True
-
-    def keep_only(self, steps: set[int]) -> None:
-        for step in list(self.files):
-            if step not in steps:
-                del self.files[step]
-
-    def read(self, step: int, requests: list[tuple[str, int, int]]) -> list[bytes] | None:
-        held = self.files.get(step, {})
-        if not all(f in held for f, _, _ in requests):
-            return None
-        return [held[f][a:b] for f, a, b in requests]
-
-
-class LocalCoordinator:
-    """Thread-safe coordinator for one run; used in-process or as the Ray actor."""
-
-    def __init__(self, store: SnapshotStore, *, keep_last: int = 2, block_bytes: int,
-                 faults: FaultInjector | None = None, ram: bool = True,
-                 ram_cap_bytes: int | None = None, lease_token: str | None = None,
-                 pending_timeout_s: float = 600.0, max_pending: int = 3,
-                 clock: Callable[[], float] = time.monotonic) -> None:
-        self.lock = threading.RLock()  # guards the RAM copy and the request flags only
-        self.core = CommitCore(store, keep_last=keep_last, block_bytes=block_bytes,
-                               faults=faults, lease_token=lease_token,
-                               pending_timeout_s=pending_timeout_s, max_pending=max_pending,
-                               clock=clock)
-        self.ram = RamCache(ram_cap_bytes) if ram and ram_cap_bytes != 0 else None
-        self._ram_refused: set[int] = set()
-        # On-demand snapshots (before a planned resize): whether one is asked for, and the
-        # step the workers took it at (they answer once they have persisted it).
-        self.requested = False
-        self.answered_step: int | None = None
-
-    # ---------------------------------------------------------------- generations
-
-    def new_generation(self) -> int:
-        return self.core.new_generation()
-
-    def current_generation(self) -> int:
-        return self.core.current_generation()
-
-    # ---------------------------------------------------------------- on-demand snapshots
-
-    def request_snapshot(self) -> None:
-        """Ask the workers for a snapshot at their next step boundary."""
-        with self.lock:
-            self.requested, self.answered_step = True, None
-
-    def snapshot_requested(self) -> bool:
-        with self.lock:
-            return self.requested and self.answered_step is None
-
-    def answer_request(self, step: int) -> None:
-        """The workers took the requested snapshot at `step` (and train no further)."""
-        with self.lock:
-            if self.requested:
-                self.answered_step = step
-
-    def request_met(self) -> bool:
-        """The answered snapshot is committed: a resize may tear the workers down now. (A
-        periodic snapshot committing meanwhile does not count: it may be older.)"""
-        with self.lock:
-            answered = self.answered_step
-        return answered is not None and answered in self.core.committed
-
-    def cancel_request(self) -> None:
-        with self.lock:
-            self.requested, self.answered_step = False, None
-
-    # ---------------------------------------------------------------- shards
-
-    def put_ram(self, step: int, rank: int, file: str, data: bytes, generation: int) -> bool:
-        """Hold a copy of a shard file; False when refused (other generation, stale step, or
-        over the RAM cap: that snapshot is then storage-only)."""
-        core = self.core
-        with core._lock:
-            if core._refusal_locked(step, generation) is not None:
-                return False
-        with self.lock:
-            if self.ram is None:
-                return False
-            if not self.ram.put(step, file, data):
-                if step not in self._ram_refused:
-                    self._ram_refused.add(step)
-                    log.warning("snapshot %d: RAM copy would exceed snapshots.ram_copy_mib "
-                                "(%.0f MiB held); this snapshot is storage-only", step,
-                                self.ram.held() / 2**20)
-                return False
-            return True
-
-    def report_shard(self, receipt: dict[str, Any]) -> int | None:
-        step = self.core.report(receipt)
-        self._trim_ram()
-        return step
-
-    def report_failure(self, step: int, rank: int, reason: str,
-                       generation: int | None = None, where: str = "") -> None:
-        self.core.fail(step, rank, reason, generation, where)
-        self._trim_ram()
-
-    def worker_lost(self, rank: int) -> None:
-        self.core.worker_lost(rank)
-        self._trim_ram()
-
-    def committed_steps(self) -> list[int]:
-        with self.core._lock:
-            return list(self.core.committed)
-
-    def read_ram(self, step: int, requests: list[tuple[str, int, int]]) -> list[bytes] | None:
-        with self.lock:
-            return None if self.ram is None else self.ram.read(step, requests)
-
-    def read_manifest(self, step: int) -> bytes | None:
-        with self.core._lock:
-            return self.core.manifests.get(step)
-
-    def reject(self, step: int, reason: str) -> None:
-        self.core.reject(step, reason)
-        self._trim_ram()
-
-    def rewind(self, step: int) -> None:
-        self.core.rewind(step)
-        self._trim_ram()
-
-    def poll(self) -> None:
-        """In-process receipts arrive by call; only expire stuck in-flight snapshots."""
-        self.core.expire()
-
-    def flush(self, timeout_s: float) -> None:
-        """Receipts arrive by call, so whatever can commit has committed."""
-
-    def health(self) -> dict[str, Any]:
-        self.core.expire()
-        info = self.core.health()
-        with self.lock:
-            info["ram_bytes"] = self.ram.held() if self.ram is not None else 0
-        return info
-
-    def events(self) -> list[str]:
-        with self.core._lock:
-            return list(self.core.events)
-
-    def _trim_ram(self) -> None:
-        with self.core._lock:
-            newest = self.core.committed[-1] if self.core.committed else None
-            keep = set(self.core.pending) | set(self.core.committing) | (
-                {newest} if newest is not None else set())
-        with self.lock:
-            if self.ram is not None:
-                self.ram.keep_only(keep)
-            self._ram_refused &= keep

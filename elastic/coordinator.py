@@ -27,8 +27,8 @@ from typing import Any
 
 import ray
 
-from elastic.commit import LocalCoordinator
 from elastic.format import DEFAULT_BLOCK_BYTES
+from elastic.local_coordinator import LocalCoordinator
 from elastic.store import SnapshotStore
 
 NAMESPACE = "baton"

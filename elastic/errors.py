@@ -15,12 +15,17 @@ Contract
   a restore that meets it fails without falling back and without touching any snapshot.
 * ``FencedError``: a report from another worker-group generation or from a driver whose
   lease was taken over. Refused; nothing it sent is committed.
+* ``describe(err)`` turns any failure into the one line a person can act on (the driver
+  shows it): errno names for OS errors (``ENOSPC``, ``EACCES``), "storage unreachable" for
+  doubt.
 * ``FatalRunError``: an error a restart cannot fix (a bad dataset, a recipe that disagrees
   with the run it continues, a worker running other code). The run fails once, with this
   message on the driver, instead of restarting forever.
 """
 
 from __future__ import annotations
+
+import errno as errno_module
 
 
 class SnapshotIntegrityError(ValueError):
@@ -41,3 +46,15 @@ class FencedError(RuntimeError):
 
 class FatalRunError(RuntimeError):
     """An error that restarting the worker group cannot fix; the run fails once."""
+
+
+def describe(err: BaseException) -> str:
+    """A failure reason a person can act on: errno names for OS errors (ENOSPC, EACCES),
+    the store's words for unreachable storage."""
+    if isinstance(err, StorageUnavailableError):
+        return f"storage unreachable: {err}"
+    if isinstance(err, OSError) and err.errno in errno_module.errorcode:
+        name = errno_module.errorcode[err.errno]
+        where = f" ({err.filename})" if err.filename else ""
+        return f"{name}: {err.strerror or err}{where}"
+    return f"{type(err).__name__}: {err}"

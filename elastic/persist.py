@@ -31,7 +31,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 from elastic.capture import Captured
-from elastic.commit import describe
+from elastic.errors import describe
 from elastic.faults import FaultInjector
 from elastic.format import shard_filename
 from elastic.protocol import CoordinatorClient

@@ -2,7 +2,7 @@
 
 Contract
 --------
-Three implementations speak it: ``elastic.commit.LocalCoordinator`` (in-process),
+Three implementations speak it: ``elastic.local_coordinator.LocalCoordinator`` (in-process),
 ``elastic.store_coordinator.StoreCoordinator`` (multi-process groups without Ray: receipts
 through the store, rank 0 commits) and ``elastic.coordinator.RayCoordinatorClient`` (the
 Ray actor). Every method is safe to repeat: a retried call after a coordinator restart is

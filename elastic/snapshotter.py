@@ -46,11 +46,11 @@ import torch
 import torch.distributed as dist
 
 from elastic.capture import CaptureHandle, Capturer
-from elastic.commit import LocalCoordinator
 from elastic.errors import SnapshotIntegrityError, StorageUnavailableError
 from elastic.faults import FaultInjector
 from elastic.format import DEFAULT_BLOCK_BYTES, FORMAT_VERSION, LAYOUTS, Manifest
 from elastic.layout import DEFAULT_SPLIT_MIN_BYTES
+from elastic.local_coordinator import LocalCoordinator
 from elastic.persist import Persister
 from elastic.protocol import CoordinatorClient
 from elastic.registry import StateRegistry

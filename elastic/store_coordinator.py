@@ -19,9 +19,9 @@ import json
 import time
 from typing import Any
 
-from elastic.commit import LocalCoordinator
 from elastic.faults import FaultInjector
 from elastic.format import RECEIPT_SUFFIX, shard_filename
+from elastic.local_coordinator import LocalCoordinator
 from elastic.store import SnapshotStore
 
 

@@ -15,9 +15,9 @@ import pytest
 import torch
 
 from elastic.catalog import verify
-from elastic.commit import LocalCoordinator
 from elastic.faults import PHASES, FaultInjector
 from elastic.format import DEFAULT_BLOCK_BYTES
+from elastic.local_coordinator import LocalCoordinator
 from elastic.snapshotter import Snapshotter
 from elastic.store import SnapshotStore
 from elastic.testing import build, full_state, train_step

@@ -18,10 +18,11 @@ import time
 import pytest
 import torch
 
-from elastic.commit import GENERATION_NAME, LocalCoordinator
+from elastic.commit import GENERATION_NAME
 from elastic.errors import StorageUnavailableError
 from elastic.faults import FaultInjector
 from elastic.format import DEFAULT_BLOCK_BYTES, MANIFEST_NAME, step_dirname
+from elastic.local_coordinator import LocalCoordinator
 from elastic.snapshotter import Snapshotter
 from elastic.store import SnapshotStore
 from elastic.testing import build, full_state, train_step

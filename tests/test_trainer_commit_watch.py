@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 from snapshot_compare import assert_same_state, final_state
 
-from elastic.commit import LocalCoordinator
 from elastic.format import DEFAULT_BLOCK_BYTES
+from elastic.local_coordinator import LocalCoordinator
 from elastic.store import SnapshotStore
 from trainer.commit_watch import STALE_INTERVALS, CommitWatch, final_commit_error
 from trainer.config import load_recipe
