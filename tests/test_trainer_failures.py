@@ -222,6 +222,24 @@ def test_the_worker_refuses_what_the_preflight_refuses(committed_run: FitConfig)
     assert SnapshotStore(cfg.snapshots.run_uri).committed_steps() == [2]  # nothing written
 
 
+def test_every_snapshot_unusable_is_fatal_not_a_fresh_start(tmp_path: Path,
+                                                             tiny_dataset: str) -> None:
+    """When every committed snapshot is definitely corrupt, a restart would quietly train
+    from step 0: the worker fails the run once instead, the snapshot kept in quarantine."""
+    cfg = _recipe(tmp_path / "run", tiny_dataset)
+    run_worker(cfg, WorkerEnv())
+    store = SnapshotStore(cfg.snapshots.run_uri)
+    (shard,) = [n for n in store.step_files(2) if n.endswith(".safetensors")]
+    path = Path(store.step_path(2, shard))
+    data = bytearray(path.read_bytes())
+    data[-8:] = b"\xff" * 8
+    path.write_bytes(bytes(data))
+    with pytest.raises(FatalRunError, match="quarantine"):
+        run_worker(_continue_with(cfg, "steps=4"), WorkerEnv())
+    assert store.committed_steps() == []
+    assert [row["step"] for row in store.quarantined()] == [2]
+
+
 def test_a_missing_dataset_is_fatal_in_the_worker(tmp_path: Path) -> None:
     cfg = _recipe(tmp_path / "run", str(tmp_path / "no-such-dataset"))
     with pytest.raises(FatalRunError, match="no-such-dataset.*cannot be used"):

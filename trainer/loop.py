@@ -34,7 +34,7 @@ from torch import nn
 
 from data_state import Microbatch, ResumableLoader, TokenDataset
 from data_state.manifest import DatasetError
-from elastic.errors import FatalRunError
+from elastic.errors import FatalRunError, SnapshotIntegrityError
 from elastic.preemption import PreemptionNotice, PreemptionWatcher
 from elastic.registry import StateRegistry
 from elastic.restore import SnapshotMismatchError
@@ -255,6 +255,9 @@ def run_worker(cfg: FitConfig, env: WorkerEnv) -> WorkerResult:
         start_step = snapshotter.restore()
     except SnapshotMismatchError as err:  # the recipe's model is not the snapshot's: always
         raise FatalRunError(f"the recipe disagrees with the snapshot it continues: {err}") from err
+    except SnapshotIntegrityError as err:  # every committed snapshot is definitely unusable:
+        # a restart would silently train from step 0, so stop and let a person look.
+        raise FatalRunError(str(err)) from err
     watcher = PreemptionWatcher(
         ray_check_every=_RAY_PREEMPTION_CHECK_EVERY,
         requested=getattr(env.coordinator, "snapshot_requested", None),
