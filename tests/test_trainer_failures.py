@@ -238,6 +238,8 @@ def test_every_snapshot_unusable_is_fatal_not_a_fresh_start(tmp_path: Path,
         run_worker(_continue_with(cfg, "steps=4"), WorkerEnv())
     assert store.committed_steps() == []
     assert [row["step"] for row in store.quarantined()] == [2]
+    with pytest.raises(RunDirError, match="no committed snapshot, but 1 quarantined"):
+        check_run_dir(_continue_with(cfg, "steps=4"))  # and the driver says so next time
 
 
 def test_a_missing_dataset_is_fatal_in_the_worker(tmp_path: Path) -> None:

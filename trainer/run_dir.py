@@ -224,11 +224,28 @@ def check_run_dir(cfg: FitConfig) -> int:
     check_local_capacity(cfg)
     store = _probe_writable(cfg.snapshots.run_uri)
     committed = store.committed_steps()
+    if not committed:
+        _refuse_quarantined_only(cfg, store)
     # An empty data.uri means the corpus that `ensure_dataset` prepared into RUN/data.
     data_uri = cfg.data.uri or f"{cfg.snapshots.run_uri.rstrip('/')}/data"
     check_continuation(cfg, fingerprint=dataset_fingerprint(data_uri) if committed else None,
                        store=store, committed=committed)
     return max(committed, default=0)
+
+
+def _refuse_quarantined_only(cfg: FitConfig, store: SnapshotStore) -> None:
+    """A run whose every snapshot was rejected must not quietly start again from step 0:
+    the quarantined snapshots are the run's only trained state, and a person decides."""
+    rows = store.quarantined()
+    if not rows:
+        return
+    newest = rows[-1]
+    raise RunDirError(
+        f"snapshots.run_uri {cfg.snapshots.run_uri!r} has no committed snapshot, but "
+        f"{len(rows)} quarantined (newest: step {newest['step']}: {newest['reason']}). "
+        f"Inspect {newest['where']}; to start this run over, move the quarantine/ directory "
+        "away (or use another --run-dir)."
+    )
 
 
 def ensure_dataset(cfg: FitConfig) -> FitConfig:
