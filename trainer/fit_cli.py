@@ -94,13 +94,9 @@ def _cmd_fit(args: argparse.Namespace) -> int:
         else:
             console.print(f"starting run {cfg.snapshots.run_uri}")
         result = fit(cfg, on_progress=_print_progress, pace_s=args.pace, lease=lease)
-    except LeaseLostError as err:
-        console.print(f"[red]error:[/red] {escape(str(err))}")
-        return 1
-    except RunFailedError as err:  # one line: the worker's message and the restarts
-        console.print(f"[red]error:[/red] {escape(str(err))}")
-        return 1
-    except FinalCommitError as err:  # trained to the end, but the end is not committed
+    except (LeaseLostError, RunFailedError, FinalCommitError) as err:
+        # One line each: the lease was taken over; the worker's message and the restarts;
+        # trained to the end, but the end is not committed (and why).
         console.print(f"[red]error:[/red] {escape(str(err))}")
         return 1
     finally:
