@@ -6,21 +6,19 @@ Contract
 reads and writes ``RUN/run.json``, ``RUN/snapshots/<step>/...`` and ``RUN/quarantine/...``.
 It never lies and never hangs:
 
-* **Deadlines.** Every S3 request (one attempt) gives up after ``timeout_s``, plus
-  ``nbytes / _MIN_BYTES_PER_S`` for a transfer of known size so a large shard gets the time
-  its bytes need: fsspec's ``sync(..., timeout=)`` cancels it however the endpoint
-  misbehaves (accepts TCP and never answers, trickles bytes). A whole call, retries
-  included, ends within about ``retry_deadline_s`` (plus the same transfer allowance).
-  botocore's and s3fs's own retry loops are switched off (one HTTP attempt per s3fs call);
-  this module's one retry helper owns retrying, its time injectable through
-  ``store.retry`` (a ``RetryPolicy``). Local paths have no deadline.
-* **Retries.** Reads, listings and whole-object writes that fail *transiently* (HTTP 5xx,
-  429, SlowDown/throttling, connection refused/reset, timeouts, a response cut short) are
-  retried with exponential backoff and full jitter until ``retry_deadline_s`` has passed;
-  then ``StorageUnavailableError`` (an ``OSError``) names the path and the last error.
-  ``FileNotFoundError`` / ``FileExistsError`` / ``PermissionError`` from a store that
-  answered are definite: raised at once, as is. A read that returns fewer bytes than asked
-  is a transient cut-short response when the object is long enough, and a definite
+* **Deadlines and retries.** Every S3 request runs under ``elastic.retry`` (see its
+  contract: which failures are transient, backoff, ``StorageUnavailableError`` when the
+  deadline passes, definite errors raised at once, as is). One attempt gives up after
+  ``timeout_s``, plus ``nbytes / _MIN_BYTES_PER_S`` for a transfer of known size so a large
+  shard gets the time its bytes need: fsspec's ``sync(..., timeout=)`` cancels it however
+  the endpoint misbehaves (accepts TCP and never answers, trickles bytes). A whole call,
+  retries included, ends within about ``retry_deadline_s`` (plus the same transfer
+  allowance). botocore's and s3fs's own retry loops are switched off (one HTTP attempt per
+  s3fs call); ``call_with_retries`` owns retrying, its time injectable through
+  ``store.retry`` (a ``RetryPolicy``). Reads, listings and whole-object writes are retried.
+  Local paths have no deadline and no retries.
+* **Short reads.** A read that returns fewer bytes than asked is a transient cut-short
+  response (``ShortReadError``, retried) when the object is long enough, and a definite
   ``SnapshotIntegrityError`` ("truncated") when the object itself is shorter.
 * **Atomic writes.** Local: bytes go to ``NAME.tmp-*`` in the same directory, are fsync'ed
   (``durable=True``) and renamed, so a crashed writer leaves at most a temp file. S3: one
@@ -53,16 +51,14 @@ It never lies and never hangs:
 from __future__ import annotations
 
 import errno
-import functools
 import json
 import os
-import random
 import re
 import threading
 import time
 import uuid
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import fsspec
@@ -70,6 +66,7 @@ import fsspec.asyn
 
 from elastic.errors import ManifestError, SnapshotIntegrityError, StorageUnavailableError
 from elastic.format import MANIFEST_NAME, Manifest, step_dirname
+from elastic.retry import RetryPolicy, ShortReadError, call_with_retries, http_error
 
 T = TypeVar("T")
 
@@ -79,8 +76,6 @@ REASON_NAME = "reason.json"
 # A transfer is allowed timeout_s plus its bytes at this rate: a 1 GiB shard must not be
 # killed by a deadline meant to catch a silent endpoint.
 _MIN_BYTES_PER_S = 8 << 20
-# The last attempt before the deadline still gets at least this long (or timeout_s if less).
-_MIN_ATTEMPT_S = 1.0
 
 
 @dataclass
@@ -88,121 +83,6 @@ class StoreStats:
     range_reads: int = 0
     bytes_read: int = 0
     files_written: int = 0
-
-
-# ---------------------------------------------------------------------- retrying
-
-
-@dataclass
-class RetryPolicy:
-    """Exponential backoff with full jitter under a total deadline; time is injectable."""
-
-    deadline_s: float = 60.0
-    base_s: float = 0.05
-    cap_s: float = 2.0
-    sleep: Callable[[float], None] = time.sleep
-    clock: Callable[[], float] = time.monotonic
-    rand: Callable[[], float] = field(default_factory=lambda: random.Random().random)
-
-    def delay(self, retry: int) -> float:
-        return self.rand() * min(self.cap_s, self.base_s * 2.0 ** retry)
-
-
-def call_with_retries(attempt: Callable[[float], T], *, what: str, path: str,
-                      policy: RetryPolicy, attempt_s: float, extra_s: float = 0.0) -> T:
-    """Run ``attempt(timeout)`` until it succeeds, fails definitely, or the deadline
-    (``policy.deadline_s + extra_s``) passes.
-
-    Each attempt gets ``attempt_s`` seconds, cut to what is left of the deadline (but at
-    least ``_MIN_ATTEMPT_S``), so the whole call ends within about the deadline."""
-    start = policy.clock()
-    deadline = policy.deadline_s + extra_s
-    tries = 0
-    while True:
-        left = deadline - (policy.clock() - start)
-        tries += 1
-        try:
-            return attempt(max(min(attempt_s, left), min(attempt_s, _MIN_ATTEMPT_S)))
-        except Exception as err:  # classified below; anything definite propagates as is
-            if not is_transient(err):
-                raise
-            last = err
-        pause = policy.delay(tries - 1)
-        if policy.clock() - start + pause >= deadline:
-            raise StorageUnavailableError(
-                f"{path}: {what} failed after {tries} attempt(s) in "
-                f"{policy.clock() - start:.1f}s (deadline {deadline:.1f}s); last error: "
-                f"{type(last).__name__}: {last}") from last
-        policy.sleep(pause)
-
-
-class ShortReadError(OSError):
-    """A response carried fewer bytes than asked for an object long enough: transient."""
-
-
-_DEFINITE = (FileNotFoundError, FileExistsError, PermissionError, IsADirectoryError,
-             NotADirectoryError, SnapshotIntegrityError)
-_TRANSIENT_CODES = frozenset({
-    "SlowDown", "Throttling", "ThrottlingException", "RequestTimeout", "ServiceUnavailable",
-    "InternalError", "RequestLimitExceeded", "TooManyRequests", "OperationAborted",
-    "ConditionalRequestConflict", "RequestTimeTooSkewed",
-})
-# s3fs turns 500/InternalError into EREMOTEIO and 503/SlowDown/409 into EBUSY, and in some
-# paths (HEAD) drops the botocore cause, so the errno is all that is left to go by.
-_TRANSIENT_ERRNOS = frozenset({getattr(errno, "EREMOTEIO", errno.EIO), errno.EBUSY,
-                               errno.ETIMEDOUT, errno.ECONNRESET, errno.ECONNREFUSED,
-                               errno.EPIPE, errno.ECONNABORTED})
-_CODE_IN_MESSAGE = re.compile(r"An error occurred \((\w+)\)")
-
-
-@functools.cache
-def _transport_errors() -> tuple[type[BaseException], ...]:
-    # Imported lazily: a local-only install need not have the S3 stack.
-    found: list[type[BaseException]] = [TimeoutError, ConnectionError, ShortReadError]
-    try:
-        import aiohttp
-        from botocore.exceptions import ConnectionError as BotoConnectionError
-        from botocore.exceptions import HTTPClientError
-        from botocore.parsers import ResponseParserError
-        from urllib3.exceptions import IncompleteRead
-    except ImportError:
-        return tuple(found)
-    return (*found, aiohttp.ClientError, BotoConnectionError, HTTPClientError,
-            ResponseParserError, IncompleteRead)
-
-
-def is_transient(err: BaseException) -> bool:
-    """True for failures a retry may fix; False for definite answers and programming errors."""
-    if isinstance(err, _DEFINITE):
-        return False
-    transport = _transport_errors()
-    seen: set[int] = set()
-    current: BaseException | None = err
-    while current is not None and id(current) not in seen:
-        seen.add(id(current))
-        if isinstance(current, transport):
-            return True
-        code, status = _http_error(current)
-        if status >= 500 or status == 429 or code in _TRANSIENT_CODES:
-            return True
-        if type(current) is OSError and current.errno in _TRANSIENT_ERRNOS:
-            return True
-        current = current.__cause__ or current.__context__
-    return False
-
-
-def _http_error(err: BaseException) -> tuple[str, int]:
-    """(S3 error code, HTTP status) of a botocore ClientError or of its translated message."""
-    response = getattr(err, "response", None)
-    if isinstance(response, dict):
-        code = str((response.get("Error") or {}).get("Code", ""))
-        status = (response.get("ResponseMetadata") or {}).get("HTTPStatusCode") or 0
-        return code, int(status)
-    match = _CODE_IN_MESSAGE.search(str(err))
-    if match is None:
-        return "", 0
-    code = match.group(1)
-    return code, int(code) if code.isdigit() else 0
 
 
 # ---------------------------------------------------------------------- the store
@@ -592,7 +472,7 @@ class SnapshotStore:
 
 
 def _range_refused(err: BaseException) -> bool:
-    code, status = _http_error(err.__cause__ or err)
+    code, status = http_error(err.__cause__ or err)
     return status == 416 or code in ("InvalidRange", "416") or "InvalidRange" in str(err)
 
 

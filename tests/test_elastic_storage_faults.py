@@ -17,7 +17,8 @@ from s3_fault_proxy import S3FaultProxy
 
 from elastic.errors import SnapshotIntegrityError, StorageUnavailableError
 from elastic.format import MANIFEST_NAME
-from elastic.store import RetryPolicy, SnapshotStore, call_with_retries, is_transient
+from elastic.retry import RetryPolicy, call_with_retries, is_transient
+from elastic.store import SnapshotStore
 
 DATA = bytes(range(256)) * 64  # 16 KiB, every byte value
 
