@@ -37,8 +37,9 @@ from dataclasses import dataclass
 from types import FrameType
 from typing import Any
 
-import torch
 import torch.distributed as dist
+
+from elastic.collectives import agree_max
 
 
 @dataclass(frozen=True)
@@ -89,7 +90,7 @@ class PreemptionWatcher:
 
             info = ray.train.get_preemption_info()
         asked = self.requested is not None and _rank() == 0 and self.requested()
-        code = _agree_max(3 if signalled else 2 if info is not None else 1 if asked else 0)
+        code = agree_max(3 if signalled else 2 if info is not None else 1 if asked else 0)
         if code == 0:
             return None
         source = {3: "signal", 2: "ray", 1: "request"}[code]
@@ -101,14 +102,6 @@ class PreemptionWatcher:
 
 def _rank() -> int:
     return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
-
-
-def _agree_max(code: int) -> int:
-    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
-        return code
-    flag = torch.tensor([code], dtype=torch.int32)
-    dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-    return int(flag.item())
 
 
 def _in_ray_train() -> bool:

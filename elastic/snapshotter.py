@@ -46,6 +46,7 @@ import torch
 import torch.distributed as dist
 
 from elastic.capture import CaptureHandle, Capturer
+from elastic.collectives import agree_max, broadcast_int
 from elastic.errors import SnapshotIntegrityError, StorageUnavailableError
 from elastic.faults import FaultInjector
 from elastic.format import DEFAULT_BLOCK_BYTES, FORMAT_VERSION, LAYOUTS, Manifest
@@ -168,7 +169,7 @@ class Snapshotter:
                 verdict, reason = _CORRUPT, str(err)
             except (StorageUnavailableError, OSError) as err:
                 verdict, reason = _UNREACHABLE, str(err)
-            verdict = self._agree(verdict)
+            verdict = agree_max(verdict)
             if verdict == _UNREACHABLE:
                 raise StorageUnavailableError(
                     f"snapshot {step} of {self.store.run_uri} could not be read"
@@ -209,9 +210,7 @@ class Snapshotter:
         else:
             generation = -1
         if grouped:
-            value = torch.tensor([generation], dtype=torch.int64)
-            dist.broadcast(value, src=0)
-            generation = int(value.item())
+            generation = broadcast_int(generation, src=0)
         self.generation = generation
         return generation
 
@@ -221,13 +220,6 @@ class Snapshotter:
             return Manifest.from_bytes(data, where=f"snapshot {step} (coordinator RAM)",
                                        step=step)
         return self.store.load_manifest(step)
-
-    def _agree(self, verdict: int) -> int:
-        if self.world_size == 1 or not (dist.is_available() and dist.is_initialized()):
-            return verdict
-        flag = torch.tensor([verdict], dtype=torch.int32)
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-        return int(flag.item())
 
     # ------------------------------------------------------------------ capture
 
