@@ -89,8 +89,11 @@ class Persister:
                 # One copy of the image: the image itself is reused by the next capture.
                 self.coordinator.put_ram(cap.step, cap.rank, file, bytes(view), generation)
             chunks = cap.image.chunk_records(file, self.block_bytes)
+            # Create-only: a shard name (rank, world, generation, step) is written once; if
+            # it exists, something else wrote it and this snapshot must not claim it.
             self.store.write_file(
                 self.store.step_path(cap.step, file), view, durable=self.durable,
+                exclusive=True,
                 mid_write=lambda: self.faults.hit(cap.rank, cap.step, "persist_mid"))
             self.faults.hit(cap.rank, cap.step, "persist_end")
             receipt: dict[str, Any] = {

@@ -56,8 +56,9 @@ def test_s3_endpoint_down_fails_only_that_snapshot(s3_endpoint, s3_bucket) -> No
 
     faults = FaultInjector().arm("persist_begin", step=4, action=endpoint_dies_mid_persist)
     ts = build(seed=4)
+    # Short storage deadlines: the dead endpoint fails snapshot 4 in seconds, not minutes.
     snap = Snapshotter(run, ts.registry, snapshot_every=2, split_min_bytes=64, ram=False,
-                       faults=faults)
+                       faults=faults, storage_timeout_s=2.0, storage_retry_s=4.0)
     try:
         for step in range(1, 9):
             train_step(ts, step)
