@@ -77,8 +77,8 @@ def test_unanswered_reads_at_restore_change_nothing(s3_faults, s3_bucket) -> Non
     before = _snapshot_bytes(store)
     s3_faults.add_rule("GET", r"/000000004/shard-.*\.safetensors", "blackhole", times=None)
     ts = build(seed=50)
-    snap = Snapshotter(run, ts.registry, ram=False, storage_timeout_s=1.0,
-                       storage_retry_s=3.0)
+    snap = Snapshotter(run, ts.registry, ram=False, storage_timeout_s=2.0,
+                       storage_retry_s=6.0)
     started = time.monotonic()
     with pytest.raises(StorageUnavailableError, match="nothing was changed"):
         snap.restore()

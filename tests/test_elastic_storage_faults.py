@@ -142,7 +142,8 @@ def test_black_hole_fails_within_the_deadline(s3_bucket: str, s3_faults: S3Fault
             store.write_file(path, DATA)
     elapsed = time.monotonic() - begin
     assert rule.hits >= 1
-    assert elapsed < 3 * 2.0, f"took {elapsed:.1f}s against a 2s deadline"
+    # Not a timing assertion but a hang check: without the deadline this takes minutes.
+    assert elapsed < 30, f"took {elapsed:.1f}s against a 2s deadline"
 
 
 def test_slow_answer_times_out_and_is_retried(s3_bucket: str, s3_faults: S3FaultProxy
@@ -150,10 +151,11 @@ def test_slow_answer_times_out_and_is_retried(s3_bucket: str, s3_faults: S3Fault
     store = s3_store(s3_bucket, timeout_s=1.0, retry_deadline_s=10.0)
     path = store.step_path(2, "shard.bin")
     store.write_file(path, DATA)
-    rule = s3_faults.add_rule("GET", key_regex(store, path), "delay", seconds=3.0, times=1)
+    rule = s3_faults.add_rule("GET", key_regex(store, path), "delay", seconds=30.0, times=1)
     begin = time.monotonic()
     assert store.read_range(path, 0, 100) == DATA[:100]
-    assert rule.hits == 1 and time.monotonic() - begin < 3.0  # did not wait for the slow one
+    # Far below the 30 s delay: the slow answer was abandoned and the read retried.
+    assert rule.hits == 1 and time.monotonic() - begin < 20.0
 
 
 def test_response_cut_short_is_retried(s3_bucket: str, s3_faults: S3FaultProxy) -> None:
@@ -193,7 +195,7 @@ def test_missing_key_is_file_not_found_at_once(s3_bucket: str, s3_faults: S3Faul
 
 
 def test_retries_exhausted_names_the_path(s3_bucket: str, s3_faults: S3FaultProxy) -> None:
-    store = s3_store(s3_bucket, retry_deadline_s=1.0)
+    store = s3_store(s3_bucket, retry_deadline_s=5.0)
     path = store.step_path(2, "shard.bin")
     store.write_file(path, DATA)
     rule = s3_faults.add_rule("GET", key_regex(store, path), "status", status=500, times=None)
