@@ -13,7 +13,6 @@ import hashlib
 import json
 import os
 import threading
-import time
 
 import pytest
 import torch
@@ -345,11 +344,9 @@ def test_slow_store_does_not_block_the_coordinator(tmp_path) -> None:
     answered = []
     caller = threading.Thread(target=lambda: answered.append(
         (coord.health()["latest"], coord.snapshot_requested(), coord.committed_steps())))
-    started = time.monotonic()
     caller.start()
-    caller.join(5)
+    caller.join(20)  # a blocked coordinator would not answer before `release` is set
     assert answered == [(None, False, [])], "the coordinator blocked behind a storage write"
-    assert time.monotonic() - started < 5
     release.set()
     snaps[0].persister.wait()
     assert coord.committed_steps() == [2]

@@ -178,7 +178,7 @@ def test_truncated_object_is_definite_not_retried(s3_bucket: str, s3_faults: S3F
         store.read_range(path, 500, 2000)
     with pytest.raises(SnapshotIntegrityError, match="truncated"):
         store.read_range(path, 1500, 2000)  # starts past the end: S3 answers 416
-    assert time.monotonic() - begin < 5.0
+    assert time.monotonic() - begin < 20.0  # far below the 30 s retry deadline: not retried
 
 
 def test_missing_key_is_file_not_found_at_once(s3_bucket: str, s3_faults: S3FaultProxy
