@@ -52,6 +52,17 @@ def _train(states, snaps, steps, *, offset: int = 0) -> dict[int, dict]:
     return refs
 
 
+def _only_rank_0_snapshots_step_4(states, snaps) -> None:
+    """Both ranks train steps 3 and 4; rank 0's shard of snapshot 4 is durable and
+    reported, rank 1's is not taken yet (the caller decides what happens to it)."""
+    for state, snap in zip(states, snaps, strict=True):
+        train_step(state, 3)
+        snap.after_step(3)
+        train_step(state, 4)
+    snaps[0].after_step(4)
+    snaps[0].persister.wait()
+
+
 def _files_of(run: str, step: int) -> dict[str, str]:
     """name -> sha256 of every file in a step directory."""
     d = os.path.join(run, "snapshots", step_dirname(step))
@@ -87,12 +98,7 @@ def test_straggler_of_an_old_generation_is_refused(tmp_path) -> None:
     old_states, old_snaps = _group(run, coord, seed=5, faults=faults)
     _train(old_states, old_snaps, range(1, 3))
     assert coord.committed_steps() == [2]
-    for state, snap in zip(old_states, old_snaps, strict=True):
-        train_step(state, 3)
-        snap.after_step(3)
-        train_step(state, 4)
-    old_snaps[0].after_step(4)
-    old_snaps[0].persister.wait()
+    _only_rank_0_snapshots_step_4(old_states, old_snaps)
     old_snaps[1].after_step(4)  # its persist now hangs at persist_begin: the straggler
 
     # The group is torn down and restarted: generation 2 restores step 2 and trains on
@@ -194,12 +200,7 @@ def test_an_existing_manifest_is_never_overwritten(tmp_path) -> None:
     coord = _coordinator(run)
     states, snaps = _group(run, coord, seed=5)
     _train(states, snaps, range(1, 3))
-    for state, snap in zip(states, snaps, strict=True):
-        train_step(state, 3)
-        snap.after_step(3)
-        train_step(state, 4)
-    snaps[0].after_step(4)
-    snaps[0].persister.wait()
+    _only_rank_0_snapshots_step_4(states, snaps)
     planted = os.path.join(run, "snapshots", step_dirname(4), MANIFEST_NAME)
     with open(planted, "wb") as fh:
         fh.write(b'{"written": "by someone else"}')
