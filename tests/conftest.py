@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 import uuid
 from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -40,6 +41,22 @@ class S3Endpoint:
         self.server.start()
 
 
+@contextmanager
+def _environ(**values: str) -> Iterator[None]:
+    """Set environment variables for the block; restore (or remove) them afterwards. (Not
+    monkeypatch: the S3 server is session-scoped.)"""
+    saved = {k: os.environ.get(k) for k in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+
+
 @pytest.fixture(scope="session")
 def s3_endpoint() -> Iterator[S3Endpoint]:
     from moto.server import ThreadedMotoServer
@@ -48,32 +65,15 @@ def s3_endpoint() -> Iterator[S3Endpoint]:
     server = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
     server.start()
     url = f"http://127.0.0.1:{port}"
-    saved = {k: os.environ.get(k) for k in _S3_ENV}
-    os.environ.update(
-        AWS_ACCESS_KEY_ID="testing",
-        AWS_SECRET_ACCESS_KEY="testing",
-        AWS_DEFAULT_REGION="us-east-1",
-        AWS_ENDPOINT_URL=url,
-        AWS_ENDPOINT_URL_S3=url,
-    )
     try:
-        yield S3Endpoint(url=url, port=port, server=server)
+        with _environ(AWS_ACCESS_KEY_ID="testing", AWS_SECRET_ACCESS_KEY="testing",
+                      AWS_DEFAULT_REGION="us-east-1", AWS_ENDPOINT_URL=url,
+                      AWS_ENDPOINT_URL_S3=url):
+            yield S3Endpoint(url=url, port=port, server=server)
     finally:
         server.stop()
-        for key, value in saved.items():
-            if value is None:
-                os.environ.pop(key, None)
-            else:
-                os.environ[key] = value
 
 
-_S3_ENV = (
-    "AWS_ACCESS_KEY_ID",
-    "AWS_SECRET_ACCESS_KEY",
-    "AWS_DEFAULT_REGION",
-    "AWS_ENDPOINT_URL",
-    "AWS_ENDPOINT_URL_S3",
-)
 
 
 @pytest.fixture(scope="session")
@@ -103,17 +103,11 @@ def s3_faults(s3_endpoint: S3Endpoint) -> Iterator[S3FaultProxy]:
     from s3_fault_proxy import S3FaultProxy
 
     proxy = S3FaultProxy(s3_endpoint.url)
-    saved = {k: os.environ.get(k) for k in ("AWS_ENDPOINT_URL", "AWS_ENDPOINT_URL_S3")}
-    os.environ.update(AWS_ENDPOINT_URL=proxy.url, AWS_ENDPOINT_URL_S3=proxy.url)
     try:
-        yield proxy
+        with _environ(AWS_ENDPOINT_URL=proxy.url, AWS_ENDPOINT_URL_S3=proxy.url):
+            yield proxy
     finally:
         proxy.stop()
-        for key, value in saved.items():
-            if value is None:
-                os.environ.pop(key, None)
-            else:
-                os.environ[key] = value
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
