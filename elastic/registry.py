@@ -162,12 +162,10 @@ class StateRegistry:
         return FlatState(tensors=tensors, skeletons=skeletons)
 
     def load(self, tensors: Mapping[str, torch.Tensor], skeletons: Mapping[str, Any],
-             where: str = "snapshot", live: Mapping[str, Any] | None = None) -> None:
+             where: str = "snapshot") -> None:
         """Load every component from ``skeletons`` (tensors resolved from ``tensors``), after
-        checking all of them: nothing is loaded unless everything fits. ``live``: the
-        registry's current skeletons when the caller already has them (``flatten()`` reads
-        every model and optimizer state, so a restore takes it once)."""
-        self.check_state(skeletons, where, live)
+        checking all of them: nothing is loaded unless everything fits."""
+        self.check_state(skeletons, where)
         for key in self._components:
             for path, name in _tensor_refs(skeletons[key], key):
                 if not isinstance(name, str) or name not in tensors:
@@ -176,18 +174,16 @@ class StateRegistry:
         for key, comp in self._components.items():
             comp.load_state_dict(decode_tree(skeletons[key], tensors))
 
-    def check_state(self, skeletons: Mapping[str, Any], where: str = "snapshot",
-                    live: Mapping[str, Any] | None = None) -> None:
+    def check_state(self, skeletons: Mapping[str, Any], where: str = "snapshot") -> None:
         """Raise unless each component's snapshot skeleton fits its live state (see the
-        module contract; ``live`` as in ``load``); ``where`` names the snapshot."""
+        module contract); ``where`` names the snapshot in the message."""
         missing = [k for k in self._components if k not in skeletons]
         if missing:
             raise SnapshotMismatchError(
                 f"{where} has no state for registered component(s) {missing}; it was saved "
                 f"with components {sorted(skeletons)}"
             )
-        if live is None:
-            live = self.flatten().skeletons
+        live = self.flatten().skeletons
         for key, comp in self._components.items():
             checker = _SkeletonCheck(where)
             if isinstance(comp, OptimizerState):

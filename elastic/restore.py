@@ -58,7 +58,7 @@ from elastic.format import (
     str_to_dtype,
 )
 from elastic.layout import Piece, Target, target_piece
-from elastic.registry import FlatState, SnapshotMismatchError, StateRegistry
+from elastic.registry import SnapshotMismatchError, StateRegistry
 from elastic.store import SnapshotStore
 
 __all__ = ["ByteSource", "SnapshotMismatchError", "check_compatible", "coalesce",
@@ -152,11 +152,10 @@ class _ReadOp:
     rows_only: bool  # bytes are the contiguous rows [data_start, ...) of the chunk
 
 
-def check_compatible(registry: StateRegistry, manifest: Manifest, live: FlatState) -> None:
+def check_compatible(registry: StateRegistry, manifest: Manifest,
+                     templates: dict[str, torch.Tensor]) -> None:
     """The snapshot holds the registered model (``SnapshotMismatchError``) and its JSON state
-    fits every live component (``ManifestError``); nothing is read or loaded. ``live`` is
-    ``registry.flatten()``, taken once by the caller."""
-    templates = live.tensors
+    fits every live component (``ManifestError``); nothing is read or loaded."""
     model_keys = registry.module_keys()
     missing = sorted(k for k in templates if k not in manifest.tensors)
     unexpected = sorted(k for k in manifest.tensors if k not in templates
@@ -170,7 +169,7 @@ def check_compatible(registry: StateRegistry, manifest: Manifest, live: FlatStat
             f"missing {missing}, unexpected {unexpected}, "
             f"shape-mismatched (saved, expected) {mismatched}"
         )
-    registry.check_state(manifest.state, _snap(manifest.step), live.skeletons)
+    registry.check_state(manifest.state, _snap(manifest.step))
 
 
 def plan_targets(manifest: Manifest, templates: dict[str, torch.Tensor]) -> dict[str, Target]:

@@ -150,17 +150,16 @@ class Snapshotter:
         ``StorageUnavailableError`` and changes nothing: restarting later restores it."""
         self.join_generation()
         steps = sorted(self.coordinator.committed_steps(), reverse=True)
-        # The live state, read once: nothing changes it until a snapshot is loaded.
-        live = self.registry.flatten()
         for step in steps:
             loaded: tuple[Any, dict[str, torch.Tensor], ByteSource] | None = None
             verdict, reason = _OK, ""
             try:
                 manifest = self._manifest(step)
-                check_compatible(self.registry, manifest, live)
+                templates = self.registry.flatten().tensors
+                check_compatible(self.registry, manifest, templates)
                 source = ByteSource(self.store, step,
                                     ram=functools.partial(self.coordinator.read_ram, step))
-                tensors = read_tensors(manifest, plan_targets(manifest, live.tensors), source)
+                tensors = read_tensors(manifest, plan_targets(manifest, templates), source)
                 loaded = (manifest, tensors, source)
             except SnapshotMismatchError:
                 raise
@@ -185,7 +184,7 @@ class Snapshotter:
                 continue
             assert loaded is not None
             manifest, tensors, source = loaded
-            self.registry.load(tensors, manifest.state, live=live.skeletons)
+            self.registry.load(tensors, manifest.state)
             self.restored_from = ("ram" if source.used_ram and not source.used_storage
                                   else "storage", step)
             self.coordinator.rewind(step)

@@ -341,7 +341,7 @@ def test_state_must_fit_live_components(run, pristine, edit: Edit, match: str) -
     manifest = store.load_manifest(4)
     ts = build(seed=11)
     with pytest.raises(ManifestError) as info:
-        check_compatible(ts.registry, manifest, ts.registry.flatten())
+        check_compatible(ts.registry, manifest, ts.registry.flatten().tensors)
     assert match in str(info.value) and "\n" not in str(info.value), str(info.value)
     _assert_falls_back(run, pristine[1], match)
 
