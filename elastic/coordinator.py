@@ -16,19 +16,23 @@ workers send their shard-file bytes with ``put_ram``, so losing a worker node do
 them, and ``read_ram`` returns only the byte ranges a restoring worker asks for. (At scale
 the copies would go to peers on other nodes; the client interface stays the same.)
 
-``RayCoordinatorClient(handle)`` is what a worker passes to ``Snapshotter(coordinator=...)``.
+``RayCoordinatorClient(handle)`` is what a worker passes to ``Snapshotter(coordinator=...)``:
+a proxy that forwards the protocol's methods (``elastic.protocol.PROTOCOL_METHODS``) to the
+actor; type checkers see it as a ``CoordinatorClient`` through its ``__getattr__``.
 """
 
 from __future__ import annotations
 
 import hashlib
 import re
+from collections.abc import Callable
 from typing import Any
 
 import ray
 
 from elastic.format import DEFAULT_BLOCK_BYTES
 from elastic.local_coordinator import LocalCoordinator
+from elastic.protocol import PROTOCOL_METHODS
 from elastic.store import SnapshotStore
 
 NAMESPACE = "baton"
@@ -98,44 +102,33 @@ def get_or_create_coordinator(run_uri: str, *, keep_last: int = 2,
 
 
 class RayCoordinatorClient:
-    """The worker side of the coordinator protocol (``elastic.protocol``) over an actor."""
+    """The worker side of the coordinator protocol (``elastic.protocol``) over the actor.
+
+    A generic proxy: each protocol method is ``ray.get(handle.<method>.remote(...))`` on the
+    actor, which is ``LocalCoordinator`` itself, so there is no second copy of the
+    signatures to keep in step. ``poll`` and ``flush`` are local no-ops: receipts go
+    straight to the actor, so there is nothing to collect or wait for. Any other name is an
+    ``AttributeError`` (driver-only controls such as ``request_snapshot`` go to the handle).
+    """
+
+    _LOCAL_NO_OPS = frozenset({"poll", "flush"})
+    _FORWARDED = PROTOCOL_METHODS - _LOCAL_NO_OPS
 
     def __init__(self, handle: ray.actor.ActorHandle) -> None:
         self.handle = handle
 
-    def new_generation(self) -> int:
-        return int(ray.get(self.handle.new_generation.remote()))
+    def __getattr__(self, name: str) -> Callable[..., Any]:
+        # Only reached for names not found normally (so never for handle, poll, flush).
+        if name not in RayCoordinatorClient._FORWARDED:
+            raise AttributeError(f"{type(self).__name__} has no attribute {name!r} "
+                                 "(not a method of elastic.protocol.CoordinatorClient)")
+        remote_method = getattr(self.handle, name)
 
-    def current_generation(self) -> int:
-        return int(ray.get(self.handle.current_generation.remote()))
+        def call(*args: Any, **kwargs: Any) -> Any:
+            return ray.get(remote_method.remote(*args, **kwargs))
 
-    def put_ram(self, step: int, rank: int, file: str, data: bytes, generation: int) -> bool:
-        return bool(ray.get(self.handle.put_ram.remote(step, rank, file, data, generation)))
-
-    def report_shard(self, receipt: dict[str, Any]) -> int | None:
-        return ray.get(self.handle.report_shard.remote(receipt))
-
-    def report_failure(self, step: int, rank: int, reason: str,
-                       generation: int | None = None, where: str = "") -> None:
-        ray.get(self.handle.report_failure.remote(step, rank, reason, generation, where))
-
-    def worker_lost(self, rank: int) -> None:
-        ray.get(self.handle.worker_lost.remote(rank))
-
-    def committed_steps(self) -> list[int]:
-        return list(ray.get(self.handle.committed_steps.remote()))
-
-    def read_ram(self, step: int, requests: list[tuple[str, int, int]]) -> list[bytes] | None:
-        return ray.get(self.handle.read_ram.remote(step, requests))
-
-    def read_manifest(self, step: int) -> bytes | None:
-        return ray.get(self.handle.read_manifest.remote(step))
-
-    def reject(self, step: int, reason: str) -> None:
-        ray.get(self.handle.reject.remote(step, reason))
-
-    def rewind(self, step: int) -> None:
-        ray.get(self.handle.rewind.remote(step))
+        call.__name__ = name
+        return call
 
     def poll(self) -> None:
         """Receipts go straight to the actor; nothing to poll."""
@@ -143,14 +136,3 @@ class RayCoordinatorClient:
     def flush(self, timeout_s: float) -> None:
         """Receipts go straight to the actor; nothing to flush."""
 
-    def health(self) -> dict[str, Any]:
-        return dict(ray.get(self.handle.health.remote()))
-
-    def events(self) -> list[str]:
-        return list(ray.get(self.handle.events.remote()))
-
-    def snapshot_requested(self) -> bool:
-        return bool(ray.get(self.handle.snapshot_requested.remote()))
-
-    def answer_request(self, step: int) -> None:
-        ray.get(self.handle.answer_request.remote(step))

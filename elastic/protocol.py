@@ -2,26 +2,44 @@
 
 Contract
 --------
-Three implementations speak it: ``elastic.local_coordinator.LocalCoordinator`` (in-process),
-``elastic.store_coordinator.StoreCoordinator`` (multi-process groups without Ray: receipts
-through the store, rank 0 commits) and ``elastic.coordinator.RayCoordinatorClient`` (the
-Ray actor). Every method is safe to repeat: a retried call after a coordinator restart is
-either refused (stale generation, aborted step) or has the same effect.
+``CoordinatorClient`` is the one interface a worker (``Snapshotter``, ``Persister``, the
+training loop) uses; callers never probe for optional methods. Three implementations speak
+all of it:
+
+* ``elastic.local_coordinator.LocalCoordinator``: in-process, and also the Ray actor itself;
+* ``elastic.store_coordinator.StoreCoordinator``: multi-process groups without Ray
+  (receipts through the store, rank 0 commits; no RAM copy, no on-demand requests);
+* ``elastic.coordinator.RayCoordinatorClient``: the worker side of the Ray actor, a generic
+  proxy that forwards exactly ``PROTOCOL_METHODS`` (minus the local no-ops ``poll`` and
+  ``flush``) to the actor, so adding a method here and to ``LocalCoordinator`` is all it
+  takes to reach it over Ray.
+
+Every method is safe to repeat: a retried call after a coordinator restart is either
+refused (stale generation, aborted step) or has the same effect. The driver-side controls of
+on-demand snapshots (``request_snapshot``, ``request_met``, ``cancel_request``) are not part
+of it: only the driver calls them, on the actor handle.
 """
 
 from __future__ import annotations
 
-from typing import Any, Protocol
+from typing import Any, Protocol, runtime_checkable
 
 
+@runtime_checkable
 class CoordinatorClient(Protocol):
     """What a worker needs from the run's coordinator."""
+
+    # ------------------------------------------------------------------ generations
 
     def new_generation(self) -> int:
         """Start a worker-group attempt (rank 0 only); returns its generation number."""
         ...
 
-    def current_generation(self) -> int: ...
+    def current_generation(self) -> int:
+        """The newest generation started (rank 0 only in store groups)."""
+        ...
+
+    # ------------------------------------------------------------------ writing a snapshot
 
     def put_ram(self, step: int, rank: int, file: str, data: bytes, generation: int) -> bool:
         """Hold an off-node copy of a shard file; False when refused (storage-only)."""
@@ -32,29 +50,80 @@ class CoordinatorClient(Protocol):
         ...
 
     def report_failure(self, step: int, rank: int, reason: str,
-                       generation: int | None = None, where: str = "") -> None: ...
-
-    def committed_steps(self) -> list[int]: ...
-
-    def read_ram(self, step: int, requests: list[tuple[str, int, int]]) -> list[bytes] | None:
+                       generation: int | None = None, where: str = "") -> None:
+        """Rank ``rank`` could not persist ``step`` (rank -1: the coordinator itself):
+        the step is aborted, ``reason`` kept for the driver's report."""
         ...
 
-    def read_manifest(self, step: int) -> bytes | None: ...
-
-    def reject(self, step: int, reason: str) -> None:
-        """A definite integrity failure of committed ``step``: quarantine it."""
+    def worker_lost(self, rank: int) -> None:
+        """Rank ``rank`` is gone: abort every in-flight step still waiting for it."""
         ...
 
-    def rewind(self, step: int) -> None: ...
-
-    def poll(self) -> None: ...
-
-    def health(self) -> dict[str, Any]: ...
+    def poll(self) -> None:
+        """Called at every step boundary: collect receipts that arrive out of band (store
+        groups) and expire stuck in-flight steps. A no-op where receipts arrive by call."""
+        ...
 
     def flush(self, timeout_s: float) -> None:
         """At close: give in-flight snapshots up to ``timeout_s`` to commit (store groups)."""
         ...
 
-    def snapshot_requested(self) -> bool: ...
+    # ------------------------------------------------------------------ reading / restore
 
-    def answer_request(self, step: int) -> None: ...
+    def committed_steps(self) -> list[int]:
+        """Committed steps, oldest first."""
+        ...
+
+    def read_ram(self, step: int, requests: list[tuple[str, int, int]]) -> list[bytes] | None:
+        """Byte ranges ``(file, start, end)`` of the in-memory copy of ``step``; None when
+        it does not hold all of them (then restore reads storage)."""
+        ...
+
+    def read_manifest(self, step: int) -> bytes | None:
+        """The manifest bytes of committed ``step`` if held in memory, else None."""
+        ...
+
+    def reject(self, step: int, reason: str) -> None:
+        """A definite integrity failure of committed ``step``: quarantine it."""
+        ...
+
+    def rewind(self, step: int) -> None:
+        """Training restarted from ``step``: newer in-flight steps are aborted, newer
+        committed ones quarantined (never deleted)."""
+        ...
+
+    # ------------------------------------------------------------------ observing
+
+    def health(self) -> dict[str, Any]:
+        """Plain-data state for the driver: committed, in flight, failures, RAM held."""
+        ...
+
+    def events(self) -> list[str]:
+        """What the coordinator did, one line each (aborts, quarantines, refusals)."""
+        ...
+
+    # ------------------------------------------------------------------ on-demand snapshots
+
+    def snapshot_requested(self) -> bool:
+        """The driver asked for a snapshot at the next step boundary (before a resize)."""
+        ...
+
+    def answer_request(self, step: int) -> None:
+        """The workers took the requested snapshot at ``step`` (and train no further)."""
+        ...
+
+    # ------------------------------------------------------------------ stop requests
+
+    def stop_requested(self) -> bool:
+        """The driver asked the run to stop: commit the current step, then end normally."""
+        ...
+
+    def answer_stop(self, step: int) -> None:
+        """Rank 0: the workers stopped after ``step`` (its snapshot persisted)."""
+        ...
+
+
+# The protocol's method names, derived from the class so they cannot drift from it.
+PROTOCOL_METHODS: frozenset[str] = frozenset(
+    name for name, value in vars(CoordinatorClient).items()
+    if callable(value) and not name.startswith("_"))

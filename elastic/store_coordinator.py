@@ -26,6 +26,8 @@ from elastic.store import SnapshotStore
 
 
 class StoreCoordinator:
+    """``elastic.protocol.CoordinatorClient`` for one rank of a group without Ray."""
+
     def __init__(self, store: SnapshotStore, rank: int, world_size: int, *, keep_last: int,
                  block_bytes: int, faults: FaultInjector | None = None) -> None:
         self.store = store
@@ -74,6 +76,10 @@ class StoreCoordinator:
         self.store.write_json(self._receipt_path(step, rank, self.world_size, generation),
                               {"failed": reason, "step": step, "rank": rank, "where": where})
 
+    def worker_lost(self, rank: int) -> None:
+        if self.local is not None:  # only rank 0 holds in-flight steps
+            self.local.worker_lost(rank)
+
     def committed_steps(self) -> list[int]:
         if self.local is not None:
             return self.local.committed_steps()
@@ -101,6 +107,12 @@ class StoreCoordinator:
 
     def answer_request(self, step: int) -> None:
         """No on-demand requests without a Ray driver."""
+
+    def stop_requested(self) -> bool:
+        return False
+
+    def answer_stop(self, step: int) -> None:
+        """No driver to tell without Ray."""
 
     def poll(self) -> None:
         if self.local is None:

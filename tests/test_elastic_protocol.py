@@ -1,0 +1,76 @@
+"""The coordinator protocol (elastic/protocol.py) is complete and spoken by every coordinator.
+
+Without Ray: the local and store coordinators define every protocol method with the
+protocol's parameters, and the Ray client forwards exactly the protocol's methods to its
+actor handle (a fake one here) and nothing else.
+"""
+
+from __future__ import annotations
+
+import inspect
+from typing import Any
+
+import pytest
+
+from elastic.local_coordinator import LocalCoordinator
+from elastic.protocol import PROTOCOL_METHODS, CoordinatorClient
+from elastic.store_coordinator import StoreCoordinator
+
+
+def _parameters(fn: Any) -> list[tuple[str, Any]]:
+    return [(p.name, p.default) for p in inspect.signature(fn).parameters.values()
+            if p.name != "self"]
+
+
+@pytest.mark.parametrize("cls", [LocalCoordinator, StoreCoordinator])
+def test_every_coordinator_speaks_the_whole_protocol(cls: type) -> None:
+    assert {"worker_lost", "events", "flush", "snapshot_requested",
+            "answer_request"} <= PROTOCOL_METHODS
+    for name in sorted(PROTOCOL_METHODS):
+        assert hasattr(cls, name), f"{cls.__name__} lacks {name}"
+        assert _parameters(getattr(cls, name)) == _parameters(
+            getattr(CoordinatorClient, name)), f"{cls.__name__}.{name}: other parameters"
+
+
+class _FakeRemote:
+    def __init__(self, calls: list[tuple[str, tuple, dict]], name: str) -> None:
+        self.calls, self.name = calls, name
+
+    def remote(self, *args: Any, **kwargs: Any) -> tuple[str, str]:
+        self.calls.append((self.name, args, kwargs))
+        return ("ref", self.name)
+
+
+class _FakeHandle:
+    """Stands in for an ActorHandle: every attribute is a remote method that records."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[str, tuple, dict]] = []
+
+    def __getattr__(self, name: str) -> _FakeRemote:
+        return _FakeRemote(self.calls, name)
+
+
+def test_ray_client_forwards_exactly_the_protocol(monkeypatch) -> None:
+    ray = pytest.importorskip("ray")
+    from elastic.coordinator import RayCoordinatorClient
+
+    monkeypatch.setattr(ray, "get", lambda ref: ("got", ref))
+    handle = _FakeHandle()
+    client = RayCoordinatorClient(handle)
+    assert isinstance(client, CoordinatorClient)
+
+    for name in sorted(PROTOCOL_METHODS - {"poll", "flush"}):
+        assert getattr(client, name)(1, key=2) == ("got", ("ref", name))
+    assert [c[0] for c in handle.calls] == sorted(PROTOCOL_METHODS - {"poll", "flush"})
+    assert all(c[1:] == ((1,), {"key": 2}) for c in handle.calls)
+
+    # Receipts go straight to the actor: poll and flush never reach it.
+    client.poll()
+    client.flush(5.0)
+    assert len(handle.calls) == len(PROTOCOL_METHODS) - 2
+
+    # Driver-only controls and typos are not forwarded.
+    for name in ("request_snapshot", "request_met", "snapshot_requestd", "_private"):
+        with pytest.raises(AttributeError):
+            getattr(client, name)
