@@ -3,8 +3,8 @@ delete of ``RUN/lease.json`` on local disk and on S3, and the probe for S3 condi
 
 Contract
 --------
-``lease_backend(store)`` gives the backend for a run directory (local path or ``s3://``; any
-other store raises ``ValueError``). A backend reads the lease with an opaque version (S3: the
+``lease_backend(store)`` gives the backend for a run directory (local path or ``s3://``, the
+only kinds of store there are). A backend reads the lease with an opaque version (S3: the
 ETag; local disk: the bytes themselves) and writes only on that version:
 
 * ``read()`` returns ``(bytes, version)`` of one stored version, or ``(None, None)`` when
@@ -25,9 +25,13 @@ Atomicity
   read-compare-write is atomic and two drivers can never both win. A conditional write whose
   answer was lost and retried can come back 412 although it landed: on any precondition
   failure we re-read and count the write as ours when the stored bytes are the bytes we sent.
-* Local disk: create writes a temporary file and ``os.link``s it to ``lease.json`` (fails with
-  EEXIST if the name exists; readers never see a partial file). Replace and delete re-read the
-  lease, compare its bytes with what we read before, then ``os.replace`` / ``unlink``. That
+* Every byte moves through the store (``elastic.storage_io``): on S3 each request runs under
+  the store's deadlines and retries (``store.s3_request``), so a black-holed endpoint fails
+  the lease operation within ``retry_deadline_s`` instead of hanging.
+* Local disk: create is the storage layer's create-only write (a temporary file, fsync'ed and
+  ``os.link``ed to ``lease.json``: fails with EEXIST if the name exists; readers never see a
+  partial file). Replace and delete re-read the lease, compare its bytes with what we read
+  before, then write atomically (temp, fsync, rename) / remove. That
   compare-then-act step is serialised by ``flock`` on ``RUN/.lease.lock``, which closes the
   race between processes of one host and between NFS clients (Linux emulates ``flock`` with
   NFS byte-range locks). The window that remains: on a filesystem whose locks are no-ops
@@ -47,7 +51,6 @@ Atomicity
 from __future__ import annotations
 
 import contextlib
-import errno
 import os
 import uuid
 from collections.abc import Iterator
@@ -75,14 +78,14 @@ class LeaseBackend(Protocol):
 
 class LocalLeaseBackend:
     def __init__(self, store: SnapshotStore) -> None:
+        self.store = store
         self.path = store.path(LEASE_NAME)
         self.lock_path = store.path(_LOCK_NAME)
         self.directory = store.root
 
     def read(self) -> tuple[bytes | None, Any]:
         try:
-            with open(self.path, "rb") as fh:
-                data = fh.read()
+            data = self.store.read_file(self.path)
         except FileNotFoundError:
             return None, None
         return data, data
@@ -99,48 +102,20 @@ class LocalLeaseBackend:
         finally:
             os.close(fd)  # closing the descriptor drops the lock
 
-    def _write_tmp(self, data: bytes) -> str:
-        tmp = f"{self.path}.tmp-{uuid.uuid4().hex[:8]}"
-        with open(tmp, "wb") as fh:
-            fh.write(data)
-            fh.flush()
-            os.fsync(fh.fileno())
-        return tmp
-
     def create(self, data: bytes) -> None:
-        os.makedirs(self.directory, exist_ok=True)
-        tmp = self._write_tmp(data)
+        # The storage layer's create-only write: temp file, fsync, os.link (O_EXCL where the
+        # filesystem has no hard links).
         try:
-            os.link(tmp, self.path)  # atomic: fails if the name exists, never half-written
+            self.store.write_file(self.path, data, exclusive=True)
         except FileExistsError as err:
             raise LeaseConflict from err
-        except OSError as err:
-            if err.errno not in (errno.EPERM, errno.ENOTSUP, errno.EOPNOTSUPP):
-                raise
-            self._create_exclusive(data)  # a filesystem without hard links
-        finally:
-            os.unlink(tmp)
-
-    def _create_exclusive(self, data: bytes) -> None:
-        # O_EXCL is atomic too, but a reader can see the file before its bytes: that reader
-        # finds it unreadable and refuses (LeaseHeldError), it never takes it over.
-        try:
-            fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
-        except FileExistsError as err:
-            raise LeaseConflict from err
-        try:
-            os.write(fd, data)
-            os.fsync(fd)
-        finally:
-            os.close(fd)
 
     def replace(self, data: bytes, version: Any) -> None:
         with self._locked():
             current, _ = self.read()
             if current != version:
                 raise LeaseConflict
-            tmp = self._write_tmp(data)
-            os.replace(tmp, self.path)
+            self.store.write_file(self.path, data)  # temp, fsync, rename, directory fsync
 
     def delete(self, version: Any) -> None:
         with self._locked():
@@ -149,38 +124,32 @@ class LocalLeaseBackend:
                 return
             if current != version:
                 raise LeaseConflict
-            os.unlink(self.path)
+            self.store.remove(self.path)
 
     def honours_conditions(self) -> bool:
         return True
 
 
 class S3LeaseBackend:
+    """Every request goes through ``store.s3_request``: the store's deadlines and retries. A
+    retried conditional write whose first attempt landed comes back 412; see ``_put``."""
+
     def __init__(self, store: SnapshotStore) -> None:
-        self.fs = store.fs
+        self.store = store
         self.path = store.path(LEASE_NAME)
-        self.bucket, self.key, _ = self.fs.split_path(self.path)
 
     def read(self) -> tuple[bytes | None, Any]:
-        from fsspec.asyn import sync
-
-        async def get() -> tuple[bytes, str]:
-            # One GET gives the bytes and the ETag of the same version (a HEAD then a GET
-            # could straddle a write).
-            resp = await self.fs._call_s3("get_object", Bucket=self.bucket, Key=self.key)
-            async with resp["Body"] as body:
-                data = await body.read()
-            return data, resp["ETag"]
-
+        # One GET gives the bytes and the ETag of the same version (a HEAD then a GET could
+        # straddle a write).
         try:
-            return sync(self.fs.loop, get)
+            resp = self.store.s3_request("read", self.path, "get_object")
         except FileNotFoundError:
             return None, None
+        return resp["Body"], resp["ETag"]
 
     def _put(self, data: bytes, **condition: str) -> None:
         try:
-            self.fs.call_s3("put_object", Bucket=self.bucket, Key=self.key, Body=data,
-                            **condition)
+            self.store.s3_request("write", self.path, "put_object", Body=data, **condition)
         except FileNotFoundError as err:  # If-Match on a key that is gone: released/removed
             raise LeaseConflict from err
         except OSError as err:
@@ -191,8 +160,6 @@ class S3LeaseBackend:
             current, _ = self.read()
             if current != data:
                 raise LeaseConflict from err
-        finally:
-            self.fs.invalidate_cache(self.path)
 
     def create(self, data: bytes) -> None:
         self._put(data, IfNoneMatch="*")
@@ -202,7 +169,7 @@ class S3LeaseBackend:
 
     def delete(self, version: Any) -> None:
         try:
-            self.fs.call_s3("delete_object", Bucket=self.bucket, Key=self.key, IfMatch=version)
+            self.store.s3_request("delete", self.path, "delete_object", IfMatch=version)
         except FileNotFoundError:
             return
         except OSError as err:
@@ -211,18 +178,19 @@ class S3LeaseBackend:
             current, _ = self.read()
             if current is not None:
                 raise LeaseConflict from err
-        finally:
-            self.fs.invalidate_cache(self.path)
 
     def honours_conditions(self) -> bool:
         """Probe once: a second ``If-None-Match: *`` PUT of a scratch object must fail."""
-        key = f"{self.key.rsplit('/', 1)[0]}/.baton-lease-probe-{uuid.uuid4().hex[:8]}"
+        probe = f"{self.path.rsplit('/', 1)[0]}/.baton-lease-probe-{uuid.uuid4().hex[:8]}"
         try:
-            self.fs.call_s3("put_object", Bucket=self.bucket, Key=key, Body=b"1",
-                            IfNoneMatch="*")
             try:
-                self.fs.call_s3("put_object", Bucket=self.bucket, Key=key, Body=b"2",
-                                IfNoneMatch="*")
+                self.store.s3_request("probe", probe, "put_object", Body=b"1", IfNoneMatch="*")
+            except OSError as err:
+                # The name is fresh: a refusal can only be our own retried first PUT.
+                if not _precondition_failed(err):
+                    raise
+            try:
+                self.store.s3_request("probe", probe, "put_object", Body=b"2", IfNoneMatch="*")
                 return False
             except OSError as err:
                 if _precondition_failed(err):
@@ -230,7 +198,7 @@ class S3LeaseBackend:
                 raise
         finally:
             with contextlib.suppress(OSError):
-                self.fs.call_s3("delete_object", Bucket=self.bucket, Key=key)
+                self.store.s3_request("probe", probe, "delete_object")
 
 
 def _precondition_failed(err: BaseException) -> bool:
@@ -247,6 +215,4 @@ def _precondition_failed(err: BaseException) -> bool:
 def lease_backend(store: SnapshotStore) -> LeaseBackend:
     if store.is_local:
         return LocalLeaseBackend(store)
-    if hasattr(store.fs, "call_s3"):
-        return S3LeaseBackend(store)
-    raise ValueError(f"{store.run_uri}: the run lease supports local paths and s3:// only")
+    return S3LeaseBackend(store)  # a Storage is local or s3:// (it refuses other schemes)

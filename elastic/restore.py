@@ -5,8 +5,8 @@ Contract
 A restore is ``check_compatible`` → ``plan_targets`` → ``read_tensors`` →
 ``StateRegistry.load``: everything is read and verified before anything is loaded, so a
 failure leaves the registry untouched. The manifest was validated when it was parsed
-(``Manifest.from_bytes``); what it claims about the files is checked here, because a
-manifest is untrusted input (DESIGN P8):
+(``elastic.manifest_check.parse_manifest``); what it claims about the files is checked
+here, because a manifest is untrusted input (DESIGN P8):
 
 * ``check_compatible``: the snapshot's model tensors are the registered model's (else
   ``SnapshotMismatchError`` listing missing, unexpected and shape-mismatched tensors), and
@@ -61,8 +61,8 @@ from elastic.layout import Piece, Target, target_piece
 from elastic.registry import SnapshotMismatchError, StateRegistry
 from elastic.store import SnapshotStore
 
-__all__ = ["ByteSource", "SnapshotMismatchError", "check_compatible", "coalesce",
-           "plan_targets", "read_tensors"]
+__all__ = ["ByteSource", "SnapshotMismatchError", "check_compatible", "plan_targets",
+           "read_tensors"]
 
 # (file, start, end) requests -> bytes per request, or None when the source cannot serve.
 ReadMany = Callable[[list[tuple[str, int, int]]], list[bytes] | None]
@@ -93,17 +93,20 @@ class ByteSource:
                 return got
         self.used_storage = self.used_storage or bool(requests)
         out: list[bytes] = [b""] * len(requests)
-        for file, start, end, members in coalesce(requests, MERGE_GAP_BYTES):
+        by_file: dict[str, list[int]] = {}
+        for i, (file, _, _) in enumerate(requests):
+            by_file.setdefault(file, []).append(i)
+        for file, members in sorted(by_file.items()):
             path = self.store.step_path(self.step, file)
             self._refuse_links(file, path)
             try:
-                data = self.store.read_range(path, start, end)
+                # Near ranges are fetched as one (the storage layer's MERGE_HOLE_BYTES).
+                got = self.store.read_ranges(path, [requests[i][1:] for i in members])
             except FileNotFoundError as err:
                 raise SnapshotIntegrityError(f"{_snap(self.step)}: shard file {file} is "
                                              "missing") from err
-            view = memoryview(data)
-            for i in members:
-                out[i] = bytes(view[requests[i][1] - start: requests[i][2] - start])
+            for i, data in zip(members, got, strict=True):
+                out[i] = data
         return out
 
     def _refuse_links(self, file: str, path: str) -> None:
@@ -117,27 +120,6 @@ class ByteSource:
             raise ManifestError(f"{_snap(self.step)}: shard file {file} is a symbolic link or "
                                 "resolves outside the snapshot directory; refused")
         self._safe_files.add(file)
-
-
-# Requests closer than this are fetched as one range: one GET instead of many on S3, at the
-# price of reading the gap.
-MERGE_GAP_BYTES = 1 << 20
-
-
-def coalesce(requests: list[tuple[str, int, int]], gap: int
-             ) -> list[tuple[str, int, int, list[int]]]:
-    """Group byte-range requests per file into merged ranges: (file, start, end, indices)."""
-    order = sorted(range(len(requests)), key=lambda i: requests[i])
-    merged: list[tuple[str, int, int, list[int]]] = []
-    for i in order:
-        file, start, end = requests[i]
-        if merged and merged[-1][0] == file and start <= merged[-1][2] + gap:
-            f, s0, e0, members = merged[-1]
-            members.append(i)
-            merged[-1] = (f, s0, max(e0, end), members)
-        else:
-            merged.append((file, start, end, [i]))
-    return merged
 
 
 @dataclass(frozen=True)

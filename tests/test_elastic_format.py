@@ -15,7 +15,7 @@ from elastic.capture import ShardImage
 from elastic.format import Manifest, TensorRecord, crc32_blocks
 from elastic.layout import Piece, Target, owned_pieces
 from elastic.registry import decode_tree, encode_tree
-from elastic.restore import ByteSource, coalesce, read_tensors
+from elastic.restore import ByteSource, read_tensors
 from elastic.snapshotter import Snapshotter
 from elastic.store import SnapshotStore
 from elastic.testing import build, full_state, train_step
@@ -79,12 +79,6 @@ def test_reads_only_needed_ranges_and_verifies_blocks(tmp_path) -> None:
     with pytest.raises(ValueError, match=r"checksum mismatch .* model\.w@0,0, block 6"):
         read_tensors(manifest, {"model.w": sub}, ByteSource(store, 1))
     assert crc32_blocks(b"", 4) == [0]
-
-
-def test_coalesce_merges_near_ranges_per_file() -> None:
-    requests = [("b", 0, 10), ("a", 50, 60), ("a", 0, 10), ("a", 12, 20), ("a", 5000, 5001)]
-    merged = coalesce(requests, gap=100)
-    assert merged == [("a", 0, 60, [2, 3, 1]), ("a", 5000, 5001, [4]), ("b", 0, 10, [0])]
 
 
 def test_json_skeleton_round_trip_keeps_types() -> None:
