@@ -304,6 +304,40 @@ class EvalConfig:
         _require(self.batches >= 1, "eval.batches", "must be >= 1")
 
 
+@dataclass
+class LoggingConfig:
+    """Optional metrics sinks fed with rank 0's per-step records on the driver
+    (`trainer.sinks`). Each needs its extra: `pip install baton-train[tensorboard]`,
+    `baton-train[mlflow]`. They write under RUN/`dir`, so they need a local run directory."""
+
+    tensorboard: bool = False  # TensorBoard event files in RUN/<dir>/tensorboard
+    mlflow: bool = False  # an MLflow file store in RUN/<dir>/mlflow (one MLflow run per run)
+    dir: str = "logs"  # relative to the run directory; also holds ray.log (Ray's messages)
+
+    def __post_init__(self) -> None:
+        _check_types(self, "logging")
+        parts = Path(self.dir).parts
+        _require(
+            bool(self.dir) and not Path(self.dir).is_absolute() and ".." not in parts
+            and "://" not in self.dir,
+            "logging.dir",
+            f"must be a relative path inside the run directory (e.g. \"logs\"), got {self.dir!r}",
+        )
+        import importlib.util  # locates the package without importing it
+
+        for sink in ("tensorboard", "mlflow"):
+            _require(
+                not getattr(self, sink) or importlib.util.find_spec(sink) is not None,
+                f"logging.{sink}",
+                f"needs the {sink} extra: pip install baton-train[{sink}] "
+                f"(or set logging.{sink} = false)",
+            )
+
+    @property
+    def any_sink(self) -> bool:
+        return self.tensorboard or self.mlflow
+
+
 _SECTIONS: dict[str, type] = {
     "model": ModelConfig,
     "data": DataConfig,
@@ -312,6 +346,7 @@ _SECTIONS: dict[str, type] = {
     "snapshots": SnapshotConfig,
     "scaling": ScalingSettings,
     "eval": EvalConfig,
+    "logging": LoggingConfig,
 }
 _PARALLELISMS = ("ddp", "fsdp")
 
@@ -327,6 +362,7 @@ class FitConfig:
     snapshots: SnapshotConfig = field(default_factory=SnapshotConfig)
     scaling: ScalingSettings = field(default_factory=ScalingSettings)
     eval: EvalConfig = field(default_factory=EvalConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
     parallelism: str = "ddp"  # "ddp" (replicated) or "fsdp" (FSDP2 fully_shard)
     seed: int = 0
     steps: int = 100  # optimizer steps in the whole run (a resumed run continues to this)
@@ -355,6 +391,13 @@ class FitConfig:
             f"must be <= the number of microbatches per step "
             f"(data.global_batch / data.microbatch_size = {self.data.num_microbatches}), "
             "or some workers would have nothing to train on",
+        )
+        _require(
+            not self.logging.any_sink or "://" not in self.snapshots.run_uri
+            or self.snapshots.run_uri.startswith("file://"),
+            "logging.tensorboard" if self.logging.tensorboard else "logging.mlflow",
+            "metrics sinks write local files under the run directory; turn them off for an "
+            f"s3:// run ({self.snapshots.run_uri}) or use a local run directory",
         )
         _require(
             (self.model_factory is None) == (self.loss_fn is None),

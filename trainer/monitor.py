@@ -1,47 +1,82 @@
-"""`RunMonitor`: the Ray actor through which rank 0 publishes progress during a fit.
+"""`RunMonitor`: the Ray actor through which rank 0 publishes progress during a fit, and
+`RunFeed`, the driver side that turns it into what the user sees and what sinks log.
 
-Contract: one named actor per run (`baton-monitor-<run name>` in namespace `baton`), created
-by the driver. Rank 0 sends it records fire-and-forget (`add.remote`), so a step never waits
-on it; it keeps the newest records for the driver's progress line and for fault schedules
-(the demo removes a node once a step is reached), and writes everything to the run
-directory through `MetricsWriter`. It holds no training state: losing it loses only
-unflushed metrics.
+Contract:
+- One named actor per run (`baton-monitor-<run name>` in namespace `baton`), created by the
+  driver. Rank 0 sends it records fire-and-forget (`add.remote`), so a step never waits on
+  it; it keeps the newest record for the driver's progress line and for fault schedules
+  (the demo removes a node once a step is reached), numbers every record it gets (`since`
+  hands the driver those after a cursor; the newest `keep` only), and writes everything to
+  the run directory through `MetricsWriter`. It holds no training state: losing it loses
+  only unflushed metrics.
+- `start_attempt(step, world_size, time, optimizer_state=None)`: a worker group began;
+  `optimizer_state` says whether its restore loaded optimizer moments (None: not told; the
+  driver then reads the snapshot's manifest).
+- `RunFeed(cfg, display)` is an `on_progress` callable for `trainer.fit`: on each call (the
+  driver's poller, about once a second) it fetches the monitor's new records, notes which
+  Ray nodes died or joined (`NodeWatch`), announces each worker-group restart as one line
+  (`trainer.terminal.RestartTracker`), hands the step records to the `[logging]` sinks
+  (`trainer.sinks`) and shows the progress record. `close()` catches the sinks up from the
+  flushed metrics files (the monitor is gone once `fit` returns) and closes them. Without a
+  display, events go to the `baton.fit` log. It never raises from a poll: a progress
+  display must not break a fit.
 """
 
 from __future__ import annotations
 
+import logging
+from collections import deque
 from typing import Any
 
 import ray
 
-from trainer.metrics import MetricsWriter
+from trainer.config import FitConfig
+from trainer.metrics import MetricsWriter, read_records
+from trainer.sinks import SinkSet, open_sinks
+from trainer.terminal import ProgressDisplay, RestartTracker, snapshot_has_optimizer_state
 
 NAMESPACE = "baton"
+log = logging.getLogger("baton.fit")
 
 
 @ray.remote(num_cpus=0)
 class RunMonitor:
-    def __init__(self, run_uri: str) -> None:
+    def __init__(self, run_uri: str, keep: int = 10_000) -> None:
         self._writer = MetricsWriter(run_uri)
         self._latest: dict[str, Any] = {}
         self._starts: list[dict[str, Any]] = []
+        self._numbered: deque[tuple[int, dict[str, Any]]] = deque(maxlen=keep)
+        self._count = 0
 
-    def start_attempt(self, step: int, world_size: int, time: float) -> int:
-        """A worker group began at `step` with `world_size` workers; returns its attempt id."""
-        record = {"kind": "start", "attempt": len(self._starts), "step": step,
-                  "world_size": world_size, "time": time}
-        self._starts.append(record)
+    def _keep(self, record: dict[str, Any]) -> None:
+        self._count += 1
+        # The data audit's sample lists stay in the metrics files, out of the driver's feed.
+        self._numbered.append((self._count, {k: v for k, v in record.items() if k != "samples"}))
         self._writer.add(record)
+
+    def start_attempt(self, step: int, world_size: int, time: float,
+                      optimizer_state: bool | None = None) -> int:
+        """A worker group began at `step` with `world_size` workers; returns its attempt id."""
+        record: dict[str, Any] = {"kind": "start", "attempt": len(self._starts), "step": step,
+                                  "world_size": world_size, "time": time}
+        if optimizer_state is not None:
+            record["optimizer_state"] = optimizer_state
+        self._starts.append(record)
+        self._keep(record)
         self._writer.flush()
         return record["attempt"]
 
     def add(self, record: dict[str, Any]) -> None:
         record = {"kind": "step", "attempt": len(self._starts) - 1, **record}
         self._latest = record
-        self._writer.add(record)
+        self._keep(record)
 
     def latest(self) -> dict[str, Any]:
         return dict(self._latest)
+
+    def since(self, cursor: int) -> tuple[list[dict[str, Any]], int]:
+        """The records numbered above `cursor`, oldest first, and the cursor to pass next."""
+        return [r for n, r in self._numbered if n > cursor], self._count
 
     def flush(self) -> None:
         self._writer.flush()
@@ -53,3 +88,89 @@ def monitor_name(run_name: str) -> str:
 
 def get_monitor(run_name: str) -> ray.actor.ActorHandle:
     return ray.get_actor(monitor_name(run_name), namespace=NAMESPACE)
+
+
+class NodeWatch:
+    """Which Ray nodes died or joined between two `poll()`s (their addresses)."""
+
+    def __init__(self) -> None:
+        self._alive: dict[str, str] | None = None
+
+    def poll(self) -> tuple[list[str], list[str]]:
+        alive = {n["NodeID"]: n.get("NodeManagerAddress", "?")
+                 for n in ray.nodes() if n.get("Alive")}
+        before, self._alive = self._alive, alive
+        if before is None:
+            return [], []
+        lost = [address for node, address in before.items() if node not in alive]
+        added = [address for node, address in alive.items() if node not in before]
+        return lost, added
+
+
+class RunFeed:
+    """`on_progress` for `trainer.fit`: events, sinks and the display (module docstring)."""
+
+    def __init__(self, cfg: FitConfig, display: ProgressDisplay | None = None,
+                 *, sinks: SinkSet | None = None) -> None:
+        self.run_uri = cfg.snapshots.run_uri
+        self.run_name = cfg.run_name
+        self.display = display
+        self.sinks = sinks if sinks is not None else open_sinks(
+            cfg.logging, self.run_uri, self.run_name)
+        self.tracker = RestartTracker(optimizer_warm=self._optimizer_warm)
+        self.nodes = NodeWatch()
+        self._cursor = 0
+        self._monitor: Any = None
+
+    def __call__(self, record: dict[str, Any]) -> None:
+        self.poll()
+        if self.display is not None:
+            self.display.update(record)
+        elif record.get("warning"):
+            log.warning("%s", record["warning"])
+
+    def event(self, text: str) -> None:
+        """Show one event line (a restart, or the demo's own node changes)."""
+        if self.display is not None:
+            self.display.event(text)
+        else:
+            log.info("%s", text)
+
+    def poll(self) -> None:
+        """Fetch the monitor's new records and pass them on; never raises."""
+        if not ray.is_initialized():  # before the fit connected, or after it ended
+            return
+        try:
+            if self._monitor is None:
+                self._monitor = get_monitor(self.run_name)
+            records, self._cursor = ray.get(self._monitor.since.remote(self._cursor),
+                                            timeout=5)
+            lost, added = self.nodes.poll()
+        except Exception:  # noqa: BLE001 - no monitor yet, or a slow GCS: try next time
+            return
+        self.tracker.nodes_changed(lost, added)
+        for text in self.tracker.feed(records):
+            self.event(text)
+        self.sinks.log(records)
+
+    def close(self) -> None:
+        """Last records in, sinks caught up from RUN/metrics and closed, display ended."""
+        self.poll()
+        if self.sinks:
+            try:
+                self.sinks.log(read_records(self.run_uri))
+            except Exception as err:  # noqa: BLE001 - metrics never fail a fit
+                log.warning("metrics sinks: could not read the run's metrics: %s", err)
+            self.sinks.close()
+        if self.display is not None:
+            self.display.close()
+
+    def _optimizer_warm(self, step: int) -> bool | None:
+        """Whether committed snapshot `step` holds optimizer moments (None: unreadable)."""
+        from elastic.store import SnapshotStore
+
+        try:
+            manifest = SnapshotStore(self.run_uri).load_manifest(step)
+        except Exception:  # noqa: BLE001 - only a detail of an event line
+            return None
+        return snapshot_has_optimizer_state(manifest.state)

@@ -1,0 +1,175 @@
+"""What the terminal shows: number formats, restart events from recorded facts, the plain
+progress line off a terminal, and the run summary (no Ray)."""
+
+from __future__ import annotations
+
+import io
+
+import pytest
+from rich.console import Console
+
+from trainer.terminal import (
+    EtaEstimator,
+    ProgressDisplay,
+    RestartFacts,
+    RestartTracker,
+    describe_restart,
+    fmt_count,
+    fmt_duration,
+    fmt_loss,
+    fmt_ratio,
+    progress_line,
+    snapshot_has_optimizer_state,
+    summary_rows,
+)
+
+
+def test_number_formats() -> None:
+    assert fmt_loss(2.5741342306137085) == "2.5741"
+    assert fmt_loss(None) == "-"
+    assert fmt_duration(3723) == "1h02m03s"
+    assert fmt_duration(245) == "4m05s"
+    assert fmt_duration(42.4) == "42s"
+    assert fmt_duration(3.21) == "3.2s"
+    assert fmt_duration(0.25) == "0.25s"
+    assert fmt_duration(None) == fmt_duration(float("inf")) == "-"
+    assert fmt_count(1234567) == "1,234,567"
+    assert fmt_count(12345.6) == "12,346"
+    assert fmt_ratio(7.96) == "8.0x"
+
+
+def test_the_issue_example_reads_as_written() -> None:
+    facts = RestartFacts(world_size=1, restored_step=100, reached_step=101,
+                         previous_world_size=2, lost_nodes=("127.0.0.1",), optimizer_warm=True)
+    assert describe_restart(facts) == (
+        "node 127.0.0.1 lost at step 101 → resumed on 1 worker from committed step 100, "
+        "optimizer warm, 1 step redone")
+
+
+@pytest.mark.parametrize(
+    ("facts", "expected"),
+    [
+        (RestartFacts(world_size=2, restored_step=200, reached_step=200, previous_world_size=1,
+                      added_nodes=("10.0.0.7",), optimizer_warm=True),
+         "scaled up from 1 to 2 workers (node 10.0.0.7 joined) at step 200 → resumed on "
+         "2 workers from committed step 200, optimizer warm, 0 steps redone"),
+        (RestartFacts(world_size=2, restored_step=0, reached_step=7, previous_world_size=2),
+         "worker group restarted at step 7 → restarted on 2 workers from step 0 (nothing "
+         "committed yet), 7 steps redone"),
+        (RestartFacts(world_size=1, restored_step=40, reached_step=43, previous_world_size=2,
+                      optimizer_warm=False),
+         "scaled down from 2 to 1 worker at step 43 → resumed on 1 worker from committed "
+         "step 40, optimizer cold, 3 steps redone"),
+        (RestartFacts(world_size=2, restored_step=40, reached_step=43, previous_world_size=3,
+                      lost_nodes=("10.0.0.5", "10.0.0.6")),
+         "nodes 10.0.0.5, 10.0.0.6 lost at step 43 → resumed on 2 workers from committed "
+         "step 40, 3 steps redone"),
+    ],
+)
+def test_restart_lines(facts: RestartFacts, expected: str) -> None:
+    assert describe_restart(facts) == expected
+
+
+def _steps(first: int, last: int) -> list[dict]:
+    return [{"kind": "step", "step": s, "loss": 3.0, "world_size": 2}
+            for s in range(first, last + 1)]
+
+
+def test_tracker_turns_records_and_node_changes_into_events() -> None:
+    asked: list[int] = []
+
+    def warm(step: int) -> bool:
+        asked.append(step)
+        return True
+
+    tracker = RestartTracker(optimizer_warm=warm)
+    first = tracker.feed([{"kind": "start", "step": 0, "world_size": 2}, *_steps(1, 101)])
+    assert first == ["training on 2 workers from step 0"]
+    tracker.nodes_changed(lost=["127.0.0.1"])
+    events = tracker.feed([{"kind": "start", "step": 100, "world_size": 1}, *_steps(101, 150)])
+    assert events == ["node 127.0.0.1 lost at step 101 → resumed on 1 worker from committed "
+                      "step 100, optimizer warm, 1 step redone"]
+    assert asked == [100]  # the start record did not say: the snapshot was asked
+    tracker.nodes_changed(added=["127.0.0.1"])
+    events = tracker.feed([{"kind": "start", "step": 150, "world_size": 2,
+                            "optimizer_state": False}])
+    assert events == ["scaled up from 1 to 2 workers (node 127.0.0.1 joined) at step 150 → "
+                      "resumed on 2 workers from committed step 150, optimizer cold, "
+                      "0 steps redone"]
+    assert asked == [100]  # the record said it
+
+
+def test_optimizer_state_is_read_from_the_manifest_state() -> None:
+    adam = {"state": {"w": {"step": {"__tensor__": "optim.state.w.step"}}},
+            "param_groups": [{"lr": 0.1, "params": ["w"]}]}
+    assert snapshot_has_optimizer_state({"model": {}, "optim": adam})
+    assert not snapshot_has_optimizer_state({"model": {}, "optim": {**adam, "state": {}}})
+    assert not snapshot_has_optimizer_state({"model": {}, "data": {"cursor": 3}})
+
+
+def test_eta_follows_the_step_rate_and_resets_after_a_restart() -> None:
+    now = [0.0]
+    eta = EtaEstimator(100, clock=lambda: now[0])
+    assert eta.update(10) is None  # one point: no rate yet
+    now[0] = 10.0
+    assert eta.update(20) == pytest.approx(80.0)  # 1 step/s, 80 left
+    now[0] = 20.0
+    assert eta.update(15) is None  # went back to a commit: the old rate no longer holds
+    now[0] = 30.0
+    assert eta.update(20) == pytest.approx(160.0)  # 0.5 step/s
+
+
+def test_off_a_terminal_each_update_is_one_plain_unwrapped_line() -> None:
+    out = io.StringIO()
+    console = Console(file=out, width=40, force_terminal=False, soft_wrap=True)
+    now = [0.0]
+    display = ProgressDisplay(300, console, clock=lambda: now[0])
+    assert not display.live
+    record = {"step": 10, "loss": 2.5741342306137085, "val_loss": 2.61, "tokens_per_s": 12345.6,
+              "world_size": 2, "lr": 3e-3, "last_commit": 10, "warning": None}
+    display.update(record)
+    now[0] = 10.0
+    display.update({**record, "step": 20, "val_loss": None, "warning": "no commit [for] 30"})
+    display.event("node 127.0.0.1 lost at step 20")
+    display.close()
+    lines = out.getvalue().splitlines()
+    assert lines[0] == ("step 10/300  loss 2.5741  val 2.6100  12,346 tok/s  workers 2  "
+                        "lr 3.00e-03  last commit 10  ETA -")
+    assert lines[1].startswith("step 20/300  loss 2.5741  12,346 tok/s")
+    assert lines[1].endswith("ETA 4m40s")  # 1 step/s, 280 steps left
+    assert lines[2] == "warning: no commit [for] 30"  # markup in messages printed as is
+    assert lines[3] == ">>> node 127.0.0.1 lost at step 20"
+    assert len(lines) == 4
+    assert "\x1b[" not in out.getvalue()  # no colour codes in logs
+
+
+def test_on_a_terminal_a_bar_is_drawn() -> None:
+    out = io.StringIO()
+    console = Console(file=out, width=120, force_terminal=True)
+    display = ProgressDisplay(50, console)
+    assert display.live
+    display.update({"step": 25, "loss": 2.0, "tokens_per_s": 1000.0, "world_size": 1,
+                    "lr": 1e-3, "last_commit": 20})
+    display.close()
+    text = out.getvalue()
+    assert "25/50" in text and "loss 2.0000" in text and "commit 20" in text
+
+
+def test_progress_line_without_optional_fields() -> None:
+    line = progress_line({"step": 3, "loss": float("nan")}, 10, None)
+    assert line == "step 3/10  loss nan  -  workers -  lr nan  last commit -  ETA -"
+
+
+def test_summary_values_are_formatted() -> None:
+    rows = dict(summary_rows({
+        "steps": 12000, "final_loss": 2.5741342306137085, "final_val_loss": None,
+        "restarts": 2, "steps_redone": 3, "world_sizes": [2, 1, 2],
+        "mean_tokens_per_s": 12345.678, "snapshot_stall_ms_max": 12.3456,
+        "wall_time_s": 3723.4, "report": "runs/demo/report.png",
+    }))
+    assert rows == {
+        "steps": "12,000", "final loss": "2.5741", "final val loss": "-", "restarts": "2",
+        "steps redone": "3", "workers per attempt": "2 → 1 → 2",
+        "mean throughput": "12,346 tok/s", "snapshot stall (max)": "12.3 ms",
+        "wall time": "1h02m03s", "report": "runs/demo/report.png",
+    }
