@@ -16,9 +16,8 @@ A snapshot of step ``s`` of a run lives in ``RUN/snapshots/{s:09d}/``:
 
 This module holds the records, their serialisation and the safetensors header (built by
 ``build_header``, parsed untrusted by ``parse_header``). A manifest is untrusted input
-(DESIGN P8): ``Manifest.from_bytes`` decodes the JSON and hands it to
-``elastic.manifest_check``, whose contract lists every check; anything malformed is one
-``ManifestError`` line.
+(DESIGN P8): it is decoded and validated by ``elastic.manifest_check.parse_manifest``,
+whose contract lists every check; anything malformed is one ``ManifestError`` line.
 
 Everything here is pure data and pure functions: no torch.distributed, no storage, no Ray.
 Nothing read from a snapshot is ever executed or unpickled; JSON and raw bytes only.
@@ -200,23 +199,6 @@ class Manifest:
             "state": self.state,
         }
         return json.dumps(obj, indent=1).encode()
-
-    @staticmethod
-    def from_bytes(data: bytes, where: str = MANIFEST_NAME, step: int | None = None
-                   ) -> Manifest:
-        """Parse and validate an untrusted manifest (see ``elastic.manifest_check``);
-        ``step``, when given, is the step the manifest must say it is. Raises
-        ``ManifestError``."""
-        # Imported here: the checker builds these records, so it imports this module.
-        from elastic.manifest_check import check_manifest
-
-        try:
-            obj = json.loads(data)
-        except (ValueError, RecursionError) as err:  # JSONDecodeError, UnicodeDecodeError
-            detail = str(err).splitlines()[0] if str(err) else type(err).__name__
-            raise ManifestError(f"{where}: not valid JSON ({detail}); the snapshot is corrupt"
-                                ) from err
-        return check_manifest(obj, where, step)
 
     def nbytes(self) -> int:
         return sum(c.byte_range[1] - c.byte_range[0] for t in self.tensors.values()

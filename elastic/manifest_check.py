@@ -3,9 +3,10 @@
 Contract
 --------
 A manifest is untrusted input (DESIGN P8): it may be truncated, edited by hand or crafted.
-``check_manifest(obj, where, step)`` takes the decoded JSON (``Manifest.from_bytes`` does the
-decoding) and returns a ``Manifest`` only for a well-formed one; anything else raises
-``ManifestError``, one line naming the snapshot (``where``), the field and what is wrong:
+``parse_manifest(data, where, step)`` decodes the JSON bytes and ``check_manifest(obj, where,
+step)`` checks the decoded JSON; each returns a ``Manifest`` only for a well-formed one;
+anything else raises ``ManifestError``, one line naming the snapshot (``where``), the field
+and what is wrong:
 
 * every field has its JSON type (an int is an int, not a bool, float or string); ``step >=
   0``, ``world_size >= 1``, ``layout`` in ``LAYOUTS``, ``1 <= block_bytes <= 1 GiB``;
@@ -27,6 +28,7 @@ components). Pure functions of the JSON: nothing is read, allocated per element 
 
 from __future__ import annotations
 
+import json
 import math
 from collections.abc import Iterator
 from typing import Any, NoReturn
@@ -38,6 +40,7 @@ from elastic.format import (
     FORMAT_VERSION,
     ITEMS_TAG,
     LAYOUTS,
+    MANIFEST_NAME,
     TENSOR_TAG,
     TUPLE_TAG,
     ChunkRecord,
@@ -59,6 +62,19 @@ MAX_BLOCK_BYTES = 1 << 30
 MAX_WORLD_SIZE = 1 << 20
 MAX_BYTE_OFFSET = 1 << 62
 MAX_STATE_DEPTH = 64  # JSON nesting of one component's state (real ones are < 10 deep)
+
+
+def parse_manifest(data: bytes, where: str = MANIFEST_NAME, step: int | None = None
+                   ) -> Manifest:
+    """Decode and validate an untrusted ``manifest.json``; ``step``, when given, is the step
+    the manifest must say it is."""
+    try:
+        obj = json.loads(data)
+    except (ValueError, RecursionError) as err:  # JSONDecodeError, UnicodeDecodeError
+        detail = str(err).splitlines()[0] if str(err) else type(err).__name__
+        raise ManifestError(f"{where}: not valid JSON ({detail}); the snapshot is corrupt"
+                            ) from err
+    return check_manifest(obj, where, step)
 
 
 def check_manifest(obj: object, where: str, step: int | None = None) -> Manifest:

@@ -52,6 +52,7 @@ from elastic.faults import FaultInjector
 from elastic.format import DEFAULT_BLOCK_BYTES, FORMAT_VERSION, LAYOUTS, Manifest
 from elastic.layout import DEFAULT_SPLIT_MIN_BYTES
 from elastic.local_coordinator import LocalCoordinator
+from elastic.manifest_check import parse_manifest
 from elastic.persist import Persister
 from elastic.protocol import CoordinatorClient
 from elastic.registry import StateRegistry
@@ -217,8 +218,7 @@ class Snapshotter:
     def _manifest(self, step: int) -> Manifest:
         data = self.coordinator.read_manifest(step)
         if data is not None:
-            return Manifest.from_bytes(data, where=f"snapshot {step} (coordinator RAM)",
-                                       step=step)
+            return parse_manifest(data, where=f"snapshot {step} (coordinator RAM)", step=step)
         return self.store.load_manifest(step)
 
     # ------------------------------------------------------------------ capture

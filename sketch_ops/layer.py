@@ -28,16 +28,14 @@ Call `sketch_model` before wrapping the model in DDP/FSDP, so names have no wrap
 
 from __future__ import annotations
 
-import fnmatch
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping
 
 import torch
 from torch import nn
 
 from .function import check_estimator, check_rank, needs_sketch, sketched_linear, validate
+from .policy import Include, ranks_for_budget, selector
 from .seeds import layer_seed
-
-Include = Sequence[str] | Callable[[str, nn.Linear], bool] | None
 
 
 class SketchedLinear(nn.Linear):
@@ -97,20 +95,6 @@ class SketchedLinear(nn.Linear):
         )
 
 
-def _selector(include: Include) -> Callable[[str, nn.Linear], bool]:
-    if include is None:
-        return lambda name, module: True
-    if callable(include):
-        return include
-    if isinstance(include, str):
-        raise ValueError(
-            f"sketch_model: include must be a list of glob patterns, not a string ({include!r}); "
-            f"write include=[{include!r}]"
-        )
-    patterns = list(include)
-    return lambda name, module: any(fnmatch.fnmatchcase(name, p) for p in patterns)
-
-
 def sketch_model(
     model: nn.Module,
     *,
@@ -133,14 +117,12 @@ def sketch_model(
                 "sketch_model: memory_budget= needs rows= (tokens per microbatch, the n of the "
                 "sketch) to turn bytes into ranks"
             )
-        from .policy import ranks_for_budget
-
         rank = ranks_for_budget(model, memory_budget=memory_budget, rows=rows, include=include)
     assert rank is not None
     ranks = dict(rank) if isinstance(rank, Mapping) else None
     for value in ranks.values() if ranks is not None else (rank,):
         check_rank(value)
-    select = _selector(include)
+    select = selector(include)
     chosen = [
         (name, module)
         for name, module in model.named_modules()

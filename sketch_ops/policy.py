@@ -1,6 +1,11 @@
-"""Per-layer sketch ranks from a memory budget.
+"""Which layers are sketched, and at what rank: the selection rule and ranks from a budget.
 
-Contract: `ranks_for_budget(model, *, memory_budget, rows, include=None, bytes_per_value=4)`
+Contract: `selector(include)` is the one definition of "selected layer" (`sketch_model`'s
+`include`): None selects every candidate; a sequence of `fnmatch` glob patterns matches the
+qualified name; a callable `(name, module) -> bool` decides itself; a bare string is refused
+(it would be read as a sequence of one-character patterns).
+
+`ranks_for_budget(model, *, memory_budget, rows, include=None, bytes_per_value=4)`
 returns `{qualified name: R}` for the `nn.Linear` layers `include` selects (the selection rules
 of `sketch_model`). Layer ℓ with N_ℓ input features keeps an R_ℓ × N_ℓ sketch per microbatch of
 `rows` rows, so the ranks satisfy `Σ R_ℓ N_ℓ · bytes_per_value ≤ memory_budget`, each R_ℓ in
@@ -16,9 +21,27 @@ LayerNorms, residual stream) does not depend on it.
 
 from __future__ import annotations
 
+import fnmatch
 import math
+from collections.abc import Callable, Sequence
 
 from torch import nn
+
+Include = Sequence[str] | Callable[[str, nn.Linear], bool] | None
+
+
+def selector(include: Include) -> Callable[[str, nn.Linear], bool]:
+    if include is None:
+        return lambda name, module: True
+    if callable(include):
+        return include
+    if isinstance(include, str):
+        raise ValueError(
+            f"sketch_model: include must be a list of glob patterns, not a string ({include!r}); "
+            f"write include=[{include!r}]"
+        )
+    patterns = list(include)
+    return lambda name, module: any(fnmatch.fnmatchcase(name, p) for p in patterns)
 
 
 def ranks_for_budget(
@@ -26,16 +49,14 @@ def ranks_for_budget(
     *,
     memory_budget: int,
     rows: int,
-    include: object = None,
+    include: Include = None,
     bytes_per_value: int = 4,
 ) -> dict[str, int]:
-    from .layer import _selector  # the one definition of "selected layer"
-
     if rows < 1:
         raise ValueError(f"ranks_for_budget: rows (tokens per microbatch) must be >= 1, got {rows}")
     if bytes_per_value < 1:
         raise ValueError(f"ranks_for_budget: bytes_per_value must be >= 1, got {bytes_per_value}")
-    select = _selector(include)  # type: ignore[arg-type]
+    select = selector(include)
     widths = {
         name: module.in_features
         for name, module in model.named_modules()

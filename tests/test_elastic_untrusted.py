@@ -2,7 +2,7 @@
 
 A real two-snapshot run (steps 2 and 4, world size 1) is made once; each test copies it,
 hand-edits snapshot 4 (its manifest.json, or a shard file) and checks that the edit is one
-clear ``ManifestError`` line — from ``Manifest.from_bytes``, from the header checks of
+clear ``ManifestError`` line — from ``parse_manifest``, from the header checks of
 restore/verify, or from the state check against the live components — that
 ``catalog.verify`` and ``export`` refuse it (export writing nothing), and that
 ``Snapshotter.restore()`` falls back to snapshot 2 instead of crashing or loading garbage.
@@ -23,7 +23,8 @@ import torch
 
 from elastic.catalog import export_model, verify
 from elastic.errors import ManifestError, SnapshotIntegrityError
-from elastic.format import MANIFEST_NAME, Manifest, crc32_blocks, step_dirname
+from elastic.format import MANIFEST_NAME, crc32_blocks, step_dirname
+from elastic.manifest_check import parse_manifest
 from elastic.restore import ByteSource, check_compatible, plan_targets, read_tensors
 from elastic.snapshotter import Snapshotter
 from elastic.store import SnapshotStore
@@ -298,22 +299,22 @@ def test_malformed_fields(run, pristine, tmp_path, edit: Edit, match: str) -> No
     _edit(run, edit)
     data = (_snapdir(run) / MANIFEST_NAME).read_bytes()
     with pytest.raises(ManifestError, match=match):
-        Manifest.from_bytes(data, where="snap")
+        parse_manifest(data, where="snap")
     _assert_refused(run, match, tmp_path)
     _assert_falls_back(run, pristine[1], match.split(":")[0].replace("\\", ""))
 
 
 def test_not_json_and_deep_nesting(run, pristine) -> None:
     with pytest.raises(ManifestError, match="not valid JSON"):
-        Manifest.from_bytes(b"\xff{", where="snap")
+        parse_manifest(b"\xff{", where="snap")
     with pytest.raises(ManifestError):
-        Manifest.from_bytes(b"[" * 100000 + b"]" * 100000, where="snap")
+        parse_manifest(b"[" * 100000 + b"]" * 100000, where="snap")
     deep: Any = 1
     for _ in range(200):
         deep = [deep]
     _edit(run, lambda obj: obj["state"]["data"].update(deep=deep))
     with pytest.raises(ManifestError, match="nested more than"):
-        Manifest.from_bytes((_snapdir(run) / MANIFEST_NAME).read_bytes(), where="snap")
+        parse_manifest((_snapdir(run) / MANIFEST_NAME).read_bytes(), where="snap")
 
 
 # ------------------------------------------------------------------ JSON state vs live state
@@ -373,7 +374,7 @@ def test_header_check_reads_through_the_ram_copy(run, pristine) -> None:
     def ram(requests: list[tuple[str, int, int]]) -> list[bytes] | None:
         return [image[a:b] if f == name else b"" for f, a, b in requests]
 
-    manifest = Manifest.from_bytes((_snapdir(run) / MANIFEST_NAME).read_bytes())
+    manifest = parse_manifest((_snapdir(run) / MANIFEST_NAME).read_bytes())
     targets = plan_targets(manifest, {})
     source = ByteSource(empty, 4, ram=ram)
     got = read_tensors(manifest, targets, source)
