@@ -1,31 +1,38 @@
-"""Corpus preparation: text files -> fixed-length token sequences in Parquet + `dataset.json`.
+"""Corpus preparation: text, JSON Lines, Parquet or `save_to_disk` inputs -> fixed-length token
+sequences in Parquet + `dataset.json`, streaming, on one process, N processes or Ray.
 
 Contract of `prepare_corpus(sources, out, *, seq_len, ...)`:
-- Sources are local files or directories (walked recursively; hidden entries and
-  `__pycache__` skipped). With no sources it prepares the **default corpus**: every `.py` file
-  of this Python's standard library (`sysconfig.get_paths()["stdlib"]`, without
-  `site-packages`/`dist-packages`), about 31 MB / 1,800 files on CPython 3.11 — real text
-  present on every machine with Python, so no download is ever needed. Its content depends on
-  the Python version; the manifest records the version and every file's checksum.
-- Files are taken in sorted order of their names; `max_bytes` keeps the longest prefix of that
-  list that fits. Files that are not UTF-8 text (or contain NUL bytes) are skipped and listed
-  in the manifest with the reason.
-- Tokenizer `"bytes"`: a token is a byte of the UTF-8 text (vocab 256), with byte 0 (NUL,
-  absent from text) appended after every file as the end-of-document token.
-- Split by file, deterministically: files are ordered by the SHA-256 of their names and go to
-  `val` until it holds `val_fraction` of the bytes (at least one file when `val_fraction > 0`
-  and there are two or more files); the rest is `train`. No file contributes to both splits,
-  so no text leaks between them.
-- Each split's token stream (its files in name order, each followed by EOD) is cut into
-  sequences of `seq_len` tokens; the last partial sequence is dropped and counted in the
-  manifest. Sequences cross file boundaries (the EOD token marks them).
-- Shards are written first, each atomically, and `dataset.json` last: a dataset without its
-  manifest is incomplete and readers refuse it. An existing dataset at `out` is only replaced
-  with `overwrite=True`.
-- Preparing the same files twice gives byte-identical shards and manifest (no timestamps).
-- Approximation of scale: a split's text is held in memory while it is cut (fine up to a few
-  GB of text; the default corpus takes well under a second). A streaming writer for larger
-  corpora would keep the same format.
+- Sources (`sources.discover`): local files, directories, globs, `s3://` URIs. With no
+  sources it prepares the **default corpus**: every `.py` file of this Python's standard
+  library (`sysconfig.get_paths()["stdlib"]`, without `site-packages`/`dist-packages`), about
+  31 MB / 1,800 files on CPython 3.11 — real text on every machine with Python, so no
+  download is ever needed. Its content depends on the Python version; the manifest records
+  the version and every file's checksum.
+- Inputs are taken in sorted order of their names; `max_bytes` keeps the longest prefix of
+  that list that fits. A document is a text file or a row (`text_field` of JSON Lines,
+  `text_column` of Parquet/Arrow). Unusable text files are listed in the manifest with the
+  reason, unusable rows counted by reason (`sources.read_unit`); an input with no usable
+  document at all is a `ValueError` that gives those counts.
+- Tokenizer (`tokenizer.py`): `"bytes"` (vocab 256, byte 0 ends each document), a local
+  `tokenizer.json` or model directory (`tokenizer=PATH`), or a byte-level BPE of
+  `train_tokenizer` ids trained on the train split's documents first (a second pass over
+  the inputs). Token dtype follows the vocabulary. A tokenizers tokenizer is stored as
+  `URI/tokenizer.json`, recorded with its SHA-256, vocab size and special tokens.
+- Split by document, deterministic, no leakage (`sources` module docstring).
+- Each split's token stream (its documents in input order, each followed by the EOS token)
+  is cut into sequences of `seq_len` tokens (`split_writer.py`); the last partial sequence
+  is dropped and counted. Sequences cross document boundaries (EOS marks them).
+- Streaming: inputs are cut into work units of about 2 MB and results are consumed in unit
+  order (`parallel.py`), shards written as they fill; memory is bounded by a few units per
+  worker plus one shard per split (32 MB of tokens), whatever the corpus size. The
+  tokenizer trainer's word counts grow with the number of distinct words, not with bytes.
+- `workers=N` tokenizes in N processes, `use_ray=True` on a Ray cluster with Ray Data; the
+  output is byte-identical to the serial run's either way (nothing about N is recorded).
+- Shards (and the tokenizer) are written first, each atomically, and `dataset.json` last: a
+  dataset without its manifest is incomplete and readers refuse it. An existing dataset at
+  `out` is only replaced with `overwrite=True` (its manifest is removed first, so a crash
+  mid-way never leaves the old manifest describing new shards).
+- Preparing the same inputs twice gives byte-identical shards and manifest (no timestamps).
 """
 
 from __future__ import annotations
@@ -34,23 +41,40 @@ import hashlib
 import os
 import platform
 import sysconfig
+from collections import Counter
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-import numpy as np
 import pyarrow as pa
 
 from data_state import storage
-from data_state.manifest import MANIFEST_NAME, DatasetManifest, ShardInfo, SplitInfo
+from data_state.manifest import MANIFEST_NAME, DatasetManifest, SplitInfo
+from data_state.parallel import Job, UnitResult, merge_rows, run_units
 from data_state.progress import Progress
-from data_state.shards import encode_shard
+from data_state.sources import (
+    SPLITS,
+    InputFile,
+    ReadOptions,
+    Unit,
+    cap,
+    discover,
+    plan_units,
+    walk,
+)
+from data_state.split_writer import SplitWriter
+from data_state.tokenizer import (
+    BYTES,
+    TOKENIZER_FILE,
+    HFTokenizer,
+    Tokenizer,
+    load_tokenizer,
+    train_bpe,
+)
 
-TOKENIZERS = ("bytes",)
-EOD_TOKEN = 0
-SPLITS = ("train", "val")
+EOD_TOKEN = 0  # the byte tokenizer's end of document
 ROW_GROUP_BYTES = 64 << 10  # random reads fetch whole row groups: keep them small
-SHARD_BYTES = 32 << 20  # tokens per shard file, before compression
+SHARD_BYTES = 32 << 20  # token bytes per shard file, before compression
 
 
 @dataclass(frozen=True)
@@ -65,22 +89,9 @@ def default_corpus_files() -> list[SourceFile]:
     skip = frozenset({"site-packages", "dist-packages"})
     return [
         SourceFile(f"stdlib/{rel}", os.path.join(root, rel))
-        for rel in _walk(root, skip)
+        for rel in walk(root, skip)
         if rel.endswith(".py")
     ]
-
-
-def collect_files(sources: Sequence[str]) -> list[SourceFile]:
-    files: list[SourceFile] = []
-    for source in sources:
-        if os.path.isdir(source):
-            base = os.path.normpath(source)
-            files += [SourceFile(f"{base}/{rel}", os.path.join(base, rel)) for rel in _walk(base)]
-        elif os.path.isfile(source):
-            files.append(SourceFile(os.path.normpath(source), source))
-        else:
-            raise ValueError(f"source {source!r} is neither a file nor a directory")
-    return sorted(files, key=lambda f: f.name)
 
 
 def prepare_corpus(
@@ -89,7 +100,13 @@ def prepare_corpus(
     *,
     seq_len: int = 256,
     val_fraction: float = 0.05,
-    tokenizer: str = "bytes",
+    tokenizer: str = BYTES,
+    train_tokenizer: int | None = None,
+    eos_token: str | None = None,
+    text_field: str = "text",
+    text_column: str = "text",
+    workers: int = 1,
+    use_ray: bool = False,
     max_bytes: int | None = None,
     rows_per_group: int | None = None,
     sequences_per_shard: int | None = None,
@@ -98,193 +115,199 @@ def prepare_corpus(
     storage_options: Mapping[str, Any] | None = None,
 ) -> DatasetManifest:
     """Prepare `sources` (default corpus if empty/None) into a dataset at `out`."""
-    if tokenizer not in TOKENIZERS:
-        raise ValueError(f"tokenizer {tokenizer!r} is not supported; use one of {TOKENIZERS}")
     if seq_len < 2:
         raise ValueError(f"seq_len must be >= 2 (one input and one target), got {seq_len}")
     if not 0.0 <= val_fraction < 1.0:
         raise ValueError(f"val_fraction must be in [0, 1), got {val_fraction}")
     if max_bytes is not None and max_bytes < 1:
         raise ValueError(f"max_bytes must be >= 1, got {max_bytes}")
-    rows_per_group = rows_per_group or max(1, ROW_GROUP_BYTES // seq_len)
-    per_shard = sequences_per_shard or max(rows_per_group, SHARD_BYTES // seq_len)
-    if rows_per_group < 1 or per_shard < 1:
-        raise ValueError("rows_per_group and sequences_per_shard must be >= 1")
+    if workers < 1:
+        raise ValueError(f"--workers must be >= 1, got {workers}")
+    if train_tokenizer is not None and tokenizer != BYTES:
+        raise ValueError("--train-tokenizer and --tokenizer exclude each other: choose one")
+    if not text_field or not text_column:
+        raise ValueError("--text-field and --text-column must not be empty")
 
     fs, root = storage.resolve(out, storage_options)
-    if fs.exists(storage.join(root, MANIFEST_NAME)) and not overwrite:
+    manifest_path = storage.join(root, MANIFEST_NAME)
+    if fs.exists(manifest_path) and not overwrite:
         raise ValueError(
             f"{out} already holds a dataset ({MANIFEST_NAME}); pass overwrite=True "
             "(CLI: --overwrite) to replace it, or choose another --out"
         )
-    files = default_corpus_files() if not sources else collect_files(sources)
-    files = _cap(files, max_bytes)
-    if not files:
-        raise ValueError("no source files to prepare (max_bytes smaller than the first file?)")
-    texts, skipped = _read_texts(files, progress=progress)
-    if not texts:
-        raise ValueError("none of the source files is UTF-8 text; nothing to prepare")
-    assignment = _split_by_file(
-        {name: len(data) for name, (data, _) in texts.items()}, val_fraction
-    )
+    tok: Tokenizer | None = None
+    if train_tokenizer is None:  # a bad tokenizer fails before any input is read
+        tok = load_tokenizer(tokenizer, eos_token=eos_token)
+    elif eos_token is not None:
+        raise ValueError("--eos-token applies to --tokenizer PATH (a trained BPE uses "
+                         "<|endoftext|>)")
+    inputs = _default_inputs() if not sources else discover(sources, storage_options)
+    inputs = cap(inputs, max_bytes)
+    if not inputs:
+        raise ValueError("no input files to prepare (max_bytes smaller than the first file?)")
+    read = ReadOptions(text_field, text_column, val_fraction, storage_options)
+    units = plan_units(inputs, val_fraction=val_fraction, text_column=text_column,
+                       storage_options=storage_options)
+    if tok is None:
+        tok = _train_tokenizer(units, read, train_tokenizer or 0, workers=workers,
+                               use_ray=use_ray, progress=progress)
 
+    rows_per_group = rows_per_group or max(1, ROW_GROUP_BYTES // (seq_len * tok.dtype.itemsize))
+    per_shard = sequences_per_shard or max(rows_per_group,
+                                           SHARD_BYTES // (seq_len * tok.dtype.itemsize))
+    if rows_per_group < 1 or per_shard < 1:
+        raise ValueError("rows_per_group and sequences_per_shard must be >= 1")
+    if fs.exists(manifest_path):  # overwrite: the old manifest must not describe new shards
+        fs.remove(manifest_path)
+    if tok.file_bytes is not None:
+        storage.write_atomic(fs, storage.join(root, TOKENIZER_FILE), tok.file_bytes)
+
+    writers = {
+        split: SplitWriter(fs, root, split, seq_len=seq_len, dtype=tok.dtype,
+                           rows_per_group=rows_per_group, per_shard=per_shard)
+        for split in SPLITS
+    }
+    job = Job(tok.file_bytes, _eos_text(tok), read, tokenize=True)
+    files: list[dict[str, Any]] = []
+    skipped: list[dict[str, str]] = []
+    rows: dict[str, Counter[str]] = {}
+    for result in _with_progress(run_units(units, job, workers=workers, use_ray=use_ray),
+                                 units, "prepare: tokenizing", progress):
+        for split in SPLITS:
+            writers[split].append(result.tokens[split])
+        files += result.files
+        skipped += result.skipped_files
+        merge_rows(rows, result.rows)
+
+    documents = len(files) + sum(c["train"] + c["val"] for c in rows.values())
+    if documents == 0:
+        raise ValueError(_no_text_message(inputs, skipped, rows, text_field, text_column))
     splits: dict[str, SplitInfo] = {}
     for split in SPLITS:
-        names = sorted(n for n, s in assignment.items() if s == split)
-        if not names and split == "val" and val_fraction == 0:
+        if split == "val" and val_fraction == 0:
             continue
-        splits[split] = _write_split(
-            fs,
-            root,
-            split,
-            [texts[n][0] for n in names],
-            seq_len=seq_len,
-            rows_per_group=rows_per_group,
-            per_shard=per_shard,
-            where=out,
-        )
+        splits[split] = writers[split].finish(where=out)
     manifest = DatasetManifest(
         seq_len=seq_len,
-        token_dtype="uint8",
-        tokenizer=tokenizer,
-        vocab_size=256,
-        eod_token=EOD_TOKEN,
+        token_dtype=str(tok.dtype),
+        tokenizer="tokenizers" if isinstance(tok, HFTokenizer) else BYTES,
+        vocab_size=tok.vocab_size,
+        eod_token=tok.eos_id,
         rows_per_group=rows_per_group,
         splits=splits,
-        sources={
-            "default_corpus": not sources,
-            "files": [
-                {
-                    "path": n,
-                    "bytes": len(texts[n][0]),
-                    "sha256": texts[n][1],
-                    "split": assignment[n],
-                }
-                for n in sorted(texts)
-            ],
-            "skipped": skipped,
-        },
-        made_by={
-            "tool": "baton data prepare",
-            "python": platform.python_version(),
-            "pyarrow": pa.__version__,
-            "val_fraction": val_fraction,
-            "max_bytes": max_bytes,
-        },
+        sources=_sources_record(sources, inputs, files, skipped, rows),
+        tokenizer_file=TOKENIZER_FILE if tok.file_bytes is not None else None,
+        tokenizer_sha256=(hashlib.sha256(tok.file_bytes).hexdigest()
+                          if tok.file_bytes is not None else None),
+        special_tokens=dict(tok.special_tokens),
+        made_by=_made_by(tok, tokenizer, train_tokenizer, val_fraction, max_bytes,
+                         text_field, text_column, inputs),
     )
     manifest.validate(where=out)
-    storage.write_atomic(fs, storage.join(root, MANIFEST_NAME), manifest.to_json().encode())
+    storage.write_atomic(fs, manifest_path, manifest.to_json().encode())
     return manifest
 
 
-def _walk(root: str, skip: frozenset[str] = frozenset()) -> Iterator[str]:
-    """Relative POSIX paths of regular files under `root`, sorted, hidden/skip dirs pruned."""
-    found: list[str] = []
-    for dirpath, dirnames, filenames in os.walk(root):
-        dirnames[:] = [
-            d for d in dirnames if not d.startswith(".") and d != "__pycache__" and d not in skip
-        ]
-        rel_dir = os.path.relpath(dirpath, root)
-        for name in filenames:
-            if not name.startswith(".") and os.path.isfile(os.path.join(dirpath, name)):
-                rel = name if rel_dir == "." else f"{rel_dir}/{name}"
-                found.append(rel.replace(os.sep, "/"))
-    return iter(sorted(found))
+def _default_inputs() -> list[InputFile]:
+    return [InputFile(f.name, f.path, "text", os.path.getsize(f.path))
+            for f in default_corpus_files()]
 
 
-def _cap(files: list[SourceFile], max_bytes: int | None) -> list[SourceFile]:
-    if max_bytes is None:
-        return files
-    kept, total = [], 0
-    for f in files:
-        total += os.path.getsize(f.path)
-        if total > max_bytes:
-            break
-        kept.append(f)
-    return kept
+def _eos_text(tok: Tokenizer) -> str | None:
+    """The EOS token's text, so a worker rebuilding the tokenizer picks the same id."""
+    if not isinstance(tok, HFTokenizer):
+        return None
+    return next((t for t, i in tok.special_tokens.items() if i == tok.eos_id), None) \
+        or tok.decode([tok.eos_id])
 
 
-def _read_texts(
-    files: list[SourceFile], *, progress: bool
-) -> tuple[dict[str, tuple[bytes, str]], list[dict[str, str]]]:
-    """name -> (bytes, sha256) of the text files; the others listed with the reason."""
-    texts: dict[str, tuple[bytes, str]] = {}
-    skipped: list[dict[str, str]] = []
-    total = sum(os.path.getsize(f.path) for f in files)
-    with Progress("prepare: reading sources", total, enabled=progress) as bar:
-        for f in files:
-            with open(f.path, "rb") as handle:
-                data = handle.read()
-            bar.advance(len(data))
-            reason = _not_text(data)
-            if reason:
-                skipped.append({"path": f.name, "reason": reason})
-            else:
-                texts[f.name] = (data, hashlib.sha256(data).hexdigest())
-    return texts, skipped
+def _with_progress(results: Iterator[UnitResult], units: Sequence[Unit], what: str,
+                   enabled: bool) -> Iterator[UnitResult]:
+    with Progress(what, sum(u.size for u in units), enabled=enabled) as bar:
+        for result in results:
+            bar.advance(units[result.index].size)
+            yield result
 
 
-def _not_text(data: bytes) -> str:
-    if b"\0" in data:
-        return "contains NUL bytes (binary?)"
-    try:
-        data.decode("utf-8")
-    except UnicodeDecodeError as err:
-        return f"not UTF-8 ({err.reason} at byte {err.start})"
-    return ""
+def _train_tokenizer(units: Sequence[Unit], read: ReadOptions, vocab_size: int, *,
+                     workers: int, use_ray: bool, progress: bool) -> HFTokenizer:
+    """First pass: read the train split's documents (in order) and train a BPE on them."""
+    if vocab_size < 257:  # before reading anything
+        train_bpe([], vocab_size)
+    job = Job(None, None, read, tokenize=False)
+    results = _with_progress(run_units(units, job, workers=workers, use_ray=use_ray),
+                             units, "prepare: reading the train split for the tokenizer",
+                             progress)
+
+    def batches() -> Iterator[list[str]]:
+        for result in results:
+            if result.texts:
+                yield result.texts
+
+    return train_bpe(batches(), vocab_size)
 
 
-def _split_by_file(sizes: dict[str, int], val_fraction: float) -> dict[str, str]:
-    assignment = dict.fromkeys(sizes, "train")
-    if val_fraction <= 0 or len(sizes) < 2:
-        return assignment
-    target, val_bytes = val_fraction * sum(sizes.values()), 0
-    by_hash = sorted(sizes, key=lambda n: hashlib.sha256(n.encode()).hexdigest())
-    for name in by_hash[:-1]:  # never all files: train keeps at least one
-        if val_bytes >= target and val_bytes > 0:
-            break
-        assignment[name] = "val"
-        val_bytes += sizes[name]
-    return assignment
+def _no_text_message(inputs: Sequence[InputFile], skipped: list[dict[str, str]],
+                     rows: dict[str, Counter[str]], text_field: str, text_column: str) -> str:
+    reasons: Counter[str] = Counter()
+    for counts in rows.values():
+        reasons.update({k.removeprefix("skipped: "): v for k, v in counts.items()
+                        if k.startswith("skipped: ")})
+    parts = [f"{len(skipped)} file(s) skipped"] if skipped else []
+    if skipped:
+        parts[0] += f" (first: {skipped[0]['path']}: {skipped[0]['reason']})"
+    parts += [f"{n} row(s) {reason}" for reason, n in sorted(reasons.items())]
+    hint = ""
+    if reasons.get("missing field"):
+        kinds = {f.kind for f in inputs}
+        hint = (f"; set --text-field (JSON Lines, now {text_field!r})" if "jsonl" in kinds
+                else f"; set --text-column (now {text_column!r})")
+    return (f"no usable text in {len(inputs)} input file(s): "
+            f"{', '.join(parts) or 'they are empty'}{hint}")
 
 
-def _write_split(
-    fs: Any,
-    root: str,
-    split: str,
-    docs: list[bytes],
-    *,
-    seq_len: int,
-    rows_per_group: int,
-    per_shard: int,
-    where: str,
-) -> SplitInfo:
-    stream = np.frombuffer(b"".join(d + bytes([EOD_TOKEN]) for d in docs), dtype=np.uint8)
-    num_sequences = len(stream) // seq_len
-    if num_sequences == 0:
-        raise ValueError(
-            f"split {split!r} of {where} has {len(stream)} tokens, fewer than one sequence of "
-            f"seq_len {seq_len}: add text, lower --seq-len or change --val-fraction"
-        )
-    sequences = stream[: num_sequences * seq_len].reshape(num_sequences, seq_len)
-    shards = []
-    for number, first in enumerate(range(0, num_sequences, per_shard)):
-        part = sequences[first : first + per_shard]
-        blob = encode_shard(part, rows_per_group=rows_per_group)
-        rel = f"{split}/part-{number:05d}.parquet"
-        storage.write_atomic(fs, storage.join(root, rel), blob)
-        shards.append(
-            ShardInfo(
-                path=rel,
-                num_sequences=len(part),
-                num_bytes=len(blob),
-                sha256=hashlib.sha256(blob).hexdigest(),
-                tokens_sha256=hashlib.sha256(part.tobytes()).hexdigest(),
-            )
-        )
-    return SplitInfo(
-        num_sequences=num_sequences,
-        num_tokens=num_sequences * seq_len,
-        num_dropped_tokens=len(stream) - num_sequences * seq_len,
-        shards=tuple(shards),
-    )
+def _sources_record(sources: Sequence[str] | None, inputs: Sequence[InputFile],
+                    files: list[dict[str, Any]], skipped: list[dict[str, str]],
+                    rows: dict[str, Counter[str]]) -> dict[str, Any]:
+    row_inputs, totals = [], Counter[str]()
+    for f in inputs:
+        if f.name not in rows:
+            continue
+        counts = rows[f.name]
+        bad = {k.removeprefix("skipped: "): v for k, v in sorted(counts.items())
+               if k.startswith("skipped: ")}
+        totals.update(bad)
+        row_inputs.append({"path": f.name, "kind": f.kind, "bytes": f.size,
+                           "train_rows": counts["train"], "val_rows": counts["val"],
+                           "skipped_rows": bad})
+    return {
+        "default_corpus": not sources,
+        "files": files,
+        "skipped": skipped,
+        "row_inputs": row_inputs,
+        "skipped_rows": dict(sorted(totals.items())),
+    }
+
+
+def _made_by(tok: Tokenizer, tokenizer: str, train_tokenizer: int | None, val_fraction: float,
+             max_bytes: int | None, text_field: str, text_column: str,
+             inputs: Sequence[InputFile]) -> dict[str, Any]:
+    made: dict[str, Any] = {
+        "tool": "baton data prepare",
+        "python": platform.python_version(),
+        "pyarrow": pa.__version__,
+        "val_fraction": val_fraction,
+        "max_bytes": max_bytes,
+    }
+    if isinstance(tok, HFTokenizer):
+        import tokenizers
+
+        made["tokenizers"] = tokenizers.__version__
+        made["tokenizer_source"] = (f"trained: byte-level BPE, {train_tokenizer} ids, on the "
+                                    "train split" if train_tokenizer else tokenizer)
+    kinds = {f.kind for f in inputs}
+    if "jsonl" in kinds:
+        made["text_field"] = text_field
+    if kinds & {"parquet", "arrow"}:
+        made["text_column"] = text_column
+    return made

@@ -17,8 +17,15 @@ sequence.
 
 `fingerprint(split)` is the dataset identity a data cursor is tied to. It hashes only what
 defines the samples (format, tokenizer, dtype, seq_len, split, each shard's token checksum and
-row count), not where the dataset is stored nor which library wrote the Parquet bytes, so a
-local copy and an S3 copy of the same dataset share a fingerprint.
+row count, and for a stored tokenizer its file's SHA-256), not where the dataset is stored
+nor which library wrote the Parquet bytes, so a local copy and an S3 copy of the same dataset
+share a fingerprint, and the same tokens read through another tokenizer do not.
+
+A dataset made with a Hugging Face `tokenizers` tokenizer stores it next to the manifest
+(`tokenizer_file`, a plain file name, normally `tokenizer.json`) with its SHA-256
+(`tokenizer_sha256`) and special tokens (`special_tokens`, text -> id). The byte tokenizer
+(`tokenizer = "bytes"`) stores no file. Manifests written before these fields existed read
+as byte datasets with no stored tokenizer, and keep their fingerprints.
 """
 
 from __future__ import annotations
@@ -68,6 +75,9 @@ class DatasetManifest:
     rows_per_group: int
     splits: dict[str, SplitInfo]
     sources: dict[str, Any] = field(default_factory=dict)  # files, checksums, split, skipped
+    tokenizer_file: str | None = None  # stored tokenizer, relative to the root (None: bytes)
+    tokenizer_sha256: str | None = None  # of the stored tokenizer file's bytes
+    special_tokens: dict[str, int] = field(default_factory=dict)  # text -> id
     made_by: dict[str, Any] = field(default_factory=dict)  # tool, options, library versions
     format: str = FORMAT
     seq_len_note: str = SEQ_LEN_NOTE
@@ -89,6 +99,10 @@ class DatasetManifest:
             "split": split,
             "shards": [[s.tokens_sha256, s.num_sequences] for s in info.shards],
         }
+        if self.tokenizer_sha256 is not None:  # absent for bytes: old fingerprints stay valid
+            identity["tokenizer_sha256"] = self.tokenizer_sha256
+            identity["vocab_size"] = self.vocab_size
+            identity["eod_token"] = self.eod_token
         blob = json.dumps(identity, sort_keys=True, separators=(",", ":")).encode()
         return hashlib.sha256(blob).hexdigest()[:20]
 
@@ -125,6 +139,12 @@ class DatasetManifest:
                 rows_per_group=_int(raw, "rows_per_group"),
                 splits=splits,
                 sources=dict(raw.get("sources", {})),
+                tokenizer_file=_optional_str(raw, "tokenizer_file"),
+                tokenizer_sha256=_optional_str(raw, "tokenizer_sha256"),
+                special_tokens={
+                    str(k): _int({"id": v}, "id")
+                    for k, v in dict(raw.get("special_tokens", {})).items()
+                },
                 made_by=dict(raw.get("made_by", {})),
             )
         except (KeyError, TypeError, AttributeError) as err:
@@ -141,6 +161,29 @@ class DatasetManifest:
             )
         if self.rows_per_group < 1:
             raise DatasetError(f"{where}: rows_per_group must be >= 1")
+        capacity = 1 << int(self.token_dtype[4:])  # "uint16" -> 65536 ids
+        if not 1 <= self.vocab_size <= capacity:
+            raise DatasetError(
+                f"{where}: vocab_size {self.vocab_size} does not fit token_dtype "
+                f"{self.token_dtype} (1..{capacity})"
+            )
+        if self.eod_token is not None and not (
+            isinstance(self.eod_token, int) and 0 <= self.eod_token < self.vocab_size
+        ):
+            raise DatasetError(
+                f"{where}: eod_token {self.eod_token!r} is not a token id below vocab_size "
+                f"{self.vocab_size}"
+            )
+        if (self.tokenizer_file is None) != (self.tokenizer_sha256 is None):
+            raise DatasetError(f"{where}: tokenizer_file and tokenizer_sha256 go together")
+        if self.tokenizer_file is not None and not _plain_name(self.tokenizer_file):
+            # Untrusted input (P8): the stored tokenizer is a file in the dataset's own root.
+            raise DatasetError(
+                f"{where}: tokenizer_file {self.tokenizer_file!r} must be a plain file name "
+                "inside the dataset directory"
+            )
+        if any(not 0 <= i < self.vocab_size for i in self.special_tokens.values()):
+            raise DatasetError(f"{where}: a special token id is outside vocab_size")
         for name, info in self.splits.items():
             total = sum(s.num_sequences for s in info.shards)
             if total != info.num_sequences:
@@ -160,3 +203,14 @@ def _int(raw: dict[str, Any], key: str) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < 0:
         raise TypeError(f"{key} must be a non-negative integer, got {value!r}")
     return value
+
+
+def _optional_str(raw: dict[str, Any], key: str) -> str | None:
+    value = raw.get(key)
+    if value is not None and not isinstance(value, str):
+        raise TypeError(f"{key} must be a string or null, got {value!r}")
+    return value
+
+
+def _plain_name(name: str) -> bool:
+    return bool(name) and "/" not in name and "\\" not in name and name not in (".", "..")

@@ -29,7 +29,7 @@ def test_prepare_then_inspect(tmp_path: Path, capsys: pytest.CaptureFixture[str]
     out = str(tmp_path / "ds")
     assert baton_data(["prepare", "--out", out, "--seq-len", "64", "--max-bytes", "80000"]) == 0
     captured = capsys.readouterr()
-    assert "prepare: reading sources: 100%" in captured.err  # plain progress lines off a TTY
+    assert "prepare: tokenizing: 100%" in captured.err  # plain progress lines off a TTY
     assert f"prepared {out}" in captured.out and "sequences x 64" in captured.out
 
     assert baton_data(["inspect", out, "--verify", "--show", "1"]) == 0

@@ -112,7 +112,7 @@ def test_user_paths_binary_files_skipped_and_progress_lines(
     skipped = {Path(s["path"]).name: s["reason"] for s in manifest.sources["skipped"]}
     assert set(skipped) == {"blob.bin", "latin1.txt"} and "NUL" in skipped["blob.bin"]
     assert {f["split"] for f in manifest.sources["files"]} == {"train", "val"}
-    assert "prepare: reading sources: 100%" in capsys.readouterr().err  # plain lines, no TTY
+    assert "prepare: tokenizing: 100%" in capsys.readouterr().err  # plain lines, no TTY
 
 
 def test_progress_draws_a_rich_bar_on_a_terminal() -> None:
@@ -135,7 +135,7 @@ def test_progress_draws_a_rich_bar_on_a_terminal() -> None:
 
 def test_errors_name_the_problem(tmp_path: Path) -> None:
     out = str(tmp_path / "ds")
-    with pytest.raises(ValueError, match="tokenizer 'gpt2' is not supported"):
+    with pytest.raises(ValueError, match="'gpt2' is not a local file or directory; Baton never downloads"):
         prepare_corpus(None, out, tokenizer="gpt2")
     with pytest.raises(ValueError, match="seq_len must be >= 2"):
         prepare_corpus(None, out, seq_len=1)
