@@ -25,6 +25,7 @@ _COMMAND_GROUPS: tuple[str, ...] = (
     "data_state.cli",  # baton data prepare|inspect
     "elastic.cli",  # baton snapshots ls|show|verify|export
     "trainer.fit_cli",  # baton fit|report|demo
+    "trainer.runs",  # baton runs ls
 )
 
 

@@ -4,15 +4,36 @@ Contract: bad recipes, overrides and run directories exit with code 2 and one li
 the field and the fix, before Ray starts; so does a run directory whose lease another live
 driver holds (`elastic.lease`; `--force-takeover` takes it anyway); a run that gives up (an
 error no restart can fix, or `scaling.max_failures` restarts) exits with code 1 and one
-line, `error: <the worker's message> (after N restarts)`; `fit` prints one progress line per
-second (step, loss, tokens/s, world size) and a summary at the end; `report` writes a PNG and
-prints the summary table.
+line, `error: <the worker's message> (after N restarts)`; `fit` shows a progress bar with
+ETA on a terminal (one plain line per second elsewhere: step/total, loss, tokens/s, workers,
+last commit, ETA), each restart as one event line, Ray's own messages in RUN/logs/ray.log
+(`trainer.terminal`, `trainer.monitor.RunFeed`, `trainer.ray_messages`), and a summary with
+formatted numbers at the end; `report` writes a PNG and prints the summary table.
+
+Sessions (`trainer.session_log`): `--until STEP` and `--time-limit 2h30m` end the session
+early with that step committed, exit 0 and print `stopped at step N; continue with: <the
+command>`; so does the first Ctrl-C (SIGINT) on the driver ("stopping after the current
+step"); a second Ctrl-C aborts at once (exit 130; the steps since the last commit are lost).
+The time limit stops early enough for the final commit (`TimeBudget`'s rule). Continuing
+with another learning-rate schedule (`steps`, `optim.lr`, `optim.warmup_steps`,
+`optim.min_lr_ratio`) is refused unless `--reschedule`, which prints what the schedule does
+from there. Each session is recorded in `RUN/sessions.json` with its outcome.
+Forks (`trainer.fork`): `--from RUN[@STEP]` starts the new run `--run-dir` from a committed
+snapshot of RUN, optimizer warm (`--data-cursor auto|keep|reset`); refusals are one line,
+exit 2, before Ray starts.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import dataclasses
 import json
+import logging
+import shlex
+import signal
+import threading
+from collections.abc import Callable
 from typing import Any
 
 from rich.console import Console
@@ -21,6 +42,7 @@ from rich.markup import escape
 from trainer.cli import one_line
 from trainer.config import ConfigError, load_recipe
 from trainer.run_dir import RunDirError, check_run_dir
+from trainer.session_log import TimeBudget, parse_duration
 
 console = Console(stderr=True, soft_wrap=True)  # never wrap: logs are parsed
 
@@ -36,6 +58,21 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     fit.add_argument("--force-takeover", action="store_true",
                      help="take the run over even if another driver holds its lease; that "
                           "driver's snapshots are refused from then on")
+    fit.add_argument("--until", metavar="STEP",
+                     help="end this session at STEP with a committed snapshot (exit 0); the "
+                          "run continues later from there")
+    fit.add_argument("--time-limit", metavar="DURATION",
+                     help="end this session within DURATION (e.g. 2h30m, 45m, 90s), leaving "
+                          "time to commit the last step")
+    fit.add_argument("--reschedule", action="store_true",
+                     help="continue with a changed learning-rate schedule (steps, optim.lr, "
+                          "optim.warmup_steps, optim.min_lr_ratio)")
+    fit.add_argument("--from", dest="fork_from", metavar="RUN[@STEP]",
+                     help="fork: start this new run (--run-dir) from a committed snapshot of "
+                          "RUN (its newest without @STEP), optimizer warm")
+    fit.add_argument("--data-cursor", metavar="auto|keep|reset",
+                     help="with --from: keep the parent's data position, restart the data at "
+                          "epoch 0, or auto (keep it when the dataset and seed are the same)")
     fit.set_defaults(func=_cmd_fit)
 
     report = subparsers.add_parser("report", help="plot a run's metrics into a PNG")
@@ -49,15 +86,58 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     demo.set_defaults(func=_cmd_demo)
 
 
-def _print_progress(record: dict[str, Any]) -> None:
-    val = f" val {record['val_loss']:.4f}" if record.get("val_loss") is not None else ""
-    console.print(
-        f"step {record['step']:>6}  loss {record['loss']:.4f}{val}  "
-        f"{record['tokens_per_s']:>8.0f} tok/s  workers {record['world_size']}  "
-        f"lr {record['lr']:.2e}  last commit {record.get('last_commit', '-')}"
-    )
-    if record.get("warning"):
-        console.print(f"[yellow]warning:[/yellow] {escape(record['warning'])}")
+class _FitTerminal:
+    """What a fit shows (`trainer.terminal`): a progress bar with ETA (one plain line per
+    update off a terminal), restarts as events and the `[logging]` sinks (`RunFeed`), with
+    Ray's own messages sent to a log file whose path is printed once (`ray_messages_to`).
+    Call it with each progress record; `close()` once the fit has ended."""
+
+    def __init__(self, cfg: Any) -> None:
+        from trainer.monitor import RunFeed
+        from trainer.ray_messages import ray_log_path, ray_messages_to
+        from trainer.terminal import ProgressDisplay
+
+        self.feed = RunFeed(cfg, ProgressDisplay(cfg.steps, console))
+        self._ray_messages = contextlib.ExitStack()
+        self._ray_messages.enter_context(ray_messages_to(
+            ray_log_path(cfg), lambda text: console.print(escape(text), highlight=False)))
+
+    def __call__(self, record: dict[str, Any]) -> None:
+        self.feed(record)
+
+    def close(self) -> None:
+        try:
+            self.feed.close()
+        finally:
+            self._ray_messages.close()
+
+
+@dataclasses.dataclass
+class _Session:
+    """What this `baton fit` session was asked to do, checked before Ray starts."""
+
+    until: int | None = None
+    time_limit_s: float | None = None
+    fork: Any = None  # trainer.fork.ForkPlan
+
+
+def _parse_session(args: argparse.Namespace, cfg: Any, resumed: int | None) -> _Session:
+    """Check the session flags (one-line `ValueError`s naming the flag)."""
+    session = _Session()
+    if args.time_limit is not None:
+        session.time_limit_s = parse_duration(args.time_limit)
+    if args.until is not None:
+        text = str(args.until).strip()
+        if not text.isdigit() or int(text) < 1:
+            raise ValueError(f"--until {args.until!r}: must be a step number >= 1")
+        session.until = int(text)
+        if session.until > cfg.steps:
+            raise ValueError(f"--until {session.until}: past the run's last step (steps = "
+                             f"{cfg.steps}); to train longer, --set steps=N --reschedule")
+        if resumed is not None and session.until <= resumed:
+            raise ValueError(f"--until {session.until}: the run is already at committed step "
+                             f"{resumed}; pick a later step")
+    return session
 
 
 def _cmd_fit(args: argparse.Namespace) -> int:
@@ -66,8 +146,19 @@ def _cmd_fit(args: argparse.Namespace) -> int:
         overrides.append(f"snapshots.run_uri={json.dumps(args.run_dir)}")
     try:
         cfg = load_recipe(args.recipe, overrides)
-        resumed = check_run_dir(cfg)
-    except (ConfigError, RunDirError) as err:
+        if args.data_cursor is not None and not args.fork_from:
+            raise ValueError("--data-cursor: only with --from RUN[@STEP] (a fork); a continued "
+                             "run always keeps its data cursor")
+        _parse_session(args, cfg, None)  # flag syntax first: no storage touched for a typo
+        plan = None
+        if args.fork_from:
+            from trainer.fork import parse_source, plan_fork
+
+            plan = plan_fork(cfg, *parse_source(args.fork_from), args.data_cursor or "auto")
+        resumed = check_run_dir(cfg, reschedule=args.reschedule)
+        session = _parse_session(args, cfg, plan.step if plan is not None else resumed)
+        session.fork = plan
+    except (ConfigError, RunDirError, ValueError) as err:
         console.print(f"[red]error:[/red] {escape(one_line(err))}")
         return 2
     from elastic.lease import LeaseHeldError, LeaseLostError, RunLease
@@ -75,45 +166,187 @@ def _cmd_fit(args: argparse.Namespace) -> int:
 
     # One driver per run directory: take the lease before Ray starts (and before importing
     # it), so a second driver fails in a second instead of after a cluster start-up.
-    lease = RunLease(SnapshotStore(cfg.snapshots.run_uri))
+    store = SnapshotStore(cfg.snapshots.run_uri)
+    lease = RunLease(store)
     try:
         record = lease.acquire(force=args.force_takeover)
     except LeaseHeldError as err:
         console.print(f"[red]error:[/red] {escape(str(err))}")
         return 2
     from trainer.commit_watch import FinalCommitError
-    from trainer.ray_fit import fit  # imports Ray: only once the input is known to be good
     from trainer.scaling import RunFailedError
+    from trainer.session_log import begin_session, end_session
 
+    outcome, step, began = "failed", None, False
     try:
         if record["epoch"] > 1:
             console.print(f"took over the run lease of {cfg.snapshots.run_uri} "
                           f"(epoch {record['epoch']})")
-        if resumed:
-            console.print(f"continuing run {cfg.snapshots.run_uri} from committed step {resumed}")
-        else:
-            console.print(f"starting run {cfg.snapshots.run_uri}")
-        result = fit(cfg, on_progress=_print_progress, pace_s=args.pace, lease=lease)
+        try:
+            resumed = _start_session(args, cfg, store, session, resumed)
+        except (ConfigError, RunDirError, ValueError) as err:
+            console.print(f"[red]error:[/red] {escape(one_line(err))}")
+            return 2
+        begin_session(store, cfg, resumed, rescheduled=args.reschedule,
+                      forked_from=args.fork_from)
+        began = True
+        result = _fit_interruptibly(cfg, args, session, lease)
+    except KeyboardInterrupt:
+        outcome = "aborted"
+        console.print("[red]aborted[/red]: the steps since the last committed snapshot are "
+                      f"lost; continue with: {_continue_command(args)}")
+        return 130
     except (LeaseLostError, RunFailedError, FinalCommitError) as err:
         # One line each: the lease was taken over; the worker's message and the restarts;
         # trained to the end, but the end is not committed (and why).
         console.print(f"[red]error:[/red] {escape(str(err))}")
+        if isinstance(err, LeaseLostError):
+            outcome = ""  # not ours to record any more
         return 1
+    else:
+        stopped_at = getattr(result, "stopped_at", None)
+        outcome = "stopped" if stopped_at is not None and stopped_at < cfg.steps else "finished"
+        step = stopped_at if outcome == "stopped" else cfg.steps
     finally:
+        if began and outcome and lease.token is not None and not lease.lost:
+            _record_end(store, outcome, step, end_session)
         lease.release()  # only if still ours
     _print_summary(result.summary.to_dict())
+    if outcome == "stopped":
+        console.print(f"stopped at step {step}; continue with: {_continue_command(args)}")
     return 0
 
 
-def _print_summary(summary: dict[str, Any]) -> None:
-    from rich.table import Table
+def _start_session(args: argparse.Namespace, cfg: Any, store: Any, session: _Session,
+                   resumed: int) -> int:
+    """Under the lease: make the fork, say what this session starts from; returns the step."""
+    from trainer.optim import describe_schedule
+    from trainer.session_log import saved_schedule, schedule_changes
 
-    table = Table(title="run summary")
-    table.add_column("what")
-    table.add_column("value")
-    for key, value in summary.items():
-        table.add_row(key.replace("_", " "), str(value))
-    Console().print(table)
+    if session.fork is not None:
+        from trainer.fork import make_fork
+
+        fork = make_fork(session.fork, cfg)
+        console.print(
+            f"forked {fork.parent['uri']} at step {fork.step} into {cfg.snapshots.run_uri}: "
+            f"{fork.files} shard file(s), {fork.bytes / 2**20:.1f} MiB verified, optimizer "
+            f"warm, data cursor {'kept' if fork.cursor_kept else 'reset to epoch 0'}")
+        resumed = fork.step
+    elif resumed:
+        console.print(f"continuing run {cfg.snapshots.run_uri} from committed step {resumed}")
+    else:
+        console.print(f"starting run {cfg.snapshots.run_uri}")
+    changes = [] if session.fork is not None else schedule_changes(
+        saved_schedule(store, resumed), cfg)
+    if changes:
+        console.print("rescheduled: " + ", ".join(f"{name} {json.dumps(old)} -> "
+                                                  f"{json.dumps(new)}"
+                                                  for name, old, new in changes))
+    if changes or (resumed and session.fork is not None):
+        console.print(f"schedule from here: {describe_schedule(cfg.optim, cfg.steps, resumed)}")
+    return resumed
+
+
+def _record_end(store: Any, outcome: str, step: int | None,
+                end_session: Callable[..., None]) -> None:
+    try:
+        end_session(store, outcome, step)
+    except (ValueError, OSError) as err:  # the log is a record, never a reason to fail
+        logging.getLogger("baton.fit").warning("could not record the session's end: %s", err)
+
+
+class _QuietNonMainThreadInit(logging.Filter):
+    """`ray.init` outside the main thread warns that it set no SIGTERM handler: the CLI runs
+    the fit in a thread on purpose (so Ctrl-C is ours) and installs its own."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "SIGTERM handler is not set" not in record.getMessage()
+
+
+def _fit_interruptibly(cfg: Any, args: argparse.Namespace, session: _Session,
+                       lease: Any) -> Any:
+    """Run `trainer.ray_fit.fit` in a thread while the main thread owns the signals: the
+    first SIGINT sets the stop event (the workers commit at the next step boundary and end),
+    the second raises KeyboardInterrupt here; SIGTERM exits as Ray's own handler would.
+    Ray Train installs its SIGINT handler (abort the run, nothing committed) only when
+    `fit` runs in the main thread, hence the thread."""
+    from trainer.ray_fit import fit  # imports Ray: only once the input is known to be good
+
+    stop = threading.Event()
+    done = threading.Event()
+    budget = TimeBudget(session.time_limit_s) if session.time_limit_s else None
+    outcome: dict[str, Any] = {}
+    terminal = _FitTerminal(cfg)
+
+    def on_progress(record: dict[str, Any]) -> None:
+        if budget is not None:
+            budget.observe(record)
+        terminal(record)
+
+    def target() -> None:
+        try:
+            outcome["result"] = fit(cfg, on_progress=on_progress, pace_s=args.pace,
+                                    lease=lease, until=session.until, stop=stop)
+        except BaseException as err:  # noqa: BLE001 - handed to the main thread as is
+            outcome["error"] = err
+        finally:
+            done.set()
+
+    interrupts = 0
+
+    def on_sigint(signum: int, frame: Any) -> None:
+        nonlocal interrupts
+        interrupts += 1
+        if interrupts > 1:
+            signal.signal(signal.SIGINT, signal.default_int_handler)
+            raise KeyboardInterrupt
+        stop.set()
+        console.print("stopping after the current step (Ctrl-C again to abort)")
+
+    def on_sigterm(signum: int, frame: Any) -> None:
+        raise SystemExit(signum)
+
+    ray_worker_log = logging.getLogger("ray._private.worker")
+    quiet = _QuietNonMainThreadInit()
+    ray_worker_log.addFilter(quiet)
+    previous = (signal.signal(signal.SIGINT, on_sigint),
+                signal.signal(signal.SIGTERM, on_sigterm))
+    thread = threading.Thread(target=target, name="baton-fit", daemon=True)
+    try:
+        thread.start()
+        while not done.wait(0.25):
+            if budget is not None and not stop.is_set() and budget.due():
+                stop.set()
+                console.print(f"time limit: stopping after the current step (about "
+                              f"{max(0.0, budget.left_s()):.0f} s left, "
+                              f"{budget.reserve_s():.0f} s kept for the final commit)")
+    finally:
+        signal.signal(signal.SIGINT, previous[0])
+        signal.signal(signal.SIGTERM, previous[1])
+        ray_worker_log.removeFilter(quiet)
+        terminal.close()
+    if "error" in outcome:
+        raise outcome["error"]
+    return outcome["result"]
+
+
+def _continue_command(args: argparse.Namespace) -> str:
+    """The command that continues this run: the same recipe, run directory and overrides,
+    without this session's own flags (a fork continues without --from)."""
+    parts = ["baton", "fit", args.recipe]
+    if args.run_dir:
+        parts += ["--run-dir", args.run_dir]
+    for assignment in args.overrides:
+        parts += ["--set", assignment]
+    if args.pace:
+        parts += ["--pace", f"{args.pace:g}"]
+    return shlex.join(parts)
+
+
+def _print_summary(summary: dict[str, Any]) -> None:
+    from trainer.terminal import print_summary
+
+    print_summary(summary, Console(soft_wrap=True))
 
 
 def _cmd_report(args: argparse.Namespace) -> int:

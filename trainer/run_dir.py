@@ -5,15 +5,19 @@ Contract:
   written, or when it already holds a run that this recipe cannot continue
   (`check_continuation`); returns the newest committed step (0 if none), so the CLI can say
   "continuing from step N".
-- `check_continuation(cfg, fingerprint=...)` refuses — `RunDirError` naming the field, the
-  saved and the new value, and the fix — a recipe that changes what a continued run must
-  keep: `seed`, `data.seq_len`, the model's shape (`model.vocab_size`, `d_model`, `n_layers`,
-  `n_heads`; not for a custom `model_factory`), or the dataset (its train split's fingerprint
-  differs from the one the newest snapshot's data cursor was made on). Saved values come from
-  `run.json`'s `config` (written by the run's first session; these fields never change after)
-  and the newest committed manifest's data cursor. What cannot be read is not held against
-  the recipe (doubt never refuses). The driver runs it before Ray starts and every worker's
-  rank 0 runs it again (`trainer.loop`), so the two refuse exactly the same recipes.
+- `check_continuation(cfg, fingerprint=..., reschedule=False)` refuses — `RunDirError` naming
+  the field, the saved and the new value, and the fix — a recipe that changes what a
+  continued run must keep: `seed`, `data.seq_len`, the model's shape (`TENSOR_SHAPE_FIELDS`;
+  not for a custom `model_factory`), the dataset (its train split's fingerprint differs from
+  the one the newest snapshot's data cursor was made on), or, unless `reschedule`, the
+  learning-rate schedule (`trainer.session_log.SCHEDULE_FIELDS`: `steps`, `optim.lr`,
+  `optim.warmup_steps`, `optim.min_lr_ratio`; the fix names `--reschedule`). Saved values
+  come from `run.json`'s `config` (written by the run's first session; the fixed fields never
+  change after), the session log for the schedule (`trainer.session_log.saved_schedule`) and
+  the newest committed manifest's data cursor. What cannot be read is not held against the
+  recipe (doubt never refuses). The driver runs it before Ray starts and every worker's rank 0
+  runs it again (`trainer.loop`), so the two refuse exactly the same recipes (a schedule
+  change the driver accepted is in the session log before the workers start).
 - Before anything else, `check_run_dir` also runs `check_dataset` (a set `data.uri` must
   hold a prepared dataset with a train split of `data.seq_len` tokens per sequence; local
   paths and s3://, a missing `dataset.json` is the same error) and `check_local_capacity`
@@ -38,19 +42,20 @@ import uuid
 from collections.abc import Mapping
 from typing import Any
 
-import fsspec
-
+from elastic.storage_io import Storage
 from elastic.store import SnapshotStore
 from trainer.config import ConfigError, FitConfig
+from trainer.session_log import saved_schedule, schedule_changes
 
-# What a continued run must keep. The seed fixes the sample order (the data cursor carries
-# it) and the sketches; seq_len and the model fields fix tensor shapes and what they mean.
-# Other fields (lr, steps, global_batch, workers, checkpointing, ...) may change between
-# sessions. `model.*` is skipped for a custom model_factory (its shapes are its own).
-_FIXED_FIELDS = (
-    "seed", "data.seq_len", "model.vocab_size", "model.d_model", "model.n_layers",
-    "model.n_heads",
+# Fields that fix tensor shapes (and what the tensors mean): a continued run and a fork
+# (`trainer.fork`) must keep them. `model.*` is skipped for a custom model_factory.
+TENSOR_SHAPE_FIELDS = (
+    "data.seq_len", "model.vocab_size", "model.d_model", "model.n_layers", "model.n_heads",
 )
+# What a continued run must keep: the shapes, and the seed (it fixes the sample order, which
+# the data cursor carries, and the sketches). The schedule may change only when asked
+# (`reschedule`); other fields (global_batch, workers, parallelism, ...) freely.
+_FIXED_FIELDS = ("seed", *TENSOR_SHAPE_FIELDS)
 
 
 class RunDirError(ValueError):
@@ -63,12 +68,12 @@ def _probe_writable(run_uri: str) -> SnapshotStore:
     try:
         store = SnapshotStore(run_uri)
         if store.is_local:
-            store.fs.makedirs(store.root, exist_ok=True)
-        elif not store.fs.exists(store.root.split("/", 1)[0]):
+            store.makedirs(store.root)
+        elif not store.exists(store.root.split("/", 1)[0]):
             raise FileNotFoundError(f"bucket {store.root.split('/', 1)[0]!r} does not exist")
         probe = store.path(f".baton-probe-{uuid.uuid4().hex[:8]}")
         store.write_file(probe, b"ok", durable=False)
-        store.fs.rm(probe)
+        store.remove(probe)
         return store
     except Exception as err:  # noqa: BLE001 - any failure here means "cannot use this URI"
         raise RunDirError(
@@ -115,7 +120,7 @@ def dataset_fingerprint(uri: str) -> str | None:
 
 def check_continuation(cfg: FitConfig, *, fingerprint: str | None,
                        store: SnapshotStore | None = None,
-                       committed: list[int] | None = None) -> None:
+                       committed: list[int] | None = None, reschedule: bool = False) -> None:
     """Refuse a recipe that the run at `cfg.snapshots.run_uri` cannot be continued with
     (module docstring); `fingerprint` is the train split's (None: not checked)."""
     store = store or SnapshotStore(cfg.snapshots.run_uri)
@@ -147,6 +152,25 @@ def check_continuation(cfg: FitConfig, *, fingerprint: str | None,
             f"{fingerprint} (other content); a continued run cannot change its data. Use the "
             "dataset the run was started on, or another --run-dir to start a new run."
         )
+    if not reschedule:
+        _refuse_schedule_change(cfg, store, max(committed), run_json)
+
+
+def _refuse_schedule_change(cfg: FitConfig, store: SnapshotStore, step: int,
+                            run_json: dict[str, Any]) -> None:
+    """A continued run keeps its learning-rate schedule unless asked: changing `steps` or
+    `lr` would silently move the learning rate of every step from here."""
+    changes = schedule_changes(saved_schedule(store, step, run_json), cfg)
+    if not changes:
+        return
+    name, saved, new = changes[0]
+    raise RunDirError(
+        f"{name}: the run in {cfg.snapshots.run_uri} was trained to committed step {step} "
+        f"with {name} = {json.dumps(saved)}, this recipe asks for {json.dumps(new)}; that "
+        "changes its learning-rate schedule from here. Pass --reschedule to accept it (from "
+        "Python: trainer.session_log.accept_schedule(cfg)), or keep it: "
+        f"--set {name}={json.dumps(saved)}"
+    )
 
 
 def check_dataset(cfg: FitConfig) -> None:
@@ -219,7 +243,9 @@ def check_local_capacity(cfg: FitConfig) -> None:
                       "this machine")  # GPUs are counted once Ray has started
 
 
-def check_run_dir(cfg: FitConfig) -> int:
+def check_run_dir(cfg: FitConfig, *, reschedule: bool = False) -> int:
+    """All of the pre-flight checks above; returns the newest committed step (0 if none).
+    `reschedule` accepts a change of the learning-rate schedule (`baton fit --reschedule`)."""
     check_dataset(cfg)
     check_local_capacity(cfg)
     store = _probe_writable(cfg.snapshots.run_uri)
@@ -229,7 +255,7 @@ def check_run_dir(cfg: FitConfig) -> int:
     # An empty data.uri means the corpus that `ensure_dataset` prepared into RUN/data.
     data_uri = cfg.data.uri or f"{cfg.snapshots.run_uri.rstrip('/')}/data"
     check_continuation(cfg, fingerprint=dataset_fingerprint(data_uri) if committed else None,
-                       store=store, committed=committed)
+                       store=store, committed=committed, reschedule=reschedule)
     return max(committed, default=0)
 
 
@@ -254,8 +280,8 @@ def ensure_dataset(cfg: FitConfig) -> FitConfig:
     from data_state import prepare_corpus
 
     uri = f"{cfg.snapshots.run_uri.rstrip('/')}/data"
-    fs, root = fsspec.core.url_to_fs(uri)
-    if not fs.exists(f"{root}/dataset.json"):
+    io = Storage(uri)
+    if not io.exists(io.path("dataset.json")):
         prepare_corpus(
             None, uri, seq_len=cfg.data.seq_len, max_bytes=cfg.data.max_corpus_bytes or None
         )

@@ -1,0 +1,346 @@
+"""Forks: a new run that starts from a committed snapshot of another, optimizer warm.
+
+Contract:
+- `parse_source("RUN@STEP")` splits `baton fit --from`'s value: a run URI and an optional
+  committed step (`RUN` alone: its newest committed snapshot).
+- `plan_fork(cfg, source, step, data_cursor)` makes every check that needs no writing, before
+  the lease and before Ray; each failure is one `RunDirError` (a `ValueError`) line naming the
+  field or flag and the fix:
+  * the source run exists and `step` is one of its committed snapshots (its manifest is
+    parsed and validated as untrusted input, `elastic.manifest_check`);
+  * the new run directory (`cfg.snapshots.run_uri`) holds no run (no `run.json`, snapshots or
+    session log; a prepared `data/` or a released lease may be there) and neither directory
+    lies inside the other: a fork never writes into its parent;
+  * nothing that fixes a tensor shape changes: the fields of
+    `trainer.run_dir.TENSOR_SHAPE_FIELDS` against the parent's `run.json`, then every model
+    tensor (name and shape, from the recipe's model built on the meta device) against the
+    snapshot's, so a custom `model_factory` is covered too;
+  * `steps` is past the fork step (a fork's step count continues the parent's);
+  * `data_cursor`: `keep` needs the same seed (the cursor carries it) and, when `data.uri`
+    is set, the same dataset fingerprint; `auto` keeps the cursor when both are the same and
+    resets it otherwise; `reset` starts the new run's data at epoch 0.
+  Everything else may change: lr and schedule, steps, global batch, world size, parallelism,
+  sketch settings, the data.
+- `make_fork(plan, cfg)` (the caller holds the new run's lease) prepares the default corpus
+  when `data.uri` is empty, decides the cursor, then copies the snapshot into the new run as
+  its first committed snapshot: each shard file is read whole from the parent, checked
+  against the manifest (safetensors header, every crc32 block) and written create-only; then
+  `generation.json` (the new run's worker groups start above the parent's generation, so no
+  shard name is ever reused), `run.json` (the recipe and the lineage: `parent` = uri, step,
+  loss at that step, dataset fingerprint, whether the data cursor was kept) and, last, the
+  manifest (the commit; with a reset data cursor when asked). On any failure what it wrote is
+  removed and the new run holds no snapshot. The normal restore then resumes from it, warm.
+  Memory: one shard file at a time is held in RAM while it is copied.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import re
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from elastic.commit import GENERATION_NAME
+from elastic.format import Manifest, crc32_blocks, parse_header
+from elastic.store import SnapshotStore
+from trainer.config import FitConfig
+from trainer.run_dir import TENSOR_SHAPE_FIELDS, RunDirError, dataset_fingerprint
+from trainer.session_log import SESSIONS_NAME
+
+DATA_CURSOR_CHOICES = ("auto", "keep", "reset")
+_GENERATION_RE = re.compile(r"-g(\d{6})\.safetensors$")
+_READ_PIECE = 64 << 20
+
+
+@dataclass
+class ForkPlan:
+    source: SnapshotStore
+    step: int
+    manifest: Manifest
+    parent_config: dict[str, Any]
+    target: SnapshotStore
+    data_cursor: str  # as asked: auto | keep | reset
+
+
+@dataclass
+class ForkResult:
+    step: int
+    files: int
+    bytes: int
+    cursor_kept: bool
+    parent: dict[str, Any]  # the lineage recorded in run.json
+
+
+def parse_source(text: str) -> tuple[str, int | None]:
+    """`RUN` or `RUN@STEP` (the step: a number >= 0)."""
+    uri, sep, tail = text.rpartition("@")
+    if not sep or "/" in tail:
+        uri, tail = text, ""
+    elif not tail.isdigit():
+        raise RunDirError(f"--from {text!r}: expected RUN or RUN@STEP with STEP a committed "
+                          "step number, e.g. runs/base@200")
+    if not uri:
+        raise RunDirError("--from: the run directory to fork from is empty")
+    return uri, int(tail) if tail else None
+
+
+def _root(store: SnapshotStore) -> str:
+    return os.path.realpath(store.root) if store.is_local else store.run_uri
+
+
+def _inside(a: str, b: str) -> bool:
+    return a == b or a.startswith(b.rstrip("/") + "/")
+
+
+def _holds_run(store: SnapshotStore) -> list[str]:
+    """What of a run the directory holds (empty: none)."""
+    found = [n for n in ("run.json", SESSIONS_NAME) if store.exists(store.path(n))]
+    if store.all_steps():
+        found.append("snapshots/")
+    return found
+
+
+def _field(config: Any, dotted: str) -> Any:
+    for part in dotted.split("."):
+        if not isinstance(config, dict) or part not in config:
+            return None
+        config = config[part]
+    return config
+
+
+def plan_fork(cfg: FitConfig, source_uri: str, step: int | None,
+              data_cursor: str = "auto") -> ForkPlan:
+    """Every check of a fork that writes nothing (module contract)."""
+    if data_cursor not in DATA_CURSOR_CHOICES:
+        raise RunDirError(f"--data-cursor {data_cursor!r}: must be one of "
+                          f"{', '.join(DATA_CURSOR_CHOICES)}")
+    source = SnapshotStore(source_uri)
+    if not source.fs.isdir(source.root):
+        raise RunDirError(f"--from {source_uri}: run directory does not exist")
+    target = SnapshotStore(cfg.snapshots.run_uri)
+    new, old = _root(target), _root(source)
+    if _inside(new, old) or _inside(old, new):
+        raise RunDirError(
+            f"--run-dir {cfg.snapshots.run_uri}: a fork needs its own run directory, outside "
+            f"the run it forks ({source_uri}) and not containing it")
+    committed = source.committed_steps()
+    if not committed:
+        raise RunDirError(f"--from {source_uri}: the run has no committed snapshot to fork from")
+    if step is None:
+        step = committed[-1]
+    elif step not in committed:
+        raise RunDirError(f"--from {source_uri}@{step}: step {step} is not a committed snapshot "
+                          f"of {source_uri}; committed: {committed}")
+    held = _holds_run(target)
+    if held:
+        raise RunDirError(
+            f"--run-dir {cfg.snapshots.run_uri} already holds a run ({', '.join(held)}): a fork "
+            "starts a new run in an empty directory; to continue that run, drop --from")
+    manifest = source.load_manifest(step)  # untrusted: validated as it is parsed
+    run_json = source.read_run_json() or {}
+    parent_config = run_json.get("config") if isinstance(run_json.get("config"), dict) else {}
+    _refuse_shape_change(cfg, source_uri, parent_config, manifest)
+    if cfg.steps <= step:
+        raise RunDirError(
+            f"steps: the fork starts at step {step} of {source_uri} and its step count "
+            f"continues from there; set steps above {step}, e.g. --set steps={step + 100}")
+    cursor = manifest.state.get("data")
+    if data_cursor == "keep":
+        if not isinstance(cursor, dict):
+            raise RunDirError(f"--data-cursor keep: snapshot {step} of {source_uri} has no "
+                              "data cursor; use --data-cursor reset")
+        if cursor.get("seed") != cfg.seed:
+            raise RunDirError(
+                f"seed: --data-cursor keep needs the parent's seed ({cursor.get('seed')}), the "
+                f"recipe has {cfg.seed} (the cursor's sample order comes from it); --set "
+                f"seed={cursor.get('seed')}, or --data-cursor reset")
+        if cfg.data.uri:
+            _refuse_other_dataset(cfg.data.uri, dataset_fingerprint(cfg.data.uri), cursor,
+                                  source_uri, step)
+    return ForkPlan(source, step, manifest, parent_config, target, data_cursor)
+
+
+def _refuse_shape_change(cfg: FitConfig, source_uri: str, parent: dict[str, Any],
+                         manifest: Manifest) -> None:
+    wanted = cfg.to_dict()
+    for name in TENSOR_SHAPE_FIELDS:
+        if name.startswith("model.") and cfg.model_factory is not None:
+            continue
+        saved, new = _field(parent, name), _field(wanted, name)
+        if saved is not None and saved != new:
+            raise RunDirError(
+                f"{name}: a fork keeps every tensor shape, and {source_uri} was trained with "
+                f"{name} = {json.dumps(saved)}, this recipe asks for {json.dumps(new)}. Keep "
+                f"it (--set {name}={json.dumps(saved)}), or start a new run without --from")
+    shapes = _model_shapes(cfg)
+    if shapes is None:
+        return  # the model cannot be built on the meta device: restore checks it instead
+    saved_shapes = {k[len("model."):]: tuple(r.shape) for k, r in manifest.tensors.items()
+                    if k.startswith("model.")}
+    for name in sorted(shapes.keys() | saved_shapes.keys()):
+        have, want = saved_shapes.get(name), shapes.get(name)
+        if have != want:
+            raise RunDirError(
+                f"model: a fork keeps every tensor shape, but tensor {name} is "
+                f"{list(have) if have is not None else 'absent'} in snapshot "
+                f"{manifest.step} of {source_uri} and "
+                f"{list(want) if want is not None else 'absent'} in this recipe's model")
+
+
+def _model_shapes(cfg: FitConfig) -> dict[str, tuple[int, ...]] | None:
+    """The recipe's model parameter and buffer shapes, built without memory (meta device)."""
+    import torch
+
+    from trainer.loop import build_model
+
+    try:
+        with torch.device("meta"):
+            model = build_model(cfg)
+    except Exception:  # noqa: BLE001 - a model that cannot go on meta is checked at restore
+        return None
+    return {k: tuple(v.shape) for k, v in model.state_dict().items()}
+
+
+def _refuse_other_dataset(uri: str, fingerprint: str | None, cursor: dict[str, Any],
+                          source_uri: str, step: int) -> None:
+    if fingerprint is not None and cursor.get("dataset") != fingerprint:
+        raise RunDirError(
+            f"data.uri: --data-cursor keep needs the dataset the parent read (fingerprint "
+            f"{cursor.get('dataset')}, snapshot {step} of {source_uri}), but {uri} has "
+            f"fingerprint {fingerprint}; use --data-cursor reset (or auto) to start its data "
+            "from epoch 0")
+
+
+def _keep_cursor(plan: ForkPlan, cfg: FitConfig, fingerprint: str | None) -> bool:
+    cursor = plan.manifest.state.get("data")
+    same = (isinstance(cursor, dict) and cursor.get("seed") == cfg.seed
+            and fingerprint is not None and cursor.get("dataset") == fingerprint)
+    if plan.data_cursor == "keep":
+        assert isinstance(cursor, dict)  # plan_fork refused otherwise
+        _refuse_other_dataset(cfg.data.uri, fingerprint, cursor, plan.source.run_uri, plan.step)
+        return True
+    return plan.data_cursor == "auto" and same
+
+
+def _parent_loss(source_uri: str, step: int) -> float | None:
+    from trainer.metrics import read_records
+
+    try:
+        losses = [r["loss"] for r in read_records(source_uri)
+                  if r["kind"] == "step" and r["step"] == step]
+    except (ValueError, OSError):
+        return None
+    return float(losses[-1]) if losses else None
+
+
+def make_fork(plan: ForkPlan, cfg: FitConfig) -> ForkResult:
+    """Write the fork's first committed snapshot and its lineage (module contract)."""
+    from data_state.cursor import DataCursor
+    from elastic.snapshotter import library_versions
+    from trainer.run_dir import ensure_dataset
+
+    data_cfg = ensure_dataset(cfg)
+    fingerprint = dataset_fingerprint(data_cfg.data.uri)
+    kept = _keep_cursor(plan, cfg, fingerprint)
+    state = dict(plan.manifest.state)
+    if not kept and "data" in state:
+        if fingerprint is None:
+            raise RunDirError(f"data.uri: the dataset at {data_cfg.data.uri} cannot be read")
+        state["data"] = DataCursor(fingerprint, cfg.seed).to_dict()
+    target, step = plan.target, plan.step
+    parent = {
+        "uri": _absolute(plan.source),
+        "step": step,
+        "loss": _parent_loss(plan.source.run_uri, step),
+        "dataset": (plan.manifest.state.get("data") or {}).get("dataset")
+        if isinstance(plan.manifest.state.get("data"), dict) else None,
+        "data_cursor": "kept" if kept else "reset",
+        "forked_at": time.time(),
+    }
+    written: list[str] = []
+    try:
+        nbytes = 0
+        for name in plan.manifest.files:
+            nbytes += _copy_shard(plan, name, written)
+        generation = max((int(m.group(1)) for n in plan.manifest.files
+                          if (m := _GENERATION_RE.search(n))), default=0)
+        path = target.path(GENERATION_NAME)
+        target.write_json(path, {"generation": generation, "time": time.time()},
+                          exclusive=True)
+        written.append(path)
+        path = target.path("run.json")
+        target.write_json(path, {**_run_info(library_versions()), "config": cfg.to_dict(),
+                                 "parent": parent}, exclusive=True)
+        written.append(path)
+        target.write_manifest(dataclasses.replace(plan.manifest, state=state), exclusive=True)
+    except BaseException:
+        for path in reversed(written):
+            try:
+                target.fs.rm(path)
+            except OSError:
+                pass
+        raise
+    return ForkResult(step=step, files=len(plan.manifest.files), bytes=nbytes,
+                      cursor_kept=kept, parent=parent)
+
+
+def _run_info(versions: dict[str, str]) -> dict[str, Any]:
+    from elastic.format import FORMAT_VERSION
+
+    return {"format_version": FORMAT_VERSION, **versions}
+
+
+def _absolute(store: SnapshotStore) -> str:
+    return os.path.abspath(store.run_uri) if store.is_local and "://" not in store.run_uri \
+        else store.run_uri
+
+
+def _copy_shard(plan: ForkPlan, name: str, written: list[str]) -> int:
+    """Read one shard file of the parent, check it against the manifest, write it into the
+    new run create-only; returns its size."""
+    source, step = plan.source, plan.step
+    where = f"snapshot {step} of {source.run_uri}: {name}"
+    path = source.step_path(step, name)
+    if source.is_local:
+        directory = os.path.realpath(source.step_path(step))
+        if os.path.islink(path) or os.path.dirname(os.path.realpath(path)) != directory:
+            raise RunDirError(f"{where} is a symbolic link or resolves outside the snapshot "
+                              "directory; refused")
+    try:
+        size = source.size(path)
+        data = b"".join(source.read_range(path, start, min(size, start + _READ_PIECE))
+                        for start in range(0, size, _READ_PIECE))
+    except FileNotFoundError as err:
+        raise RunDirError(f"{where} is missing (if the parent run is still training, its "
+                          "keep_last may have just deleted this snapshot: fork a newer one)"
+                          ) from err
+    _check_shard(plan.manifest, name, data, where)
+    out = plan.target.step_path(step, name)
+    plan.target.write_file(out, data, exclusive=True)
+    written.append(out)
+    return size
+
+
+def _check_shard(manifest: Manifest, name: str, data: bytes, where: str) -> None:
+    """Every chunk the manifest places in file `name`: in the safetensors header with its
+    dtype, shape and byte range, and every crc32 block right."""
+    header = parse_header(data, where)
+    view = memoryview(data)
+    for key, record in manifest.tensors.items():
+        for chunk in record.chunks:
+            if chunk.file != name:
+                continue
+            entry = header.entries.get(chunk.name)
+            start, end = chunk.byte_range
+            span = None if entry is None else (header.data_start + entry.data_offsets[0],
+                                               header.data_start + entry.data_offsets[1])
+            if (entry is None or entry.dtype != record.dtype or entry.shape != chunk.shape
+                    or span != chunk.byte_range or end > len(data)):
+                raise RunDirError(f"{where}: chunk {chunk.name} of {key} does not match the "
+                                  "manifest (header or size); the parent snapshot is corrupt")
+            if tuple(crc32_blocks(view[start:end], manifest.block_bytes)) != chunk.crc32:
+                raise RunDirError(f"{where}: checksum mismatch in chunk {chunk.name} of {key}; "
+                                  "the parent snapshot is corrupt (fork an older step)")

@@ -1,0 +1,241 @@
+"""Training in sessions: the session log, the schedule a run was trained with, time budgets.
+
+Contract:
+- A run is trained in one or more *sessions* (one `baton fit` each). The driver appends one
+  entry per session to `RUN/sessions.json` (`begin_session`, under the run lease) and closes
+  it with its outcome (`end_session`: `finished`, `stopped`, `aborted` or `failed`, and the
+  newest committed step). The file is plain JSON, rewritten whole (atomic on local disk, one
+  PUT on S3), and untrusted when read: an unreadable file, or an entry without a valid
+  `from_step` and `schedule`, is ignored (logged), never a crash; doubt never refuses.
+- The learning-rate schedule is a function of the recipe's schedule fields
+  (`SCHEDULE_FIELDS`: `steps`, `optim.lr`, `optim.warmup_steps`, `optim.min_lr_ratio`), so
+  stopping early never changes it. `saved_schedule(store, step)` is the schedule the run was
+  trained with up to committed step `step`: that of the newest session entry that started at
+  or before `step` (a session started later and rolled back does not count), else the
+  first session's `run.json` config; None when neither can be read. `schedule_changes`
+  lists the fields a recipe changes. `trainer.run_dir.check_continuation` refuses a change
+  unless asked (`--reschedule`, or `accept_schedule(cfg)` from Python, which records the
+  recipe's schedule as the run's from its newest committed step).
+- `parse_duration("2h30m")` reads `--time-limit`: one or more of `<number>h`, `<number>m`,
+  `<number>s` in that order (e.g. `2h30m`, `45m`, `90s`, `1.5h`); anything else, or zero, is
+  a `ValueError` with one line naming the flag and the accepted forms.
+- `TimeBudget` decides when a time-limited session must ask its workers to stop so that the
+  final snapshot commits inside the limit. Rule: stop once the time left is at most
+  `2 * (step_s + commit_s) + margin_s`, where `step_s` is the longest time per step seen
+  over the last 20 progress records (the step in flight must finish), `commit_s` the longest
+  delay seen between a step's end and the driver seeing it committed (the final commit;
+  `default_commit_s` until one was seen) and `margin_s` covers the workers' shut-down. The
+  factor 2 absorbs a slower-than-usual step or commit. Time is injected (`clock`, `wall`).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import re
+import time
+from collections import deque
+from collections.abc import Callable
+from typing import Any
+
+from elastic.store import SnapshotStore
+from trainer.config import FitConfig
+
+log = logging.getLogger("baton.sessions")
+
+SESSIONS_NAME = "sessions.json"
+SESSIONS_VERSION = 1
+SCHEDULE_FIELDS = ("steps", "optim.lr", "optim.warmup_steps", "optim.min_lr_ratio")
+OUTCOMES = ("finished", "stopped", "aborted", "failed")
+
+
+# ---------------------------------------------------------------------- durations
+
+_DURATION_RE = re.compile(r"(?:(\d+(?:\.\d+)?)h)?(?:(\d+(?:\.\d+)?)m)?(?:(\d+(?:\.\d+)?)s)?")
+
+
+def parse_duration(text: str, flag: str = "--time-limit") -> float:
+    """Seconds in `text` (`2h30m`, `45m`, `90s`, `1.5h`); `ValueError` naming `flag` else."""
+    match = _DURATION_RE.fullmatch(text.strip().lower())
+    if not text.strip() or match is None or not any(match.groups()):
+        raise ValueError(f"{flag} {text!r}: expected a duration such as 2h30m, 45m or 90s "
+                         "(hours h, minutes m, seconds s, in that order)")
+    hours, minutes, seconds = (float(g) if g else 0.0 for g in match.groups())
+    total = hours * 3600 + minutes * 60 + seconds
+    if total <= 0:
+        raise ValueError(f"{flag} {text!r}: must be longer than zero")
+    return total
+
+
+# ---------------------------------------------------------------------- schedule
+
+def schedule_of(cfg: FitConfig) -> dict[str, Any]:
+    """The recipe's schedule fields, by dotted name."""
+    return {"steps": cfg.steps, "optim.lr": cfg.optim.lr,
+            "optim.warmup_steps": cfg.optim.warmup_steps,
+            "optim.min_lr_ratio": cfg.optim.min_lr_ratio}
+
+
+def _from_config(config: Any) -> dict[str, Any] | None:
+    """The schedule fields of a `run.json` config, or None if any is missing."""
+    out: dict[str, Any] = {}
+    for name in SCHEDULE_FIELDS:
+        value = config
+        for part in name.split("."):
+            if not isinstance(value, dict) or part not in value:
+                return None
+            value = value[part]
+        out[name] = value
+    return out
+
+
+def saved_schedule(store: SnapshotStore, step: int,
+                   run_json: dict[str, Any] | None = None) -> dict[str, Any] | None:
+    """The schedule the run was trained with up to committed `step` (module contract)."""
+    for entry in reversed(read_sessions(store)):
+        if entry["from_step"] <= step:
+            return dict(entry["schedule"])
+    if run_json is None:
+        try:
+            run_json = store.read_run_json()
+        except (ValueError, OSError):
+            return None
+    return _from_config((run_json or {}).get("config"))
+
+
+def schedule_changes(saved: dict[str, Any] | None, cfg: FitConfig
+                     ) -> list[tuple[str, Any, Any]]:
+    """(field, saved value, recipe value) for each schedule field the recipe changes."""
+    if saved is None:
+        return []
+    wanted = schedule_of(cfg)
+    return [(name, saved[name], wanted[name]) for name in SCHEDULE_FIELDS
+            if name in saved and _number(saved[name]) and saved[name] != wanted[name]]
+
+
+def _number(value: Any) -> bool:
+    return (isinstance(value, int | float) and not isinstance(value, bool)
+            and math.isfinite(value))
+
+
+# ---------------------------------------------------------------------- the session log
+
+def _valid_entry(entry: Any) -> bool:
+    if not isinstance(entry, dict):
+        return False
+    start, schedule = entry.get("from_step"), entry.get("schedule")
+    if not (_number(start) and isinstance(start, int) and start >= 0):
+        return False
+    return isinstance(schedule, dict) and all(_number(schedule.get(n)) for n in SCHEDULE_FIELDS)
+
+
+def read_sessions(store: SnapshotStore) -> list[dict[str, Any]]:
+    """The valid entries of `RUN/sessions.json`, oldest first ([] if none can be read)."""
+    path = store.path(SESSIONS_NAME)
+    try:
+        if not store.exists(path):
+            return []
+        raw = json.loads(store.read_file(path))
+    except (ValueError, OSError, RecursionError) as err:
+        log.warning("%s: unreadable (%s); the session log is ignored", path, err)
+        return []
+    entries = raw.get("sessions") if isinstance(raw, dict) else None
+    if not isinstance(entries, list):
+        log.warning("%s: not a Baton session log; ignored", path)
+        return []
+    valid = [e for e in entries if _valid_entry(e)]
+    if len(valid) != len(entries):
+        log.warning("%s: %d malformed entries ignored", path, len(entries) - len(valid))
+    return valid
+
+
+def _write_sessions(store: SnapshotStore, entries: list[dict[str, Any]]) -> None:
+    store.write_json(store.path(SESSIONS_NAME),
+                     {"version": SESSIONS_VERSION, "sessions": entries})
+
+
+def begin_session(store: SnapshotStore, cfg: FitConfig, from_step: int, *,
+                  rescheduled: bool = False, forked_from: str | None = None,
+                  clock: Callable[[], float] = time.time) -> None:
+    """Append this session's entry (the driver holds the run lease)."""
+    entry: dict[str, Any] = {"from_step": from_step, "started_at": clock(),
+                             "schedule": schedule_of(cfg), "rescheduled": rescheduled,
+                             "outcome": None}
+    if forked_from is not None:
+        entry["forked_from"] = forked_from
+    _write_sessions(store, [*read_sessions(store), entry])
+
+
+def end_session(store: SnapshotStore, outcome: str, step: int | None, *,
+                clock: Callable[[], float] = time.time) -> None:
+    """Close the newest entry with its outcome and the newest committed step."""
+    if outcome not in OUTCOMES:
+        raise ValueError(f"outcome must be one of {OUTCOMES}, got {outcome!r}")
+    entries = read_sessions(store)
+    if not entries:
+        return
+    entries[-1].update(outcome=outcome, ended_at=clock(), step=step)
+    _write_sessions(store, entries)
+
+
+def accept_schedule(cfg: FitConfig) -> str:
+    """Python API twin of `baton fit --reschedule`: record the recipe's schedule as the run's
+    from its newest committed step, so `trainer.fit(cfg)` continues with it; returns what the
+    schedule does from there (one line)."""
+    from trainer.optim import describe_schedule
+
+    store = SnapshotStore(cfg.snapshots.run_uri)
+    step = max(store.committed_steps(), default=0)
+    begin_session(store, cfg, step, rescheduled=True)
+    end_session(store, "stopped", step)  # recorded only; the fit that follows opens its own
+    return describe_schedule(cfg.optim, cfg.steps, step)
+
+
+# ---------------------------------------------------------------------- time budgets
+
+class TimeBudget:
+    """Whether a time-limited session must stop now (rule: module contract)."""
+
+    def __init__(self, limit_s: float, *, margin_s: float = 10.0,
+                 default_commit_s: float = 10.0,
+                 clock: Callable[[], float] = time.monotonic,
+                 wall: Callable[[], float] = time.time) -> None:
+        self.clock, self.wall = clock, wall
+        self.deadline = clock() + limit_s
+        self.margin_s, self.default_commit_s = margin_s, default_commit_s
+        self._per_step: deque[float] = deque(maxlen=20)
+        self._last: tuple[int, float] | None = None  # (step, its end time)
+        self._ended: dict[int, float] = {}  # step -> end time, until seen committed
+        self._commit_s: float | None = None
+
+    def observe(self, record: dict[str, Any]) -> None:
+        """Feed one progress record (`step`, `time` of its end, `last_commit`)."""
+        step, ended = record.get("step"), record.get("time")
+        if not (isinstance(step, int) and _number(ended)):
+            return
+        if self._last is not None and step > self._last[0]:
+            self._per_step.append((ended - self._last[1]) / (step - self._last[0]))
+        self._last = (step, ended)
+        self._ended[step] = ended
+        committed = record.get("last_commit")
+        if isinstance(committed, int):
+            seen = [s for s in self._ended if s <= committed]
+            if seen:
+                # From the end of the newest step seen at or before the commit: at most one
+                # poll interval more than the true delay (polls may skip steps).
+                delay = max(0.0, self.wall() - self._ended[max(seen)])
+                self._commit_s = max(self._commit_s or 0.0, delay)
+                for s in seen:
+                    del self._ended[s]
+
+    def reserve_s(self) -> float:
+        step_s = max(self._per_step, default=0.0)
+        commit_s = self.default_commit_s if self._commit_s is None else self._commit_s
+        return 2 * (step_s + commit_s) + self.margin_s
+
+    def left_s(self) -> float:
+        return self.deadline - self.clock()
+
+    def due(self) -> bool:
+        return self.left_s() <= self.reserve_s()
