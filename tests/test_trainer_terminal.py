@@ -173,3 +173,33 @@ def test_summary_values_are_formatted() -> None:
         "mean throughput": "12,346 tok/s", "snapshot stall (max)": "12.3 ms",
         "wall time": "1h02m03s", "report": "runs/demo/report.png",
     }
+
+
+def test_ray_messages_go_to_the_file_and_its_path_is_told_once(
+        tmp_path, capsys: pytest.CaptureFixture[str]) -> None:
+    import logging
+
+    from ray._private import worker as ray_worker
+
+    from trainer.ray_messages import ray_messages_to
+
+    ray_logger = logging.getLogger("ray")
+    handlers_before = list(ray_logger.handlers)
+    print_before = ray_worker.print_to_stdstream
+    told: list[str] = []
+    path = tmp_path / "logs" / "ray.log"
+    with ray_messages_to(path, told.append):
+        ray_logger.info("Connecting to existing Ray cluster at address: 127.0.0.1:6379...")
+        # What Ray's error listener thread calls for a node failure (by its module name).
+        ray_worker.print_to_stdstream({"lines": ["Raylet is terminated. Termination is "
+                                                 "unexpected."], "pid": "raylet",
+                                       "is_err": False}, ignore_prefix=False)
+    captured = capsys.readouterr()
+    assert "Raylet" not in captured.out + captured.err
+    assert "Connecting" not in captured.out + captured.err
+    text = path.read_text()
+    assert "(raylet) Raylet is terminated" in text
+    assert "INFO ray: Connecting to existing Ray cluster" in text
+    assert told == [f"Ray's own messages (node failures, connection lines) are in {path}"]
+    assert ray_logger.handlers == handlers_before  # put back
+    assert ray_worker.print_to_stdstream is print_before

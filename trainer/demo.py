@@ -4,7 +4,10 @@ Contract: starts a local multi-node Ray cluster (head + 2 worker raylets), prepa
 embedded corpus, trains `recipe` with BASIS on 2 workers, kills a worker node once training
 passes a third of the steps (the run continues on 1 worker), adds a node back once it passes
 two thirds (Ray Train grows the group to 2 again), and prints a summary: final loss, steps,
-restarts, steps redone, snapshot stall, memory saved by sketching, where the report PNG is.
+restarts, steps redone, snapshot stall, the events (the demo's node changes and each
+restart, as announced during the run), memory saved by sketching, where the report PNG is.
+During the run it shows what `baton fit` shows (`trainer.terminal`: progress bar or plain
+lines, restart events); Ray's own messages about the killed node go to RUN/logs/ray.log.
 The run directory is fresh each time (`--run-dir` is cleared first).
 """
 
@@ -17,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from rich.console import Console
+from rich.markup import escape
 
 from trainer.config import FitConfig, load_recipe
 
@@ -73,45 +77,48 @@ def activation_bytes(cfg: FitConfig) -> tuple[int, int]:
 def run_demo(recipe: str, run_dir: str) -> int:
     import ray
 
-    from trainer.fit_cli import _print_progress, _print_summary
     from trainer.local_cluster import LocalCluster
-    from trainer.monitor import NAMESPACE
+    from trainer.monitor import NAMESPACE, RunFeed
     from trainer.ray_fit import fit
+    from trainer.ray_messages import ray_log_path, ray_messages_to
     from trainer.report import write_report
+    from trainer.terminal import ProgressDisplay, fmt_mib, fmt_ratio, print_summary
 
     shutil.rmtree(run_dir, ignore_errors=True)
     cfg = load_recipe(recipe, [f'snapshots.run_uri="{Path(run_dir).resolve()}"'])
     console.print("[bold]Baton demo[/bold]: local cluster of a head and 2 worker nodes")
-    cluster = LocalCluster(worker_nodes=2, cpus_per_node=cfg.scaling.cpus_per_worker)
-    ray.init(address=cluster.address, namespace=NAMESPACE, log_to_driver=False)
-    events: list[str] = []
     outcome: dict[str, Any] = {}
+    feed = RunFeed(cfg, ProgressDisplay(cfg.steps, console))
 
     def train() -> None:
         try:
-            outcome["result"] = fit(cfg, on_progress=_print_progress, pace_s=DEMO_PACE_S)
+            outcome["result"] = fit(cfg, on_progress=feed, pace_s=DEMO_PACE_S)
         except BaseException as err:  # noqa: BLE001 - re-raised on the main thread
             outcome["error"] = err
 
-    # Node changes happen on the main thread (Ray installs signal handlers there), so the
-    # fit runs on a second thread and this one follows the fault schedule.
-    trainer = threading.Thread(target=train, name="baton-demo-fit")
-    started = time.perf_counter()
-    trainer.start()
-    try:
-        monitor = _wait_for_monitor(cfg.run_name, trainer)
-        if monitor is not None and _wait_for_step(monitor, cfg.steps // 3, trainer):
-            cluster.remove_worker()
-            events.append(f"removed a worker node after step {cfg.steps // 3}")
-            console.print(f"[yellow]>>> {events[-1]}[/yellow]")
-        if monitor is not None and _wait_for_step(monitor, 2 * cfg.steps // 3, trainer):
-            cluster.add_worker()
-            events.append(f"added a worker node after step {2 * cfg.steps // 3}")
-            console.print(f"[yellow]>>> {events[-1]}[/yellow]")
-        trainer.join()
-    finally:
-        ray.shutdown()
-        cluster.shutdown()
+    # Ray's messages about the node this demo kills go to a file, not between the progress.
+    with ray_messages_to(ray_log_path(cfg),
+                         lambda text: console.print(escape(text), highlight=False)):
+        cluster = LocalCluster(worker_nodes=2, cpus_per_node=cfg.scaling.cpus_per_worker)
+        ray.init(address=cluster.address, namespace=NAMESPACE, log_to_driver=False)
+        # Node changes happen on the main thread (Ray installs signal handlers there), so the
+        # fit runs on a second thread and this one follows the fault schedule.
+        trainer = threading.Thread(target=train, name="baton-demo-fit")
+        started = time.perf_counter()
+        trainer.start()
+        try:
+            monitor = _wait_for_monitor(cfg.run_name, trainer)
+            if monitor is not None and _wait_for_step(monitor, cfg.steps // 3, trainer):
+                cluster.remove_worker()
+                feed.event(f"demo: removed a worker node after step {cfg.steps // 3}")
+            if monitor is not None and _wait_for_step(monitor, 2 * cfg.steps // 3, trainer):
+                cluster.add_worker()
+                feed.event(f"demo: added a worker node after step {2 * cfg.steps // 3}")
+            trainer.join()
+        finally:
+            feed.close()
+            ray.shutdown()
+            cluster.shutdown()
     if "error" in outcome:
         raise outcome["error"]
     result = outcome["result"]
@@ -121,14 +128,14 @@ def run_demo(recipe: str, run_dir: str) -> int:
     summary = result.summary.to_dict()
     summary.update(
         {
-            "wall_time_s": round(time.perf_counter() - started, 1),
-            "events": "; ".join(events) or "none",
-            "activation memory kept for backward (exact -> BASIS)": (
-                f"{exact / 2**20:.1f} MiB -> {sketched / 2**20:.1f} MiB "
-                f"({exact / max(sketched, 1):.1f}x less)"
+            "wall_time_s": time.perf_counter() - started,
+            "events": "; ".join(feed.events) or "none",
+            "activation memory kept for backward (exact → BASIS)": (
+                f"{fmt_mib(exact)} → {fmt_mib(sketched)} "
+                f"({fmt_ratio(exact / max(sketched, 1))} less)"
             ),
             "report": str(png),
         }
     )
-    _print_summary(summary)
+    print_summary(summary, Console(soft_wrap=True))
     return 0

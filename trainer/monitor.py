@@ -119,6 +119,7 @@ class RunFeed:
             cfg.logging, self.run_uri, self.run_name)
         self.tracker = RestartTracker(optimizer_warm=self._optimizer_warm)
         self.nodes = NodeWatch()
+        self.events: list[str] = []  # every event line shown, in order
         self._cursor = 0
         self._monitor: Any = None
 
@@ -131,6 +132,7 @@ class RunFeed:
 
     def event(self, text: str) -> None:
         """Show one event line (a restart, or the demo's own node changes)."""
+        self.events.append(text)
         if self.display is not None:
             self.display.event(text)
         else:

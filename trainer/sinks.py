@@ -14,15 +14,15 @@ Contract:
   opens). A step redone after a restart is skipped: by Baton's resume promise (P1) it
   trains to the same values, and its throughput is kept in RUN/metrics. Steps lost in a
   crash before a sink flushed are simply logged when they are redone.
-- `SinkSet.close()` flushes and closes every sink; it never raises for a sink's I/O error
-  (metrics never fail a fit): the error is logged once and that sink is dropped.
+- Metrics never fail a fit: a sink that cannot open, write or close logs one warning
+  (`baton.sinks`) and is dropped; the others go on.
 """
 
 from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -193,9 +193,16 @@ class SinkSet:
 def open_sinks(settings: LoggingConfig, run_uri: str, run_name: str) -> SinkSet:
     """The sinks `settings` enables, opened under RUN/<dir> (module docstring)."""
     root = log_dir(settings, run_uri)
-    sinks: dict[str, MetricsSink] = {}
+    openers: dict[str, Callable[[], MetricsSink]] = {}
     if settings.tensorboard:
-        sinks["tensorboard"] = TensorBoardSink(root / "tensorboard")
+        openers["tensorboard"] = lambda: TensorBoardSink(root / "tensorboard")
     if settings.mlflow:
-        sinks["mlflow"] = MLflowSink(root / "mlflow", run_name)
+        openers["mlflow"] = lambda: MLflowSink(root / "mlflow", run_name)
+    sinks: dict[str, MetricsSink] = {}
+    for name, open_sink in openers.items():
+        try:
+            sinks[name] = open_sink()
+        except Exception as err:  # noqa: BLE001 - an unwritable log dir never stops a fit
+            log.warning("%s sink not opened (%s: %s); the fit continues without it",
+                        name, type(err).__name__, err)
     return SinkSet(sinks)

@@ -18,7 +18,7 @@ Contract (no Ray, no I/O besides the console; everything here tests without a cl
   one plain line per update (the driver polls about once a second), never wrapped. Events
   and warnings print as their own lines above the bar.
 - `summary_rows(summary)` turns a `RunSummary.to_dict()` (plus extra keys) into
-  (label, formatted value) rows.
+  (label, formatted value) rows; `print_summary(summary, console)` prints them as a table.
 """
 
 from __future__ import annotations
@@ -341,3 +341,14 @@ def summary_rows(summary: dict[str, Any]) -> list[tuple[str, str]]:
             text = str(value)
         rows.append((label, text))
     return rows
+
+
+def print_summary(summary: dict[str, Any], console: Console, title: str = "run summary") -> None:
+    from rich.table import Table
+
+    table = Table(title=title)
+    table.add_column("what")
+    table.add_column("value")
+    for label, text in summary_rows(summary):
+        table.add_row(escape(label), escape(text))
+    console.print(table)

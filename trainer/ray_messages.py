@@ -1,0 +1,98 @@
+"""Ray's own messages kept out of the user's terminal, in a log file instead.
+
+Contract: `ray_messages_to(path, notice)` is a context manager for the driver. While it is
+open, what Ray itself would print on the driver's terminal goes to the end of `path`
+instead (each line with the time and where it came from), and `notice(text)` is called
+once, at the first such message, with a line naming the file:
+- the `ray` logger's records (connection lines, warnings of Ray and Ray Train on the
+  driver): its terminal handlers are swapped for one writing to the file;
+- the cluster's error messages the driver receives (`(raylet) Raylet is terminated...`,
+  `The node ... has been marked dead...`): Ray's listener thread prints them through
+  `ray._private.worker.print_to_stdstream` regardless of `log_to_driver`, so that function
+  is swapped for the file writer. (A private name: if a Ray release renames it, those
+  messages simply show on the terminal again.)
+On exit everything is put back. Workers' own output is not affected: the driver connects
+with `log_to_driver=False`, so it never reaches this terminal; it stays in Ray's session
+logs. `ray_log_path(cfg)` is where a fit's file lives: RUN/<logging.dir>/ray.log for a local
+run directory, the system temp directory for an s3:// run.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import tempfile
+import threading
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+from trainer.config import FitConfig
+
+
+def ray_log_path(cfg: FitConfig) -> Path:
+    run_uri = cfg.snapshots.run_uri
+    if "://" in run_uri and not run_uri.startswith("file://"):
+        return Path(tempfile.gettempdir()) / f"baton-{cfg.run_name}-ray.log"
+    return Path(run_uri.removeprefix("file://")) / cfg.logging.dir / "ray.log"
+
+
+class _FileSink:
+    """Appends lines to `path` (created on first use), and tells `notice` once."""
+
+    def __init__(self, path: Path, notice: Callable[[str], None]) -> None:
+        self.path = path
+        self._notice = notice
+        self._told = False
+        self._lock = threading.Lock()
+
+    def write(self, source: str, lines: list[str]) -> None:
+        stamp = time.strftime("%Y-%m-%d %H:%M:%S")
+        with self._lock:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            with self.path.open("a", encoding="utf-8") as out:
+                out.writelines(f"{stamp} ({source}) {line}\n" for line in lines)
+            tell, self._told = not self._told, True
+        if tell:
+            self._notice(f"Ray's own messages (node failures, connection lines) are in {self.path}")
+
+
+class _ToFile(logging.Handler):
+    def __init__(self, sink: _FileSink) -> None:
+        super().__init__()
+        self.sink = sink
+        self.setFormatter(logging.Formatter("%(levelname)s %(name)s: %(message)s"))
+
+    def emit(self, record: logging.LogRecord) -> None:
+        try:
+            self.sink.write("ray", self.format(record).splitlines())
+        except Exception:  # noqa: BLE001 - logging must never raise (logging.Handler's rule)
+            self.handleError(record)
+
+
+@contextlib.contextmanager
+def ray_messages_to(path: Path, notice: Callable[[str], None]) -> Iterator[Path]:
+    from ray._private import worker as ray_worker
+
+    sink = _FileSink(path, notice)
+    ray_logger = logging.getLogger("ray")
+    terminal = [h for h in ray_logger.handlers if isinstance(h, logging.StreamHandler)
+                and not isinstance(h, logging.FileHandler)]
+    to_file = _ToFile(sink)
+    original_print = ray_worker.print_to_stdstream
+
+    def print_to_file(data: dict[str, Any], ignore_prefix: bool = False) -> None:
+        sink.write(str(data.get("pid", "ray")), [str(line) for line in data.get("lines", [])])
+
+    for handler in terminal:
+        ray_logger.removeHandler(handler)
+    ray_logger.addHandler(to_file)
+    ray_worker.print_to_stdstream = print_to_file
+    try:
+        yield path
+    finally:
+        ray_worker.print_to_stdstream = original_print
+        ray_logger.removeHandler(to_file)
+        for handler in terminal:
+            ray_logger.addHandler(handler)
