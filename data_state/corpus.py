@@ -167,12 +167,12 @@ def prepare_corpus(
                            rows_per_group=rows_per_group, per_shard=per_shard)
         for split in SPLITS
     }
-    job = Job(tok.file_bytes, _eos_text(tok), read, tokenize=True)
+    job = Job(tok.file_bytes, getattr(tok, "eos_token", None), read, tokenize=True)
     files: list[dict[str, Any]] = []
     skipped: list[dict[str, str]] = []
     rows: dict[str, Counter[str]] = {}
-    for result in _with_progress(run_units(units, job, workers=workers, use_ray=use_ray),
-                                 units, "prepare: tokenizing", progress):
+    for result in _with_progress(_run(units, job, workers, use_ray), units,
+                                 "prepare: tokenizing", progress):
         for split in SPLITS:
             writers[split].append(result.tokens[split])
         files += result.files
@@ -213,12 +213,13 @@ def _default_inputs() -> list[InputFile]:
             for f in default_corpus_files()]
 
 
-def _eos_text(tok: Tokenizer) -> str | None:
-    """The EOS token's text, so a worker rebuilding the tokenizer picks the same id."""
-    if not isinstance(tok, HFTokenizer):
-        return None
-    return next((t for t, i in tok.special_tokens.items() if i == tok.eos_id), None) \
-        or tok.decode([tok.eos_id])
+def _run(units: Sequence[Unit], job: Job, workers: int, use_ray: bool
+         ) -> Iterator[UnitResult]:
+    if use_ray:
+        from data_state.ray_tokenize import run_units_on_ray  # Ray only when asked for
+
+        return run_units_on_ray(units, job)
+    return run_units(units, job, workers=workers)
 
 
 def _with_progress(results: Iterator[UnitResult], units: Sequence[Unit], what: str,
@@ -235,9 +236,8 @@ def _train_tokenizer(units: Sequence[Unit], read: ReadOptions, vocab_size: int, 
     if vocab_size < 257:  # before reading anything
         train_bpe([], vocab_size)
     job = Job(None, None, read, tokenize=False)
-    results = _with_progress(run_units(units, job, workers=workers, use_ray=use_ray),
-                             units, "prepare: reading the train split for the tokenizer",
-                             progress)
+    results = _with_progress(_run(units, job, workers, use_ray), units,
+                             "prepare: reading the train split for the tokenizer", progress)
 
     def batches() -> Iterator[list[str]]:
         for result in results:

@@ -4,9 +4,9 @@ Contract:
 - A `Job` is everything a worker needs, small and plain: the tokenizer (the bytes of its
   `tokenizer.json`, or None for bytes), its EOS token, the `ReadOptions`, and whether to
   tokenize (False: return the train documents' text, used to train a tokenizer).
-- `run_units(units, job, workers=N, use_ray=False)` yields one `UnitResult` per unit, in unit
-  order, whatever the parallelism: results are consumed in order, never by arrival, so
-  the output is byte-identical for any N, on Ray or serial.
+- `run_units(units, job, workers=N)` (and `ray_tokenize.run_units_on_ray(units, job)`) yield
+  one `UnitResult` per unit, in unit order, whatever the parallelism: results are consumed
+  in order, never by arrival, so the output is byte-identical for any N, on Ray or serial.
 - Bounded memory: at most `2 * N + 2` units are in flight or waiting (each about
   `sources.UNIT_BYTES` of input), so memory does not grow with the corpus.
 - Processes are started with `spawn` (safe with threads in the parent; every platform), each
@@ -111,13 +111,10 @@ def process_unit(unit: Unit) -> UnitResult:
     return result
 
 
-def run_units(units: Sequence[Unit], job: Job, *, workers: int = 1,
-              use_ray: bool = False) -> Iterator[UnitResult]:
-    if use_ray:
-        from data_state.ray_tokenize import run_units_on_ray
-
-        yield from run_units_on_ray(units, job)
-    elif workers <= 1:
+def run_units(units: Sequence[Unit], job: Job, *, workers: int = 1) -> Iterator[UnitResult]:
+    """Results in unit order, in this process (`workers=1`) or in `workers` processes.
+    (The Ray path is `ray_tokenize.run_units_on_ray`, with the same results.)"""
+    if workers <= 1:
         init_worker(job, own_threads=True)
         try:
             for unit in units:

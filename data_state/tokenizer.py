@@ -80,7 +80,7 @@ class HFTokenizer:
                 f"--eos-token: {eos_token!r} (the end-of-document token) is not in the "
                 f"vocabulary of {name}; pass --eos-token with one of its special tokens"
             )
-        self._tok, self.name, self.eos_id = tokenizer, name, int(eos_id)
+        self._tok, self.name, self.eos_id, self.eos_token = tokenizer, name, int(eos_id), eos_token
         self.file_bytes = file_bytes if file_bytes is not None else tokenizer.to_str().encode()
         self.vocab_size = max(tokenizer.get_vocab(with_added_tokens=True).values()) + 1
         self.special_tokens = {
@@ -138,6 +138,15 @@ def _parse(data: bytes, name: str) -> Any:
 def from_file_bytes(data: bytes, *, name: str, eos_token: str | None) -> HFTokenizer:
     """A tokenizer from the bytes of a `tokenizer.json` whose EOS is known (a stored one)."""
     return HFTokenizer(_parse(data, name), name=name, eos_token=eos_token, file_bytes=data)
+
+
+def from_stored(data: bytes, *, name: str, eos_id: int) -> HFTokenizer:
+    """The tokenizer stored in a prepared dataset, whose end-of-document id is `eos_id`."""
+    tok = _parse(data, name)
+    eos = tok.id_to_token(eos_id)
+    if eos is None:
+        raise ValueError(f"{name}: the end-of-document id {eos_id} is not in its vocabulary")
+    return HFTokenizer(tok, name=name, eos_token=eos, file_bytes=data)
 
 
 def load_tokenizer(spec: str, *, eos_token: str | None = None) -> Tokenizer:

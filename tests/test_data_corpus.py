@@ -135,7 +135,7 @@ def test_progress_draws_a_rich_bar_on_a_terminal() -> None:
 
 def test_errors_name_the_problem(tmp_path: Path) -> None:
     out = str(tmp_path / "ds")
-    with pytest.raises(ValueError, match="'gpt2' is not a local file or directory; Baton never downloads"):
+    with pytest.raises(ValueError, match="'gpt2' is not a local file or directory; Baton never"):
         prepare_corpus(None, out, tokenizer="gpt2")
     with pytest.raises(ValueError, match="seq_len must be >= 2"):
         prepare_corpus(None, out, seq_len=1)
