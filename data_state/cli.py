@@ -99,12 +99,12 @@ def _check_writable(out: str) -> None:
         raise NotADirectoryError(f"{out} is a file, not a directory")
     created: list[str] = []  # local directories the probe makes, deepest first
     path = root
-    while storage.is_local(fs) and not os.path.exists(path):
+    while fs.is_local and not os.path.exists(path):
         created.append(path)
         path = os.path.dirname(path)
     probe = storage.join(root, f".baton-probe-{uuid.uuid4().hex[:8]}")
     storage.write_atomic(fs, probe, b"ok")
-    fs.rm(probe)
+    fs.remove(probe)
     for directory in created:
         os.rmdir(directory)
 

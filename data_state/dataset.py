@@ -9,7 +9,10 @@ Contract:
   shards' order in the manifest, then row order.
 - Only the row groups holding the requested sequences are fetched, so a worker reads what it
   trains on (on object stores, plus the holes `storage.merge_ranges` finds cheaper to read
-  than to skip; `hole_limit` defaults to 0 on local disk and 4 MiB on S3).
+  than to skip; `hole_limit` defaults to the storage layer's: 0 on local disk,
+  `MERGE_HOLE_BYTES` (4 MiB) on S3). All I/O goes through `data_state.storage` (deadlines and
+  retries on S3: a store failing longer than `storage_retry_s` raises
+  `StorageUnavailableError`, an `OSError`).
   Decoded row groups stay in a small LRU cache bounded in bytes (`cache_bytes`).
 - `fingerprint` identifies the split's content (see `manifest.py`); data cursors carry it.
 - On S3, the row groups one `read` needs are fetched concurrently by a small thread pool
@@ -42,10 +45,10 @@ def read_manifest(uri: str, storage_options: Mapping[str, Any] | None = None) ->
     return _load_manifest(fs, root, uri)
 
 
-def _load_manifest(fs: Any, root: str, uri: str) -> DatasetManifest:
+def _load_manifest(fs: storage.Storage, root: str, uri: str) -> DatasetManifest:
     path = storage.join(root, MANIFEST_NAME)
     try:
-        text = fs.cat_file(path)
+        text = fs.read_file(path)
     except FileNotFoundError:
         raise DatasetError(
             f"{path} not found: {uri} is not a prepared dataset (run "
@@ -66,6 +69,7 @@ class TokenDataset:
         max_concurrency: int = 8,
         hole_limit: int | None = None,
         storage_options: Mapping[str, Any] | None = None,
+        storage_retry_s: float = 60.0,
     ) -> None:
         if cache_bytes < 0 or max_concurrency < 1 or (hole_limit or 0) < 0:
             raise ValueError(
@@ -73,10 +77,12 @@ class TokenDataset:
                 f"got {cache_bytes}, {max_concurrency}, {hole_limit}"
             )
         self.uri, self.split = uri, split
-        self._fs, self._root = storage.resolve(uri, storage_options)
+        self._fs, self._root = storage.resolve(
+            uri, storage_options, retry_deadline_s=storage_retry_s
+        )
         manifest_path = storage.join(self._root, MANIFEST_NAME)
         if hole_limit is None:  # local random reads are cheap: read only what is asked for
-            hole_limit = 0 if storage.is_local(self._fs) else storage.DEFAULT_HOLE_LIMIT
+            hole_limit = self._fs.hole_limit
         self.manifest = _load_manifest(self._fs, self._root, uri)
         info = self.manifest.split(split, where=manifest_path)
         self.seq_len = self.manifest.seq_len
@@ -93,7 +99,7 @@ class TokenDataset:
             for s in info.shards
         ]
         self._pool: ThreadPoolExecutor | None = None
-        if max_concurrency > 1 and not storage.is_local(self._fs):
+        if max_concurrency > 1 and not self._fs.is_local:
             self._pool = ThreadPoolExecutor(max_concurrency, thread_name_prefix="baton-data-io")
         try:
             self._map(lambda r: r.open(), self._readers)

@@ -10,7 +10,7 @@ Contract:
   an unparsable footer raises `DatasetError` naming the shard.
 - `ShardReader.byte_range(g)` is the byte range of row group `g`'s column chunk, and
   `decode(g, chunk)` turns those bytes into an `(rows, seq_len)` array. Splitting fetch from
-  decode lets the dataset fetch many row groups with few requests (`storage.read_ranges`).
+  decode lets the dataset fetch many row groups with few requests (`storage.merge_ranges`).
   Page checksums are verified on decode, so a corrupt chunk raises `DatasetError`.
 
 Decoding from a fetched chunk uses a read-only file object that serves pyarrow's reads from
@@ -23,12 +23,12 @@ from __future__ import annotations
 import io
 from collections.abc import Callable
 
-import fsspec
 import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
 from data_state.manifest import DatasetError, ShardInfo
+from data_state.storage import Storage, TruncatedError, read_span
 
 COLUMN = "tokens"
 _FOOTER_READ = 1 << 16  # the footer of a shard with ~1000 row groups fits in one read
@@ -62,14 +62,14 @@ class ShardReader:
 
     def __init__(
         self,
-        fs: fsspec.AbstractFileSystem,
+        io: Storage,
         path: str,
         info: ShardInfo,
         *,
         seq_len: int,
         dtype: np.dtype,
     ) -> None:
-        self.fs, self.path, self.info = fs, path, info
+        self.io, self.path, self.info = io, path, info
         self.seq_len, self.dtype = seq_len, np.dtype(dtype).newbyteorder("<")
         self._metadata: pq.FileMetaData | None = None
         self._footer: tuple[int, bytes] = (0, b"")
@@ -77,17 +77,20 @@ class ShardReader:
 
     def open(self) -> ShardReader:
         size = self.info.num_bytes
+        start = max(0, size - _FOOTER_READ)
         try:
-            start = max(0, size - _FOOTER_READ)
-            tail = self.fs.cat_file(self.path, start=start, end=size)
+            actual = self.io.size(self.path)
+            tail = self.io.read_range(self.path, start, size) if actual == size else b""
         except FileNotFoundError:
             raise DatasetError(
                 f"shard {self.path} listed in the manifest is missing: copy it back or prepare "
                 "the dataset again"
             ) from None
-        if len(tail) != size - start or self.fs.size(self.path) != size:
+        except TruncatedError:  # shrunk between the two requests
+            actual = self.io.size(self.path)
+        if actual != size:
             raise DatasetError(
-                f"shard {self.path} is {self.fs.size(self.path)} bytes, the manifest says {size}: "
+                f"shard {self.path} is {actual} bytes, the manifest says {size}: "
                 "it was truncated or replaced; restore it or prepare the dataset again"
             )
         self._footer = (start, tail)
@@ -137,7 +140,7 @@ class ShardReader:
         return _HeldBytesFile(self.info.num_bytes, held, self._fetch)
 
     def _fetch(self, start: int, end: int) -> bytes:
-        return self.fs.cat_file(self.path, start=start, end=end)
+        return read_span(self.io, self.path, start, end)
 
     def _check_against_manifest(self) -> None:
         assert self._metadata is not None

@@ -38,8 +38,8 @@ and ``path(*parts)`` joins under it; every method takes such a path (URIs stay `
   ``TruncatedError`` (a ``SnapshotIntegrityError``, never retried). ``read_file`` is one GET
   of a whole (small) object, its length checked against the response's Content-Length.
 * **Range merging.** ``read_ranges(path, ranges)`` fetches many ranges of one object with few
-  requests: ranges whose gap is at most ``hole_bytes`` are read as one span (``merge_ranges``),
-  a span never grows past ``MAX_SPAN_BYTES``. ``hole_bytes`` is ``MERGE_HOLE_BYTES`` on S3 and 0
+  requests: ranges whose gap is at most ``hole_limit`` are read as one span (``merge_ranges``),
+  a span never grows past ``MAX_SPAN_BYTES``. ``hole_limit`` is ``MERGE_HOLE_BYTES`` on S3 and 0
   on local disk (see the constants for why).
 * **Atomic writes.** ``write_file(path, data)``: local bytes go to ``NAME.tmp-*`` in the same
   directory, are fsync'ed, renamed over ``NAME``, and the directory is fsync'ed
@@ -116,12 +116,12 @@ class IOStats:
     files_written: int = 0
 
 
-def merge_ranges(ranges: Sequence[tuple[int, int]], hole_bytes: int
+def merge_ranges(ranges: Sequence[tuple[int, int]], *, hole_limit: int
                  ) -> list[tuple[int, int, list[int]]]:
     """Group byte ranges of one object into spans ``(start, end, indices of member ranges)``.
 
     Ranges are taken by start; a range joins the current span when the gap to it is at most
-    ``hole_bytes`` and the span stays within ``MAX_SPAN_BYTES``."""
+    ``hole_limit`` and the span stays within ``MAX_SPAN_BYTES``."""
     order = sorted(range(len(ranges)), key=lambda i: ranges[i])
     spans: list[tuple[int, int, list[int]]] = []
     for i in order:
@@ -130,7 +130,7 @@ def merge_ranges(ranges: Sequence[tuple[int, int]], hole_bytes: int
             raise ValueError(f"invalid byte range ({start}, {end})")
         if spans:
             s_start, s_end, members = spans[-1]
-            if start - s_end <= hole_bytes and max(end, s_end) - s_start <= MAX_SPAN_BYTES:
+            if start - s_end <= hole_limit and max(end, s_end) - s_start <= MAX_SPAN_BYTES:
                 members.append(i)
                 spans[-1] = (s_start, max(end, s_end), members)
                 continue
@@ -143,29 +143,21 @@ class Storage:
 
     def __init__(self, uri: str, storage_options: dict[str, Any] | None = None, *,
                  timeout_s: float = 30.0, retry_deadline_s: float = 60.0) -> None:
-        if not uri:
-            raise ValueError("storage URI is empty; pass a directory path or s3://bucket/prefix")
         if timeout_s <= 0 or retry_deadline_s <= 0:
             raise ValueError(f"timeout_s ({timeout_s}) and retry_deadline_s "
                              f"({retry_deadline_s}) must be positive")
-        scheme, sep, rest = uri.partition("://")
-        if sep and scheme not in ("s3", "s3a", "file", "local"):
-            raise ValueError(f"unsupported URI scheme {scheme!r} in {uri!r}: use a local path "
-                             "or s3://bucket/prefix")
+        self.is_local, self.root = _locate(uri)
         self.uri = uri.rstrip("/") or "/"
         self.timeout_s = float(timeout_s)
         self.retry = RetryPolicy(deadline_s=float(retry_deadline_s))
-        self.is_local = not sep or scheme in ("file", "local")
         options = dict(storage_options or {})
         if self.is_local:
             self.fs: Any = fsspec.filesystem("file", **options)
-            self.root = os.path.abspath(rest if sep else uri).rstrip("/") or "/"
         else:
             self.fs = fsspec.filesystem("s3", **_s3_options(options, self.timeout_s))
             # One attempt per s3fs call: our retry loop owns retrying, under one deadline.
             self.fs.retries = 1
-            self.root = rest.rstrip("/")
-        self.hole_bytes = 0 if self.is_local else MERGE_HOLE_BYTES
+        self.hole_limit = 0 if self.is_local else MERGE_HOLE_BYTES
         self.stats = IOStats()
         self._stats_lock = threading.Lock()
 
@@ -241,11 +233,11 @@ class Storage:
         return data
 
     def read_ranges(self, path: str, ranges: Sequence[tuple[int, int]], *,
-                    hole_bytes: int | None = None) -> list[bytes]:
+                    hole_limit: int | None = None) -> list[bytes]:
         """The bytes of each range, in the order given, read as merged spans."""
         out: list[bytes] = [b""] * len(ranges)
-        hole = self.hole_bytes if hole_bytes is None else hole_bytes
-        for start, end, members in merge_ranges(ranges, hole):
+        hole = self.hole_limit if hole_limit is None else hole_limit
+        for start, end, members in merge_ranges(ranges, hole_limit=hole):
             view = memoryview(self.read_range(path, start, end))
             for i in members:
                 out[i] = bytes(view[ranges[i][0] - start: ranges[i][1] - start])
@@ -456,6 +448,19 @@ class Storage:
 # ---------------------------------------------------------------------- helpers
 
 
+def _locate(uri: str) -> tuple[bool, str]:
+    """(is the URI local, its path in its filesystem); ValueError for other schemes."""
+    if not uri:
+        raise ValueError("storage URI is empty; pass a directory path or s3://bucket/prefix")
+    scheme, sep, rest = uri.partition("://")
+    if sep and scheme not in ("s3", "s3a", "file", "local"):
+        raise ValueError(f"unsupported URI scheme {scheme!r} in {uri!r}: use a local path "
+                         "or s3://bucket/prefix")
+    if not sep or scheme in ("file", "local"):
+        return True, os.path.abspath(rest if sep else uri).rstrip("/") or "/"
+    return False, rest.rstrip("/")
+
+
 def _range_refused(err: BaseException) -> bool:
     code, status = http_error(err.__cause__ or err)
     return status == 416 or code in ("InvalidRange", "416") or "InvalidRange" in str(err)
@@ -506,13 +511,14 @@ def _link_exclusive(tmp: str, path: str, view: memoryview, *, durable: bool) -> 
             os.close(fd)
 
 
-def _s3_options(options: dict[str, Any], timeout_s: float) -> dict[str, Any]:
-    """Our deadlines as defaults under the caller's options, and the endpoint from the
-    standard AWS environment variables."""
-    config = {"connect_timeout": min(timeout_s, 10.0), "read_timeout": timeout_s,
-              # One HTTP attempt per call: call_with_retries retries, under one deadline.
-              "retries": {"max_attempts": 1, "mode": "standard"}}
-    options["config_kwargs"] = {**config, **options.get("config_kwargs", {})}
+def _s3_options(options: dict[str, Any], timeout_s: float | None) -> dict[str, Any]:
+    """The endpoint from the standard AWS environment variables, fresh listings, and (given a
+    ``timeout_s``) our deadlines with botocore's retries off, all under the caller's options."""
+    if timeout_s is not None:
+        config = {"connect_timeout": min(timeout_s, 10.0), "read_timeout": timeout_s,
+                  # One HTTP attempt per call: call_with_retries retries, under one deadline.
+                  "retries": {"max_attempts": 1, "mode": "standard"}}
+        options["config_kwargs"] = {**config, **options.get("config_kwargs", {})}
     options.setdefault("use_listings_cache", False)
     endpoint = next((os.environ[k] for k in _ENDPOINT_ENV if os.environ.get(k)), None)
     client_kwargs = options.get("client_kwargs", {})

@@ -102,27 +102,27 @@ def test_endpoint_and_credentials_come_from_the_aws_environment(
 
     # botocore itself honours AWS_ENDPOINT_URL: a bare s3fs client reaches the moto server.
     s3fs.S3FileSystem(skip_instance_cache=True).pipe(f"{s3_bucket}/probe", b"ok")
-    fs, path = resolve(f"s3://{s3_bucket}/data/")
-    assert path == f"{s3_bucket}/data" and fs.cat_file(f"{s3_bucket}/probe") == b"ok"
-    # A fresh filesystem per resolve: a changed endpoint is never served from fsspec's cache.
+    io, path = resolve(f"s3://{s3_bucket}/data/")
+    assert path == f"{s3_bucket}/data" and io.read_file(f"{s3_bucket}/probe") == b"ok"
+    # The endpoint is passed explicitly: a changed one is never served from fsspec's cache.
     monkeypatch.setenv("AWS_ENDPOINT_URL_S3", "http://127.0.0.1:9")
-    assert resolve(f"s3://{s3_bucket}")[0].endpoint_url == "http://127.0.0.1:9"
+    assert resolve(f"s3://{s3_bucket}")[0].fs.client_kwargs["endpoint_url"] == "http://127.0.0.1:9"
     explicit = resolve(f"s3://{s3_bucket}", {"endpoint_url": "http://127.0.0.1:8"})[0]
-    assert explicit.endpoint_url == "http://127.0.0.1:8"  # storage_options win
+    assert explicit.fs.endpoint_url == "http://127.0.0.1:8"  # storage_options win
+    assert "endpoint_url" not in explicit.fs.client_kwargs
     with pytest.raises(ValueError, match="unsupported dataset URI scheme 'gs'"):
         resolve("gs://bucket/x")
 
 
 def test_storage_outage_fails_the_step_and_a_retry_resumes(s3_endpoint, s3_bucket: str) -> None:
-    """Storage cut mid-run: `next_step()` raises the storage error (after the client's own
-    retries), the committed cursor does not move, and once the endpoint is back
-    the same step is served."""
+    """Storage cut mid-run: `next_step()` raises the storage error (after the storage layer's
+    retries, under a short deadline here), the committed cursor does not move, and once the
+    endpoint is back the same step is served."""
     uri = f"s3://{s3_bucket}/corpus"
     prepare_corpus(None, uri, **_PREP)
-    # Fewer client retries than the defaults, so the outage surfaces in about a second.
-    quick = {"config_kwargs": {"retries": {"max_attempts": 1}}}
+    # A short retry deadline, so the outage surfaces in seconds.
     with (
-        TokenDataset(uri, cache_bytes=0, storage_options=quick) as ds,
+        TokenDataset(uri, cache_bytes=0, storage_retry_s=2.0) as ds,
         TokenDataset(uri) as reference,
     ):
         loader = ResumableLoader(ds, global_batch=8, microbatch_size=2, seed=0, prefetch_steps=1)

@@ -5,11 +5,12 @@ Contract:
   `step`, `world_size`, `time`) and `step` (one completed optimizer step: `attempt`, `step`,
   `loss`, `val_loss`, `lr`, `tokens_per_s`, `world_size`, `peak_rss_mb`, `time`).
 - `MetricsWriter` buffers records and writes each flush as a new object
-  `RUN/metrics/part-<session>-<seq>.jsonl` through fsspec. Objects are never appended to or
+  `RUN/metrics/part-<session>-<seq>.jsonl` through the storage layer (`elastic.storage_io`:
+  local or S3, with its deadlines and retries). Objects are never appended to or
   rewritten, so the same code works on local disk and S3, and a crash loses at most the
   unflushed tail (metrics are not training state: snapshots never depend on them). Each
-  object appears whole or not at all: on local disk it is written under a temporary name and
-  renamed; on S3 it is one PUT.
+  object appears whole or not at all: on local disk it is written under a temporary name,
+  fsync'ed and renamed; on S3 it is one PUT.
 - `read_records(run_uri)` returns every record of every session, oldest first. A part file
   that cannot be read, or a line that is not a valid record (a truncated or hand-edited file),
   is skipped with one logged warning per call; it never raises for bad content, so `fit` and
@@ -20,6 +21,7 @@ Contract:
 
 from __future__ import annotations
 
+import fnmatch
 import json
 import logging
 import time
@@ -27,9 +29,7 @@ import uuid
 from dataclasses import asdict, dataclass
 from typing import Any
 
-import fsspec
-
-from data_state.storage import write_atomic
+from elastic.storage_io import Storage
 
 log = logging.getLogger(__name__)
 
@@ -38,10 +38,6 @@ _NUMERIC_FIELDS: dict[str, tuple[str, ...]] = {
     "start": ("attempt", "step", "world_size", "time"),
     "step": ("attempt", "step", "loss", "tokens_per_s", "world_size", "time"),
 }
-
-
-def _join(run_uri: str, *parts: str) -> str:
-    return "/".join([run_uri.rstrip("/"), *parts])
 
 
 class MetricsWriter:
@@ -62,11 +58,11 @@ class MetricsWriter:
     def flush(self) -> None:
         if not self._buffer:
             return
-        path = _join(self.run_uri, "metrics", f"part-{self.session}-{self._seq:06d}.jsonl")
-        fs, fs_path = fsspec.core.url_to_fs(path)
-        fs.makedirs(fs_path.rsplit("/", 1)[0], exist_ok=True)
+        io = Storage(self.run_uri)
+        name = f"part-{self.session}-{self._seq:06d}.jsonl"
         # Whole-object write: a crash mid-flush leaves no half-written part for readers.
-        write_atomic(fs, fs_path, "".join(json.dumps(r) + "\n" for r in self._buffer).encode())
+        io.write_file(io.path("metrics", name),
+                      "".join(json.dumps(r) + "\n" for r in self._buffer).encode())
         self._buffer.clear()
         self._seq += 1
 
@@ -105,14 +101,16 @@ def _parse_part(text: str) -> tuple[list[dict[str, Any]], int]:
 def read_records(run_uri: str) -> list[dict[str, Any]]:
     """Every valid record under `RUN/metrics/`, oldest first ([] if there is none); bad parts
     and lines are skipped with one warning (module docstring)."""
-    fs, root = fsspec.core.url_to_fs(_join(run_uri, "metrics"))
-    if not fs.exists(root):
-        return []
+    io = Storage(run_uri)
+    root = io.path("metrics")
     records: list[dict[str, Any]] = []
     skipped: list[str] = []  # "name (why)" of each part file with something skipped
-    for path in sorted(fs.glob(root + "/part-*.jsonl")):
+    for name in io.listdir(root):  # [] when there is no metrics directory
+        if not fnmatch.fnmatchcase(name, "part-*.jsonl"):
+            continue
+        path = f"{root}/{name}"
         try:
-            text = fs.cat_file(path).decode("utf-8")
+            text = io.read_file(path).decode("utf-8")
         except (OSError, UnicodeDecodeError) as err:
             skipped.append(f"{path.rsplit('/', 1)[-1]} ({type(err).__name__})")
             continue

@@ -14,13 +14,13 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import fsspec
 import matplotlib
 from botocore.exceptions import BotoCoreError
 
 matplotlib.use("Agg")  # files only; never needs a display
 import matplotlib.pyplot as plt  # noqa: E402
 
+from elastic.storage_io import Storage  # noqa: E402
 from trainer.metrics import RunSummary, read_records, summarize  # noqa: E402
 
 
@@ -34,9 +34,9 @@ def _check_run_uri(run_uri: str) -> None:
         raise ValueError(f"run URI {run_uri!r}: unsupported scheme {scheme}://; Baton runs "
                          "live on local paths or s3:// only")
     try:
-        fs, root = fsspec.core.url_to_fs(run_uri)
-        is_dir = fs.isdir(root)
-        is_file = not is_dir and fs.isfile(root)
+        io = Storage(run_uri)
+        is_dir = io.isdir(io.root)
+        is_file = not is_dir and io.isfile(io.root)
     except (OSError, BotoCoreError) as err:  # S3 bucket, credentials, endpoint
         raise OSError(f"run {run_uri!r} cannot be read ({type(err).__name__}: {err})") from err
     if not is_dir:
