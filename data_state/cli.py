@@ -7,8 +7,13 @@ read; a URI that is not a prepared dataset directory, an unsupported scheme or a
 split is named as such); nothing here executes code from a dataset.
 
     baton data prepare --out URI [--seq-len N] [--val-fraction F] [--max-bytes N]
-                       [--overwrite] [--quiet] [PATH ...]
+                       [--tokenizer PATH | --train-tokenizer VOCAB] [--eos-token TEXT]
+                       [--text-field NAME] [--text-column NAME] [--workers N] [--ray]
+                       [--overwrite] [--quiet] [SOURCE ...]
     baton data inspect URI [--split NAME] [--verify] [--show K] [--json]
+
+`--ray` (or `RAY_ADDRESS` set, unless `--no-ray`) tokenizes on the Ray cluster.
+`inspect --show` decodes sequences with the dataset's stored tokenizer.
 """
 
 from __future__ import annotations
@@ -35,15 +40,17 @@ def register(subparsers: Any) -> None:
 
     prepare = commands.add_parser(
         "prepare",
-        help="text files (default: the Python standard library) -> Parquet token shards",
-        description="Tokenize text files into fixed-length byte-level sequences (vocab 256) "
-        "and write Parquet shards plus dataset.json to URI (a local path or s3://bucket/prefix).",
+        help="text, JSON Lines, Parquet or save_to_disk inputs -> Parquet token shards",
+        description="Tokenize documents into fixed-length token sequences and write Parquet "
+        "shards plus dataset.json to URI (a local path or s3://bucket/prefix). A document is "
+        "a text file, or a row of a .jsonl/.parquet file or of a datasets save_to_disk "
+        "directory. Nothing is downloaded.",
     )
     prepare.add_argument(
         "paths",
         nargs="*",
-        metavar="PATH",
-        help="files or directories; none = the embedded default corpus",
+        metavar="SOURCE",
+        help="files, directories, globs or s3:// URIs; none = the embedded default corpus",
     )
     prepare.add_argument("--out", required=True, help="dataset URI (directory or s3://...)")
     prepare.add_argument(
@@ -63,6 +70,38 @@ def register(subparsers: Any) -> None:
         type=int,
         default=None,
         help="use only the first files (sorted by name) up to this many bytes",
+    )
+    tokenizer = prepare.add_mutually_exclusive_group()
+    tokenizer.add_argument(
+        "--tokenizer",
+        default="bytes",
+        metavar="PATH",
+        help="a tokenizer.json (Hugging Face tokenizers) or a local model directory holding "
+        "one; default: bytes (vocab 256). Never downloaded",
+    )
+    tokenizer.add_argument(
+        "--train-tokenizer",
+        type=int,
+        default=None,
+        metavar="VOCAB",
+        help="train a byte-level BPE of VOCAB ids on the train split and store it",
+    )
+    prepare.add_argument(
+        "--eos-token",
+        default=None,
+        metavar="TEXT",
+        help="end-of-document token of --tokenizer (default: its own EOS)",
+    )
+    prepare.add_argument("--text-field", default="text", help="JSON Lines: the text field")
+    prepare.add_argument("--text-column", default="text", help="Parquet/Arrow: the text column")
+    prepare.add_argument(
+        "--workers", type=int, default=1, help="tokenize in N processes (same output for any N)"
+    )
+    prepare.add_argument(
+        "--ray",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="tokenize on a Ray cluster with Ray Data (default: when RAY_ADDRESS is set)",
     )
     prepare.add_argument("--overwrite", action="store_true", help="replace a dataset at --out")
     prepare.add_argument("--quiet", action="store_true", help="no progress output")
@@ -126,21 +165,33 @@ def _prepare(args: argparse.Namespace) -> int:
             seq_len=args.seq_len,
             val_fraction=args.val_fraction,
             max_bytes=args.max_bytes,
+            tokenizer=args.tokenizer,
+            train_tokenizer=args.train_tokenizer,
+            eos_token=args.eos_token,
+            text_field=args.text_field,
+            text_column=args.text_column,
+            workers=args.workers,
+            use_ray=bool(os.environ.get("RAY_ADDRESS")) if args.ray is None else args.ray,
             overwrite=args.overwrite,
             progress=not args.quiet,
         )
-    except ValueError as err:
+    except ValueError as err:  # bad option, source, tokenizer or rows; pyarrow's ArrowInvalid
         return _fail("prepare", err)
     except OSError as err:  # a source that cannot be read, --out failing mid-way
         name = f" {err.filename!r}" if err.filename else ""
         return _fail("prepare", f"cannot read or write{name} "
                                 f"({type(err).__name__}: {err.strerror or err})")
     elapsed = time.perf_counter() - started
-    files = manifest.sources["files"]
+    files, row_inputs = manifest.sources["files"], manifest.sources["row_inputs"]
+    rows = sum(r["train_rows"] + r["val_rows"] for r in row_inputs)
+    megabytes = (sum(f["bytes"] for f in files) + sum(r["bytes"] for r in row_inputs)) / 1e6
+    bad_rows = manifest.sources["skipped_rows"]
     print(
-        f"prepared {args.out} in {elapsed:.1f} s from {len(files)} files "
-        f"({sum(f['bytes'] for f in files) / 1e6:.1f} MB, "
-        f"{len(manifest.sources['skipped'])} skipped)"
+        f"prepared {args.out} in {elapsed:.1f} s from {len(files)} files"
+        + (f" and {rows:,} rows of {len(row_inputs)} inputs" if row_inputs else "")
+        + f" ({megabytes:.1f} MB, {len(manifest.sources['skipped'])} files skipped"
+        + "".join(f", {n:,} rows skipped: {reason}" for reason, n in bad_rows.items())
+        + f"); tokenizer {_tokenizer_line(manifest)}"
     )
     for line in _split_lines(manifest):
         print(line)
@@ -162,6 +213,11 @@ def _inspect(args: argparse.Namespace) -> int:
             "uri": args.uri,
             "seq_len": manifest.seq_len,
             "tokenizer": manifest.tokenizer,
+            "vocab_size": manifest.vocab_size,
+            "token_dtype": manifest.token_dtype,
+            "eod_token": manifest.eod_token,
+            "tokenizer_sha256": manifest.tokenizer_sha256,
+            "special_tokens": manifest.special_tokens,
             "splits": {},
         }
         for split in splits:
@@ -174,10 +230,7 @@ def _inspect(args: argparse.Namespace) -> int:
                     "tokens": manifest.splits[split].num_tokens,
                     "shards": len(manifest.splits[split].shards),
                     "verified": bool(args.verify),
-                    "first": [
-                        bytes(ds[i]).decode("utf-8", "replace")
-                        for i in range(min(args.show, len(ds)))
-                    ],
+                    "first": [ds.decode(ds[i]) for i in range(min(args.show, len(ds)))],
                 }
     except ValueError as err:  # DatasetError: absent, malformed, checksum mismatch
         return _fail("inspect", err)
@@ -189,8 +242,10 @@ def _inspect(args: argparse.Namespace) -> int:
         print(json.dumps(summary, indent=1))
         return 0
     print(
-        f"{args.uri}: seq_len {manifest.seq_len}, tokenizer {manifest.tokenizer}, "
+        f"{args.uri}: seq_len {manifest.seq_len}, tokenizer {_tokenizer_line(manifest)}, "
         f"{len(manifest.sources.get('files', []))} source files"
+        + (f" and {len(manifest.sources['row_inputs'])} row inputs"
+           if manifest.sources.get("row_inputs") else "")
     )
     for line in _split_lines(manifest, only=splits):
         print(line)
@@ -212,3 +267,10 @@ def _split_lines(manifest: DatasetManifest, only: list[str] | None = None) -> li
         for name, info in sorted(manifest.splits.items())
         if only is None or name in only
     ]
+
+
+def _tokenizer_line(manifest: DatasetManifest) -> str:
+    stored = (f" ({manifest.tokenizer_file}, sha256 {manifest.tokenizer_sha256[:12]}...)"
+              if manifest.tokenizer_sha256 else "")
+    return (f"{manifest.tokenizer}{stored}, vocab {manifest.vocab_size:,} "
+            f"({manifest.token_dtype}), end of document = id {manifest.eod_token}")

@@ -15,6 +15,10 @@ Contract:
   `StorageUnavailableError`, an `OSError`).
   Decoded row groups stay in a small LRU cache bounded in bytes (`cache_bytes`).
 - `fingerprint` identifies the split's content (see `manifest.py`); data cursors carry it.
+- The tokenizer the tokens were made with: `vocab_size`, `eod_token`, `special_tokens` and
+  `tokenizer_sha256` (None for bytes) come from the manifest; `tokenizer` loads it (the
+  stored `tokenizer.json`, checked against its SHA-256, or the byte tokenizer) on first use,
+  and `decode(ids)` turns token ids back into text with it.
 - On S3, the row groups one `read` needs are fetched concurrently by a small thread pool
   (request latency, not bandwidth, bounds random reads from object stores). `close()` (or
   leaving a `with` block) ends those threads. Local reads run in the caller's thread.
@@ -23,6 +27,7 @@ Contract:
 
 from __future__ import annotations
 
+import hashlib
 import threading
 from collections import OrderedDict
 from collections.abc import Iterable, Mapping, Sequence
@@ -35,6 +40,7 @@ import torch
 from data_state import storage
 from data_state.manifest import MANIFEST_NAME, DatasetError, DatasetManifest
 from data_state.shards import ShardReader
+from data_state.tokenizer import ByteTokenizer, Tokenizer, from_stored
 
 _GroupKey = tuple[int, int]  # (shard number, row group number)
 
@@ -55,6 +61,26 @@ def _load_manifest(fs: storage.Storage, root: str, uri: str) -> DatasetManifest:
             f"`baton data prepare --out {uri}`)"
         ) from None
     return DatasetManifest.from_json(text, where=path)
+
+
+def load_stored_tokenizer(fs: storage.Storage, root: str, manifest: DatasetManifest
+                          ) -> Tokenizer:
+    """The tokenizer a prepared dataset was made with (see `TokenDataset.tokenizer`)."""
+    if manifest.tokenizer_file is None:
+        return ByteTokenizer()
+    path = storage.join(root, manifest.tokenizer_file)
+    try:
+        data = fs.read_file(path)
+    except FileNotFoundError:
+        raise DatasetError(f"{path} (the dataset's tokenizer) is missing: copy it back or "
+                           "prepare the dataset again") from None
+    if hashlib.sha256(data).hexdigest() != manifest.tokenizer_sha256:
+        raise DatasetError(f"{path} differs from the tokenizer the manifest names (SHA-256): "
+                           "it was replaced; restore it or prepare the dataset again")
+    try:
+        return from_stored(data, name=path, eos_id=manifest.eod_token or 0)
+    except ValueError as err:
+        raise DatasetError(str(err)) from None
 
 
 class TokenDataset:
@@ -88,6 +114,11 @@ class TokenDataset:
         self.seq_len = self.manifest.seq_len
         self.dtype = np.dtype(self.manifest.token_dtype)
         self.fingerprint = self.manifest.fingerprint(split)
+        self.vocab_size = self.manifest.vocab_size
+        self.eod_token = self.manifest.eod_token
+        self.special_tokens = dict(self.manifest.special_tokens)
+        self.tokenizer_sha256 = self.manifest.tokenizer_sha256
+        self._tokenizer: Tokenizer | None = None
         self._readers = [
             ShardReader(
                 self._fs,
@@ -147,10 +178,20 @@ class TokenDataset:
         """Sequences `indices` as a `(len(indices), seq_len)` int64 tensor, ready for a model."""
         return torch.from_numpy(self.read(indices).astype(np.int64))
 
+    @property
+    def tokenizer(self) -> Tokenizer:
+        """The dataset's tokenizer (module docstring); `DatasetError` if the stored file is
+        missing or is not the one the manifest names."""
+        if self._tokenizer is None:
+            self._tokenizer = load_stored_tokenizer(self._fs, self._root, self.manifest)
+        return self._tokenizer
+
+    def decode(self, ids: Iterable[int] | np.ndarray) -> str:
+        """Token ids as text, with the dataset's tokenizer (special tokens shown)."""
+        return self.tokenizer.decode(np.asarray(ids).reshape(-1).tolist())
+
     def verify(self) -> None:
         """Read every shard whole and check both checksums; `DatasetError` names a bad one."""
-        import hashlib
-
         for reader in self._readers:
             blob = storage.read_span(self._fs, reader.path, 0, reader.info.num_bytes)
             if hashlib.sha256(blob).hexdigest() != reader.info.sha256:
