@@ -82,9 +82,10 @@ def test_baton_fit_as_a_ray_job_then_resubmitted_continues(
     assert max(SnapshotStore(str(run)).committed_steps(), default=0) == 24
     assert non_loopback_listeners(job_head.pids()) == []
 
-    # Same run directory, a longer schedule: it must continue from step 24, not start over.
+    # Same run directory, a longer schedule (accepted with --reschedule): it must continue
+    # from step 24, not start over.
     status, logs = _run_job(
-        client, f"baton fit recipes/tiny.toml --run-dir {run} --set steps=30"
+        client, f"baton fit recipes/tiny.toml --run-dir {run} --set steps=30 --reschedule"
     )
     assert status == JobStatus.SUCCEEDED, f"second job ended {status}:\n{logs[-4000:]}"
     assert "continuing run" in logs and "from committed step 24" in logs, logs[-4000:]
