@@ -16,6 +16,7 @@ from trainer.terminal import (
     describe_restart,
     fmt_count,
     fmt_duration,
+    fmt_eta,
     fmt_loss,
     fmt_ratio,
     progress_line,
@@ -36,6 +37,7 @@ def test_number_formats() -> None:
     assert fmt_count(1234567) == "1,234,567"
     assert fmt_count(12345.6) == "12,346"
     assert fmt_ratio(7.96) == "8.0x"
+    assert (fmt_eta(0.3), fmt_eta(7.4), fmt_eta(65), fmt_eta(None)) == ("<1s", "7s", "1m05s", "-")
 
 
 def test_the_issue_example_reads_as_written() -> None:

@@ -22,6 +22,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 
 from elastic.storage_io import Storage  # noqa: E402
 from trainer.metrics import RunSummary, read_records, summarize  # noqa: E402
+from trainer.terminal import summary_rows  # noqa: E402
 
 
 def _check_run_uri(run_uri: str) -> None:
@@ -84,16 +85,11 @@ def write_report(run_uri: str, out_png: str | Path) -> RunSummary:
                  ylim=(0, max(r["world_size"] for r in steps) + 1))
 
     ax_table.axis("off")
-    rows = [
-        ("steps", summary.steps),
-        ("final loss", _fmt(summary.final_loss)),
-        ("final val loss", _fmt(summary.final_val_loss)),
-        ("restarts", summary.restarts),
-        ("steps redone", summary.steps_redone),
-        ("world sizes", " -> ".join(map(str, summary.world_sizes))),
-        ("mean tokens/s", _fmt(summary.mean_tokens_per_s, ".0f")),
-    ]
-    table = ax_table.table(cellText=[[k, str(v)] for k, v in rows], loc="center")
+    shown = ("steps", "final_loss", "final_val_loss", "restarts", "steps_redone",
+             "world_sizes", "mean_tokens_per_s")
+    summary_dict = summary.to_dict()
+    rows = summary_rows({key: summary_dict[key] for key in shown})  # as the terminal shows
+    table = ax_table.table(cellText=[list(row) for row in rows], loc="center")
     table.scale(1, 1.6)
     fig.suptitle(f"Baton run {run_uri}")
     fig.tight_layout()
@@ -106,7 +102,3 @@ def write_report(run_uri: str, out_png: str | Path) -> RunSummary:
     finally:
         plt.close(fig)
     return summary
-
-
-def _fmt(value: float | None, spec: str = ".4f") -> str:
-    return "-" if value is None else format(value, spec)

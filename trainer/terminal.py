@@ -1,7 +1,8 @@
 """What the terminal shows during and after a fit: number formats, restart events, progress.
 
 Contract (no Ray, no I/O besides the console; everything here tests without a cluster):
-- Number formats: `fmt_loss` (4 decimals), `fmt_duration` (`1h02m03s`, `4m05s`, `12.3s`),
+- Number formats: `fmt_loss` (4 decimals), `fmt_duration` (`1h02m03s`, `4m05s`, `3.2s`),
+  `fmt_eta` (whole seconds, `<1s`),
   `fmt_count` (thousands separators), `fmt_rate` (`12,345 tok/s`), `fmt_ratio` (`3.2x`),
   `fmt_mib`. None shows as `-`.
 - `describe_restart(RestartFacts)` is a pure function of recorded facts: the previous and the
@@ -57,6 +58,15 @@ def fmt_duration(seconds: float | None) -> str:
     if minutes:
         return f"{minutes}m{secs:02d}s"
     return f"{secs}s"
+
+
+def fmt_eta(seconds: float | None) -> str:
+    """Time left in whole seconds (`1m05s`, `7s`, `<1s`): finer digits would only flicker."""
+    if seconds is None or not math.isfinite(seconds) or seconds < 0:
+        return "-"
+    if seconds < 1:
+        return "<1s"
+    return f"{round(seconds)}s" if seconds < 10 else fmt_duration(seconds)
 
 
 def fmt_count(value: float | None) -> str:
@@ -242,7 +252,7 @@ def progress_line(record: dict[str, Any], total: int, eta_s: float | None) -> st
         f"step {record['step']}/{total}  loss {fmt_loss(record['loss'])}{val}  "
         f"{fmt_rate(record.get('tokens_per_s'))}  workers {record.get('world_size', '-')}  "
         f"lr {record.get('lr', float('nan')):.2e}  "
-        f"last commit {'-' if commit is None else commit}  ETA {fmt_duration(eta_s)}"
+        f"last commit {'-' if commit is None else commit}  ETA {fmt_eta(eta_s)}"
     )
 
 
@@ -284,7 +294,7 @@ class ProgressDisplay:
             info = (f"loss {fmt_loss(record['loss'])}{val}  "
                     f"{fmt_rate(record.get('tokens_per_s'))}  "
                     f"workers {record.get('world_size', '-')}  "
-                    f"commit {'-' if commit is None else commit}  ETA {fmt_duration(eta)}")
+                    f"commit {'-' if commit is None else commit}  ETA {fmt_eta(eta)}")
             self._bar.update(self._task, completed=record["step"], info=info)
         else:
             self.console.print(escape(progress_line(record, self.total, eta)), highlight=False)
