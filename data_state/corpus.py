@@ -144,7 +144,7 @@ def prepare_corpus(
     inputs = _default_inputs() if not sources else discover(sources, storage_options)
     inputs = cap(inputs, max_bytes)
     if not inputs:
-        raise ValueError("no input files to prepare (max_bytes smaller than the first file?)")
+        raise ValueError("no source files to prepare (max_bytes smaller than the first file?)")
     read = ReadOptions(text_field, text_column, val_fraction, storage_options)
     units = plan_units(inputs, val_fraction=val_fraction, text_column=text_column,
                        storage_options=storage_options)

@@ -166,3 +166,24 @@ def test_an_invalid_tokenizer_file_is_named(tmp_path: Path) -> None:
     (tmp_path / "empty_dir").mkdir()
     with pytest.raises(ValueError, match="holds no tokenizer.json"):
         load_tokenizer(str(tmp_path / "empty_dir"))
+
+
+def test_the_trainer_takes_the_vocab_from_the_dataset_and_refuses_a_smaller_one(
+    bpe_dir: Path, tmp_path: Path
+) -> None:
+    """Pre-flight, before Ray starts: `model.vocab_size` 0 (default) becomes the dataset's;
+    a recipe whose model has fewer ids than the dataset's vocabulary is refused, naming both."""
+    from trainer.config import ConfigError, load_recipe
+    from trainer.run_dir import check_run_dir, ensure_dataset
+
+    run = f'snapshots.run_uri="{tmp_path / "run"}"'
+    data = [f'data.uri="{bpe_dir}"', "data.seq_len=2", "data.global_batch=4",
+            "data.microbatch_size=2", "scaling.min_workers=1", "scaling.max_workers=1"]
+    cfg = load_recipe("recipes/default.toml", [run, *data])
+    assert cfg.model.vocab_size == 0
+    assert ensure_dataset(cfg).model.vocab_size == 600
+    small = load_recipe("recipes/default.toml", [run, *data, "model.vocab_size=256"])
+    with pytest.raises(ConfigError, match="model.vocab_size: the recipe's model has 256 token "
+                                          "ids but .* has a vocabulary of 600"):
+        check_run_dir(small)
+    check_run_dir(load_recipe("recipes/default.toml", [run, *data, "model.vocab_size=640"]))

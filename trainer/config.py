@@ -117,24 +117,40 @@ def _describe(value: Any) -> str:
     return f"{value!r} ({type(value).__name__})"
 
 
+# The values of ModelConfig.mlp_recompute.
+MLP_RECOMPUTE = ("auto", "always", "never")
+
+
 @dataclass
 class ModelConfig:
-    """The built-in GPT (see `trainer.model.GPTConfig`)."""
+    """Shape and memory options of the built-in GPT (`trainer.model.GPT`), validated once.
 
-    vocab_size: int = 256  # byte-level tokenizer: must be 256 for the prepared corpora
+    The recipe's `[model]` section. The context length is not here: `GPT(config, seq_len=)`
+    takes it, from `data.seq_len` in a fit (a sequence's length is the data's to say).
+    Defaults are the tiny CPU model used by tests."""
+
+    # Token ids the model has. 0 (the default) = the dataset's vocabulary: the driver reads it
+    # from dataset.json before the model is built (`trainer.run_dir.with_dataset_vocab`);
+    # a model built from a recipe alone, with no dataset, gets the byte vocabulary (256).
+    vocab_size: int = 0
     d_model: int = 64
     n_layers: int = 2
     n_heads: int = 4
     checkpoint_blocks: bool = False  # recompute each block in backward (activation checkpointing)
-    # When the MLP recomputes its hidden activations in backward (trainer.model.GPTConfig):
-    # "auto" (when its proj is sketched), "always" (exact gradients in less memory), "never".
+    # When the MLP recomputes its hidden activations in backward instead of keeping them
+    # (`sketch_ops.gelu_mlp`): "auto" when its proj is sketched (the sketch's memory saving
+    # needs it), "always" (selective recomputation: exact gradients in less memory), "never"
+    # (keep GELU's input: sketched layers then save time rather than memory).
     mlp_recompute: str = "auto"
+    # Fuse each LayerNorm into the linear layer it feeds (`sketch_ops.norm_linear`): the same
+    # values and gradients, one n × d tensor less kept per norm. False runs them as separate
+    # modules, so forward hooks on those linear layers fire (for analysis).
+    fuse_norms: bool = True
 
     def __post_init__(self) -> None:
         _check_types(self, "model")
-        from trainer.model import MLP_RECOMPUTE
-
-        for name in ("vocab_size", "d_model", "n_layers", "n_heads"):
+        _require(self.vocab_size >= 0, "model.vocab_size", "must be >= 0 (0: from the dataset)")
+        for name in ("d_model", "n_layers", "n_heads"):
             _require(getattr(self, name) >= 1, f"model.{name}", "must be >= 1")
         _require(
             self.mlp_recompute in MLP_RECOMPUTE,

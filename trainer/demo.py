@@ -62,7 +62,8 @@ def activation_bytes(cfg: FitConfig) -> tuple[int, int]:
     from sketch_ops.memory import saved_bytes
     from trainer.loop import build_model, next_token_loss
 
-    tokens = torch.randint(0, cfg.model.vocab_size, (cfg.data.microbatch_size, cfg.data.seq_len))
+    vocab = cfg.model.vocab_size or 256  # 0: the dataset's; the demo's corpus is bytes
+    tokens = torch.randint(0, vocab, (cfg.data.microbatch_size, cfg.data.seq_len))
     exact_cfg = dataclasses.replace(
         cfg, sketch=dataclasses.replace(cfg.sketch, rank=0, memory_budget_mib=0.0)
     )

@@ -1,6 +1,8 @@
 """The built-in GPT: a small, readable decoder-only transformer (nanoGPT-style).
 
-Contract: `GPT(GPTConfig(...))` maps token ids `(batch, seq)` (int64, `< vocab_size`) to logits
+Contract: `GPT(ModelConfig(...), seq_len=S)` (the config is `trainer.config.ModelConfig`, the
+recipe's `[model]` section; S, the longest sequence it takes, is `data.seq_len` in a fit) maps
+token ids `(batch, seq)` (int64, `< vocab_size`, `seq <= S`) to logits
 `(batch, seq, vocab_size)`; `GPT.loss(tokens)` is the next-token cross-entropy of a batch of
 sequences (predict `tokens[:, 1:]` from `tokens[:, :-1]`). Pre-norm blocks, causal SDPA
 attention, GELU MLP, untied LM head. Every linear layer is a plain `nn.Linear`, so
@@ -19,7 +21,6 @@ attention, GELU MLP, untied LM head. Every linear layer is a plain `nn.Linear`, 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -27,6 +28,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from sketch_ops import gelu_mlp, norm_linear
+from trainer.config import ModelConfig
 
 # Which linear layers BASIS sketches by default (`sketch_ops.sketch_model` globs): only the MLP's
 # down-projection, the one layer whose sketch saves memory here. Its input (GELU's n × 4d output)
@@ -38,47 +40,11 @@ from sketch_ops import gelu_mlp, norm_linear
 # `mlp_recompute="never"` and the README). Measured in benchmarks/sketch_quality.py (README,
 # "BASIS quality on real text").
 SKETCH_LAYERS = ("blocks.*.mlp.proj",)
-MLP_RECOMPUTE = ("auto", "always", "never")  # the values of GPTConfig.mlp_recompute
-
-
-@dataclass
-class GPTConfig:
-    """Shape of the built-in GPT. Defaults are the tiny CPU model used by tests."""
-
-    vocab_size: int = 256  # byte-level tokenizer
-    d_model: int = 64
-    n_layers: int = 2
-    n_heads: int = 4
-    seq_len: int = 64  # longest sequence the position table covers
-    checkpoint_blocks: bool = False
-    # When the MLP recomputes its hidden activations in backward instead of keeping them
-    # (`sketch_ops.gelu_mlp`): "auto" when its proj is sketched (the sketch's memory saving needs
-    # it), "always" (selective recomputation: exact gradients in less memory), "never" (keep
-    # GELU's input: sketched layers then save time rather than memory).
-    mlp_recompute: str = "auto"
-    # Fuse each LayerNorm into the linear layer it feeds (`sketch_ops.norm_linear`): the same
-    # values and gradients, one n × d tensor less kept per norm. False runs them as separate
-    # modules, so forward hooks on those linear layers fire (for analysis).
-    fuse_norms: bool = True
-
-    def __post_init__(self) -> None:
-        for name in ("vocab_size", "d_model", "n_layers", "n_heads", "seq_len"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"GPTConfig.{name} must be >= 1, got {getattr(self, name)}")
-        if self.mlp_recompute not in MLP_RECOMPUTE:
-            raise ValueError(
-                f"GPTConfig.mlp_recompute must be one of {', '.join(MLP_RECOMPUTE)}, "
-                f"got {self.mlp_recompute!r}"
-            )
-        if self.d_model % self.n_heads:
-            raise ValueError(
-                f"GPTConfig.d_model ({self.d_model}) must be divisible by "
-                f"GPTConfig.n_heads ({self.n_heads})"
-            )
+BYTE_VOCAB_SIZE = 256  # the byte tokenizer's; a ModelConfig.vocab_size of 0 with no dataset
 
 
 class CausalSelfAttention(nn.Module):
-    def __init__(self, cfg: GPTConfig) -> None:
+    def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.n_heads = cfg.n_heads
         self.qkv = nn.Linear(cfg.d_model, 3 * cfg.d_model, bias=False)
@@ -107,7 +73,7 @@ class CausalSelfAttention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, cfg: GPTConfig) -> None:
+    def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.fc = nn.Linear(cfg.d_model, 4 * cfg.d_model)
         self.proj = nn.Linear(4 * cfg.d_model, cfg.d_model)
@@ -122,7 +88,7 @@ class MLP(nn.Module):
 
 
 class Block(nn.Module):
-    def __init__(self, cfg: GPTConfig) -> None:
+    def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.ln1 = nn.LayerNorm(cfg.d_model)
         self.attn = CausalSelfAttention(cfg)
@@ -136,14 +102,20 @@ class Block(nn.Module):
 
 
 class GPT(nn.Module):
-    def __init__(self, cfg: GPTConfig) -> None:
+    def __init__(self, cfg: ModelConfig, *, seq_len: int) -> None:
         super().__init__()
+        if seq_len < 1:
+            raise ValueError(f"GPT: seq_len must be >= 1, got {seq_len}")
         self.cfg = cfg
-        self.tok_emb = nn.Embedding(cfg.vocab_size, cfg.d_model)
-        self.pos_emb = nn.Embedding(cfg.seq_len, cfg.d_model)
+        self.seq_len = seq_len  # longest sequence the position table covers
+        # vocab_size 0 means "the dataset's" (resolved by the driver); with no dataset known
+        # (a model built from a recipe alone) that is the byte vocabulary.
+        self.vocab_size = cfg.vocab_size or BYTE_VOCAB_SIZE
+        self.tok_emb = nn.Embedding(self.vocab_size, cfg.d_model)
+        self.pos_emb = nn.Embedding(seq_len, cfg.d_model)
         self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layers))
         self.ln_f = nn.LayerNorm(cfg.d_model)
-        self.lm_head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
+        self.lm_head = nn.Linear(cfg.d_model, self.vocab_size, bias=False)
         self.apply(self._init_weights)
         # GPT-2's scaled init for the residual projections keeps the residual stream stable.
         for name, param in self.named_parameters():
@@ -159,10 +131,8 @@ class GPT(nn.Module):
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         seq = tokens.shape[1]
-        if seq > self.cfg.seq_len:
-            raise ValueError(
-                f"sequence length {seq} exceeds GPTConfig.seq_len={self.cfg.seq_len}"
-            )
+        if seq > self.seq_len:
+            raise ValueError(f"sequence length {seq} exceeds the model's seq_len={self.seq_len}")
         positions = torch.arange(seq, device=tokens.device)
         x = self.tok_emb(tokens) + self.pos_emb(positions)
         for block in self.blocks:

@@ -26,6 +26,10 @@ Contract:
   worker). Both raise `ConfigError` naming the field. `check_worker_fits(cfg, nodes, where)`
   is the same test against a Ray cluster's nodes (`trainer.ray_fit` runs it after
   `ray.init`, unless the cluster has an autoscaler that can add nodes).
+- `model.vocab_size` 0 (the default) is the dataset's vocabulary: `ensure_dataset` sets it
+  from `dataset.json` (so the workers and `run.json` see the number) and `check_run_dir`
+  resolves it the same way before comparing with a continued run; `check_dataset` refuses a
+  set `model.vocab_size` smaller than the dataset's vocabulary, naming both numbers.
 - `ensure_dataset(cfg)` returns the config with `data.uri` set: an empty `data.uri` means the
   embedded default corpus, prepared once into `RUN/data` (later sessions reuse it).
 (`RUN/run.json`, with the recipe and library versions, is written once by the first
@@ -204,6 +208,29 @@ def check_dataset(cfg: FitConfig) -> None:
             f"data.seq_len = {manifest.seq_len}, or prepare the dataset with --seq-len "
             f"{cfg.data.seq_len}"
         )
+    vocab = cfg.model.vocab_size
+    if vocab and cfg.model_factory is None and vocab < manifest.vocab_size:
+        raise ConfigError(
+            f"model.vocab_size: the recipe's model has {vocab} token ids but the dataset at "
+            f"data.uri {uri!r} has a vocabulary of {manifest.vocab_size} (tokenizer "
+            f"{manifest.tokenizer}); set model.vocab_size = {manifest.vocab_size} or more, or "
+            "leave it out (0: the dataset's)"
+        )
+
+
+def with_dataset_vocab(cfg: FitConfig, uri: str) -> FitConfig:
+    """`cfg` with `model.vocab_size` set to the vocabulary of the dataset at `uri` when it is
+    0 (the default: "the dataset's"); unchanged for a custom model_factory, a set vocab, or
+    a dataset that cannot be read (its own check reports that)."""
+    if cfg.model.vocab_size or cfg.model_factory is not None or not uri:
+        return cfg
+    from data_state.dataset import read_manifest
+
+    try:
+        vocab = read_manifest(uri).vocab_size
+    except (ValueError, OSError):
+        return cfg
+    return dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, vocab_size=vocab))
 
 
 def check_worker_fits(cfg: FitConfig, nodes: list[Mapping[str, float]], where: str) -> None:
@@ -254,7 +281,9 @@ def check_run_dir(cfg: FitConfig, *, reschedule: bool = False) -> int:
         _refuse_quarantined_only(cfg, store)
     # An empty data.uri means the corpus that `ensure_dataset` prepared into RUN/data.
     data_uri = cfg.data.uri or f"{cfg.snapshots.run_uri.rstrip('/')}/data"
-    check_continuation(cfg, fingerprint=dataset_fingerprint(data_uri) if committed else None,
+    # run.json holds the vocab the driver resolved: compare it with this recipe's, resolved.
+    check_continuation(with_dataset_vocab(cfg, data_uri) if committed else cfg,
+                       fingerprint=dataset_fingerprint(data_uri) if committed else None,
                        store=store, committed=committed, reschedule=reschedule)
     return max(committed, default=0)
 
@@ -276,7 +305,7 @@ def _refuse_quarantined_only(cfg: FitConfig, store: SnapshotStore) -> None:
 
 def ensure_dataset(cfg: FitConfig) -> FitConfig:
     if cfg.data.uri:
-        return cfg
+        return with_dataset_vocab(cfg, cfg.data.uri)
     from data_state import prepare_corpus
 
     uri = f"{cfg.snapshots.run_uri.rstrip('/')}/data"
@@ -285,4 +314,5 @@ def ensure_dataset(cfg: FitConfig) -> FitConfig:
         prepare_corpus(
             None, uri, seq_len=cfg.data.seq_len, max_bytes=cfg.data.max_corpus_bytes or None
         )
-    return dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, uri=uri))
+    return with_dataset_vocab(
+        dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, uri=uri)), uri)
