@@ -32,7 +32,7 @@ from elastic.errors import FatalRunError, StorageUnavailableError
 from elastic.store import SnapshotStore
 from elastic.version import code_version, package_dirs, package_version, source_digest
 from trainer.config import FitConfig, ScalingSettings, load_recipe
-from trainer.loop import PreemptedError, WorkerEnv, dataset_errors_are_fatal, run_worker
+from trainer.loop import WorkerEnv, dataset_errors_are_fatal, run_worker
 from trainer.run_dir import RunDirError, check_run_dir, dataset_fingerprint
 from trainer.scaling import (
     BatonTorchTrainer,
@@ -40,6 +40,7 @@ from trainer.scaling import (
     RunFailedError,
     run_failed_error,
 )
+from trainer.session import PreemptedError
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -189,9 +190,13 @@ def test_preflight_refuses_a_changed_trajectory_field(
 
 
 def test_preflight_allows_what_a_continued_run_may_change(committed_run: FitConfig) -> None:
-    cfg = _continue_with(committed_run, "optim.lr=1e-3", "steps=4", "model.checkpoint_blocks=true",
-                         "data.global_batch=16")
+    cfg = _continue_with(committed_run, "model.checkpoint_blocks=true", "data.global_batch=16")
     assert check_run_dir(cfg) == 2
+    # The learning-rate schedule only when asked (issue 17: --reschedule).
+    cfg = _continue_with(committed_run, "optim.lr=1e-3", "steps=4")
+    with pytest.raises(RunDirError, match="^optim.lr: .*--reschedule"):
+        check_run_dir(cfg)
+    assert check_run_dir(cfg, reschedule=True) == 2
 
 
 def test_preflight_refuses_another_dataset(
@@ -235,7 +240,7 @@ def test_every_snapshot_unusable_is_fatal_not_a_fresh_start(tmp_path: Path,
     data[-8:] = b"\xff" * 8
     path.write_bytes(bytes(data))
     with pytest.raises(FatalRunError, match="quarantine"):
-        run_worker(_continue_with(cfg, "steps=4"), WorkerEnv())
+        run_worker(cfg, WorkerEnv())  # the same recipe: a schedule change would be refused first
     assert store.committed_steps() == []
     assert [row["step"] for row in store.quarantined()] == [2]
     with pytest.raises(RunDirError, match="no committed snapshot, but 1 quarantined"):
@@ -278,12 +283,12 @@ def test_code_version_changes_when_a_source_file_changes(tmp_path: Path) -> None
 
 
 def test_a_worker_on_other_code_is_refused() -> None:
-    from trainer.ray_fit import _refuse_other_code
+    from trainer.elastic_trainer import check_code_version
 
-    _refuse_other_code(code_version())  # the same code: no error
-    _refuse_other_code(None)  # the driver turned the check off
+    check_code_version(code_version())  # the same code: no error
+    check_code_version(None)  # the driver turned the check off
     with pytest.raises(FatalRunError) as info:
-        _refuse_other_code("0.0.9+000000000000")
+        check_code_version("0.0.9+000000000000")
     message = str(info.value)
     assert f"runs Baton {code_version()}, the driver 0.0.9+000000000000" in message
     assert "cluster.yaml pins it" in message
@@ -319,10 +324,11 @@ def test_a_fatal_worker_error_fails_the_fit_once(
 ) -> None:
     import ray
 
+    from trainer.elastic_trainer import SKIP_CODE_CHECK_ENV
     from trainer.local_cluster import LocalCluster
     from trainer.metrics import read_records
     from trainer.monitor import NAMESPACE
-    from trainer.ray_fit import SKIP_CODE_CHECK_ENV, fit
+    from trainer.ray_fit import fit
 
     dataset = str(tmp_path / "data")
     shutil.copytree(tiny_dataset, dataset)
