@@ -40,7 +40,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from data_state import ResumableLoader, TokenDataset, prepare_corpus  # noqa: E402
-from trainer.model import GPT, GPTConfig  # noqa: E402
+from trainer.config import ModelConfig  # noqa: E402
+from trainer.model import GPT  # noqa: E402
 
 DEFAULT_OUT = ROOT / "benchmarks" / "results" / "data_throughput.json"
 SEQ_LEN, MICROBATCH, GLOBAL_BATCH = 256, 8, 64
@@ -48,7 +49,7 @@ SEQ_LEN, MICROBATCH, GLOBAL_BATCH = 256, 8, 64
 
 def training_tokens_per_s(ds: TokenDataset, steps: int) -> float:
     torch.manual_seed(0)
-    model = GPT(GPTConfig(vocab_size=256, d_model=256, n_layers=4, n_heads=4, seq_len=SEQ_LEN))
+    model = GPT(ModelConfig(vocab_size=256, d_model=256, n_layers=4, n_heads=4), seq_len=SEQ_LEN)
     opt = torch.optim.AdamW(model.parameters(), lr=3e-4)
     batch = torch.from_numpy(ds.read(range(MICROBATCH)).astype("int64"))
     times = []
@@ -86,7 +87,7 @@ def loader_tokens_per_s(uri: str, steps: int, *, cache_bytes: int, hole_limit: i
 def stall_share(uri: str, steps: int) -> float:
     """Share of a training run's time spent waiting for data (one worker, S3, prefetch on)."""
     torch.manual_seed(0)
-    model = GPT(GPTConfig(vocab_size=256, d_model=256, n_layers=4, n_heads=4, seq_len=SEQ_LEN))
+    model = GPT(ModelConfig(vocab_size=256, d_model=256, n_layers=4, n_heads=4), seq_len=SEQ_LEN)
     opt = torch.optim.AdamW(model.parameters(), lr=3e-4)
     waited = 0.0
     with (

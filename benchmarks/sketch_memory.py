@@ -77,20 +77,20 @@ class Trainee:
         import torch
 
         from sketch_ops import sketch_model
-        from trainer.model import GPT, GPTConfig
+        from trainer.config import ModelConfig
+        from trainer.model import GPT
 
         torch.manual_seed(0)
-        cfg = GPTConfig(
+        cfg = ModelConfig(
             vocab_size=256,
             d_model=256,
             n_layers=4,
             n_heads=4,
-            seq_len=spec["seq_len"],
             checkpoint_blocks=spec["checkpoint"],
             mlp_recompute=spec.get("mlp_recompute", "auto"),
             fuse_norms=spec.get("fuse_norms", True),
         )
-        self.model = GPT(cfg)
+        self.model = GPT(cfg, seq_len=spec["seq_len"])
         if spec["rank"]:
             sketch_model(self.model, rank=spec["rank"], include=spec.get("include"))
         self.opt = torch.optim.AdamW(self.model.parameters(), lr=1e-4)

@@ -85,8 +85,8 @@ class Variant:
     estimator: str = "basis"
     budget_rank: int = 0  # > 0: per-layer ranks from the budget uniform R = budget_rank uses
     checkpoint: bool = False
-    mlp_recompute: str = "auto"  # trainer.model.GPTConfig.mlp_recompute
-    fuse_norms: bool = True  # trainer.model.GPTConfig.fuse_norms
+    mlp_recompute: str = "auto"  # trainer.config.ModelConfig.mlp_recompute
+    fuse_norms: bool = True  # trainer.config.ModelConfig.fuse_norms
     lr_scale: float = 1.0
     microbatch: int = MICROBATCH
     steps: int = STEPS
@@ -205,21 +205,21 @@ def build(v: Variant, seed: int) -> tuple[Any, Any, Any]:
     import torch
 
     from sketch_ops import sketch_model
-    from trainer.config import OptimConfig
-    from trainer.model import GPT, GPTConfig
+    from trainer.config import ModelConfig, OptimConfig
+    from trainer.model import GPT
     from trainer.optim import WarmupCosine, build_optimizer
 
     torch.manual_seed(seed)
     model = GPT(
-        GPTConfig(
+        ModelConfig(
             d_model=D_MODEL,
             n_layers=N_LAYERS,
             n_heads=N_HEADS,
-            seq_len=SEQ,
             checkpoint_blocks=v.checkpoint,
             mlp_recompute=v.mlp_recompute,
             fuse_norms=v.fuse_norms,
-        )
+        ),
+        seq_len=SEQ,
     )
     include = list(v.include) if v.include else None
     if v.rank:

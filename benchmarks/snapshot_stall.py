@@ -44,16 +44,18 @@ sys.path.insert(0, str(ROOT))
 
 from elastic.registry import StateRegistry  # noqa: E402
 from elastic.snapshotter import Snapshotter  # noqa: E402
-from trainer.model import GPT, GPTConfig  # noqa: E402
+from trainer.config import ModelConfig  # noqa: E402
+from trainer.model import GPT  # noqa: E402
 
-CFG = GPTConfig(vocab_size=6144, d_model=512, n_layers=6, n_heads=8, seq_len=128)
+CFG = ModelConfig(vocab_size=6144, d_model=512, n_layers=6, n_heads=8)
+SEQ_LEN = 128
 BATCH = 4
 
 
 class Run:
     def __init__(self, seed: int = 0) -> None:
         torch.manual_seed(seed)
-        self.model = GPT(CFG)
+        self.model = GPT(CFG, seq_len=SEQ_LEN)
         self.optim = torch.optim.AdamW(self.model.parameters(), lr=1e-4)
         self.registry = StateRegistry()
         self.registry.register("model", self.model)
@@ -61,7 +63,7 @@ class Run:
         self.gen = torch.Generator().manual_seed(seed)
 
     def forward_backward(self) -> None:
-        tokens = torch.randint(0, CFG.vocab_size, (BATCH, CFG.seq_len), generator=self.gen)
+        tokens = torch.randint(0, CFG.vocab_size, (BATCH, SEQ_LEN), generator=self.gen)
         self.optim.zero_grad(set_to_none=True)
         self.model.loss(tokens).backward()
 

@@ -347,10 +347,11 @@ def test_cursor_round_trips_as_plain_json() -> None:
 def test_documented_loss_weighting_makes_gradients_world_size_free(ds: TokenDataset) -> None:
     """P1 from the data side: weighting each microbatch loss by 1/M and summing over workers
     gives the one-worker gradient, even for a world size that does not divide M."""
-    from trainer.model import GPT, GPTConfig
+    from trainer.config import ModelConfig
+    from trainer.model import GPT
 
     torch.manual_seed(0)
-    model = GPT(GPTConfig(vocab_size=256, d_model=32, n_layers=1, n_heads=2, seq_len=64))
+    model = GPT(ModelConfig(vocab_size=256, d_model=32, n_layers=1, n_heads=2), seq_len=64)
 
     def summed_gradient(world_size: int) -> torch.Tensor:
         total = torch.zeros(sum(p.numel() for p in model.parameters()))

@@ -24,7 +24,8 @@ from sketch_ops.function import sketched_linear
 from sketch_ops.memory import saved_bytes
 from sketch_ops.policy import ranks_for_budget
 from sketch_ops.seeds import SketchPlan, make_plan
-from trainer.model import GPT, GPTConfig
+from trainer.config import ModelConfig
+from trainer.model import GPT
 
 SEED_BYTES = 8
 
@@ -186,7 +187,7 @@ def test_fused_mlp_with_a_plain_fc_keeps_only_its_input_and_the_proj_sketch() ->
 
 
 def _gpt() -> GPT:
-    return GPT(GPTConfig(vocab_size=64, d_model=32, n_layers=2, n_heads=2, seq_len=64))
+    return GPT(ModelConfig(vocab_size=64, d_model=32, n_layers=2, n_heads=2), seq_len=64)
 
 
 NO_FC = ["blocks.*.attn.*", "blocks.*.mlp.proj", "lm_head"]

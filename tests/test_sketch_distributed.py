@@ -26,14 +26,15 @@ def _worker(rank: int, world_size: int, port: int, mode: str, out_dir: str) -> N
     torch.set_num_threads(1)
     os.environ.pop("BATON_SKETCH_BACKEND", None)
     from sketch_ops import sketch_model, sketch_seed
-    from trainer.model import GPT, GPTConfig
+    from trainer.config import ModelConfig
+    from trainer.model import GPT
 
     dist.init_process_group(
         "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size
     )
     try:
         torch.manual_seed(0)  # same init on every rank
-        model = GPT(GPTConfig(vocab_size=32, d_model=32, n_layers=2, n_heads=2, seq_len=16))
+        model = GPT(ModelConfig(vocab_size=32, d_model=32, n_layers=2, n_heads=2), seq_len=16)
         sketch_model(model, rank=8)
         if mode == "ddp":
             wrapped = torch.nn.parallel.DistributedDataParallel(model)

@@ -11,7 +11,8 @@ from torch import nn
 
 from sketch_ops import SketchedLinear, gelu_mlp, norm_linear, sketch_model, sketch_seed
 from sketch_ops.memory import saved_bytes
-from trainer.model import GPT, GPTConfig
+from trainer.config import ModelConfig
+from trainer.model import GPT
 
 F32 = 4  # bytes
 
@@ -131,8 +132,8 @@ def test_gelu_mlp_recompute_modes_trade_memory_as_documented() -> None:
 
 def _gpt(**overrides: object) -> GPT:
     torch.manual_seed(0)
-    cfg = dict(vocab_size=64, d_model=32, n_layers=2, n_heads=2, seq_len=32)
-    return GPT(GPTConfig(**{**cfg, **overrides}))
+    cfg = dict(vocab_size=64, d_model=32, n_layers=2, n_heads=2)
+    return GPT(ModelConfig(**{**cfg, **overrides}), seq_len=32)
 
 
 @pytest.mark.parametrize(
@@ -186,4 +187,4 @@ def test_gpt_memory_per_configuration_is_ordered_as_the_readme_says() -> None:
 
 def test_gpt_config_rejects_an_unknown_recompute_mode() -> None:
     with pytest.raises(ValueError, match="mlp_recompute"):
-        GPTConfig(mlp_recompute="sometimes")
+        ModelConfig(mlp_recompute="sometimes")

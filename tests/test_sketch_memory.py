@@ -9,7 +9,8 @@ from torch import nn
 
 from sketch_ops import SketchedLinear, sketch_model, sketch_seed
 from sketch_ops.memory import saved_bytes
-from trainer.model import GPT, SKETCH_LAYERS, GPTConfig
+from trainer.config import ModelConfig
+from trainer.model import GPT, SKETCH_LAYERS
 
 SEED_BYTES = 8  # the seed travels as one int64
 
@@ -29,11 +30,11 @@ def test_sketched_layer_saves_rank_times_in_features(dtype: torch.dtype) -> None
 
 
 def test_sketched_gpt_saves_well_under_half_of_exact() -> None:
-    cfg = GPTConfig(vocab_size=64, d_model=32, n_layers=2, n_heads=2, seq_len=64)
+    cfg = ModelConfig(vocab_size=64, d_model=32, n_layers=2, n_heads=2)
     tokens = torch.randint(0, 64, (4, 65))
     torch.manual_seed(0)
-    exact = GPT(cfg)
-    sketched = GPT(cfg)
+    exact = GPT(cfg, seq_len=64)
+    sketched = GPT(cfg, seq_len=64)
     sketch_model(sketched, rank=8, include=SKETCH_LAYERS)
     with sketch_seed(0, 0):
         exact_bytes = saved_bytes(lambda: exact.loss(tokens), exact)

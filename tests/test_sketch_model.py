@@ -10,12 +10,13 @@ import torch
 from torch import nn
 
 from sketch_ops import SketchedLinear, sketch_model
-from trainer.model import GPT, GPTConfig
+from trainer.config import ModelConfig
+from trainer.model import GPT
 
 
 def _gpt() -> GPT:
     torch.manual_seed(0)
-    return GPT(GPTConfig(vocab_size=32, d_model=16, n_layers=2, n_heads=2, seq_len=8))
+    return GPT(ModelConfig(vocab_size=32, d_model=16, n_layers=2, n_heads=2), seq_len=8)
 
 
 def _block_names(i: int) -> list[str]:

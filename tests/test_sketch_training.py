@@ -13,7 +13,8 @@ import math
 import torch
 
 from sketch_ops import sketch_model, sketch_seed
-from trainer.model import GPT, GPTConfig
+from trainer.config import ModelConfig
+from trainer.model import GPT
 
 VOCAB, SEQ, BATCH, STEPS = 32, 32, 8, 120
 ROWS = BATCH * SEQ  # n: rows reaching every sketched layer (the model sees SEQ tokens)
@@ -42,7 +43,7 @@ def train(seed: int, rank: int | None) -> tuple[list[float], float, float]:
     probs = markov_chain(1234)
     held_out = sample(probs, 32, torch.Generator().manual_seed(999))
     torch.manual_seed(seed)
-    model = GPT(GPTConfig(vocab_size=VOCAB, d_model=32, n_layers=2, n_heads=2, seq_len=SEQ))
+    model = GPT(ModelConfig(vocab_size=VOCAB, d_model=32, n_layers=2, n_heads=2), seq_len=SEQ)
     if rank is not None:
         sketch_model(model, rank=rank)
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.0)

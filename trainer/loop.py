@@ -41,7 +41,7 @@ from elastic.restore import SnapshotMismatchError
 from elastic.snapshotter import Snapshotter
 from sketch_ops import sketch_model, sketch_seed
 from trainer.config import FitConfig
-from trainer.model import GPT, SKETCH_LAYERS, GPTConfig
+from trainer.model import GPT, SKETCH_LAYERS
 from trainer.optim import WarmupCosine, build_optimizer
 from trainer.parallel import (
     accumulation_passes,
@@ -72,18 +72,7 @@ def build_model(cfg: FitConfig) -> nn.Module:
     if cfg.model_factory is not None:
         model = cfg.model_factory()
     else:
-        m = cfg.model
-        model = GPT(
-            GPTConfig(
-                vocab_size=m.vocab_size,
-                d_model=m.d_model,
-                n_layers=m.n_layers,
-                n_heads=m.n_heads,
-                seq_len=cfg.data.seq_len,
-                checkpoint_blocks=m.checkpoint_blocks,
-                mlp_recompute=m.mlp_recompute,
-            )
-        )
+        model = GPT(cfg.model, seq_len=cfg.data.seq_len)
     sketch = cfg.sketch
     if sketch.enabled:
         include = sketch.include or (SKETCH_LAYERS if cfg.model_factory is None else None)
