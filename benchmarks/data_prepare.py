@@ -1,0 +1,203 @@
+"""How fast does `baton data prepare` tokenize, and does the loader keep up with uint16 tokens?
+
+Measured in one run, on a prefix of the default corpus (Python's stdlib `.py` files):
+- a byte-level BPE of 8,192 ids is trained once on that text (not timed) and saved;
+- then, alternating, `rounds` times each: the `tokenizers` library's own `encode_batch` on
+  the same documents already in memory (the reference: Rust, its own thread pool over every
+  core), `prepare_corpus(..., tokenizer=that file)` serial (reads the files, tokenizes with
+  `encode_batch_fast` in this process, cuts sequences, writes zstd Parquet shards and the
+  manifest) and with `workers=2` (two spawned processes; their start-up, about a torch import
+  each, is inside the time). MB/s = text bytes / seconds; medians and ranges; ratios of
+  medians. Target: serial >= 0.8x the reference;
+- the loader on the prepared uint16 dataset (seq_len 256), local and S3 (moto on 127.0.0.1,
+  started here): tokens/s delivered to one worker (`ResumableLoader`, global batch 64 of
+  microbatches of 8, default cache) against tokens/s the built-in GPT with that vocabulary
+  (d_model 256, 4 layers, fp32 AdamW, microbatch 8) trains on. Target >= 20x.
+
+The machine is small and shared: absolute numbers move between runs, ratios much less.
+
+    python benchmarks/data_prepare.py            # writes benchmarks/results/data_prepare.json
+    python benchmarks/data_prepare.py --quick    # smaller text, fewer rounds (smoke run)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import platform
+import socket
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from data_state import ResumableLoader, TokenDataset, prepare_corpus  # noqa: E402
+from data_state.corpus import default_corpus_files  # noqa: E402
+from data_state.sources import cap  # noqa: E402
+
+DEFAULT_OUT = ROOT / "benchmarks" / "results" / "data_prepare.json"
+SEQ_LEN, MICROBATCH, GLOBAL_BATCH, VOCAB = 256, 8, 64, 8192
+
+
+def corpus_prefix(max_bytes: int) -> tuple[list[str], list[str], int]:
+    """(paths, texts, bytes) of the first default-corpus files up to `max_bytes`."""
+    from data_state.sources import InputFile
+
+    files = default_corpus_files()
+    inputs = cap([InputFile(f.name, f.path, "text", os.path.getsize(f.path)) for f in files],
+                 max_bytes)
+    paths = [f.uri for f in inputs]
+    texts = [Path(p).read_text(encoding="utf-8") for p in paths]
+    return paths, texts, sum(len(t.encode()) for t in texts)
+
+
+def summary(mb_per_s: list[float]) -> dict[str, float]:
+    return {"median": statistics.median(mb_per_s), "min": min(mb_per_s), "max": max(mb_per_s)}
+
+
+def tokenize_rounds(paths: list[str], texts: list[str], nbytes: int, tokenizer_file: str,
+                    rounds: int, tmp: str) -> dict[str, list[float]]:
+    from tokenizers import Tokenizer
+
+    reference = Tokenizer.from_file(tokenizer_file)
+    runs: dict[str, list[float]] = {"encode_batch": [], "serial": [], "workers=2": []}
+    for r in range(rounds):
+        start = time.perf_counter()
+        reference.encode_batch(texts, add_special_tokens=False)
+        runs["encode_batch"].append(nbytes / 1e6 / (time.perf_counter() - start))
+        for name, workers in (("serial", 1), ("workers=2", 2)):
+            start = time.perf_counter()
+            prepare_corpus(paths, f"{tmp}/{name}-{r}", seq_len=SEQ_LEN, val_fraction=0.0,
+                           tokenizer=tokenizer_file, workers=workers, progress=False)
+            runs[name].append(nbytes / 1e6 / (time.perf_counter() - start))
+    return runs
+
+
+def training_tokens_per_s(ds: TokenDataset, steps: int) -> float:
+    import torch
+
+    from trainer.config import ModelConfig
+    from trainer.model import GPT
+
+    torch.manual_seed(0)
+    model = GPT(ModelConfig(vocab_size=ds.vocab_size, d_model=256, n_layers=4, n_heads=4),
+                seq_len=SEQ_LEN)
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-4)
+    batch = ds.batch(range(MICROBATCH))
+    times = []
+    for _ in range(steps + 1):  # the first step warms up allocators and kernels
+        start = time.perf_counter()
+        model.loss(batch).backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        times.append(time.perf_counter() - start)
+    return MICROBATCH * SEQ_LEN / statistics.median(times[1:])
+
+
+def loader_tokens_per_s(uri: str, steps: int) -> float:
+    with TokenDataset(uri) as ds, ResumableLoader(
+        ds, global_batch=GLOBAL_BATCH, microbatch_size=MICROBATCH, seed=0
+    ) as loader:
+        start, tokens = time.perf_counter(), 0
+        for _ in range(steps):
+            tokens += sum(mb.tokens.numel() for mb in loader.next_step())
+            loader.advance()
+        return tokens / (time.perf_counter() - start)
+
+
+def _moto() -> object:
+    from moto.server import ThreadedMotoServer
+
+    logging.getLogger("werkzeug").setLevel(logging.ERROR)
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = int(sock.getsockname()[1])
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
+    server.start()
+    endpoint = f"http://127.0.0.1:{port}"
+    os.environ.update(AWS_ACCESS_KEY_ID="bench", AWS_SECRET_ACCESS_KEY="bench",
+                      AWS_DEFAULT_REGION="us-east-1", AWS_ENDPOINT_URL=endpoint,
+                      AWS_ENDPOINT_URL_S3=endpoint)
+    import boto3
+
+    boto3.client("s3").create_bucket(Bucket="baton-bench")
+    return server
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="smaller text, fewer rounds")
+    parser.add_argument("--max-bytes", type=int, default=None, help="text to tokenize")
+    parser.add_argument("--rounds", type=int, default=None)
+    parser.add_argument("--out", type=Path, default=DEFAULT_OUT)
+    args = parser.parse_args()
+    max_bytes = args.max_bytes or (1_000_000 if args.quick else 6_000_000)
+    rounds = args.rounds or (2 if args.quick else 3)
+    paths, texts, nbytes = corpus_prefix(max_bytes)
+
+    with tempfile.TemporaryDirectory() as tmp:
+        started = time.perf_counter()
+        trained = prepare_corpus(paths, f"{tmp}/trained", seq_len=SEQ_LEN, val_fraction=0.0,
+                                 train_tokenizer=VOCAB, progress=False)
+        train_s = time.perf_counter() - started
+        tokenizer_file = f"{tmp}/trained/tokenizer.json"
+        runs = tokenize_rounds(paths, texts, nbytes, tokenizer_file, rounds, tmp)
+        stats = {name: summary(values) for name, values in runs.items()}
+        reference = stats["encode_batch"]["median"]
+
+        server = _moto()
+        try:
+            s3_uri = "s3://baton-bench/bpe"
+            prepare_corpus(paths, s3_uri, seq_len=SEQ_LEN, val_fraction=0.0,
+                           tokenizer=tokenizer_file, progress=False)
+            local_uri = f"{tmp}/serial-0"
+            with TokenDataset(local_uri) as ds:
+                dtype, vocab = str(ds.dtype), ds.vocab_size
+                train = training_tokens_per_s(ds, 3 if args.quick else 6)
+            steps = 20 if args.quick else 100
+            loader = {"local disk": loader_tokens_per_s(local_uri, steps),
+                      "S3 (moto, 127.0.0.1)": loader_tokens_per_s(s3_uri, steps)}
+        finally:
+            server.stop()  # type: ignore[attr-defined]
+
+    import tokenizers
+
+    result = {
+        "meta": {"python": platform.python_version(), "tokenizers": tokenizers.__version__,
+                 "cpus": os.cpu_count(), "text_bytes": nbytes, "files": len(paths),
+                 "bpe_vocab": VOCAB, "bpe_train_s": train_s, "rounds": rounds,
+                 "tokens": trained.splits["train"].num_tokens, "token_dtype": dtype},
+        "prepare_mb_per_s": stats,
+        "ratios": {"serial / encode_batch": stats["serial"]["median"] / reference,
+                   "workers=2 / encode_batch": stats["workers=2"]["median"] / reference,
+                   "workers=2 / serial": stats["workers=2"]["median"]
+                   / stats["serial"]["median"]},
+        "training_tokens_per_s": train,
+        "loader_tokens_per_s": loader,
+        "loader_ratio_to_training": {k: v / train for k, v in loader.items()},
+    }
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(result, indent=2) + "\n")
+
+    print(f"text: {len(paths)} stdlib files, {nbytes / 1e6:.1f} MB; BPE {VOCAB} ids trained in "
+          f"{train_s:.1f} s (not timed below); {rounds} alternating rounds")
+    print(f"{'path':<14} {'MB/s median':>12} {'range':>16} {'x encode_batch':>15}")
+    for name, s in stats.items():
+        print(f"{name:<14} {s['median']:>12.2f} {s['min']:>7.2f}-{s['max']:<8.2f} "
+              f"{s['median'] / reference:>14.2f}x")
+    print(f"workers=2 / serial: {result['ratios']['workers=2 / serial']:.2f}x")
+    print(f"loader, {dtype} tokens (vocab {vocab}), against training at {train:,.0f} tokens/s:")
+    for name, rate in loader.items():
+        print(f"  {name:<22} {rate:>12,.0f} tokens/s {rate / train:>9.1f}x")
+    print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":  # spawned worker processes import this file: run only as a script
+    sys.exit(main())
