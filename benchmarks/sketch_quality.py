@@ -102,8 +102,9 @@ OLD_POLICY = ("blocks.*.attn.*", "blocks.*.mlp.proj")  # the default before the 
 POLICY = ("blocks.*.mlp.proj",)  # trainer.model.SKETCH_LAYERS
 VARIANTS: list[Variant] = [
     Variant("exact", "exact backprop", group="baseline"),
-    # Exact gradients by construction (tests/test_sketch_fusions.py, test_model.py): each seed
-    # must end at exact's loss for that seed, which checks the benchmark as much as them.
+    # Exact gradients by construction (torch's checkpointing; the recomputed MLP is checked by
+    # tests/test_sketch_fusions.py): each seed must end at exact's loss for that seed, which
+    # checks the benchmark as much as them.
     Variant("ckpt", "activation checkpointing", checkpoint=True, group="baseline"),
     Variant("exact-recompute", "exact, MLP recomputed", mlp_recompute="always", group="baseline"),
     Variant("basis-r512", "BASIS R=n/4 (512)", rank=512, include=ALL_LINEARS),

@@ -7,8 +7,8 @@ safetensors header first, then every owned chunk's bytes. Capturing is a ``copy_
 live tensor piece into its view of the image; persisting is one sequential write of the
 image (no serialisation, no extra copy). The image is reused while the set of owned pieces
 stays the same (same names, shapes, dtypes), so after the first snapshot a capture touches
-no fresh pages (anchors.md: fresh buffers cost ~5x the copy). On CUDA it is pinned and the
-copies run on a side stream.
+no fresh pages (measured: a first copy into fresh buffers costs ~5x one into touched ones).
+On CUDA it is pinned and the copies run on a side stream.
 
 ``Capturer.begin(step)`` takes, synchronously, what the training loop itself changes during
 the next step — every non-model component (scheduler, data cursor, extras; tensors in them

@@ -121,7 +121,8 @@ class Persister:
 
 
 # Background persistence competes with training for cores; on a small machine the training's
-# intra-op threads then wait for each other at every parallel region (anchors.md: 1.53x).
+# intra-op threads then wait for each other at every parallel region (measured on 2 cores: a
+# background writer slowed concurrent training steps 1.53x).
 # A nicer persist thread yields to them. Linux applies setpriority(PRIO_PROCESS, tid) to
 # that one thread; elsewhere this is a no-op.
 PERSIST_NICE = 10

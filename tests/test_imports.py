@@ -7,7 +7,8 @@
   functions count too: a deferred import hides a cycle from the interpreter, not from the
   reader (``sketch_ops/layer.py`` <-> ``policy.py`` and ``trainer/demo.py`` <->
   ``fit_cli.py`` were such circles). Imports under ``if TYPE_CHECKING:`` do not count.
-  Importing ``pkg.mod`` runs ``pkg/__init__.py`` first; that implicit edge is not counted.
+  Importing ``pkg.mod`` runs the package's ``__init__`` first; that implicit edge is not
+  counted.
 """
 
 from __future__ import annotations
