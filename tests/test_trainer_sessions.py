@@ -223,6 +223,56 @@ def test_time_limit_asks_the_workers_to_stop(
         text.split("continue with:")[1]
 
 
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_ctrl_c_on_a_real_baton_fit_commits_and_the_run_continues_exactly(
+    capsys: pytest.CaptureFixture[str], fake_fit: InProcessFit, tmp_path: Path,
+    tiny_dataset: str,
+) -> None:
+    """End to end through Ray: SIGINT to a `baton fit` process mid-run -> exit 0, the stop
+    message, the step it names committed; continuing from it (here in-process) ends where an
+    uninterrupted run ends."""
+    import re
+    import subprocess
+    import sys
+
+    steps, run = 40, tmp_path / "run"
+    argv = ["fit", TINY, "--run-dir", str(run), *_sets(tiny_dataset, steps), "--pace", "0.3"]
+    env = {**os.environ, "BATON_SKIP_CODE_CHECK": "1", "PYTHONUNBUFFERED": "1"}
+    proc = subprocess.Popen([sys.executable, "-m", "trainer.cli", *argv], cwd=ROOT, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    lines: list[str] = []
+    assert proc.stdout is not None
+    try:
+        for line in proc.stdout:
+            lines.append(line)
+            match = re.search(r"\bstep (\d+)/", line)
+            if match and int(match.group(1)) >= 3:
+                proc.send_signal(signal.SIGINT)
+                break
+        rest, _ = proc.communicate(timeout=300)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    text = " ".join(("".join(lines) + rest).split())
+    assert proc.returncode == 0, text[-3000:]
+    assert "stopping after the current step (Ctrl-C again to abort)" in text, text[-3000:]
+    match = re.search(r"stopped at step (\d+); continue with: (baton fit .*?)(?: ┏|$)", text)
+    assert match, text[-3000:]
+    stopped = int(match.group(1))
+    assert 3 <= stopped < steps
+    assert max(SnapshotStore(str(run)).committed_steps()) == stopped
+    assert read_sessions(SnapshotStore(str(run)))[-1]["outcome"] == "stopped"
+
+    code, out = _baton(capsys, shlex.split(match.group(2))[1:])
+    assert code == 0, out
+    reference = tmp_path / "reference"
+    cfg = load_recipe(TINY, [f'snapshots.run_uri="{reference}"', f'data.uri="{tiny_dataset}"',
+                             f"steps={steps}", "eval.every=0"])
+    train_worker(0, 1, cfg, None)
+    assert_same_state(final_state(reference, tmp_path, steps), final_state(run, tmp_path, steps))
+
+
 def test_time_budget_keeps_room_for_the_last_step_and_commit() -> None:
     now = {"mono": 0.0, "wall": 1000.0}
     budget = TimeBudget(100.0, margin_s=10.0, default_commit_s=5.0,

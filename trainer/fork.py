@@ -26,7 +26,8 @@ Contract:
   its first committed snapshot: each shard file is read whole from the parent, checked
   against the manifest (safetensors header, every crc32 block) and written create-only; then
   `generation.json` (the new run's worker groups start above the parent's generation, so no
-  shard name is ever reused), `run.json` (the recipe and the lineage: `parent` = uri, step,
+  shard name is ever reused), `run.json` (the recipe as the workers record it, `data.uri`
+  and `model.vocab_size` resolved, and the lineage: `parent` = uri, step,
   loss at that step, dataset fingerprint, whether the data cursor was kept) and, last, the
   manifest (the commit; with a reset data cursor when asked). On any failure what it wrote is
   removed and the new run holds no snapshot. The normal restore then resumes from it, warm.
@@ -47,7 +48,12 @@ from elastic.commit import GENERATION_NAME
 from elastic.format import Manifest, crc32_blocks, parse_header
 from elastic.store import SnapshotStore
 from trainer.config import FitConfig
-from trainer.run_dir import TENSOR_SHAPE_FIELDS, RunDirError, dataset_fingerprint
+from trainer.run_dir import (
+    TENSOR_SHAPE_FIELDS,
+    RunDirError,
+    dataset_fingerprint,
+    with_dataset_vocab,
+)
 from trainer.session_log import SESSIONS_NAME
 
 DATA_CURSOR_CHOICES = ("auto", "keep", "reset")
@@ -141,8 +147,12 @@ def plan_fork(cfg: FitConfig, source_uri: str, step: int | None,
             "starts a new run in an empty directory; to continue that run, drop --from")
     manifest = source.load_manifest(step)  # untrusted: validated as it is parsed
     run_json = source.read_run_json() or {}
-    parent_config = run_json.get("config") if isinstance(run_json.get("config"), dict) else {}
-    _refuse_shape_change(cfg, source_uri, parent_config, manifest)
+    config = run_json.get("config")
+    parent_config: dict[str, Any] = config if isinstance(config, dict) else {}
+    # model.vocab_size 0 is the dataset's: compare the resolved number (an empty data.uri's
+    # corpus is prepared by make_fork, which checks the shapes again with it resolved).
+    _refuse_shape_change(with_dataset_vocab(cfg, cfg.data.uri), source_uri, parent_config,
+                         manifest)
     if cfg.steps <= step:
         raise RunDirError(
             f"steps: the fork starts at step {step} of {source_uri} and its step count "
@@ -166,8 +176,11 @@ def plan_fork(cfg: FitConfig, source_uri: str, step: int | None,
 def _refuse_shape_change(cfg: FitConfig, source_uri: str, parent: dict[str, Any],
                          manifest: Manifest) -> None:
     wanted = cfg.to_dict()
+    vocab_known = cfg.model_factory is None and cfg.model.vocab_size != 0
     for name in TENSOR_SHAPE_FIELDS:
         if name.startswith("model.") and cfg.model_factory is not None:
+            continue
+        if name == "model.vocab_size" and not vocab_known:
             continue
         saved, new = _field(parent, name), _field(wanted, name)
         if saved is not None and saved != new:
@@ -175,7 +188,7 @@ def _refuse_shape_change(cfg: FitConfig, source_uri: str, parent: dict[str, Any]
                 f"{name}: a fork keeps every tensor shape, and {source_uri} was trained with "
                 f"{name} = {json.dumps(saved)}, this recipe asks for {json.dumps(new)}. Keep "
                 f"it (--set {name}={json.dumps(saved)}), or start a new run without --from")
-    shapes = _model_shapes(cfg)
+    shapes = _model_shapes(cfg) if vocab_known or cfg.model_factory is not None else None
     if shapes is None:
         return  # the model cannot be built on the meta device: restore checks it instead
     saved_shapes = {k[len("model."):]: tuple(r.shape) for k, r in manifest.tensors.items()
@@ -242,7 +255,8 @@ def make_fork(plan: ForkPlan, cfg: FitConfig) -> ForkResult:
     from elastic.snapshotter import library_versions
     from trainer.run_dir import ensure_dataset
 
-    data_cfg = ensure_dataset(cfg)
+    data_cfg = ensure_dataset(cfg)  # data.uri set, model.vocab_size resolved
+    _refuse_shape_change(data_cfg, plan.source.run_uri, plan.parent_config, plan.manifest)
     fingerprint = dataset_fingerprint(data_cfg.data.uri)
     kept = _keep_cursor(plan, cfg, fingerprint)
     state = dict(plan.manifest.state)
@@ -272,7 +286,7 @@ def make_fork(plan: ForkPlan, cfg: FitConfig) -> ForkResult:
                           exclusive=True)
         written.append(path)
         path = target.path("run.json")
-        target.write_json(path, {**_run_info(library_versions()), "config": cfg.to_dict(),
+        target.write_json(path, {**_run_info(library_versions()), "config": data_cfg.to_dict(),
                                  "parent": parent}, exclusive=True)
         written.append(path)
         target.write_manifest(dataclasses.replace(plan.manifest, state=state), exclusive=True)

@@ -25,7 +25,8 @@ from trainer.config import OptimConfig
 
 
 def build_optimizer(model: torch.nn.Module, cfg: OptimConfig) -> torch.optim.AdamW:
-    decay, no_decay = [], []
+    decay: list[torch.nn.Parameter] = []
+    no_decay: list[torch.nn.Parameter] = []
     for param in model.parameters():
         if param.requires_grad:
             (decay if param.dim() >= 2 else no_decay).append(param)

@@ -92,7 +92,8 @@ def list_runs(directory: str, *, now: float | None = None) -> list[dict[str, Any
 def describe_run(run: SnapshotStore, *, now: float | None = None) -> dict[str, Any]:
     """Parent, newest committed step, target steps, last loss and state of one run."""
     run_json = _run_json(run)
-    parent = run_json.get("parent") if isinstance(run_json.get("parent"), dict) else None
+    found = run_json.get("parent")
+    parent: dict[str, Any] | None = found if isinstance(found, dict) else None
     parent_text = (f"{parent.get('uri')}@{parent.get('step')}"
                    if parent and isinstance(parent.get("uri"), str) else None)
     try:
@@ -100,7 +101,8 @@ def describe_run(run: SnapshotStore, *, now: float | None = None) -> dict[str, A
     except OSError:
         step = 0
     sessions = read_sessions(run)
-    config = run_json.get("config") if isinstance(run_json.get("config"), dict) else {}
+    found_config = run_json.get("config")
+    config: dict[str, Any] = found_config if isinstance(found_config, dict) else {}
     steps = sessions[-1]["schedule"]["steps"] if sessions else config.get("steps")
     steps = steps if isinstance(steps, int) and not isinstance(steps, bool) else None
     return {"parent": parent_text, "step": step, "steps": steps,
@@ -137,7 +139,8 @@ def _lease(run: SnapshotStore, now: float) -> str:
     if not isinstance(record, dict) or not record:  # none, or unreadable: not held against it
         return "none"
     expires = record.get("expires_at")
-    holder = record.get("holder") if isinstance(record.get("holder"), dict) else {}
+    found = record.get("holder")
+    holder: dict[str, Any] = found if isinstance(found, dict) else {}
     if isinstance(expires, int | float) and expires > now and not holder_is_dead(holder):
         return "live"
     return "dead"

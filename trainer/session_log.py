@@ -212,8 +212,9 @@ class TimeBudget:
     def observe(self, record: dict[str, Any]) -> None:
         """Feed one progress record (`step`, `time` of its end, `last_commit`)."""
         step, ended = record.get("step"), record.get("time")
-        if not (isinstance(step, int) and _number(ended)):
+        if not isinstance(step, int) or not isinstance(ended, int | float) or not _number(ended):
             return
+        ended = float(ended)
         if self._last is not None and step > self._last[0]:
             self._per_step.append((ended - self._last[1]) / (step - self._last[0]))
         self._last = (step, ended)
