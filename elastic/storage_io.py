@@ -404,8 +404,10 @@ class Storage:
                 self.remove(p)
             return
         for i in range(0, len(paths), 1000):  # DeleteObjects takes at most 1000 keys
-            batch = list(paths[i:i + 1000])
-            self._io("delete", batch[0], lambda t, b=batch: self._aio(t, self.fs._bulk_delete, b))
+            self._delete_batch(list(paths[i:i + 1000]))
+
+    def _delete_batch(self, batch: list[str]) -> None:
+        self._io("delete", batch[0], lambda t: self._aio(t, self.fs._bulk_delete, batch))
 
     def remove_tree(self, directory: str) -> None:
         """Delete ``directory`` and everything below it (nothing there is not an error)."""
@@ -511,14 +513,13 @@ def _link_exclusive(tmp: str, path: str, view: memoryview, *, durable: bool) -> 
             os.close(fd)
 
 
-def _s3_options(options: dict[str, Any], timeout_s: float | None) -> dict[str, Any]:
-    """The endpoint from the standard AWS environment variables, fresh listings, and (given a
-    ``timeout_s``) our deadlines with botocore's retries off, all under the caller's options."""
-    if timeout_s is not None:
-        config = {"connect_timeout": min(timeout_s, 10.0), "read_timeout": timeout_s,
-                  # One HTTP attempt per call: call_with_retries retries, under one deadline.
-                  "retries": {"max_attempts": 1, "mode": "standard"}}
-        options["config_kwargs"] = {**config, **options.get("config_kwargs", {})}
+def _s3_options(options: dict[str, Any], timeout_s: float) -> dict[str, Any]:
+    """Our deadlines (botocore's retries off), fresh listings and the endpoint from the
+    standard AWS environment variables, all as defaults under the caller's options."""
+    config = {"connect_timeout": min(timeout_s, 10.0), "read_timeout": timeout_s,
+              # One HTTP attempt per call: call_with_retries retries, under one deadline.
+              "retries": {"max_attempts": 1, "mode": "standard"}}
+    options["config_kwargs"] = {**config, **options.get("config_kwargs", {})}
     options.setdefault("use_listings_cache", False)
     endpoint = next((os.environ[k] for k in _ENDPOINT_ENV if os.environ.get(k)), None)
     client_kwargs = options.get("client_kwargs", {})
