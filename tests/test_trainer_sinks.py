@@ -11,9 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from trainer.config import ConfigError, FitConfig, LoggingConfig, SnapshotConfig, load_recipe
-from trainer.metrics import MetricsWriter
-from trainer.sinks import SinkSet, log_dir, open_sinks
+from trainer.config import ConfigError, LoggingConfig, load_recipe
+from trainer.sinks import SinkSet, open_sinks
 
 RECIPE = Path(__file__).resolve().parents[1] / "recipes" / "tiny.toml"
 
@@ -88,23 +87,33 @@ def test_mlflow_sink_logs_to_a_file_store_readable_with_the_mlflow_client(
     assert len(lr) == 10 and all(m.value == pytest.approx(1e-3) for m in lr)
 
 
-def test_feed_close_catches_the_sinks_up_from_the_metrics_files(tmp_path: Path) -> None:
-    """After `fit` returns the monitor is gone; the feed logs what it missed from RUN/metrics."""
-    from trainer.monitor import RunFeed
+def test_the_monitor_feeds_the_sinks_and_numbers_its_records(tmp_path: Path) -> None:
+    """The monitor actor's logic (no Ray): every record to the metrics files and the sinks,
+    each step once across a restart; `since` hands the driver only what is new."""
+    from trainer.metrics import read_records
+    from trainer.monitor import MonitorState
 
-    writer = MetricsWriter(str(tmp_path))
-    for record in [{"kind": "start", "attempt": 0, "step": 0, "world_size": 2, "time": 0.0},
-                   *_records(1, 5)]:
-        writer.add(record)
-    writer.flush()
-    cfg = FitConfig(snapshots=SnapshotConfig(run_uri=str(tmp_path)),
-                    logging=LoggingConfig(tensorboard=True))
-    feed = RunFeed(cfg)
-    feed.sinks.log(_records(1, 2))  # what the live polls had logged
-    feed.close()  # no Ray here: the poll finds no monitor, the files have the rest
-    loss = _tensorboard_scalars(log_dir(cfg.logging, cfg.snapshots.run_uri) / "tensorboard",
-                                "baton/loss")
-    assert [s for s, _ in loss] == [1, 2, 3, 4, 5]
+    monitor = MonitorState(str(tmp_path), LoggingConfig(tensorboard=True), keep=8)
+    assert monitor.start_attempt(0, 2, 0.0) == 0
+    for record in _records(1, 6):
+        monitor.add({k: v for k, v in record.items() if k not in ("kind", "attempt")})
+    first, cursor = monitor.since(0)
+    assert [r["kind"] for r in first] == ["start"] + ["step"] * 6
+    assert monitor.start_attempt(4, 1, 7.0, optimizer_state=True) == 1
+    for record in _records(5, 8, world_size=1, shift=0.5):
+        monitor.add({k: v for k, v in record.items() if k not in ("kind", "attempt")})
+    new, cursor = monitor.since(cursor)
+    assert new[0] == {"kind": "start", "attempt": 1, "step": 4, "world_size": 1, "time": 7.0,
+                      "optimizer_state": True}
+    assert [r["step"] for r in new[1:]] == [5, 6, 7, 8] and new[1]["attempt"] == 1
+    assert monitor.since(cursor) == ([], cursor)
+    assert len(monitor.since(0)[0]) == 8  # only the newest `keep` are held
+    monitor.flush()  # the end of a fit: metrics written, sinks closed
+
+    loss = _tensorboard_scalars(tmp_path / "logs" / "tensorboard", "baton/loss")
+    assert [s for s, _ in loss] == list(range(1, 9))
+    assert dict(loss)[6] == pytest.approx(9.4)  # the first completion of step 6
+    assert len([r for r in read_records(str(tmp_path)) if r["kind"] == "step"]) == 10
 
 
 def test_a_disabled_sink_imports_nothing(tmp_path: Path) -> None:

@@ -1,37 +1,41 @@
 """`RunMonitor`: the Ray actor through which rank 0 publishes progress during a fit, and
-`RunFeed`, the driver side that turns it into what the user sees and what sinks log.
+`RunFeed`, the driver side that turns it into what the user sees.
 
 Contract:
 - One named actor per run (`baton-monitor-<run name>` in namespace `baton`), created by the
-  driver. Rank 0 sends it records fire-and-forget (`add.remote`), so a step never waits on
-  it; it keeps the newest record for the driver's progress line and for fault schedules
-  (the demo removes a node once a step is reached), numbers every record it gets (`since`
-  hands the driver those after a cursor; the newest `keep` only), and writes everything to
-  the run directory through `MetricsWriter`. It holds no training state: losing it loses
-  only unflushed metrics.
+  driver on the head node. Rank 0 sends it records fire-and-forget (`add.remote`), so a step
+  never waits on it; it keeps the newest record for the driver's progress line and for
+  fault schedules (the demo removes a node once a step is reached), numbers every record
+  it gets (`since` hands the driver those after a cursor; the newest `keep` only), writes
+  everything to the run directory through `MetricsWriter`, and passes every record to the
+  `[logging]` sinks it was created with (`trainer.sinks`: TensorBoard, MLflow; opened at
+  the first record, flushed about once a second). So sinks see each record once, in order,
+  whatever entry point started the fit, and training workers need no sink packages. It
+  holds no training state: losing it loses only unflushed metrics. `flush()` (the end of a
+  fit) writes out the metrics and closes the sinks.
 - `start_attempt(step, world_size, time, optimizer_state=None)`: a worker group began;
   `optimizer_state` says whether its restore loaded optimizer moments (None: not told; the
   driver then reads the snapshot's manifest).
+- `MonitorState` is the actor's logic as a plain class (tests use it without Ray).
 - `RunFeed(cfg, display)` is an `on_progress` callable for `trainer.fit`: on each call (the
   driver's poller, about once a second) it fetches the monitor's new records, notes which
-  Ray nodes died or joined (`NodeWatch`), announces each worker-group restart as one line
-  (`trainer.terminal.RestartTracker`), hands the step records to the `[logging]` sinks
-  (`trainer.sinks`) and shows the progress record. `close()` catches the sinks up from the
-  flushed metrics files (the monitor is gone once `fit` returns) and closes them. Without a
+  Ray nodes died or joined (`NodeWatch`), announces each worker-group start and restart as
+  one line (`trainer.terminal.RestartTracker`) and shows the progress record. Without a
   display, events go to the `baton.fit` log. It never raises from a poll: a progress
-  display must not break a fit.
+  display must not break a fit. `close()` polls once more and ends the display.
 """
 
 from __future__ import annotations
 
 import logging
+import time
 from collections import deque
 from typing import Any
 
 import ray
 
-from trainer.config import FitConfig
-from trainer.metrics import MetricsWriter, read_records
+from trainer.config import FitConfig, LoggingConfig
+from trainer.metrics import MetricsWriter
 from trainer.sinks import SinkSet, open_sinks
 from trainer.terminal import ProgressDisplay, RestartTracker, snapshot_has_optimizer_state
 
@@ -39,10 +43,17 @@ NAMESPACE = "baton"
 log = logging.getLogger("baton.fit")
 
 
-@ray.remote(num_cpus=0)
-class RunMonitor:
-    def __init__(self, run_uri: str, keep: int = 10_000) -> None:
+class MonitorState:
+    """What the `RunMonitor` actor holds and does (plain Python, so it tests without Ray)."""
+
+    def __init__(self, run_uri: str, logging: LoggingConfig | None = None,
+                 keep: int = 10_000, *, flush_sinks_every_s: float = 1.0) -> None:
         self._writer = MetricsWriter(run_uri)
+        self._run_uri = run_uri
+        self._logging = logging or LoggingConfig()
+        self._sinks: SinkSet | None = None  # opened at the first record, closed by flush()
+        self._sinks_flushed = 0.0
+        self._flush_sinks_every_s = flush_sinks_every_s
         self._latest: dict[str, Any] = {}
         self._starts: list[dict[str, Any]] = []
         self._numbered: deque[tuple[int, dict[str, Any]]] = deque(maxlen=keep)
@@ -53,6 +64,18 @@ class RunMonitor:
         # The data audit's sample lists stay in the metrics files, out of the driver's feed.
         self._numbered.append((self._count, {k: v for k, v in record.items() if k != "samples"}))
         self._writer.add(record)
+        if self._logging.any_sink:
+            self._log_to_sinks(record)
+
+    def _log_to_sinks(self, record: dict[str, Any]) -> None:
+        if self._sinks is None:
+            name = self._run_uri.rstrip("/").rsplit("/", 1)[-1] or "baton-run"
+            self._sinks = open_sinks(self._logging, self._run_uri, name)
+        self._sinks.log([record])
+        now = time.monotonic()
+        if now - self._sinks_flushed >= self._flush_sinks_every_s:
+            self._sinks.flush()
+            self._sinks_flushed = now
 
     def start_attempt(self, step: int, world_size: int, time: float,
                       optimizer_state: bool | None = None) -> int:
@@ -79,7 +102,15 @@ class RunMonitor:
         return [r for n, r in self._numbered if n > cursor], self._count
 
     def flush(self) -> None:
+        """Everything on disk: metrics, and the sinks closed (a later record reopens them)."""
         self._writer.flush()
+        if self._sinks is not None:
+            self._sinks.close()
+            self._sinks = None
+
+
+# On the head node in a live fit (`trainer.ray_fit` places it); tests use `MonitorState`.
+RunMonitor = ray.remote(num_cpus=0)(MonitorState)
 
 
 def monitor_name(run_name: str) -> str:
@@ -108,15 +139,12 @@ class NodeWatch:
 
 
 class RunFeed:
-    """`on_progress` for `trainer.fit`: events, sinks and the display (module docstring)."""
+    """`on_progress` for `trainer.fit`: restart events and the display (module docstring)."""
 
-    def __init__(self, cfg: FitConfig, display: ProgressDisplay | None = None,
-                 *, sinks: SinkSet | None = None) -> None:
+    def __init__(self, cfg: FitConfig, display: ProgressDisplay | None = None) -> None:
         self.run_uri = cfg.snapshots.run_uri
         self.run_name = cfg.run_name
         self.display = display
-        self.sinks = sinks if sinks is not None else open_sinks(
-            cfg.logging, self.run_uri, self.run_name)
         self.tracker = RestartTracker(optimizer_warm=self._optimizer_warm)
         self.nodes = NodeWatch()
         self.events: list[str] = []  # every event line shown, in order
@@ -153,17 +181,10 @@ class RunFeed:
         self.tracker.nodes_changed(lost, added)
         for text in self.tracker.feed(records):
             self.event(text)
-        self.sinks.log(records)
 
     def close(self) -> None:
-        """Last records in, sinks caught up from RUN/metrics and closed, display ended."""
+        """The last events shown (while the monitor still answers), display ended."""
         self.poll()
-        if self.sinks:
-            try:
-                self.sinks.log(read_records(self.run_uri))
-            except Exception as err:  # noqa: BLE001 - metrics never fail a fit
-                log.warning("metrics sinks: could not read the run's metrics: %s", err)
-            self.sinks.close()
         if self.display is not None:
             self.display.close()
 

@@ -6,8 +6,9 @@ Contract:
   disabled sink imports nothing. An enabled sink whose extra is missing is refused when the
   config is validated (`trainer.config.LoggingConfig`: one line naming
   `pip install baton-train[tensorboard]`), so before Ray starts.
-- Sinks run on the driver and receive the monitor's records (`trainer.metrics` kinds), so
-  workers need no extra packages. From each `step` record they log `loss`, `val_loss`, `lr`,
+- Sinks run in the run's monitor actor on the head node (`trainer.monitor`), next to the
+  driver, and receive its records (`trainer.metrics` kinds), so training workers need no
+  extra packages. From each `step` record they log `loss`, `val_loss`, `lr`,
   `tokens_per_s`, `world_size` and `snapshot_stall_s` (when present) at its `step`.
 - Exactly once per step, also across restarts and driver sessions: a sink logs a step only
   if it is above the highest step it already holds (read back from its own files when it
@@ -157,7 +158,8 @@ def _mlflow_run_exists(client: Any, run_id: str) -> bool:
 
 
 class SinkSet:
-    """The enabled sinks; `log(records)` passes each step record on, exactly once a step."""
+    """The enabled sinks; `log(records)` passes each step record on, exactly once a step;
+    `flush()` writes out what the sinks buffer; `close()` flushes and closes them."""
 
     def __init__(self, sinks: dict[str, MetricsSink]) -> None:
         self.sinks = sinks
@@ -174,6 +176,8 @@ class SinkSet:
                 if record["step"] <= sink.last_step:
                     continue  # already logged (a step redone after a restart)
                 self._guard(name, sink.write, record["step"], values)
+
+    def flush(self) -> None:
         for name, sink in list(self.sinks.items()):
             self._guard(name, sink.flush)
 
