@@ -67,8 +67,8 @@ def _bad_input(args: argparse.Namespace) -> str | None:
         return (f"{uri}: unsupported scheme {scheme}://; snapshots are read from local paths "
                 "and s3:// only")
     store = SnapshotStore(uri)
-    if not store.fs.isdir(store.root):
-        if store.fs.isfile(store.root):
+    if not store.isdir(store.root):
+        if store.isfile(store.root):
             return f"{uri} is a file, not a run directory"
         return f"run directory {uri} does not exist"
     out = getattr(args, "out", None)

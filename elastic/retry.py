@@ -1,7 +1,7 @@
 """Retry one storage call under a deadline: backoff, and which failures a retry may fix.
 
 A leaf module (it imports only ``elastic.errors``), so it knows nothing of the run
-directory; ``elastic.store`` runs every S3 request through it.
+directory; the storage layer (``elastic.storage_io``) runs every S3 request through it.
 
 Contract
 --------

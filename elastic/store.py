@@ -74,8 +74,7 @@ class SnapshotStore(Storage):
     # ------------------------------------------------------------------ snapshots
 
     def all_steps(self) -> list[int]:
-        """Every step directory, committed or not, ascending."""
-        self.fs.invalidate_cache()
+        """Every step directory, committed or not, ascending (listings are never cached)."""
         return sorted(int(n) for n in self.listdir(self.path("snapshots")) if n.isdigit())
 
     def committed_steps(self) -> list[int]:
