@@ -13,6 +13,11 @@ or as the Ray actor (``elastic.coordinator`` makes this very class remote). It a
   generation or for a stale step are refused.
 * On-demand snapshots before a planned resize: ``request_snapshot`` / ``snapshot_requested``
   / ``answer_request`` / ``request_met`` / ``cancel_request``.
+* Stop requests (Ctrl-C or a time limit on the driver): ``request_stop`` (driver) /
+  ``stop_requested`` (workers, at every step boundary) / ``answer_stop(step)`` (rank 0, once
+  the snapshot of the step it stopped at is persisted); ``health()["stopped_at"]`` tells the
+  driver. A request stays until the fit ends, so a worker group restarted in between stops
+  too.
 
 Thread-safe: its own lock guards only the RAM copy and the request flags; the core has its
 own and does storage I/O outside it, so a threaded actor never serialises behind a slow
@@ -82,6 +87,9 @@ class LocalCoordinator:
         # step the workers took it at (they answer once they have persisted it).
         self.requested = False
         self.answered_step: int | None = None
+        # Stop requests: whether the driver asked, and the step the workers stopped at.
+        self.stop_asked = False
+        self.stopped_at: int | None = None
 
     # ---------------------------------------------------------------- generations
 
@@ -118,6 +126,22 @@ class LocalCoordinator:
     def cancel_request(self) -> None:
         with self.lock:
             self.requested, self.answered_step = False, None
+
+    # ---------------------------------------------------------------- stop requests
+
+    def request_stop(self) -> None:
+        """Ask the workers to commit a snapshot at their next step boundary and end."""
+        with self.lock:
+            self.stop_asked = True
+
+    def stop_requested(self) -> bool:
+        with self.lock:
+            return self.stop_asked
+
+    def answer_stop(self, step: int) -> None:
+        """The workers stopped after step ``step`` (asked to, or at their ``until`` step)."""
+        with self.lock:
+            self.stopped_at = step
 
     # ---------------------------------------------------------------- shards
 
@@ -186,6 +210,7 @@ class LocalCoordinator:
         info = self.core.health()
         with self.lock:
             info["ram_bytes"] = self.ram.held() if self.ram is not None else 0
+            info["stopped_at"] = self.stopped_at
         return info
 
     def events(self) -> list[str]:

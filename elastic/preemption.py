@@ -1,10 +1,11 @@
-"""Preemption: notice SIGTERM or Ray's preemption notice, snapshot at the next step boundary.
+"""Step-boundary notices: preemption (SIGTERM or an external notice), on-demand snapshots and
+stop requests, agreed across ranks.
 
 Contract
 --------
 ``PreemptionWatcher`` is a flag object the training loop checks at every step boundary::
 
-    watcher = PreemptionWatcher().install()        # SIGTERM handler (main thread only)
+    watcher = PreemptionWatcher(external=notice_fn).install()  # SIGTERM handler (main thread)
     for step in ...:
         train_step(...)
         notice = watcher.poll(step)
@@ -16,16 +17,22 @@ Contract
 
 * The signal handler only sets a flag (no work inside a handler); the snapshot happens at
   the next step boundary, which is a consistent cut.
-* Inside a Ray Train worker ``poll`` also asks ``ray.train.get_preemption_info()`` every
-  ``ray_check_every`` steps. That call is itself a barrier across workers, so all ranks
-  must call ``poll`` on the same steps. Ray's advice is to snapshot and keep training
+* ``external`` (optional) is asked every ``external_check_every`` steps for a preemption
+  notice from the platform: it returns the notice's detail, or None. Inside a Ray Train
+  worker ``trainer.elastic_trainer`` passes one that asks ``ray.train.get_preemption_info()``
+  (itself a barrier across workers, so all ranks must call ``poll`` on the same steps). This
+  module imports nothing of Ray. The advice of such a notice is to snapshot and keep training
   (``must_exit=False``); a SIGTERM means this process is going away (``must_exit=True``).
-* When torch.distributed is initialised, ``poll`` agrees across ranks (all-reduce MAX), so
-  a signal delivered to only some workers still makes every rank snapshot the same step.
 * ``requested`` (optional, asked on rank 0 only) reports an on-demand snapshot request, e.g.
   the coordinator's before a planned resize: source ``"request"``, ``must_exit=False``.
-* A notice is returned once per cause (requests: once per request); later polls return
-  ``None``.
+* ``stop_requested`` (optional, asked on rank 0 only) reports that the driver asked the run
+  to stop (Ctrl-C, a time limit): source ``"stop"``, ``must_exit=False`` (the loop commits a
+  snapshot and ends normally).
+* When torch.distributed is initialised, ``poll`` agrees across ranks (all-reduce MAX of the
+  most urgent cause: signal, external, stop, request), so a signal delivered to only some
+  workers, or a request seen by rank 0 only, makes every rank act on the same step.
+* A notice is returned once per cause (requests and stops: once per poll while asked);
+  later polls return ``None``.
 """
 
 from __future__ import annotations
@@ -41,25 +48,30 @@ import torch.distributed as dist
 
 from elastic.collectives import agree_max
 
+# Agreement codes, most urgent highest: every rank acts on the most urgent cause any saw.
+_CODES = {4: "signal", 3: "external", 2: "stop", 1: "request"}
+
 
 @dataclass(frozen=True)
 class PreemptionNotice:
     step: int
-    source: str  # "signal", "ray" (Ray's preemption notice) or "request" (on demand)
+    source: str  # "signal", "external" (the platform's notice), "stop" or "request"
     must_exit: bool
-    detail: Any = None  # ray.train.PreemptionInfo when source == "ray"
+    detail: Any = None  # what `external` returned, when source == "external"
 
 
 class PreemptionWatcher:
     def __init__(self, *, signals: tuple[int, ...] = (signal.SIGTERM,),
-                 use_ray_train: bool | None = None, ray_check_every: int = 1,
-                 requested: Callable[[], bool] | None = None) -> None:
-        if ray_check_every < 1:
-            raise ValueError(f"ray_check_every must be >= 1, got {ray_check_every}")
+                 external: Callable[[], Any] | None = None, external_check_every: int = 1,
+                 requested: Callable[[], bool] | None = None,
+                 stop_requested: Callable[[], bool] | None = None) -> None:
+        if external_check_every < 1:
+            raise ValueError(f"external_check_every must be >= 1, got {external_check_every}")
         self.signals = signals
-        self.use_ray_train = _in_ray_train() if use_ray_train is None else use_ray_train
-        self.ray_check_every = ray_check_every
+        self.external = external
+        self.external_check_every = external_check_every
         self.requested = requested  # on-demand snapshot (planned resize), asked on rank 0
+        self.stop_requested = stop_requested  # the driver asked to stop, asked on rank 0
         self._signalled = threading.Event()
         self._previous: dict[int, Any] = {}
         self._reported: set[str] = set()
@@ -83,32 +95,23 @@ class PreemptionWatcher:
 
     def poll(self, step: int) -> PreemptionNotice | None:
         signalled = self._signalled.is_set() and "signal" not in self._reported
-        info = None
-        if self.use_ray_train and step % self.ray_check_every == 0 \
-                and "ray" not in self._reported:
-            import ray.train
-
-            info = ray.train.get_preemption_info()
-        asked = self.requested is not None and _rank() == 0 and self.requested()
-        code = agree_max(3 if signalled else 2 if info is not None else 1 if asked else 0)
+        detail = None
+        if self.external is not None and step % self.external_check_every == 0 \
+                and "external" not in self._reported:
+            detail = self.external()
+        first = _rank() == 0
+        stop = self.stop_requested is not None and first and self.stop_requested()
+        asked = self.requested is not None and first and self.requested()
+        code = agree_max(4 if signalled else 3 if detail is not None else 2 if stop
+                         else 1 if asked else 0)
         if code == 0:
             return None
-        source = {3: "signal", 2: "ray", 1: "request"}[code]
-        if source != "request":  # requests may come again (one per planned resize)
+        source = _CODES[code]
+        if source in ("signal", "external"):  # requests and stops may be asked again
             self._reported.add(source)
         return PreemptionNotice(step=step, source=source, must_exit=source == "signal",
-                                detail=info)
+                                detail=detail if source == "external" else None)
 
 
 def _rank() -> int:
     return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
-
-
-def _in_ray_train() -> bool:
-    try:
-        from ray.train.v2._internal.execution.train_fn_utils import get_train_fn_utils
-
-        get_train_fn_utils()
-        return True
-    except Exception:  # not inside a Ray Train worker (or Ray Train not importable)
-        return False

@@ -13,6 +13,9 @@ Usage (one ``Snapshotter`` per worker)::
         snap.begin_capture_if_due(step)  # copies overlap the next forward/backward
     snap.close()                   # flush the last persist
 
+A training loop rarely needs this class directly: ``trainer.session.Session`` wraps it with
+the optimizer hook that calls ``wait_capture``, preemption, planned resizes and stops.
+
 ``after_step(step)`` is the simple form (capture when due, wait for the copy at once).
 The pipelined form above (``begin_capture_if_due`` after the optimizer step, ``wait_capture``
 just before the next one) hides the copy behind forward/backward: the only training stall is
@@ -136,6 +139,7 @@ class Snapshotter:
         self.skipped: list[int] = []
         self.restore_errors: list[str] = []
         self.restored_from: tuple[str, int] | None = None  # ("ram" | "storage", step)
+        self.restored_world_size: int | None = None  # world size the restored step was saved at
         if rank == 0:
             self.store.ensure_run_json({"format_version": FORMAT_VERSION,
                                         **library_versions(), **(run_info or {})})
@@ -188,6 +192,7 @@ class Snapshotter:
             self.registry.load(tensors, manifest.state)
             self.restored_from = ("ram" if source.used_ram and not source.used_storage
                                   else "storage", step)
+            self.restored_world_size = manifest.world_size
             self.coordinator.rewind(step)
             return step
         if steps:

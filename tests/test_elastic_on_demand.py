@@ -13,7 +13,7 @@ def test_a_request_is_met_by_the_next_commit_and_only_then(tmp_path: Path) -> No
     ts = build(seed=3)
     snap = Snapshotter(str(tmp_path), ts.registry, snapshot_every=100)
     coordinator = snap.coordinator
-    watcher = PreemptionWatcher(use_ray_train=False, requested=coordinator.snapshot_requested)
+    watcher = PreemptionWatcher(requested=coordinator.snapshot_requested)
     train_step(ts, 1)
     assert watcher.poll(1) is None  # nothing asked yet
     coordinator.request_snapshot()

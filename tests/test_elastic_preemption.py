@@ -16,7 +16,7 @@ from elastic.testing import build, full_state, train_step
 
 
 def _preempted_child(run: str, ready: str, out: str) -> None:
-    watcher = PreemptionWatcher(use_ray_train=False).install()
+    watcher = PreemptionWatcher().install()
     ts = build(seed=5)
     snap = Snapshotter(run, ts.registry, snapshot_every=10**6)
     for step in range(1, 100_000):
@@ -56,20 +56,36 @@ def test_sigterm_snapshots_at_next_boundary_and_commits(tmp_path) -> None:
         assert torch.equal(full_state(ts)[key], value), key
 
 
-def test_notice_is_reported_once_per_cause(monkeypatch) -> None:
-    import ray.train
-    from ray.train.v2.api.preemption import PreemptionInfo
+def test_notice_is_reported_once_per_cause() -> None:
+    """The external notice (in a Ray Train worker: `ray.train.get_preemption_info`) is an
+    injected callable, asked every `external_check_every` steps."""
+    detail = {"deadline_ms": 123, "preempted_ranks": [1]}
+    answers = [None, detail, detail]
+    asked: list[int] = []
 
-    info = PreemptionInfo(deadline_ms=123, preempted_node_to_ranks={"n1": [1]})
-    answers = [None, info, info]
-    monkeypatch.setattr(ray.train, "get_preemption_info", lambda: answers.pop(0))
-    watcher = PreemptionWatcher(use_ray_train=True, ray_check_every=1)
+    def external() -> object:
+        asked.append(1)
+        return answers.pop(0)
+
+    watcher = PreemptionWatcher(external=external, external_check_every=1)
     assert watcher.poll(1) is None
     notice = watcher.poll(2)
-    assert notice is not None and notice.source == "ray" and not notice.must_exit
-    assert notice.detail.preempted_ranks == [1]
-    assert watcher.poll(3) is None  # Ray's notice already acted on
+    assert notice is not None and notice.source == "external" and not notice.must_exit
+    assert notice.detail["preempted_ranks"] == [1]
+    assert watcher.poll(3) is None  # the external notice already acted on: not asked again
+    assert len(asked) == 2
     watcher.request()
     notice = watcher.poll(4)
     assert notice is not None and notice.source == "signal" and notice.must_exit
     assert watcher.poll(5) is None
+
+
+def test_a_stop_request_outranks_a_snapshot_request_and_comes_back_while_asked() -> None:
+    stop, snapshot = [False], [True]
+    watcher = PreemptionWatcher(requested=lambda: snapshot[0], stop_requested=lambda: stop[0])
+    assert watcher.poll(1).source == "request"
+    stop[0] = True
+    first, second = watcher.poll(2), watcher.poll(3)
+    assert first.source == second.source == "stop" and not first.must_exit
+    stop[0] = snapshot[0] = False
+    assert watcher.poll(4) is None

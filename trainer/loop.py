@@ -1,8 +1,15 @@
-"""The per-worker training loop: one function that reads top to bottom.
+"""The per-worker training loop, split the torchtitan way: build, train one step, record.
 
 Contract: `run_worker(cfg, env)` trains from the newest committed snapshot of
-`cfg.snapshots.run_uri` (or from scratch) up to `cfg.steps`, on `env.world_size` ranks that
-already share a process group (or a single process), and returns a `WorkerResult`.
+`cfg.snapshots.run_uri` (or from scratch) up to `cfg.steps` (or `env.stop_after`, or a stop the
+driver asks for), on `env.world_size` ranks that already share a process group (or a single
+process), and returns a `WorkerResult`. `build` makes the model, optimizer, schedule and data;
+`train_step` trains one step; `record` makes and hands out its metrics; `run_worker` is only
+control flow on a `trainer.session.Session` — the same public API any Ray Train loop uses —
+which restores, snapshots, answers preemption and planned resizes, and commits the end.
+Under Ray (`trainer.ray_fit`) the session finds the coordinator in the worker context that
+`trainer.elastic_trainer.ElasticTorchTrainer` installs; `env.coordinator` overrides it
+(tests without Ray).
 
 Why the trajectory does not depend on the world size (promise P1):
 - every rank builds the same initial model from `cfg.seed`;
@@ -21,7 +28,6 @@ have been advanced for exactly the committed steps (promise P5).
 from __future__ import annotations
 
 import resource
-import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -34,11 +40,7 @@ from torch import nn
 
 from data_state import Microbatch, ResumableLoader, TokenDataset
 from data_state.manifest import DatasetError
-from elastic.errors import FatalRunError, SnapshotIntegrityError
-from elastic.preemption import PreemptionNotice, PreemptionWatcher
-from elastic.registry import StateRegistry
-from elastic.restore import SnapshotMismatchError
-from elastic.snapshotter import Snapshotter
+from elastic.errors import FatalRunError
 from sketch_ops import sketch_model, sketch_seed
 from trainer.config import FitConfig
 from trainer.model import GPT, SKETCH_LAYERS
@@ -52,12 +54,7 @@ from trainer.parallel import (
     wrap_model,
 )
 from trainer.run_dir import RunDirError, check_continuation
-
-# Asking Ray Train for a preemption notice is a barrier across workers: not every step.
-_RAY_PREEMPTION_CHECK_EVERY = 5
-# After the snapshot for a planned resize, how long to wait for the teardown before training
-# on (the resize was called off).
-_RESIZE_GRACE_S = 30.0
+from trainer.session import Session
 
 
 def next_token_loss(model: nn.Module, tokens: torch.Tensor) -> torch.Tensor:
@@ -105,10 +102,6 @@ class WorkerEnv:
     record_samples: bool = False  # add every step's global sample indices to its metrics
 
 
-class PreemptedError(RuntimeError):
-    """This worker group stopped on a preemption notice after committing a snapshot."""
-
-
 @contextmanager
 def dataset_errors_are_fatal(uri: str) -> Iterator[None]:
     """A dataset that cannot be opened or read (missing, corrupt, inconsistent: `DatasetError`,
@@ -136,19 +129,6 @@ class WorkerResult:
     step: int  # last completed step
     loss: float  # training loss of the last step
     val_loss: float | None
-
-
-class TrainerProgress:
-    """The loop's own state in the snapshot: the number of completed steps."""
-
-    def __init__(self) -> None:
-        self.step = 0
-
-    def state_dict(self) -> dict[str, Any]:
-        return {"step": self.step}
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.step = int(state["step"])
 
 
 def evaluate(cfg: FitConfig, model: nn.Module, val_set: TokenDataset, env: WorkerEnv) -> float:
@@ -198,8 +178,25 @@ def forward_backward(
     return step_loss
 
 
-def run_worker(cfg: FitConfig, env: WorkerEnv) -> WorkerResult:
-    loss_fn = cfg.loss_fn or next_token_loss
+@dataclass
+class Built:
+    """What `build` makes for one worker: the training state and the data it reads."""
+
+    model: nn.Module
+    optimizer: torch.optim.Optimizer
+    schedule: WarmupCosine
+    loader: ResumableLoader
+    train_set: TokenDataset
+    val_set: TokenDataset
+
+    def close(self) -> None:
+        self.loader.close()
+        self.train_set.close()
+        self.val_set.close()
+
+
+def build(cfg: FitConfig, env: WorkerEnv) -> Built:
+    """Model (wrapped for DDP / FSDP2), optimizer, LR schedule and data of this rank."""
     model = wrap_model(build_model(cfg).to(env.device), cfg.parallelism, env.device)
     optimizer = build_optimizer(model, cfg.optim)
     schedule = WarmupCosine(optimizer, cfg.optim, cfg.steps)
@@ -216,139 +213,92 @@ def run_worker(cfg: FitConfig, env: WorkerEnv) -> WorkerResult:
             world_size=env.world_size,
         )
     except ValueError as err:  # e.g. a global batch larger than the dataset: no retry helps
-        raise FatalRunError(f"dataset {cfg.data.uri!r}: {err}") from err
-    if env.rank == 0:  # one rank reads run.json and the manifest; its error fails the group
-        refuse_other_run(cfg, train_set.fingerprint)
-    progress = TrainerProgress()
-    registry = StateRegistry()
-    registry.register("model", model)
-    registry.register("optim", optimizer, model=model)
-    registry.register("sched", schedule)
-    registry.register("data", loader)
-    registry.register("trainer", progress)
-    snapshotter = Snapshotter(
-        cfg.snapshots.run_uri,
-        registry,
-        rank=env.rank,
-        world_size=env.world_size,
-        layout=cfg.parallelism,
-        coordinator=env.coordinator,
-        snapshot_every=cfg.snapshots.snapshot_every,
-        keep_last=cfg.snapshots.keep_last,
-        ram=cfg.snapshots.ram_copy_mib != 0,
-        storage_timeout_s=cfg.snapshots.storage_timeout_s,
-        storage_retry_s=cfg.snapshots.storage_retry_s,
-        run_info={"config": cfg.to_dict()},
-    )
-    try:
-        start_step = snapshotter.restore()
-    except SnapshotMismatchError as err:  # the recipe's model is not the snapshot's: always
-        raise FatalRunError(f"the recipe disagrees with the snapshot it continues: {err}") from err
-    except SnapshotIntegrityError as err:  # every committed snapshot is definitely unusable:
-        # a restart would silently train from step 0, so stop and let a person look.
-        raise FatalRunError(str(err)) from err
-    watcher = PreemptionWatcher(
-        ray_check_every=_RAY_PREEMPTION_CHECK_EVERY,
-        requested=getattr(env.coordinator, "snapshot_requested", None),
-    )
-    if threading.current_thread() is threading.main_thread():
-        watcher.install()  # SIGTERM -> snapshot at the next step boundary, then exit
-    if env.on_start is not None:
-        env.on_start(start_step)
-    num_microbatches = cfg.data.num_microbatches
-    tokens_per_step = cfg.data.global_batch * (cfg.data.seq_len - 1)
-    loss_value, val_loss = float("nan"), None
-    preempted: PreemptionNotice | None = None
-    try:
-        while progress.step < cfg.steps:
-            started = time.perf_counter()
-            step = progress.step
-            with dataset_errors_are_fatal(cfg.data.uri):  # a corrupt page found mid-run
-                microbatches = loader.next_step()
-            step_loss = forward_backward(cfg, env, model, loss_fn, microbatches, step)
-            if cfg.optim.grad_clip > 0:
-                torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.optim.grad_clip)
-            stall_started = time.perf_counter()
-            snapshotter.wait_capture()  # an in-flight capture must finish before tensors change
-            stall = time.perf_counter() - stall_started
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
-            schedule.step()
-            loader.advance()
-            progress.step = step + 1
-            notice = watcher.poll(progress.step)
-            stopping = (notice is not None and notice.must_exit) or progress.step == env.stop_after
-            stall_started = time.perf_counter()
-            if notice is not None or stopping or progress.step == cfg.steps:
-                # Preemption, a planned stop or the end: commit this step now (P6), so the
-                # run can continue (or be exported) from exactly here.
-                snapshotter.after_step(progress.step, force=True)
-            else:
-                # Copies of a due snapshot overlap the next step's forward/backward.
-                snapshotter.begin_capture_if_due(progress.step)
-            stall += time.perf_counter() - stall_started
-            samples = (
-                gather_samples(
-                    [i for mb in microbatches for i in mb.sample_indices],
-                    -(-num_microbatches // env.world_size) * cfg.data.microbatch_size,
-                    env.device,
-                )
-                if env.record_samples
-                else None
-            )
-            (loss_sum,) = all_reduce_sum([step_loss], env.device)
-            loss_value = loss_sum / num_microbatches
-            evaluated = bool(cfg.eval.every) and progress.step % cfg.eval.every == 0
-            if evaluated:
-                with dataset_errors_are_fatal(cfg.data.uri):
-                    val_loss = evaluate(cfg, model, val_set, env)
-            record = {
-                "step": progress.step,
-                "loss": loss_value,
-                "val_loss": val_loss if evaluated else None,
-                "lr": schedule.lr_at(step),
-                "tokens_per_s": tokens_per_step / (time.perf_counter() - started),
-                "world_size": env.world_size,
-                "snapshot_stall_s": stall,  # training time spent on snapshots
-                "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
-                "time": time.time(),
-                **({"samples": samples} if samples is not None else {}),
-            }
-            if env.on_metrics is not None and env.rank == 0:
-                env.on_metrics(record)
-            if env.report is not None and (
-                progress.step % cfg.snapshots.snapshot_every == 0 or progress.step == cfg.steps
-            ):
-                # Every rank, the same steps: Ray Train's report is a barrier. Not every
-                # step: each report waits for the controller's next poll.
-                env.report({k: v for k, v in record.items() if k != "samples"})
-            if notice is not None and notice.source == "request":
-                # A planned resize: Ray Train tears this group down once the snapshot just
-                # taken is committed; train no further, so the new group redoes nothing.
-                snapshotter.persister.wait()
-                if env.rank == 0:
-                    env.coordinator.answer_request(progress.step)
-                time.sleep(_RESIZE_GRACE_S)
-            elif notice is not None:
-                preempted = notice
-                break
-            if stopping:
-                break
-            if env.pace_s:
-                time.sleep(env.pace_s)
-    finally:
-        watcher.uninstall()
-        snapshotter.close()
-        loader.close()
         train_set.close()
         val_set.close()
-    if preempted is not None:
-        # The snapshot of this step is committed (close() flushed it). Failing the worker
-        # group makes Ray Train restart it without the preempted node, from exactly here.
-        raise PreemptedError(
-            f"preempted at step {preempted.step} ({preempted.source}); "
-            "its snapshot is committed and training resumes from it"
+        raise FatalRunError(f"dataset {cfg.data.uri!r}: {err}") from err
+    return Built(model, optimizer, schedule, loader, train_set, val_set)
+
+
+def train_step(cfg: FitConfig, env: WorkerEnv, built: Built, step: int) -> tuple[float, list[int]]:
+    """Train step `step` (0-based): forward/backward of this rank's microbatches, the
+    optimizer update, then schedule and data cursor move on. Returns the step's mean loss
+    over all ranks and this rank's sample indices."""
+    with dataset_errors_are_fatal(cfg.data.uri):  # a corrupt page found mid-run
+        microbatches = built.loader.next_step()
+    step_loss = forward_backward(cfg, env, built.model, cfg.loss_fn or next_token_loss,
+                                 microbatches, step)
+    if cfg.optim.grad_clip > 0:
+        torch.nn.utils.clip_grad_norm_(built.model.parameters(), cfg.optim.grad_clip)
+    built.optimizer.step()  # the session's hook first finishes an in-flight capture
+    built.optimizer.zero_grad(set_to_none=True)
+    built.schedule.step()
+    built.loader.advance()
+    (loss_sum,) = all_reduce_sum([step_loss], env.device)
+    return loss_sum / cfg.data.num_microbatches, [i for mb in microbatches
+                                                  for i in mb.sample_indices]
+
+
+def record(cfg: FitConfig, env: WorkerEnv, built: Built, step: int, loss: float,
+           samples: list[int], *, started: float, stall_s: float) -> dict[str, Any]:
+    """The metrics of completed step `step` (1-based), evaluated when due, handed to rank 0's
+    `on_metrics` and, on snapshot steps, to every rank's `report`."""
+    if env.record_samples:  # every rank's samples, for the exactly-once audit
+        per_rank = -(-cfg.data.num_microbatches // env.world_size) * cfg.data.microbatch_size
+        samples = gather_samples(samples, per_rank, env.device)
+    evaluated = bool(cfg.eval.every) and step % cfg.eval.every == 0
+    val_loss = None
+    if evaluated:
+        with dataset_errors_are_fatal(cfg.data.uri):
+            val_loss = evaluate(cfg, built.model, built.val_set, env)
+    tokens_per_step = cfg.data.global_batch * (cfg.data.seq_len - 1)
+    metrics = {
+        "step": step,
+        "loss": loss,
+        "val_loss": val_loss,
+        "lr": built.schedule.lr_at(step - 1),
+        "tokens_per_s": tokens_per_step / (time.perf_counter() - started),
+        "world_size": env.world_size,
+        "snapshot_stall_s": stall_s,  # training time spent on snapshots
+        "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+        "time": time.time(),
+        **({"samples": samples} if env.record_samples else {}),
+    }
+    if env.on_metrics is not None and env.rank == 0:
+        env.on_metrics(metrics)
+    if env.report is not None and (step % cfg.snapshots.snapshot_every == 0 or step == cfg.steps):
+        # Every rank, the same steps: Ray Train's report is a barrier. Not every step: each
+        # report waits for the controller's next poll.
+        env.report({k: v for k, v in metrics.items() if k != "samples"})
+    return metrics
+
+
+def run_worker(cfg: FitConfig, env: WorkerEnv) -> WorkerResult:
+    """Build, restore through a `Session`, then train step by step up to `cfg.steps` (or a
+    stop): the session snapshots, answers preemption and resizes, and commits the end."""
+    built = build(cfg, env)
+    try:
+        if env.rank == 0:  # one rank reads run.json and the manifest; its error fails the group
+            refuse_other_run(cfg, built.train_set.fingerprint)
+        session = Session(
+            built.model, built.optimizer, built.schedule, built.loader,
+            snapshots=cfg.snapshots, until=env.stop_after, coordinator=env.coordinator,
+            layout=cfg.parallelism, run_info={"config": cfg.to_dict()},
         )
-    return WorkerResult(
-        start_step=start_step, step=progress.step, loss=loss_value, val_loss=val_loss
-    )
+        with session:
+            if env.on_start is not None:
+                env.on_start(session.start_step)
+            loss, val_loss = float("nan"), None
+            stalled = session.stall_s
+            for step in session.steps(cfg.steps):
+                started = time.perf_counter()
+                loss, samples = train_step(cfg, env, built, step)
+                metrics = record(cfg, env, built, step + 1, loss, samples, started=started,
+                                 stall_s=session.stall_s - stalled)
+                stalled = session.stall_s
+                val_loss = metrics["val_loss"] if metrics["val_loss"] is not None else val_loss
+                if env.pace_s:
+                    time.sleep(env.pace_s)
+    finally:
+        built.close()
+    return WorkerResult(start_step=session.start_step, step=session.step, loss=loss,
+                        val_loss=val_loss)

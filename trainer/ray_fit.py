@@ -4,13 +4,16 @@ Contract:
 - Validates everything that can be checked before Ray starts (config, run directory
   reachable and holding the same model if it already has snapshots), prepares the embedded
   corpus when `data.uri` is empty, connects to Ray (`RAY_ADDRESS`, else a local one), starts
-  the run's snapshot coordinator and progress monitor, and runs a `TorchTrainer` with
-  `ScalingConfig(num_workers=(min, max))`. Ray Train places the workers, restarts the group
-  after a failure and resizes it when nodes come or go; every (re)started worker resumes
-  from the coordinator's restore plan. Baton adds no scheduling of its own; it only makes a
-  restart after a node loss go straight to the size the live nodes hold
-  (`trainer.scaling`) and snapshots before a planned resize (`trainer.resize`).
-- Returns a `FitResult` with the run summary (steps, losses, restarts, steps redone).
+  the run's progress monitor, and runs the worker loop (`trainer.loop`) on
+  `trainer.elastic_trainer.ElasticTorchTrainer` — the same drop-in for `TorchTrainer` any Ray
+  Train loop can use (lease, coordinator, restart and failure policies, snapshot before a
+  planned resize) — with `ScalingConfig(num_workers=(min, max))`. Ray Train places the
+  workers, restarts the group after a failure and resizes it when nodes come or go; every
+  (re)started worker resumes from the newest committed snapshot. Baton adds no scheduling
+  of its own.
+- `until` / `stop`: the workers commit the step they stop at and end normally.
+- Returns a `FitResult` with the run summary (steps, losses, restarts, steps redone) and
+  `stopped_at`.
 - Shows what happens to snapshots: every progress record carries the newest committed step,
   and a `warning` when none has committed for 3 snapshot intervals, with the workers' reason
   (`trainer.commit_watch`). A run that trains to its last step but cannot commit it raises
@@ -22,8 +25,8 @@ Contract:
   when the run gives up: at once on an error no restart can fix (`FatalRunError`: a bad
   dataset, a recipe the run cannot continue with, a worker whose `code_version()` differs from
   the driver's), or after `scaling.max_failures` restarts.
-This module, `trainer.scaling` and `trainer.resize` are the ones of `trainer` that talk to
-Ray Train.
+This module, `trainer.elastic_trainer`, `trainer.scaling` and `trainer.resize` are the ones of
+`trainer` that talk to Ray Train.
 """
 
 from __future__ import annotations
@@ -43,18 +46,15 @@ from ray.train import FailureConfig, RunConfig, ScalingConfig
 from ray.train.torch import TorchConfig
 
 from elastic.coordinator import HEAD_NODE_RESOURCES
-from elastic.errors import FatalRunError
 from elastic.lease import LeaseLostError, RunLease
 from elastic.store import SnapshotStore
-from elastic.version import code_version
 from trainer.commit_watch import CommitWatch, FinalCommitError, final_commit_error
 from trainer.config import FitConfig
+from trainer.elastic_trainer import ElasticTorchTrainer
 from trainer.loop import WorkerEnv, run_worker
 from trainer.metrics import RunSummary, read_records, summarize
 from trainer.monitor import NAMESPACE, RunMonitor, get_monitor, monitor_name
-from trainer.resize import SnapshotBeforeResize
 from trainer.run_dir import check_run_dir, check_worker_fits, ensure_dataset
-from trainer.scaling import BatonTorchTrainer
 
 log = logging.getLogger("baton.fit")
 
@@ -64,16 +64,16 @@ class FitResult:
     run_uri: str
     summary: RunSummary
     resumed_from: int  # committed step the fit started from (0 = fresh run)
+    stopped_at: int | None = None  # the step a stop (`until`, `stop`) ended at; None: finished
 
 
 def _train_fn(loop_config: dict[str, Any]) -> None:
-    """Runs on every Ray Train worker; a restart runs it again from the newest snapshot."""
+    """Runs on every Ray Train worker; a restart runs it again from the newest snapshot.
+    (The coordinator, lease and stop settings come from the worker context that
+    `ElasticTorchTrainer` installs around it.)"""
     import torch
 
-    from elastic.coordinator import RayCoordinatorClient, get_or_create_coordinator
-
     cfg: FitConfig = loop_config["cfg"]
-    _refuse_other_code(loop_config["code_version"])
     context = ray.train.get_context()
     rank, world_size = context.get_world_rank(), context.get_world_size()
     device = ray.train.torch.get_device() if cfg.scaling.use_gpu else torch.device("cpu")
@@ -83,8 +83,6 @@ def _train_fn(loop_config: dict[str, Any]) -> None:
         rank=rank,
         world_size=world_size,
         device=device,
-        coordinator=RayCoordinatorClient(get_or_create_coordinator(
-            cfg.snapshots.run_uri, lease_token=loop_config["lease_token"])),
         on_metrics=on_metrics,
         report=ray.train.report,
         pace_s=loop_config["pace_s"],
@@ -95,30 +93,6 @@ def _train_fn(loop_config: dict[str, Any]) -> None:
         ),
     )
     run_worker(cfg, env)
-
-
-def _refuse_other_code(driver_version: str | None) -> None:
-    """A worker whose Baton code differs from the driver's (a node set up from another
-    commit) would fail the same way on every restart, or worse, train differently: fatal.
-    `None`: the driver turned the check off (`SKIP_CODE_CHECK_ENV`)."""
-    if driver_version is None:
-        return
-    mine = code_version()
-    if mine != driver_version:
-        node = ray.util.get_node_ip_address()
-        raise FatalRunError(
-            f"worker on node {node} runs Baton {mine}, the driver {driver_version}; install "
-            "the same version on every node (cluster.yaml pins it)"
-        )
-
-
-# Set to 1 to let workers run other code than the driver: only for a checkout that is edited
-# while a local cluster trains from it (a worker started after the edit would be refused).
-SKIP_CODE_CHECK_ENV = "BATON_SKIP_CODE_CHECK"
-
-
-def _driver_code_version() -> str | None:
-    return None if os.environ.get(SKIP_CODE_CHECK_ENV) == "1" else code_version()
 
 
 def _cluster_can_grow() -> bool:
@@ -177,6 +151,8 @@ def fit(
     record_samples: bool = False,
     force_takeover: bool = False,
     lease: RunLease | None = None,
+    until: int | None = None,
+    stop: threading.Event | None = None,
 ) -> FitResult:
     """Train `config` to `config.steps`, continuing the run if it has committed snapshots.
 
@@ -192,28 +168,30 @@ def fit(
     Python API is one-driver-per-run too. A lease passed in is renewed during the fit and
     left to its owner to release. Raises `LeaseHeldError` when another driver holds the run,
     `LeaseLostError` when the lease was taken over during the fit (its commits were refused).
+    `until`: stop after that step; `stop`: once set (Ctrl-C, a time limit), stop at the next
+    step boundary. Either way the workers commit a snapshot of the step they stopped at and
+    end normally; `FitResult.stopped_at` is that step (None when the run reached
+    `config.steps`). With `stop`, the caller owns SIGINT (Ray Train's abort handler is not
+    installed).
     """
     resumed_from = check_run_dir(config)
     own_lease = lease is None
     if lease is None:
         lease = RunLease(SnapshotStore(config.snapshots.run_uri))
         lease.acquire(force=force_takeover)
-    lease.start_renewing()
+    lease.start_renewing()  # preparing the corpus may take longer than the lease's ttl
     try:
-        result = _fit_leased(config, lease, resumed_from, on_progress=on_progress,
-                             storage_path=storage_path, pace_s=pace_s,
-                             record_samples=record_samples)
+        return _fit_leased(config, lease, resumed_from, on_progress=on_progress,
+                           storage_path=storage_path, pace_s=pace_s,
+                           record_samples=record_samples, until=until, stop=stop)
     except BaseException as err:
-        if lease.lost:  # the failure is most likely the refused commits: say why
+        if lease.lost and not isinstance(err, LeaseLostError):
             raise LeaseLostError(lease.lost) from err
         raise
     finally:
         lease.stop_renewing()
         if own_lease:
             lease.release()  # conditional: never deletes the lease of a driver that took over
-    if lease.lost:
-        raise LeaseLostError(lease.lost)
-    return result
 
 
 def _fit_leased(
@@ -225,6 +203,8 @@ def _fit_leased(
     storage_path: str | None,
     pace_s: float,
     record_samples: bool,
+    until: int | None,
+    stop: threading.Event | None,
 ) -> FitResult:
     config = ensure_dataset(config)
     embedded = not os.environ.get("RAY_ADDRESS") and not ray.is_initialized()
@@ -234,18 +214,6 @@ def _fit_leased(
         check_worker_fits(config, [n["Resources"] for n in ray.nodes() if n.get("Alive")],
                           "this machine" if embedded else "the Ray cluster")
 
-    from elastic.coordinator import get_or_create_coordinator
-
-    # Keep this handle until the fit ends: a (non-detached) actor lives as long as its
-    # creator holds a reference, and the workers must all talk to this one instance.
-    snaps = config.snapshots
-    coordinator = get_or_create_coordinator(
-        snaps.run_uri, keep_last=snaps.keep_last,
-        lease_token=lease.token,  # fencing: no manifest once another driver took the run
-        ram=snaps.ram_copy_mib != 0, ram_cap_bytes=int(snaps.ram_copy_mib * 2**20),
-        pending_timeout_s=snaps.pending_timeout_s, storage_timeout_s=snaps.storage_timeout_s,
-        storage_retry_s=snaps.storage_retry_s,
-    )
     monitor = RunMonitor.options(
         name=monitor_name(config.run_name),
         namespace=NAMESPACE,
@@ -259,11 +227,13 @@ def _fit_leased(
         if scaling.min_workers == scaling.max_workers
         else (scaling.min_workers, scaling.max_workers)
     )
-    trainer = BatonTorchTrainer(
+    trainer = ElasticTorchTrainer(
         _train_fn,
-        train_loop_config={"cfg": config, "pace_s": pace_s, "record_samples": record_samples,
-                           "lease_token": lease.token,
-                           "code_version": _driver_code_version()},
+        snapshots=config.snapshots,
+        lease=lease,
+        until=until,
+        stop=stop,
+        train_loop_config={"cfg": config, "pace_s": pace_s, "record_samples": record_samples},
         torch_config=TorchConfig(backend="nccl" if scaling.use_gpu else "gloo"),
         scaling_config=ScalingConfig(
             num_workers=num_workers,
@@ -275,39 +245,40 @@ def _fit_leased(
             name=f"{config.run_name}-{int(time.time())}",
             storage_path=storage_path,
             failure_config=FailureConfig(max_failures=scaling.max_failures),
-            callbacks=[SnapshotBeforeResize(config.snapshots.run_uri,
-                                            lease_token=lease.token)],
         ),
     )
-    stop = threading.Event()
-    watch = CommitWatch(snaps.snapshot_every, start_step=resumed_from)
+    polling = threading.Event()
+    watch = CommitWatch(config.snapshots.snapshot_every, start_step=resumed_from)
     poller = threading.Thread(
-        target=_poll_progress, args=(monitor, coordinator, watch, on_progress, stop),
+        target=_poll_progress, args=(monitor, trainer, watch, on_progress, polling),
         daemon=True,
     )
     poller.start()
     try:
         trainer.fit()
-        health = ray.get(coordinator.health.remote())
     finally:
-        stop.set()
+        polling.set()
         ray.get(monitor.flush.remote())
-        del coordinator
-    failed = final_commit_error(health, config.steps)
+    stopped_at = trainer.stopped_at if (trainer.stopped_at or 0) < config.steps else None
+    failed = final_commit_error(trainer.health, stopped_at or config.steps)
     if failed is not None:
         raise FinalCommitError(failed)
     summary = summarize(read_records(config.snapshots.run_uri))
-    return FitResult(run_uri=config.snapshots.run_uri, summary=summary, resumed_from=resumed_from)
+    return FitResult(run_uri=config.snapshots.run_uri, summary=summary,
+                     resumed_from=resumed_from, stopped_at=stopped_at)
 
 
-def _poll_progress(monitor: Any, coordinator: Any, watch: CommitWatch,
+def _poll_progress(monitor: Any, trainer: ElasticTorchTrainer, watch: CommitWatch,
                    on_progress: Callable[[dict[str, Any]], None] | None,
-                   stop: threading.Event) -> None:
+                   done: threading.Event) -> None:
     """About once a second: hand rank 0's newest step record (with the newest commit) to
     `on_progress`, and warn when snapshots stopped committing (`trainer.commit_watch`):
     as the record's `warning` when there is a progress display, else in the log."""
     last_step = None
-    while not stop.wait(1.0):
+    while not done.wait(1.0):
+        coordinator = trainer.coordinator
+        if coordinator is None:  # not created yet (or the fit is over)
+            continue
         try:
             record = ray.get(monitor.latest.remote(), timeout=5)
             health = ray.get(coordinator.health.remote(), timeout=5)

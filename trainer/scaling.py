@@ -25,7 +25,7 @@ Contract:
   changes: a worker-group error in which any worker raised `elastic.errors.FatalRunError` (an
   error no restart can fix: a corrupt dataset, a recipe that disagrees with the run it
   continues, a worker on other code) is RAISEd at once, without a retry; and a group that
-  stopped on a preemption notice after committing its snapshot (`trainer.loop.PreemptedError`)
+  stopped on a preemption notice after committing its snapshot (`trainer.session.PreemptedError`)
   is charged to `max_preemption_failures`, as Ray Train charges its own preemptions, not to
   `max_failures` (it lost no work). Everything else is Ray Train's decision. When it RAISEs,
   it writes its verdict (restarts so far, fatal or not, the worker's message) into the
@@ -256,7 +256,7 @@ def fatal_message(error: TrainingFailedError) -> str | None:
 
 def stopped_on_preemption_notice(error: TrainingFailedError) -> bool:
     """Whether a worker stopped on a preemption notice after committing its snapshot."""
-    return any(_is_a(e, "trainer.loop", "PreemptedError") for e in _worker_errors(error))
+    return any(_is_a(e, "trainer.session", "PreemptedError") for e in _worker_errors(error))
 
 
 def last_error_message(error: TrainingFailedError) -> str:

@@ -1,0 +1,206 @@
+"""`ElasticTorchTrainer`: Ray Train's `TorchTrainer`, plus what a `Session` needs, nothing else.
+
+Usage (driver)::
+
+    trainer = ElasticTorchTrainer(train_func, run_uri="runs/mine",
+                                  train_loop_config={...}, scaling_config=ScalingConfig(...),
+                                  run_config=RunConfig(...))
+    result = trainer.fit()
+
+Contract:
+- It is `trainer.scaling.BatonTorchTrainer` (Ray Train's `TorchTrainer` whose restarts after a
+  node loss go straight to the size the live nodes hold, whose `FatalRunError`s fail the run
+  once, whose `fit()` raises a one-line `RunFailedError`) with, around `fit()`:
+  * the run lease (`elastic.lease.RunLease`): acquired (`force_takeover` takes it from a live
+    driver) and released when not passed in; renewed during the fit either way. A lease
+    taken over meanwhile raises `LeaseLostError` (its commits were refused);
+  * the run's coordinator actor (`elastic.coordinator.get_or_create_coordinator`, one per run
+    and lease), kept alive until `fit()` returns; `trainer.coordinator` is its handle
+    meanwhile, `trainer.health` its final `health()`;
+  * `trainer.resize.SnapshotBeforeResize` added to `run_config.callbacks` (a planned resize
+    redoes nothing);
+  * around the user's `train_func` on every worker: the code-version check (a worker on
+    other Baton code is a `FatalRunError`; `BATON_SKIP_CODE_CHECK=1` turns it off) and the
+    worker context every `trainer.session.Session` starts from (run directory, snapshot
+    settings, coordinator, Ray Train's preemption notice, `until`).
+- Stops: `until` ends the workers (committing) after that step; `request_stop()` — or setting
+  the `stop` event passed in — asks the coordinator, and the workers commit the step they are
+  at and end normally. `trainer.stopped_at` is then the step they stopped at (else None).
+  With a `stop` event, Ray Train's own Ctrl-C handler (which aborts the run) is not
+  installed: the caller owns SIGINT and sets the event.
+Ray is imported here (this module is part of the Ray side of `trainer`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import threading
+from collections.abc import Callable
+from typing import Any
+
+import ray
+import ray.train
+from ray.train import RunConfig
+
+from elastic.errors import FatalRunError
+from elastic.lease import LeaseLostError, RunLease
+from elastic.store import SnapshotStore
+from elastic.version import code_version
+from trainer.config import SnapshotConfig
+from trainer.resize import SnapshotBeforeResize
+from trainer.scaling import BatonTorchTrainer
+from trainer.session import WorkerContext, worker_context
+
+# Set to 1 to let workers run other code than the driver: only for a checkout that is edited
+# while a local cluster trains from it (a worker started after the edit would be refused).
+SKIP_CODE_CHECK_ENV = "BATON_SKIP_CODE_CHECK"
+
+
+def check_code_version(driver_version: str | None) -> None:
+    """A worker whose Baton code differs from the driver's (a node set up from another
+    commit) would fail the same way on every restart, or worse, train differently: fatal.
+    `None`: the driver turned the check off (`SKIP_CODE_CHECK_ENV`)."""
+    if driver_version is None:
+        return
+    mine = code_version()
+    if mine != driver_version:
+        node = ray.util.get_node_ip_address()
+        raise FatalRunError(
+            f"worker on node {node} runs Baton {mine}, the driver {driver_version}; install "
+            "the same version on every node (cluster.yaml pins it)"
+        )
+
+
+def ray_preemption_notice() -> Any:
+    """Ray Train's preemption notice for this worker group, or None (a barrier: every rank
+    asks on the same steps)."""
+    return ray.train.get_preemption_info()
+
+
+class ElasticTorchTrainer(BatonTorchTrainer):
+    """See the module docstring."""
+
+    def __init__(
+        self,
+        train_loop_per_worker: Callable[..., Any],
+        *,
+        run_uri: str | None = None,
+        snapshots: SnapshotConfig | None = None,
+        lease: RunLease | None = None,
+        force_takeover: bool = False,
+        until: int | None = None,
+        stop: threading.Event | None = None,
+        run_config: RunConfig | None = None,
+        **torch_trainer_kwargs: Any,
+    ) -> None:
+        settings = snapshots or SnapshotConfig()
+        if run_uri is not None:
+            settings = dataclasses.replace(settings, run_uri=run_uri)
+        if not settings.run_uri:
+            raise ValueError("ElasticTorchTrainer: pass run_uri=... (where the run's "
+                             "snapshots live: a local path or s3://bucket/prefix/NAME)")
+        self.snapshots = settings
+        self.lease = lease
+        self.force_takeover = force_takeover
+        self.until = until
+        self._caller_owns_sigint = stop is not None
+        self.stop = stop or threading.Event()
+        self._resize = SnapshotBeforeResize(settings.run_uri)
+        run_config = run_config or RunConfig()
+        run_config = dataclasses.replace(
+            run_config, callbacks=[*(run_config.callbacks or []), self._resize])
+        self.coordinator: Any = None  # the coordinator's handle while fit() runs
+        self.health: dict[str, Any] = {}  # the coordinator's health() when fit() returned
+        self.stopped_at: int | None = None
+        self._lease_token: str | None = None
+        super().__init__(train_loop_per_worker, run_config=run_config, **torch_trainer_kwargs)
+
+    def request_stop(self) -> None:
+        """Ask the workers to commit the step they are at and end (thread-safe)."""
+        self.stop.set()
+
+    # ------------------------------------------------------------------ driver
+
+    def fit(self) -> Any:
+        lease = self.lease
+        own = lease is None
+        if lease is None:
+            lease = RunLease(SnapshotStore(self.snapshots.run_uri))
+            lease.acquire(force=self.force_takeover)
+        lease.start_renewing()
+        try:
+            result = self._fit_leased(lease)
+        except BaseException as err:
+            if lease.lost:  # the failure is most likely the refused commits: say why
+                raise LeaseLostError(lease.lost) from err
+            raise
+        finally:
+            lease.stop_renewing()
+            if own:
+                lease.release()  # conditional: never deletes the lease of a driver that took over
+        if lease.lost:
+            raise LeaseLostError(lease.lost)
+        return result
+
+    def _fit_leased(self, lease: RunLease) -> Any:
+        from elastic.coordinator import get_or_create_coordinator
+
+        if not ray.is_initialized():
+            ray.init()
+        snaps = self.snapshots
+        # Keep this handle until the fit ends: a (non-detached) actor lives as long as its
+        # creator holds a reference, and the workers must all talk to this one instance.
+        self.coordinator = get_or_create_coordinator(
+            snaps.run_uri, keep_last=snaps.keep_last,
+            lease_token=lease.token,  # fencing: no manifest once another driver took the run
+            ram=snaps.ram_copy_mib != 0, ram_cap_bytes=int(snaps.ram_copy_mib * 2**20),
+            pending_timeout_s=snaps.pending_timeout_s, storage_timeout_s=snaps.storage_timeout_s,
+            storage_retry_s=snaps.storage_retry_s,
+        )
+        self._lease_token = self._resize.lease_token = lease.token
+        done = threading.Event()
+        forward = threading.Thread(target=self._forward_stop, args=(self.coordinator, done),
+                                   name="baton-stop-forward", daemon=True)
+        forward.start()
+        try:
+            result = super().fit()
+            self.health = dict(ray.get(self.coordinator.health.remote()))
+        finally:
+            done.set()
+            forward.join(timeout=10)
+            self.coordinator = None
+        self.stopped_at = self.health.get("stopped_at")
+        return result
+
+    def _forward_stop(self, coordinator: Any, done: threading.Event) -> None:
+        """Hand a stop (the event set by `request_stop`, Ctrl-C or a time limit) to the
+        coordinator, which the workers ask at every step boundary."""
+        while not done.is_set():
+            if self.stop.wait(0.2):
+                ray.get(coordinator.request_stop.remote())
+                return
+
+    def _register_sigint_handler(self, controller: Any) -> None:
+        if not self._caller_owns_sigint:
+            super()._register_sigint_handler(controller)
+
+    # ------------------------------------------------------------------ workers
+
+    def _get_train_func(self) -> Callable[[], Any]:
+        inner = super()._get_train_func()
+        context = WorkerContext(snapshots=self.snapshots, until=self.until)
+        driver_version = None if os.environ.get(SKIP_CODE_CHECK_ENV) == "1" else code_version()
+        lease_token = self._lease_token
+
+        def train_func_in_session_context() -> Any:
+            from elastic.coordinator import RayCoordinatorClient, get_or_create_coordinator
+
+            check_code_version(driver_version)
+            coordinator = RayCoordinatorClient(
+                get_or_create_coordinator(context.snapshots.run_uri, lease_token=lease_token))
+            with worker_context(dataclasses.replace(
+                    context, coordinator=coordinator, preemption_notice=ray_preemption_notice)):
+                return inner()
+
+        return train_func_in_session_context

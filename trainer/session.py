@@ -1,0 +1,355 @@
+"""`Session`: elastic snapshots for any training loop (Baton's own loop is built on it).
+
+Usage, inside a Ray Train V2 `train_func` run by `trainer.elastic_trainer.ElasticTorchTrainer`
+(or in a single process, or under torchrun, with `run_uri=`)::
+
+    session = Session(model, optimizer, scheduler, loader, snapshot_every=10)
+    for step in session.steps(total_steps):   # starts at the restored step
+        ...forward, backward, optimizer.step(), scheduler.step(), loader.advance()...
+    # leaving the loop normally commits the last step (and waits for it)
+
+Contract
+--------
+- Construction registers every component once, under fixed keys (`model`, `optim`, `sched`,
+  `data`, each of `extras`, and `trainer` for the session's own step counter), and restores
+  the newest committed snapshot into them, resharded to this rank and world size, optimizer
+  warm (`elastic.snapshotter.Snapshotter.restore`). `session.step` is then the number of
+  completed steps (0 for a fresh run). A snapshot that holds another model, or none usable
+  at all, raises `FatalRunError` (a restart cannot fix it).
+- Rank and world size come from `torch.distributed` (as Ray Train sets it up), else 0 and 1.
+  The run directory, the coordinator, snapshot settings, the platform's preemption notice
+  and an `until` step come from the worker context `ElasticTorchTrainer` installs
+  (`worker_context`); explicit arguments win; without either, `run_uri` is required and the
+  coordinator is in-process (`Snapshotter` picks one).
+- `step_done()` ends a step (call it after the optimizer, scheduler and loader moved on;
+  `steps(total)` calls it for you). It counts the step, then at this step boundary, agreed
+  across ranks (`elastic.preemption.PreemptionWatcher`):
+  * preemption (SIGTERM, or the platform's notice): commits a snapshot of this step, then
+    raises `PreemptedError` (the group restarts without the doomed node; nothing redone);
+  * a planned resize (the coordinator's on-demand request): commits a snapshot of this step,
+    tells the coordinator, and waits for the teardown (nothing redone; training goes on if
+    the resize is called off);
+  * a stop (the driver's `request_stop`, or the `until` step reached): commits a snapshot of
+    this step, tells the coordinator (`answer_stop`), and returns True: end the loop;
+  * otherwise, when due (`snapshot_every`), begins a capture whose copies overlap the next
+    step's forward/backward.
+- An in-flight capture must finish before the tensors change: the session registers an
+  optimizer step pre-hook on every registered optimizer that waits for it, so a loop never
+  calls `wait_capture()` itself. Without a registered optimizer each capture is synchronous.
+- `close()` commits the current step if no snapshot of it was taken, and flushes; `close(
+  commit=False)` (what leaving a `with` block on an exception does) only flushes what is in
+  flight: a half-done step is never captured.
+- Data: an object with `reshard(rank=, world_size=)` (`data_state.ResumableLoader`,
+  `data_state.map_loader.MapStyleLoader`) is world-size free and is resharded to this rank.
+  Any other `state_dict()/load_state_dict()` loader (e.g. torchdata's `StatefulDataLoader`)
+  is restored as saved by rank 0: exact at the world size it was saved at; at another, its
+  per-rank sampler position no longer means the same samples, so the session logs a warning
+  (`strict_data=True`: raises `FatalRunError` instead).
+
+Nothing here imports Ray; `trainer.elastic_trainer` is the Ray side.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import logging
+import threading
+import time
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+from elastic.errors import FatalRunError, SnapshotIntegrityError
+from elastic.preemption import PreemptionNotice, PreemptionWatcher
+from elastic.protocol import CoordinatorClient
+from elastic.registry import SnapshotMismatchError, StateRegistry
+from elastic.snapshotter import Snapshotter
+from trainer.config import SnapshotConfig
+
+log = logging.getLogger("baton.session")
+
+# The session's own state in the snapshot (the key Baton's loop has always used).
+PROGRESS_KEY = "trainer"
+DEFAULT_SNAPSHOT_EVERY = 100
+# Asking the platform for a preemption notice is a barrier across workers: not every step.
+PREEMPTION_CHECK_EVERY = 5
+# After the snapshot for a planned resize, how long to wait for the teardown before training
+# on (the resize was called off).
+RESIZE_GRACE_S = 30.0
+
+
+class PreemptedError(RuntimeError):
+    """This worker group stopped on a preemption notice after committing a snapshot."""
+
+
+@dataclass(frozen=True)
+class WorkerContext:
+    """What the driver hands each worker (`ElasticTorchTrainer` installs it)."""
+
+    snapshots: SnapshotConfig  # run directory and snapshot settings
+    coordinator: CoordinatorClient | None = None  # the run's coordinator (Ray actor client)
+    preemption_notice: Callable[[], Any] | None = None  # the platform's notice, or None
+    until: int | None = None  # stop (committing) after this step
+
+
+_context: WorkerContext | None = None
+
+
+@contextlib.contextmanager
+def worker_context(context: WorkerContext) -> Iterator[WorkerContext]:
+    """Make `context` what every `Session` created inside the block starts from."""
+    global _context
+    previous, _context = _context, context
+    try:
+        yield context
+    finally:
+        _context = previous
+
+
+def current_context() -> WorkerContext | None:
+    return _context
+
+
+class _Progress:
+    """The session's own state: the number of completed steps."""
+
+    def __init__(self) -> None:
+        self.step = 0
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"step": self.step}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.step = int(state["step"])
+
+
+class Session:
+    """See the module docstring."""
+
+    def __init__(
+        self,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer | None = None,
+        scheduler: Any = None,
+        data: Any = None,
+        *,
+        extras: Mapping[str, Any] | None = None,
+        run_uri: str | None = None,
+        snapshot_every: int | None = None,
+        snapshots: SnapshotConfig | None = None,
+        until: int | None = None,
+        coordinator: CoordinatorClient | None = None,
+        layout: str | None = None,
+        strict_data: bool = False,
+        run_info: dict[str, Any] | None = None,
+    ) -> None:
+        context = current_context()
+        settings = _settings(snapshots, context, run_uri, snapshot_every)
+        self.rank, self.world_size = _rank_and_world_size()
+        self.until = until if until is not None else context.until if context else None
+        self._progress = _Progress()
+        self.registry = StateRegistry()
+        self.registry.register("model", model)
+        if optimizer is not None:
+            self.registry.register("optim", optimizer, model=model)
+        if scheduler is not None:
+            self.registry.register("sched", scheduler)
+        if data is not None:
+            if callable(getattr(data, "reshard", None)):
+                data.reshard(rank=self.rank, world_size=self.world_size)
+            self.registry.register("data", data)
+        for key, extra in (extras or {}).items():
+            self.registry.register(key, extra)
+        self.registry.register(PROGRESS_KEY, self._progress)
+        self.snapshotter = Snapshotter(
+            settings.run_uri, self.registry, rank=self.rank, world_size=self.world_size,
+            layout=layout or _layout_of(model),
+            coordinator=coordinator or (context.coordinator if context else None),
+            snapshot_every=settings.snapshot_every, keep_last=settings.keep_last,
+            ram=settings.ram_copy_mib != 0, storage_timeout_s=settings.storage_timeout_s,
+            storage_retry_s=settings.storage_retry_s,
+            run_info=run_info,
+        )
+        self.coordinator: CoordinatorClient = self.snapshotter.coordinator
+        self.start_step = self._restore()
+        self._check_data(data, strict_data)
+        self.stall_s = 0.0  # training time spent waiting on snapshots so far
+        self.stopped_at: int | None = None  # the step a stop (driver or `until`) ended at
+        self._captured: int | None = self.start_step if self.start_step else None
+        self._closed = False
+        optimizers = [o for o in [optimizer, *(extras or {}).values()]
+                      if isinstance(o, torch.optim.Optimizer)]
+        self._hooks = [o.register_step_pre_hook(self._before_optimizer_step) for o in optimizers]
+        self._pipelined = bool(optimizers)
+        self.watcher = PreemptionWatcher(
+            external=context.preemption_notice if context else None,
+            external_check_every=PREEMPTION_CHECK_EVERY,
+            requested=self.coordinator.snapshot_requested,
+            stop_requested=self.coordinator.stop_requested,
+        )
+        if threading.current_thread() is threading.main_thread():
+            self.watcher.install()  # SIGTERM -> snapshot at the next step boundary, then exit
+
+    # ------------------------------------------------------------------ the loop
+
+    @property
+    def step(self) -> int:
+        """Completed steps (the restored step right after construction)."""
+        return self._progress.step
+
+    def steps(self, total: int) -> Iterator[int]:
+        """Yield the 0-based index of each step still to train, up to `total`; after each,
+        `step_done()`. Ends early on a stop; on finishing, `close()` commits the last step."""
+        while self._progress.step < total:
+            yield self._progress.step
+            if self.step_done():
+                break
+        self.close()
+
+    def step_done(self) -> bool:
+        """Count one completed step and act at its boundary (module docstring). Returns True
+        when the loop must end (a stop was asked for or `until` was reached)."""
+        self._progress.step += 1
+        step = self._progress.step
+        notice = self.watcher.poll(step)
+        stopping = (notice is not None and notice.source == "stop") or (
+            self.until is not None and step >= self.until)
+        started = time.perf_counter()
+        if notice is not None or stopping:
+            # Commit exactly this step (P6): the run continues (or is exported) from here.
+            self.snapshotter.after_step(step, force=True)
+            self._captured = step
+        elif self.snapshotter.begin_capture_if_due(step):
+            self._captured = step  # its copies overlap the next step's forward/backward
+            if not self._pipelined:
+                self._wait_capture()
+        self.stall_s += time.perf_counter() - started
+        if stopping:
+            self._stop(step)
+            return True
+        if notice is not None:
+            self._answer(notice)
+        return False
+
+    def wait_capture(self) -> None:
+        """Finish the in-flight capture now (before changing captured tensors by hand; the
+        optimizer hook does it before every `optimizer.step()`)."""
+        self._wait_capture()
+
+    def close(self, commit: bool = True) -> None:
+        """Commit the current step unless a snapshot of it was taken (`commit=False`: only
+        flush what is in flight), then wait for the commit. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            step = self._progress.step
+            if commit and step > 0 and self._captured != step:
+                self.snapshotter.after_step(step, force=True)
+                self._captured = step
+        finally:
+            for hook in self._hooks:
+                hook.remove()
+            self.watcher.uninstall()
+            self.snapshotter.close()
+
+    def __enter__(self) -> Session:
+        return self
+
+    def __exit__(self, kind: type[BaseException] | None, *rest: object) -> None:
+        self.close(commit=kind is None)
+
+    # ------------------------------------------------------------------ internals
+
+    def _restore(self) -> int:
+        try:
+            return self.snapshotter.restore()
+        except SnapshotMismatchError as err:  # the loop's model is not the snapshot's: always
+            raise FatalRunError(
+                f"the training state disagrees with the snapshot it continues: {err}") from err
+        except SnapshotIntegrityError as err:  # every committed snapshot definitely unusable:
+            # a restart would silently train from step 0, so stop and let a person look.
+            raise FatalRunError(str(err)) from err
+
+    def _check_data(self, data: Any, strict: bool) -> None:
+        saved = self.snapshotter.restored_world_size
+        if data is None or saved is None or saved == self.world_size:
+            return
+        if callable(getattr(data, "reshard", None)):
+            return  # world-size free: its cursor means the same samples at any world size
+        message = (
+            f"the data loader's position was saved at world size {saved} and restores at "
+            f"{self.world_size}: {type(data).__name__} keeps a per-rank position, so samples "
+            "may repeat or be skipped until its epoch ends. Use data_state.ResumableLoader or "
+            "data_state.map_loader.MapStyleLoader for exactly-once data at any world size")
+        if strict:
+            raise FatalRunError(message)
+        if self.rank == 0:
+            log.warning("%s", message)
+
+    def _before_optimizer_step(self, *_: Any) -> None:
+        self._wait_capture()
+
+    def _wait_capture(self) -> None:
+        started = time.perf_counter()
+        self.snapshotter.wait_capture()
+        self.stall_s += time.perf_counter() - started
+
+    def _stop(self, step: int) -> None:
+        """A stop: the snapshot of `step` is captured; persist it, tell the driver."""
+        self.snapshotter.persister.wait()
+        self.stopped_at = step
+        if self.rank == 0:
+            self.coordinator.answer_request(step)  # a pending resize request is met too
+            self.coordinator.answer_stop(step)
+        self.close()
+
+    def _answer(self, notice: PreemptionNotice) -> None:
+        if notice.source == "request":
+            # A planned resize: Ray Train tears this group down once the snapshot just taken
+            # is committed; train no further, so the new group redoes nothing.
+            self.snapshotter.persister.wait()
+            if self.rank == 0:
+                self.coordinator.answer_request(notice.step)
+            time.sleep(RESIZE_GRACE_S)
+            return
+        # Preemption: commit, then fail the group so Ray Train restarts it without the
+        # doomed node, from exactly here.
+        self.close()
+        raise PreemptedError(
+            f"preempted at step {notice.step} ({notice.source}); its snapshot is committed "
+            "and training resumes from it")
+
+
+def _settings(snapshots: SnapshotConfig | None, context: WorkerContext | None,
+              run_uri: str | None, snapshot_every: int | None) -> SnapshotConfig:
+    base = snapshots or (context.snapshots if context else None)
+    if base is None:
+        base = SnapshotConfig(snapshot_every=DEFAULT_SNAPSHOT_EVERY)
+    changes: dict[str, Any] = {}
+    if run_uri is not None:
+        changes["run_uri"] = run_uri
+    if snapshot_every is not None:
+        changes["snapshot_every"] = snapshot_every
+    settings = dataclasses.replace(base, **changes)
+    if not settings.run_uri:
+        raise ValueError("Session: no run directory: pass run_uri=... (or run the loop under "
+                         "trainer.ElasticTorchTrainer, which passes it)")
+    return settings
+
+
+def _rank_and_world_size() -> tuple[int, int]:
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+def _layout_of(model: nn.Module) -> str:
+    """FSDP2 shards parameters as DTensors; anything else is replicated (DDP or one rank)."""
+    return "fsdp" if any(isinstance(p, DTensor) for p in model.parameters()) else "ddp"
