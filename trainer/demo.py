@@ -55,6 +55,7 @@ def activation_bytes(cfg: FitConfig) -> tuple[int, int]:
     """Bytes one microbatch keeps for backward with exact backprop and with the recipe's
     BASIS layers (measured, not estimated)."""
     import dataclasses
+    import functools
 
     import torch
 
@@ -71,7 +72,7 @@ def activation_bytes(cfg: FitConfig) -> tuple[int, int]:
     for variant in (exact_cfg, cfg):
         model = build_model(variant)
         with sketch_seed(variant.seed, 0):
-            sizes.append(saved_bytes(lambda m=model: next_token_loss(m, tokens), model))
+            sizes.append(saved_bytes(functools.partial(next_token_loss, model, tokens), model))
     return sizes[0], sizes[1]
 
 

@@ -110,7 +110,7 @@ class MonitorState:
 
 
 # On the head node in a live fit (`trainer.ray_fit` places it); tests use `MonitorState`.
-RunMonitor = ray.remote(num_cpus=0)(MonitorState)
+RunMonitor: Any = ray.remote(num_cpus=0)(MonitorState)  # Any: Ray's actor stubs are partial
 
 
 def monitor_name(run_name: str) -> str:
