@@ -198,6 +198,50 @@ def test_fork_refusals_are_one_line_before_anything_is_written(
                        "--from", str(parent)], "already holds a run", "drop --from")
 
 
+def test_data_cursor_auto_resets_on_another_dataset_and_keep_refuses_it(
+    capsys: pytest.CaptureFixture[str], parent: Path, tmp_path: Path, tiny_dataset: str,
+) -> None:
+    from data_state import prepare_corpus
+
+    other = str(tmp_path / "other-data")
+    prepare_corpus(None, other, seq_len=32, max_bytes=250_000, progress=False)
+    fork = tmp_path / "runs" / "other"
+    sets = ["--set", f'data.uri="{other}"', "--set", "steps=10", "--set", "eval.every=0"]
+    _one_line(capsys, ["fit", TINY, "--from", str(parent), "--run-dir", str(fork), *sets,
+                       "--data-cursor", "keep"], "data.uri", "--data-cursor reset")
+    assert _holds_no_run(fork)
+    code, text = _baton(capsys, ["fit", TINY, "--from", str(parent), "--run-dir", str(fork),
+                                 *sets])
+    assert code == 0, text
+    assert "data cursor reset to epoch 0" in text, text
+    cursor = SnapshotStore(str(fork)).load_manifest(10).state["data"]
+    assert cursor["dataset"] != SnapshotStore(str(parent)).load_manifest(8).state["data"][
+        "dataset"]
+    assert (cursor["epoch"], cursor["samples_consumed"]) == (0, 2 * 8)  # 2 steps of 8
+
+
+def test_fork_into_s3_copies_a_verified_snapshot(
+    parent: Path, s3_bucket: str, tiny_dataset: str,
+) -> None:
+    """The same copy through the S3 store (moto): create-only writes, then the fork's
+    snapshot verifies and `runs ls` reads the run."""
+    from elastic.catalog import verify
+    from trainer.fork import make_fork, plan_fork
+
+    uri = f"s3://{s3_bucket}/runs/fork"
+    cfg = load_recipe(TINY, [f'snapshots.run_uri="{uri}"', f'data.uri="{tiny_dataset}"',
+                             "steps=16", "optim.lr=0.001"])
+    result = make_fork(plan_fork(cfg, str(parent), None), cfg)
+    assert (result.step, result.cursor_kept) == (8, True)
+    store = SnapshotStore(uri)
+    assert store.committed_steps() == [8]
+    assert verify(store, 8)["tensors"] > 0
+    assert store.read_run_json()["parent"]["uri"] == str(parent)
+    (row,) = list_runs(f"s3://{s3_bucket}/runs")
+    assert (row["run"], row["step"], row["steps"], row["parent"]) == \
+        ("fork", 8, 16, f"{parent}@8")
+
+
 def test_a_corrupt_parent_snapshot_is_refused_and_nothing_is_committed(
     capsys: pytest.CaptureFixture[str], parent: Path, tmp_path: Path, tiny_dataset: str,
 ) -> None:

@@ -65,15 +65,15 @@ def _lrs(run: Path) -> dict[int, float]:
 
 # --------------------------------------------------------------------------- sessions
 
-@pytest.mark.slow  # ~50 s: a reference run, two sessions and a 2-process gloo group
+@pytest.mark.slow  # ~1 min: a reference run, two sessions and a 2-process gloo group
 def test_until_then_continue_on_another_world_size_equals_the_uninterrupted_run(
     capsys: pytest.CaptureFixture[str], fake_fit: InProcessFit, tmp_path: Path,
     tiny_dataset: str,
 ) -> None:
-    """`--until 8` commits step 8 and exits 0 with the continue command; that command, run
+    """`--until 12` commits step 12 and exits 0 with the continue command; that command, run
     on 2 workers, ends where one uninterrupted single-worker run ends (P1, P2, P5), with the
     same learning rate at every step (the schedule is the recipe's, not the session's)."""
-    steps = 16
+    steps = 24
     reference = tmp_path / "reference"
     cfg = load_recipe(TINY, [f'snapshots.run_uri="{reference}"', f'data.uri="{tiny_dataset}"',
                              f"steps={steps}", "eval.every=0"])
@@ -81,23 +81,23 @@ def test_until_then_continue_on_another_world_size_equals_the_uninterrupted_run(
 
     run = tmp_path / "sessions"
     code, text = _baton(capsys, ["fit", TINY, "--run-dir", str(run), *_sets(tiny_dataset, steps),
-                                 "--until", "8"])
+                                 "--until", "12"])
     assert code == 0, text
-    assert "stopped at step 8; continue with: baton fit" in text, text
-    assert max(SnapshotStore(str(run)).committed_steps()) == 8
+    assert "stopped at step 12; continue with: baton fit" in text, text
+    assert max(SnapshotStore(str(run)).committed_steps()) == 12
     argv = _continue_argv(text)
     assert "--until" not in argv and argv[argv.index("--run-dir") + 1] == str(run)
 
     fake_fit.world_size = 2
     code, text = _baton(capsys, argv)
     assert code == 0, text
-    assert "continuing run" in text and "from committed step 8" in text, text
+    assert "continuing run" in text and "from committed step 12" in text, text
     assert "stopped at" not in text
     assert_same_state(final_state(reference, tmp_path, steps), final_state(run, tmp_path, steps))
     assert _lrs(run) == pytest.approx(_lrs(reference), rel=1e-12)
     outcomes = [(e["from_step"], e["outcome"], e["step"]) for e in read_sessions(
         SnapshotStore(str(run)))]
-    assert outcomes == [(0, "stopped", 8), (8, "finished", steps)]
+    assert outcomes == [(0, "stopped", 12), (12, "finished", steps)]
 
 
 def test_reschedule_is_refused_without_the_flag_and_explained_with_it(

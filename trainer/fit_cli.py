@@ -32,7 +32,9 @@ import json
 import logging
 import shlex
 import signal
+import sys
 import threading
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -141,6 +143,7 @@ def _parse_session(args: argparse.Namespace, cfg: Any, resumed: int | None) -> _
 
 
 def _cmd_fit(args: argparse.Namespace) -> int:
+    started = time.monotonic()  # a --time-limit counts from here: the whole command
     overrides = list(args.overrides)
     if args.run_dir:
         overrides.append(f"snapshots.run_uri={json.dumps(args.run_dir)}")
@@ -190,9 +193,13 @@ def _cmd_fit(args: argparse.Namespace) -> int:
         begin_session(store, cfg, resumed, rescheduled=args.reschedule,
                       forked_from=args.fork_from)
         began = True
+        if session.time_limit_s is not None:
+            session.time_limit_s -= time.monotonic() - started
         result = _fit_interruptibly(cfg, args, session, lease)
-    except KeyboardInterrupt:
+    except (KeyboardInterrupt, SystemExit):  # a second Ctrl-C; SIGTERM
         outcome = "aborted"
+        if sys.exc_info()[0] is SystemExit:
+            raise
         console.print("[red]aborted[/red]: the steps since the last committed snapshot are "
                       f"lost; continue with: {_continue_command(args)}")
         return 130
@@ -250,6 +257,8 @@ def _start_session(args: argparse.Namespace, cfg: Any, store: Any, session: _Ses
 def _record_end(store: Any, outcome: str, step: int | None,
                 end_session: Callable[..., None]) -> None:
     try:
+        if step is None:  # aborted or failed: what the run holds now
+            step = max(store.committed_steps(), default=0)
         end_session(store, outcome, step)
     except (ValueError, OSError) as err:  # the log is a record, never a reason to fail
         logging.getLogger("baton.fit").warning("could not record the session's end: %s", err)
@@ -274,7 +283,7 @@ def _fit_interruptibly(cfg: Any, args: argparse.Namespace, session: _Session,
 
     stop = threading.Event()
     done = threading.Event()
-    budget = TimeBudget(session.time_limit_s) if session.time_limit_s else None
+    budget = TimeBudget(session.time_limit_s) if session.time_limit_s is not None else None
     outcome: dict[str, Any] = {}
     terminal = _FitTerminal(cfg)
 
