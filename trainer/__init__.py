@@ -4,6 +4,10 @@
     result = fit(load_recipe("recipes/tiny.toml", ["snapshots.run_uri=runs/tiny"]))
 
 `fit` imports Ray only when called, so configs can be built and validated without it.
+
+For your own Ray Train loop (README, "From a Ray Train loop"): `trainer.Session` in the
+`train_func`, `trainer.ElasticTorchTrainer` on the driver. Both are loaded on first use, so
+`import trainer` stays free of Ray.
 """
 
 from __future__ import annotations
@@ -24,7 +28,20 @@ from trainer.config import (
 )
 
 if TYPE_CHECKING:
+    from trainer.elastic_trainer import ElasticTorchTrainer
     from trainer.ray_fit import FitResult
+    from trainer.session import Session
+
+# Public names loaded on first use: the module that holds each.
+_LAZY = {"Session": "trainer.session", "ElasticTorchTrainer": "trainer.elastic_trainer"}
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        import importlib
+
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(f"module 'trainer' has no attribute {name!r}")
 
 
 def fit(config: FitConfig, **kwargs: Any) -> FitResult:
@@ -37,11 +54,13 @@ def fit(config: FitConfig, **kwargs: Any) -> FitResult:
 __all__ = [
     "ConfigError",
     "DataConfig",
+    "ElasticTorchTrainer",
     "EvalConfig",
     "FitConfig",
     "ModelConfig",
     "OptimConfig",
     "ScalingSettings",
+    "Session",
     "SketchConfig",
     "SnapshotConfig",
     "fit",
