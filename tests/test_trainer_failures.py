@@ -194,7 +194,8 @@ def test_preflight_allows_what_a_continued_run_may_change(committed_run: FitConf
     assert check_run_dir(cfg) == 2
     # The learning-rate schedule only when asked (issue 17: --reschedule).
     cfg = _continue_with(committed_run, "optim.lr=1e-3", "steps=4")
-    with pytest.raises(RunDirError, match="^optim.lr: .*--reschedule"):
+    with pytest.raises(RunDirError,
+                       match="^steps: .*steps = 2, this recipe asks for 4.*--reschedule"):
         check_run_dir(cfg)
     assert check_run_dir(cfg, reschedule=True) == 2
 

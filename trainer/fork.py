@@ -52,6 +52,7 @@ from trainer.run_dir import (
     TENSOR_SHAPE_FIELDS,
     RunDirError,
     dataset_fingerprint,
+    shape_value,
     with_dataset_vocab,
 )
 from trainer.session_log import SESSIONS_NAME
@@ -182,7 +183,7 @@ def _refuse_shape_change(cfg: FitConfig, source_uri: str, parent: dict[str, Any]
             continue
         if name == "model.vocab_size" and not vocab_known:
             continue
-        saved, new = _field(parent, name), _field(wanted, name)
+        saved, new = (shape_value(name, v) for v in (_field(parent, name), _field(wanted, name)))
         if saved is not None and saved != new:
             raise RunDirError(
                 f"{name}: a fork keeps every tensor shape, and {source_uri} was trained with "

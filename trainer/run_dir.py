@@ -122,6 +122,16 @@ def dataset_fingerprint(uri: str) -> str | None:
         return None
 
 
+def shape_value(name: str, value: Any) -> Any:
+    """`value` of field `name` as the built-in model used it: a `model.vocab_size` of 0 (the
+    dataset's, unresolved: a run started by `run_worker` itself) built the byte vocabulary."""
+    if name == "model.vocab_size" and value == 0:
+        from trainer.model import BYTE_VOCAB_SIZE
+
+        return BYTE_VOCAB_SIZE
+    return value
+
+
 def check_continuation(cfg: FitConfig, *, fingerprint: str | None,
                        store: SnapshotStore | None = None,
                        committed: list[int] | None = None, reschedule: bool = False) -> None:
@@ -138,7 +148,8 @@ def check_continuation(cfg: FitConfig, *, fingerprint: str | None,
     for name in _FIXED_FIELDS:
         if name.startswith("model.") and cfg.model_factory is not None:
             continue
-        saved, new = _field(saved_config, name), _field(wanted, name)
+        saved, new = (shape_value(name, v) for v in (_field(saved_config, name),
+                                                      _field(wanted, name)))
         if saved is not _MISSING and saved != new:
             what = ("another seed (it fixes the sample order and the sketches)"
                     if name == "seed" else "a different model")
