@@ -102,11 +102,22 @@ def test_tracker_turns_records_and_node_changes_into_events() -> None:
 
 
 def test_optimizer_state_is_read_from_the_manifest_state() -> None:
-    adam = {"state": {"w": {"step": {"__tensor__": "optim.state.w.step"}}},
-            "param_groups": [{"lr": 0.1, "params": ["w"]}]}
-    assert snapshot_has_optimizer_state({"model": {}, "optim": adam})
-    assert not snapshot_has_optimizer_state({"model": {}, "optim": {**adam, "state": {}}})
-    assert not snapshot_has_optimizer_state({"model": {}, "data": {"cursor": 3}})
+    """On the JSON state a snapshot's manifest stores (the registry's skeletons)."""
+    import torch
+
+    from elastic.registry import StateRegistry
+
+    model = torch.nn.Linear(3, 2)
+    optimizer = torch.optim.AdamW(model.parameters())
+    registry = StateRegistry()
+    registry.register("model", model)
+    registry.register("optim", optimizer, model=model)
+    model(torch.ones(1, 3)).sum().backward()
+    optimizer.step()
+    assert snapshot_has_optimizer_state(registry.flatten().skeletons)
+    # A loop that registered no optimizer (a session API user's choice) restores it cold.
+    assert not snapshot_has_optimizer_state(registry.flatten(["model"]).skeletons)
+    assert not snapshot_has_optimizer_state({"data": {"state": {}, "param_groups": []}})
 
 
 def test_eta_follows_the_step_rate_and_resets_after_a_restart() -> None:
@@ -123,7 +134,7 @@ def test_eta_follows_the_step_rate_and_resets_after_a_restart() -> None:
 
 def test_off_a_terminal_each_update_is_one_plain_unwrapped_line() -> None:
     out = io.StringIO()
-    console = Console(file=out, width=40, force_terminal=False, soft_wrap=True)
+    console = Console(file=out, width=40, force_terminal=False)  # lines longer than that
     now = [0.0]
     display = ProgressDisplay(300, console, clock=lambda: now[0])
     assert not display.live
@@ -205,3 +216,46 @@ def test_ray_messages_go_to_the_file_and_its_path_is_told_once(
     assert told == [f"Ray's own messages (node failures, connection lines) are in {path}"]
     assert ray_logger.handlers == handlers_before  # put back
     assert ray_worker.print_to_stdstream is print_before
+
+
+def test_run_feed_announces_a_node_loss_between_progress_lines(
+        tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The driver side end to end, with Ray's calls answered by fakes: records from the
+    monitor, a node that was alive and is dead, the snapshot's manifest, the display."""
+    import types
+
+    from trainer import monitor as monitor_module
+    from trainer.config import FitConfig, SnapshotConfig
+
+    state = monitor_module.MonitorState(str(tmp_path))
+    remote = types.SimpleNamespace(since=types.SimpleNamespace(remote=state.since))
+    alive = [{"NodeID": "head", "NodeManagerAddress": "10.0.0.1", "Alive": True},
+             {"NodeID": "w1", "NodeManagerAddress": "10.0.0.2", "Alive": True}]
+    fake_ray = types.SimpleNamespace(is_initialized=lambda: True, nodes=lambda: alive,
+                                     get=lambda value, timeout=None: value)
+    monkeypatch.setattr(monitor_module, "ray", fake_ray)
+    monkeypatch.setattr(monitor_module, "get_monitor", lambda name: remote)
+    out = io.StringIO()
+    cfg = FitConfig(snapshots=SnapshotConfig(run_uri=str(tmp_path)))
+    feed = monitor_module.RunFeed(cfg, ProgressDisplay(cfg.steps, Console(file=out, width=60)))
+    feed.tracker.optimizer_warm = lambda step: True  # what the manifest would answer
+
+    def step(n: int, world_size: int) -> None:
+        state.add({"step": n, "loss": 3.0, "lr": 1e-3, "tokens_per_s": 10.0,
+                   "world_size": world_size, "time": float(n)})
+        feed({**state.latest(), "last_commit": 10, "warning": None})
+
+    state.start_attempt(0, 2, 0.0)
+    step(11, 2)
+    step(12, 2)
+    alive = alive[:1]  # the worker node died; the group restarts from committed step 10
+    state.start_attempt(10, 1, 20.0)
+    step(11, 1)
+    feed.close()
+    lines = out.getvalue().splitlines()
+    assert lines[0] == ">>> training on 2 workers from step 0"
+    assert lines[1].startswith("step 11/100") and lines[2].startswith("step 12/100")
+    assert lines[3] == (">>> node 10.0.0.2 lost at step 12 → resumed on 1 worker from committed "
+                        "step 10, optimizer warm, 2 steps redone")
+    assert lines[4].startswith("step 11/100") and "workers 1" in lines[4]
+    assert feed.events == [lines[0][4:], lines[3][4:]]

@@ -297,15 +297,18 @@ class ProgressDisplay:
                     f"commit {'-' if commit is None else commit}  ETA {fmt_eta(eta)}")
             self._bar.update(self._task, completed=record["step"], info=info)
         else:
-            self.console.print(escape(progress_line(record, self.total, eta)), highlight=False)
+            self._print(escape(progress_line(record, self.total, eta)))
         if record.get("warning"):
             self.warning(record["warning"])
 
     def event(self, text: str) -> None:
-        self.console.print(f"[yellow]>>>[/yellow] {escape(text)}", highlight=False)
+        self._print(f"[yellow]>>>[/yellow] {escape(text)}")
 
     def warning(self, text: str) -> None:
-        self.console.print(f"[yellow]warning:[/yellow] {escape(text)}", highlight=False)
+        self._print(f"[yellow]warning:[/yellow] {escape(text)}")
+
+    def _print(self, markup: str) -> None:
+        self.console.print(markup, highlight=False, soft_wrap=True)  # never wrap: logs are parsed
 
     def close(self) -> None:
         if self._bar is not None:
