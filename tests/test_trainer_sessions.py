@@ -142,6 +142,24 @@ def test_reschedule_is_refused_without_the_flag_and_explained_with_it(
                                   (6, 12, False, "finished")]
 
 
+def test_python_api_accepts_a_schedule_change_with_accept_schedule(
+    capsys: pytest.CaptureFixture[str], fake_fit: InProcessFit, tmp_path: Path,
+    tiny_dataset: str,
+) -> None:
+    from trainer.run_dir import RunDirError, check_run_dir
+    from trainer.session_log import accept_schedule
+
+    run = tmp_path / "run"
+    assert _baton(capsys, ["fit", TINY, "--run-dir", str(run), *_sets(tiny_dataset, 8),
+                           "--until", "4"])[0] == 0
+    cfg = load_recipe(TINY, [f'snapshots.run_uri="{run}"', f'data.uri="{tiny_dataset}"',
+                             "steps=12", "eval.every=0"])
+    with pytest.raises(RunDirError, match="accept_schedule"):
+        check_run_dir(cfg)
+    assert accept_schedule(cfg).startswith(f"lr {lr_at(cfg.optim, 12, 4):.3g} at step 5")
+    assert check_run_dir(cfg) == 4
+
+
 def test_the_schedule_in_a_snapshot_never_overrides_the_recipe() -> None:
     from trainer.optim import WarmupCosine
 
