@@ -7,8 +7,10 @@ Contract:
 - `run_units(units, job, workers=N)` (and `ray_tokenize.run_units_on_ray(units, job)`) yield
   one `UnitResult` per unit, in unit order, whatever the parallelism: results are consumed
   in order, never by arrival, so the output is byte-identical for any N, on Ray or serial.
-- Bounded memory: at most `2 * N + 2` units are in flight or waiting (each about
-  `sources.UNIT_BYTES` of input), so memory does not grow with the corpus.
+- Bounded memory: at most `2 * N + 2` units, and `MAX_IN_FLIGHT_BYTES` of planned input
+  (one unit more when a single unit is larger: a big Parquet row group), are in flight or
+  waiting (most units are about `sources.UNIT_BYTES`), so memory does not grow with the
+  corpus.
 - Processes are started with `spawn` (safe with threads in the parent; every platform), each
   builds its tokenizer once, with the tokenizers library's own thread pool off (N processes
   already fill N cores). The serial path keeps that thread pool: `encode_batch` then uses
@@ -80,6 +82,7 @@ class UnitResult:
         return cls(tokens=tokens, **header)
 
 
+MAX_IN_FLIGHT_BYTES = 128 << 20
 _worker: dict[str, Any] = {}
 
 
@@ -127,6 +130,7 @@ def run_units(units: Sequence[Unit], job: Job, *, workers: int = 1) -> Iterator[
 
 def _run_in_processes(units: Sequence[Unit], job: Job, workers: int) -> Iterator[UnitResult]:
     window = 2 * workers + 2
+    in_flight = 0  # planned input bytes of the pending units: large row groups count fully
     with ProcessPoolExecutor(
         max_workers=workers,
         mp_context=get_context("spawn"),
@@ -134,13 +138,20 @@ def _run_in_processes(units: Sequence[Unit], job: Job, workers: int) -> Iterator
         initargs=(job, False),
     ) as pool:
         pending: deque[Future[UnitResult]] = deque()
+        sizes: deque[int] = deque()
         remaining = iter(units)
         try:
             for unit in remaining:
+                while pending and (len(pending) >= window
+                                   or in_flight + unit.size > MAX_IN_FLIGHT_BYTES):
+                    done = pending.popleft()
+                    in_flight -= sizes.popleft()
+                    yield done.result()
                 pending.append(pool.submit(process_unit, unit))
-                if len(pending) >= window:
-                    yield pending.popleft().result()
+                sizes.append(unit.size)
+                in_flight += unit.size
             while pending:
+                sizes.popleft()
                 yield pending.popleft().result()
         finally:
             for future in pending:
