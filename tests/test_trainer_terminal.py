@@ -66,6 +66,10 @@ def test_the_issue_example_reads_as_written() -> None:
                       lost_nodes=("10.0.0.5", "10.0.0.6")),
          "nodes 10.0.0.5, 10.0.0.6 lost at step 43 → resumed on 2 workers from committed "
          "step 40, 3 steps redone"),
+        (RestartFacts(world_size=1, restored_step=40, reached_step=40, previous_world_size=3,
+                      lost_nodes=("127.0.0.1", "127.0.0.1"), optimizer_warm=True),
+         "2 nodes on 127.0.0.1 lost at step 40 → resumed on 1 worker from committed step 40, "
+         "optimizer warm, 0 steps redone"),
     ],
 )
 def test_restart_lines(facts: RestartFacts, expected: str) -> None:

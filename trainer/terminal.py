@@ -118,8 +118,18 @@ class RestartFacts:
 
 
 def _nodes(addresses: tuple[str, ...]) -> str:
-    shown = ", ".join(dict.fromkeys(addresses))  # one node address may hold several raylets
-    return f"node {shown}" if len(set(addresses)) == 1 and len(addresses) == 1 else f"nodes {shown}"
+    """`node 10.0.0.2`, `nodes 10.0.0.2, 10.0.0.3`, or `2 nodes on 127.0.0.1` (a local
+    cluster runs several raylets on one address)."""
+    unique = list(dict.fromkeys(addresses))
+    if len(addresses) == 1:
+        return f"node {addresses[0]}"
+    if len(unique) == 1:
+        return f"{len(addresses)} nodes on {unique[0]}"
+    return f"nodes {', '.join(unique)}"
+
+
+def _optimizer(warm: bool | None) -> str:
+    return "" if warm is None else (", optimizer warm" if warm else ", optimizer cold")
 
 
 def describe_restart(facts: RestartFacts) -> str:
@@ -139,9 +149,8 @@ def describe_restart(facts: RestartFacts) -> str:
     if facts.restored_step == 0:
         resumed = f"restarted {on} from step 0 (nothing committed yet)"
     else:
-        resumed = f"resumed {on} from committed step {facts.restored_step}"
-        if facts.optimizer_warm is not None:
-            resumed += ", optimizer warm" if facts.optimizer_warm else ", optimizer cold"
+        resumed = (f"resumed {on} from committed step {facts.restored_step}"
+                   f"{_optimizer(facts.optimizer_warm)}")
     redone = _plural(facts.steps_redone, "step")
     return f"{cause} → {resumed}, {redone} redone"
 
@@ -151,9 +160,7 @@ def describe_start(world_size: int, restored_step: int, optimizer_warm: bool | N
     on = f"on {_plural(world_size, 'worker')}"
     if restored_step == 0:
         return f"training {on} from step 0"
-    warm = "" if optimizer_warm is None else (
-        ", optimizer warm" if optimizer_warm else ", optimizer cold")
-    return f"training {on} from committed step {restored_step}{warm}"
+    return f"training {on} from committed step {restored_step}{_optimizer(optimizer_warm)}"
 
 
 def snapshot_has_optimizer_state(state: dict[str, Any]) -> bool:
