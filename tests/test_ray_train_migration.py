@@ -27,7 +27,7 @@ import pytest
 from snapshot_compare import assert_same_state, final_state
 
 ROOT = Path(__file__).resolve().parents[1]
-STEPS = 40
+STEPS = 80
 SNAPSHOT_EVERY = 5
 LOSE_AT = 8
 
@@ -106,7 +106,7 @@ def test_the_converted_loop_survives_a_node_loss_and_a_scale_up(
     try:
         ray.init(address=cluster.address, namespace=NAMESPACE, log_to_driver=False)
         trainer = migration_baton.make_trainer(
-            {"cfg": cfg, "log": str(log), "pace_s": 0.25}, str(run),
+            {"cfg": cfg, "log": str(log), "pace_s": 0.4}, str(run),
             ScalingConfig(num_workers=(1, 2), resources_per_worker={"CPU": 1},
                           elastic_resize_monitor_interval_s=2.0),
             RunConfig(name=f"migration-{int(time.time())}", storage_path=str(tmp_path / "ray"),
