@@ -139,7 +139,8 @@ def _connect_ray() -> None:
         from trainer.local_cluster import use_loopback
 
         use_loopback()  # a Ray of our own on this machine: keep it on 127.0.0.1
-    ray.init(address=address, namespace=NAMESPACE, log_to_driver=False)
+    # "local": without it Ray joins any cluster a `ray start` left on this machine.
+    ray.init(address=address or "local", namespace=NAMESPACE, log_to_driver=False)
 
 
 def fit(
