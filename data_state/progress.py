@@ -44,8 +44,8 @@ class Progress:
                 console=Console(file=self.stream),
                 transient=False,
             )
-            self._bar.start()  # type: ignore[attr-defined]
-            self._task = self._bar.add_task(  # type: ignore[attr-defined]
+            self._bar.start()
+            self._task = self._bar.add_task(
                 self.description, total=self.total, amount=self._amount()
             )
         return self

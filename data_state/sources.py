@@ -400,7 +400,8 @@ class _arrow_reader:  # noqa: N801 - used as a function in `with`
     batches costs nothing), streamed through fsspec otherwise (bounded memory)."""
 
     def __init__(self, f: InputFile, options: Mapping[str, Any] | None) -> None:
-        self._f, self._options, self._handle = f, options, None
+        self._f, self._options = f, options
+        self._handle: Any = None
 
     def __enter__(self) -> Any:
         f = self._f

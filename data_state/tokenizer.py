@@ -197,8 +197,10 @@ def _configured_eos(directory: str) -> str | None:
     return eos if isinstance(eos, str) and eos else None
 
 
-def train_bpe(texts: Iterable[str], vocab_size: int, *, length: int | None = None) -> HFTokenizer:
-    """A byte-level BPE of `vocab_size` ids trained on `texts` (module docstring)."""
+def train_bpe(texts: Iterable[str] | Iterable[list[str]], vocab_size: int, *,
+              length: int | None = None) -> HFTokenizer:
+    """A byte-level BPE of `vocab_size` ids trained on `texts` (module docstring; batches of
+    texts, as lists, are fine too)."""
     if vocab_size < 257:
         raise ValueError(
             f"--train-tokenizer {vocab_size}: a byte-level BPE needs at least 257 ids (256 "
