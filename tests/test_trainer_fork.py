@@ -258,6 +258,28 @@ def test_a_corrupt_parent_snapshot_is_refused_and_nothing_is_committed(
     assert not list((fork / "snapshots").rglob("*.safetensors"))
 
 
+def test_a_fork_that_fails_at_its_commit_leaves_no_run_behind(
+    parent: Path, tmp_path: Path, tiny_dataset: str, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from trainer.fork import make_fork, plan_fork
+
+    fork = tmp_path / "runs" / "cut"
+    cfg = load_recipe(TINY, [f'snapshots.run_uri="{fork}"', f'data.uri="{tiny_dataset}"',
+                             "steps=16"])
+    plan = plan_fork(cfg, str(parent), 8)
+
+    def refuse(*args: object, **kwargs: object) -> None:
+        raise OSError("disk full")
+
+    monkeypatch.setattr(SnapshotStore, "write_manifest", refuse)
+    with pytest.raises(OSError, match="disk full"):
+        make_fork(plan, cfg)
+    monkeypatch.undo()
+    assert _holds_no_run(fork) and not (fork / "generation.json").exists()
+    assert make_fork(plan_fork(cfg, str(parent), 8), cfg).step == 8  # and it can be retried
+    assert SnapshotStore(str(fork)).committed_steps() == [8]
+
+
 def test_runs_ls_shows_running_and_failed_runs(
     capsys: pytest.CaptureFixture[str], parent: Path, tmp_path: Path,
 ) -> None:

@@ -292,11 +292,16 @@ def make_fork(plan: ForkPlan, cfg: FitConfig) -> ForkResult:
         written.append(path)
         target.write_manifest(dataclasses.replace(plan.manifest, state=state), exclusive=True)
     except BaseException:
-        for path in reversed(written):
+        # Only what this fork wrote: the new run held no snapshot before (plan_fork).
+        for path in [p for p in written if "/snapshots/" not in p]:
             try:
                 target.fs.rm(path)
             except OSError:
                 pass
+        try:
+            target.delete_step(step)
+        except OSError:
+            pass
         raise
     return ForkResult(step=step, files=len(plan.manifest.files), bytes=nbytes,
                       cursor_kept=kept, parent=parent)
