@@ -84,7 +84,7 @@ class ShardImage:
         return int(self.buffer.numel())
 
     def memoryview(self) -> memoryview:
-        return memoryview(self.buffer.numpy()).cast("B")
+        return self.buffer.numpy().data.cast("B")
 
     def chunk_records(self, file: str, block_bytes: int) -> dict[str, list[ChunkRecord]]:
         """Records per tensor key, with crc32 per block computed over the image bytes."""

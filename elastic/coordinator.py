@@ -55,10 +55,8 @@ class _StoreBackedCoordinator(LocalCoordinator):
         super().__init__(SnapshotStore(run_uri, storage_options, **deadlines), **kwargs)
 
 
-# The actor *is* the local coordinator, made remote. Threaded (max_concurrency): a commit
-# writing its manifest to a slow store must not hold up a worker's poll or another report;
-# LocalCoordinator and CommitCore are thread-safe and do storage I/O outside their locks.
-CoordinatorActor = ray.remote(num_cpus=0, max_concurrency=8)(_StoreBackedCoordinator)
+# The actor *is* the local coordinator, made remote (its options: get_or_create_coordinator).
+CoordinatorActor = ray.remote(_StoreBackedCoordinator)
 
 
 def coordinator_name(run_uri: str, lease_token: str | None = None) -> str:
@@ -82,6 +80,11 @@ def get_or_create_coordinator(run_uri: str, *, keep_last: int = 2,
     """The run's coordinator; created on first call, found by name afterwards (then the
     settings of the first call hold)."""
     options: dict[str, Any] = {
+        "num_cpus": 0,
+        # Threaded: a commit writing its manifest to a slow store must not hold up a
+        # worker's poll or another report; LocalCoordinator and CommitCore are thread-safe
+        # and do storage I/O outside their locks.
+        "max_concurrency": 8,
         "name": coordinator_name(run_uri, lease_token),
         "namespace": NAMESPACE,
         "get_if_exists": True,
@@ -94,11 +97,13 @@ def get_or_create_coordinator(run_uri: str, *, keep_last: int = 2,
         options["resources"] = dict(HEAD_NODE_RESOURCES)
     if detached:
         options["lifetime"] = "detached"
-    return CoordinatorActor.options(**options).remote(
+    handle = CoordinatorActor.options(**options).remote(
         run_uri, storage_options=storage_options, storage_timeout_s=storage_timeout_s,
         storage_retry_s=storage_retry_s, keep_last=keep_last, block_bytes=block_bytes,
         ram=ram, ram_cap_bytes=ram_cap_bytes, lease_token=lease_token,
         pending_timeout_s=pending_timeout_s)
+    assert isinstance(handle, ray.actor.ActorHandle)  # Ray types it as handle-or-class
+    return handle
 
 
 class RayCoordinatorClient:

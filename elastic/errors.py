@@ -53,7 +53,8 @@ def describe(err: BaseException) -> str:
     the store's words for unreachable storage."""
     if isinstance(err, StorageUnavailableError):
         return f"storage unreachable: {err}"
-    if isinstance(err, OSError) and err.errno in errno_module.errorcode:
+    if (isinstance(err, OSError) and err.errno is not None
+            and err.errno in errno_module.errorcode):
         name = errno_module.errorcode[err.errno]
         where = f" ({err.filename})" if err.filename else ""
         return f"{name}: {err.strerror or err}{where}"

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TypeGuard
 
 import torch
 from torch.distributed.tensor import DTensor, Replicate, Shard
@@ -72,13 +73,13 @@ def _dtensor_local(t: DTensor) -> tuple[tuple[int, ...], tuple[int, ...], bool]:
                 f"DTensor placement {p} is not supported in snapshots; use Shard or Replicate"
             )
     shape, offsets = compute_local_shape_and_global_offset(t.shape, t.device_mesh, t.placements)
-    coords = t.device_mesh.get_coordinate() or []
+    coords = t.device_mesh.get_coordinate() or ()
     writer = all(c == 0 for c, p in zip(coords, t.placements, strict=False)
                  if isinstance(p, Replicate))
     return tuple(shape), tuple(offsets), writer
 
 
-def _is_sharded(t: torch.Tensor) -> bool:
+def _is_sharded(t: torch.Tensor) -> TypeGuard[DTensor]:
     return isinstance(t, DTensor) and any(isinstance(p, Shard) for p in t.placements)
 
 

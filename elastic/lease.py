@@ -210,8 +210,9 @@ class RunLease:
                 if expires >= now and not holder_is_dead(current.get("holder") or {}):
                     raise LeaseHeldError(self._held_message(current, now))
             epoch = int(current.get("epoch", 0)) if current else 0
-            record = {"token": uuid.uuid4().hex, "holder": self.holder, "acquired_at": now,
-                      "expires_at": now + self.ttl_s, "epoch": epoch + 1}
+            record: dict[str, Any] = {"token": uuid.uuid4().hex, "holder": self.holder,
+                                      "acquired_at": now, "expires_at": now + self.ttl_s,
+                                      "epoch": epoch + 1}
             try:
                 if current is None:
                     self._backend.create(self._encode(record))
@@ -312,4 +313,4 @@ class RunLease:
 def lease_holds(store: SnapshotStore, token: str) -> bool:
     """Whether ``RUN/lease.json`` still names ``token`` (the coordinator's fencing check)."""
     record = _parse(lease_backend(store).read()[0])
-    return bool(record) and record.get("token") == token
+    return record is not None and record.get("token") == token

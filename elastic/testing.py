@@ -60,7 +60,8 @@ class TrainState:
 def build(seed: int, layout: str = "plain", world_size: int = 1,
           device: str = "cpu") -> TrainState:
     torch.manual_seed(seed)
-    model: nn.Module = TinyNet().to(device)
+    net = TinyNet().to(device)
+    model: nn.Module = net
     if layout == "ddp" and world_size > 1:
         model = nn.parallel.DistributedDataParallel(model)
     elif layout == "fsdp":
@@ -68,7 +69,7 @@ def build(seed: int, layout: str = "plain", world_size: int = 1,
         from torch.distributed.fsdp import fully_shard
 
         mesh = init_device_mesh("cpu", (world_size,))
-        for sub in (model.inp, model.mid, model.out):
+        for sub in (net.inp, net.mid, net.out):
             fully_shard(sub, mesh=mesh)
         fully_shard(model, mesh=mesh)
     optim = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)

@@ -33,7 +33,7 @@ DIGEST_CHARS = 12
 
 def package_dirs(packages: Iterable[str] = PACKAGES) -> list[Path]:
     """The source directories of `packages` (those that cannot be found are left out)."""
-    dirs = []
+    dirs: list[Path] = []
     for name in packages:
         spec = importlib.util.find_spec(name)
         if spec is not None and spec.submodule_search_locations:

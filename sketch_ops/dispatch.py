@@ -43,21 +43,24 @@ def _kernels() -> ModuleType | None:
     return kernels
 
 
-def _use_kernels(tensor: torch.Tensor) -> bool:
+def _kernels_for(tensor: torch.Tensor) -> ModuleType | None:
+    """The Triton kernels module to run on `tensor`, or None for the torch reference."""
     choice = backend()
     if choice == "torch" or tensor.dtype not in _KERNEL_DTYPES:
-        return False
+        return None
+    kernels = _kernels()
     if choice == "triton":
-        if _kernels() is None:
+        if kernels is None:
             raise ValueError(f"{BACKEND_ENV}=triton but triton cannot be imported; install it")
-        return True
-    return tensor.is_cuda and _kernels() is not None
+        return kernels
+    return kernels if tensor.is_cuda else None
 
 
 def bucket_sum(mat: torch.Tensor, plan: SketchPlan) -> tuple[torch.Tensor, torch.Tensor]:
     """Signed bucket sums `S @ mat` (R × N, fp32) and `||mat||_F^2` (fp32 scalar)."""
-    if _use_kernels(mat):
-        return _kernels().bucket_sum(mat, plan)
+    kernels = _kernels_for(mat)
+    if kernels is not None:
+        return kernels.bucket_sum(mat, plan)
     return reference.bucket_sum(mat, plan)
 
 
@@ -65,6 +68,7 @@ def weight_grad(
     dy_sketch: torch.Tensor, x_sketch: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype
 ) -> torch.Tensor:
     """`scale · dy_sketchᵀ @ x_sketch` (M × N) in `dtype`."""
-    if _use_kernels(dy_sketch):
-        return _kernels().weight_grad(dy_sketch, x_sketch, scale, dtype)
+    kernels = _kernels_for(dy_sketch)
+    if kernels is not None:
+        return kernels.weight_grad(dy_sketch, x_sketch, scale, dtype)
     return reference.weight_grad(dy_sketch, x_sketch, scale, dtype)

@@ -33,6 +33,8 @@ sketch runs with autocast off so forward and backward dtypes agree.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.nn.functional as F
 
@@ -98,7 +100,7 @@ def weight_grad_estimate(
         else torch.ones((), dtype=dy_sq_norm.dtype, device=dy_sketch.device)
     )
     grad = dispatch.weight_grad(dy_sketch, x_hat, scale, dy_sketch.dtype)
-    if dy_mean is not None:
+    if dy_mean is not None and x_mean is not None:
         grad = grad.add_(reference.mean_outer(dy_mean, x_mean, n))
     return grad
 
@@ -135,8 +137,8 @@ def validate(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, r
 
 class _SketchedLinearFn(torch.autograd.Function):
     @staticmethod
-    def forward(  # type: ignore[override]
-        ctx: torch.autograd.function.FunctionCtx,
+    def forward(
+        ctx: Any,
         x2d: torch.Tensor,
         weight: torch.Tensor,
         bias: torch.Tensor | None,
@@ -165,8 +167,8 @@ class _SketchedLinearFn(torch.autograd.Function):
         return out
 
     @staticmethod
-    def backward(  # type: ignore[override]
-        ctx: torch.autograd.function.FunctionCtx, dy: torch.Tensor
+    def backward(
+        ctx: Any, dy: torch.Tensor
     ) -> tuple[torch.Tensor | None, ...]:
         x_hat, x_mean, weight, seed_t = ctx.saved_tensors
         n, rank, invariant_scalars, balanced_hash = ctx.sketch_args
@@ -184,6 +186,7 @@ class _SketchedLinearFn(torch.autograd.Function):
                 invariant_scalars=invariant_scalars,
             ).to(weight.dtype)
         if ctx.needs_input_grad[2]:
+            assert dy_sum is not None  # computed above whenever db is needed
             db = dy_sum.to(dy.dtype)
         return dx, dw, db, None, None, None, None, None
 

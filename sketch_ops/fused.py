@@ -36,6 +36,8 @@ function keeps its output instead of x.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -63,8 +65,8 @@ class _GeluMlpFn(torch.autograd.Function):
     """Rank 0 in `ranks` means that layer is plain (exact dW); `eps` None means no norm."""
 
     @staticmethod
-    def forward(  # type: ignore[override]
-        ctx: torch.autograd.function.FunctionCtx,
+    def forward(
+        ctx: Any,
         x2d: torch.Tensor,
         norm_w: torch.Tensor | None,
         norm_b: torch.Tensor | None,
@@ -114,8 +116,8 @@ class _GeluMlpFn(torch.autograd.Function):
         return out
 
     @staticmethod
-    def backward(  # type: ignore[override]
-        ctx: torch.autograd.function.FunctionCtx, dy: torch.Tensor
+    def backward(
+        ctx: Any, dy: torch.Tensor
     ) -> tuple[torch.Tensor | None, ...]:
         x2d, norm_w, norm_b, w1, b1, w2, hidden_hat, hidden_mean, seeds_t = ctx.saved_tensors
         need_dx, need_dnw, need_dnb, need_dw1, need_db1, need_dw2, need_db2 = (
@@ -135,6 +137,7 @@ class _GeluMlpFn(torch.autograd.Function):
         elif need_dw2:
             dw2 = torch.zeros(w2.shape, dtype=acc, device=dy.device)
         if need_db2:
+            assert dy_sum is not None  # computed above whenever db2 is needed
             db2 = dy_sum.to(dy.dtype)
         need_rows_grad = need_dx or (eps is not None and (need_dnw or need_dnb))
         dx = torch.empty(x2d.shape, dtype=dy.dtype, device=dy.device) if need_dx else None
@@ -164,17 +167,18 @@ class _GeluMlpFn(torch.autograd.Function):
             if need_rows_grad:
                 drows = dh @ w1
                 if eps is None:
+                    assert dx is not None  # without a norm, rows' gradient is only for dx
                     dx[start:end] = drows
                 else:
-                    parts = layer_norm_rows_backward(
+                    part_dx, part_dnw, part_dnb = layer_norm_rows_backward(
                         drows, raw, mean, rstd, norm_w, norm_b, (need_dx, need_dnw, need_dnb)
                     )
-                    if dx is not None:
-                        dx[start:end] = parts[0]
-                    if dnw is not None:
-                        dnw += parts[1]
-                    if dnb is not None:
-                        dnb += parts[2]
+                    if dx is not None and part_dx is not None:
+                        dx[start:end] = part_dx
+                    if dnw is not None and part_dnw is not None:
+                        dnw += part_dnw
+                    if dnb is not None and part_dnb is not None:
+                        dnb += part_dnb
                 del drows
             dh_sum += dh.sum(0, dtype=acc)
             if dw1 is not None:
@@ -217,15 +221,16 @@ def gelu_mlp(
     if not (fused and recompute):
         hidden = fc(x) if norm is None else norm_linear(norm, fc, x)
         return proj(F.gelu(hidden))
-    if norm is not None and (
-        not fusable_norm(norm) or torch.is_autocast_enabled(x.device.type)
-    ):  # other norms, and nn.LayerNorm's fp32 rule under autocast: run the norm in front
-        x, norm = norm(x), None
-    norm_params = (norm.weight, norm.bias) if norm is not None else (None, None)
+    assert isinstance(fc, nn.Linear) and isinstance(proj, nn.Linear)  # fused: those types
+    # The norm taken into the fused op: a LayerNorm over the last dimension, autocast off.
+    # Other norms, and nn.LayerNorm's fp32 rule under autocast, run in front instead.
+    inner = norm if fusable_norm(norm) and not torch.is_autocast_enabled(x.device.type) else None
+    if norm is not None and inner is None:
+        x = norm(x)
+    norm_params = (inner.weight, inner.bias) if inner is not None else (None, None)
     if not needs_sketch(x, *norm_params, fc.weight, fc.bias, proj.weight, proj.bias):
-        return proj(F.gelu(fc(x if norm is None else norm(x))))
-    fc_sketched, proj_sketched = isinstance(fc, SketchedLinear), isinstance(proj, SketchedLinear)
-    validate(x, fc.weight, fc.bias, fc.rank if fc_sketched else 1)
+        return proj(F.gelu(fc(x if inner is None else inner(x))))
+    validate(x, fc.weight, fc.bias, fc.rank if isinstance(fc, SketchedLinear) else 1)
     if fc.weight.shape[0] != proj.weight.shape[1]:
         raise ValueError(
             f"gelu_mlp: fc.out_features ({fc.weight.shape[0]}) must equal proj.in_features "
@@ -236,19 +241,13 @@ def gelu_mlp(
     lead = x.shape[:-1]
     x2d = x.reshape(-1, x.shape[-1])
     n = x2d.shape[0]
-    ranks = (
-        effective_rank(fc.rank, n) if fc_sketched else 0,
-        effective_rank(proj.rank, n) if proj_sketched else 0,
-    )
-    seeds = (
-        layer_seed(fc.sketch_name) if fc_sketched else 0,
-        layer_seed(proj.sketch_name) if proj_sketched else 0,
-    )
-    estimators = (
-        fc.estimator if fc_sketched else "basis",
-        proj.estimator if proj_sketched else "basis",
-    )
-    eps = None if norm is None else norm.eps
+    # Per layer (fc, proj): rank 0, seed 0 and "basis" for a plain layer (exact dW).
+    ranks, seeds, estimators = zip(*(
+        (effective_rank(layer.rank, n), layer_seed(layer.sketch_name), layer.estimator)
+        if isinstance(layer, SketchedLinear) else (0, 0, "basis")
+        for layer in (fc, proj)
+    ), strict=True)
+    eps = None if inner is None else inner.eps
     with torch.autocast(x.device.type, enabled=False):
         out = _GeluMlpFn.apply(
             x2d, *norm_params, w1, b1, w2, b2, eps, ranks, seeds, estimators

@@ -119,8 +119,9 @@ def sketch_model(
             )
         rank = ranks_for_budget(model, memory_budget=memory_budget, rows=rows, include=include)
     assert rank is not None
-    ranks = dict(rank) if isinstance(rank, Mapping) else None
-    for value in ranks.values() if ranks is not None else (rank,):
+    ranks = dict(rank) if isinstance(rank, Mapping) else None  # per layer, or
+    uniform = 0 if isinstance(rank, Mapping) else rank  # one R for every layer
+    for value in ranks.values() if ranks is not None else (uniform,):
         check_rank(value)
     select = selector(include)
     chosen = [
@@ -141,7 +142,7 @@ def sketch_model(
     for name, module in chosen:
         parent_name, _, child = name.rpartition(".")
         parent = model.get_submodule(parent_name)
-        layer_rank = ranks[name] if ranks is not None else rank
+        layer_rank = ranks[name] if ranks is not None else uniform
         sketched = SketchedLinear.from_linear(
             module, rank=layer_rank, name=name, estimator=estimator
         )

@@ -22,12 +22,14 @@ n × N rows; the fused MLP (`fused.py`) uses them to take a norm in front as wel
 
 from __future__ import annotations
 
+from typing import Any, TypeGuard
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 
-def fusable_norm(norm: nn.Module | None) -> bool:
+def fusable_norm(norm: nn.Module | None) -> TypeGuard[nn.LayerNorm]:
     """Whether `norm` is a LayerNorm over the last dimension (what the fused paths handle)."""
     return type(norm) is nn.LayerNorm and len(norm.normalized_shape) == 1
 
@@ -59,8 +61,8 @@ def layer_norm_rows_backward(
 
 class _NormLinearFn(torch.autograd.Function):
     @staticmethod
-    def forward(  # type: ignore[override]
-        ctx: torch.autograd.function.FunctionCtx,
+    def forward(
+        ctx: Any,
         x2d: torch.Tensor,
         norm_weight: torch.Tensor | None,
         norm_bias: torch.Tensor | None,
@@ -76,8 +78,8 @@ class _NormLinearFn(torch.autograd.Function):
         return out
 
     @staticmethod
-    def backward(  # type: ignore[override]
-        ctx: torch.autograd.function.FunctionCtx, dout: torch.Tensor
+    def backward(
+        ctx: Any, dout: torch.Tensor
     ) -> tuple[torch.Tensor | None, ...]:
         x2d, mean, rstd, norm_weight, norm_bias, weight = ctx.saved_tensors
         need_x, need_nw, need_nb, need_w, need_b = ctx.needs_input_grad[:5]

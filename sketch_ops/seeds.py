@@ -116,8 +116,8 @@ class SketchPlan:
     def to(self, device: torch.device) -> SketchPlan:
         if self.hash.device == device:
             return self
-        moved = (t.to(device, non_blocking=True) for t in self.tensors())
-        return SketchPlan(self.rank, *moved, self.max_bucket)
+        hash_, signs, rows, offsets = (t.to(device, non_blocking=True) for t in self.tensors())
+        return SketchPlan(self.rank, hash_, signs, rows, offsets, self.max_bucket)
 
     def tensors(self) -> tuple[torch.Tensor, ...]:
         return self.hash, self.signs, self.rows, self.offsets

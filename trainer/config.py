@@ -22,7 +22,7 @@ import math
 import tomllib
 import types
 import typing
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -58,7 +58,8 @@ def _check_types(obj: Any, section: str = "") -> None:
     """
     prefix = f"{section}." if section else ""
     for f in dataclasses.fields(obj):
-        expected = _field_types(type(obj))[f.name]
+        cls: type = type(obj)
+        expected = _field_types(cls)[f.name]
         value = getattr(obj, f.name)
         wanted = _type_mismatch(value, expected)
         if wanted is not None:
@@ -93,7 +94,7 @@ def _type_mismatch(value: Any, expected: Any) -> str | None:
         return "a list of strings, e.g. ['a', 'b']" if item is str else "a list"
     if origin is collections.abc.Callable:
         return None if callable(value) else "a callable"
-    if dataclasses.is_dataclass(expected):
+    if isinstance(expected, type) and dataclasses.is_dataclass(expected):
         return None if isinstance(value, expected) else f"a {expected.__name__}"
     return None  # Any and other annotations are not checked
 
@@ -430,7 +431,7 @@ class FitConfig:
         out: dict[str, Any] = {}
         for f in dataclasses.fields(self):
             value = getattr(self, f.name)
-            if dataclasses.is_dataclass(value):
+            if dataclasses.is_dataclass(value) and not isinstance(value, type):
                 out[f.name] = dataclasses.asdict(value)
             elif callable(value):
                 out[f.name] = f"{value.__module__}.{value.__qualname__}"
@@ -483,7 +484,7 @@ def apply_override(raw: dict[str, Any], assignment: str) -> None:
     target[leaf] = value
 
 
-def load_recipe(path: str | Path, overrides: list[str] = ()) -> FitConfig:
+def load_recipe(path: str | Path, overrides: Sequence[str] = ()) -> FitConfig:
     """Read a TOML recipe, apply `key=value` overrides, and validate."""
     path = Path(path)
     if not path.is_file():

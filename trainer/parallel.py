@@ -25,6 +25,8 @@ from collections.abc import Iterator
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.fsdp import FSDPModule, fully_shard
+from torch.nn.parallel import DistributedDataParallel
 
 
 def distributed() -> bool:
@@ -35,13 +37,9 @@ def wrap_model(model: nn.Module, parallelism: str, device: torch.device) -> nn.M
     if not distributed():
         return model
     if parallelism == "ddp":
-        from torch.nn.parallel import DistributedDataParallel
-
         device_ids = [device.index] if device.type == "cuda" else None
         return DistributedDataParallel(model, device_ids=device_ids)
     if parallelism == "fsdp":
-        from torch.distributed.fsdp import fully_shard
-
         # Shard block by block so only one block's parameters are gathered at a time.
         for block in getattr(model, "blocks", ()):
             fully_shard(block)
@@ -67,9 +65,11 @@ def grad_sync(model: nn.Module, parallelism: str, last: bool) -> Iterator[None]:
     if not distributed():
         yield
     elif parallelism == "ddp":
+        assert isinstance(model, DistributedDataParallel)  # wrap_model made it one
         with contextlib.nullcontext() if last else model.no_sync():
             yield
     else:
+        assert isinstance(model, FSDPModule)  # wrap_model's fully_shard made it one
         model.set_requires_gradient_sync(last)
         yield
 
