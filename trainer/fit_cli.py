@@ -90,8 +90,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 class _FitTerminal:
     """What a fit shows (`trainer.terminal`): a progress bar with ETA (one plain line per
-    update off a terminal), restarts as events and the `[logging]` sinks (`RunFeed`), with
-    Ray's own messages sent to a log file whose path is printed once (`ray_messages_to`).
+    update off a terminal) and each worker-group start and restart as an event line
+    (`RunFeed`), with Ray's own messages sent to a log file whose path is printed once
+    (`ray_messages_to`). The `[logging]` sinks are fed by the run's monitor, not here.
     Call it with each progress record; `close()` once the fit has ended."""
 
     def __init__(self, cfg: Any) -> None:
