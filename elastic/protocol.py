@@ -15,9 +15,9 @@ all of it:
   takes to reach it over Ray.
 
 Every method is safe to repeat: a retried call after a coordinator restart is either
-refused (stale generation, aborted step) or has the same effect. The driver-side controls of
-on-demand snapshots (``request_snapshot``, ``request_met``, ``cancel_request``) are not part
-of it: only the driver calls them, on the actor handle.
+refused (stale generation, aborted step) or has the same effect. The driver-side controls
+(``request_snapshot``, ``request_met``, ``cancel_request``, ``request_stop``) are not part of
+it: only the driver calls them, on the actor handle.
 """
 
 from __future__ import annotations
