@@ -26,11 +26,13 @@ from data_state.manifest import MANIFEST_NAME
 def _docstrings() -> list[str]:
     import bisect
     import colorsys
+    import fnmatch
+    import heapq
     import shlex
     import textwrap
 
     docs = []
-    for module in (textwrap, shlex, colorsys, bisect):
+    for module in (textwrap, shlex, colorsys, bisect, heapq, fnmatch):
         docs += [inspect.getdoc(v) for _, v in sorted(vars(module).items())
                  if callable(v) and inspect.getdoc(v)]
     unique = list(dict.fromkeys(d for d in docs if d))  # re-exported names repeat docstrings
@@ -38,6 +40,13 @@ def _docstrings() -> list[str]:
 
 
 DOCS = _docstrings()
+
+
+@pytest.fixture(autouse=True)
+def in_tmp_path(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Inputs are named by relative paths: a row's split hashes its file's name as given, so
+    names under pytest's numbered tmp directories would change the split from run to run."""
+    monkeypatch.chdir(tmp_path)
 
 
 def _documents(root: Path, split: str) -> list[str]:
@@ -85,7 +94,7 @@ def test_jsonl_rows_bad_rows_counted_and_ranges_cut_anywhere(
 ) -> None:
     _write_jsonl(tmp_path / "docs.jsonl")
     out = tmp_path / "ds"
-    manifest = prepare_corpus([str(tmp_path / "docs.jsonl")], str(out), seq_len=2,
+    manifest = prepare_corpus(["docs.jsonl"], str(out), seq_len=2,
                               val_fraction=0.3, progress=False)
     _check_split(*_both_splits(out))
     assert manifest.sources["skipped_rows"] == EXPECTED_BAD
@@ -93,7 +102,7 @@ def test_jsonl_rows_bad_rows_counted_and_ranges_cut_anywhere(
     assert row_input["train_rows"] + row_input["val_rows"] == len(DOCS)
     # Work units of 300 bytes cut the file mid-line everywhere: the same dataset comes out.
     monkeypatch.setattr(sources, "UNIT_BYTES", 300)
-    prepare_corpus([str(tmp_path / "docs.jsonl")], str(tmp_path / "small_units"), seq_len=2,
+    prepare_corpus(["docs.jsonl"], str(tmp_path / "small_units"), seq_len=2,
                    val_fraction=0.3, progress=False)
     assert _tree(tmp_path / "small_units") == _tree(out)
 
@@ -103,14 +112,14 @@ def test_parquet_column_with_nulls_and_row_groups(tmp_path: Path) -> None:
     pq.write_table(pa.table({"content": values, "n": list(range(len(values)))}),
                    tmp_path / "part.parquet", row_group_size=7)
     out = tmp_path / "ds"
-    manifest = prepare_corpus([str(tmp_path / "part.parquet")], str(out), seq_len=2,
+    manifest = prepare_corpus(["part.parquet"], str(out), seq_len=2,
                               val_fraction=0.3, text_column="content", progress=False)
     _check_split(*_both_splits(out))
     assert manifest.sources["skipped_rows"] == {"missing field": 1}
     assert manifest.made_by["text_column"] == "content"
     with pytest.raises(ValueError, match="--text-column 'text': .*part.parquet has no such "
                                          "column \\(columns: content, n\\)"):
-        prepare_corpus([str(tmp_path / "part.parquet")], str(tmp_path / "x"), progress=False)
+        prepare_corpus(["part.parquet"], str(tmp_path / "x"), progress=False)
 
 
 def test_save_to_disk_dataset_and_dataset_dict(tmp_path: Path) -> None:
@@ -119,14 +128,14 @@ def test_save_to_disk_dataset_and_dataset_dict(tmp_path: Path) -> None:
     ds.save_to_disk(str(tmp_path / "saved"), num_shards=2)
     assert len(list((tmp_path / "saved").glob("*.arrow"))) >= 2
     out = tmp_path / "ds"
-    prepare_corpus([str(tmp_path / "saved")], str(out), seq_len=2, val_fraction=0.3,
+    prepare_corpus(["saved"], str(out), seq_len=2, val_fraction=0.3,
                    progress=False)
     _check_split(*_both_splits(out))
     half = len(DOCS) // 2
     datasets.DatasetDict({"a": datasets.Dataset.from_dict({"text": DOCS[:half]}),
                           "b": datasets.Dataset.from_dict({"text": DOCS[half:]})}
                          ).save_to_disk(str(tmp_path / "dict"))
-    manifest = prepare_corpus([str(tmp_path / "dict")], str(tmp_path / "ds2"), seq_len=2,
+    manifest = prepare_corpus(["dict"], str(tmp_path / "ds2"), seq_len=2,
                               val_fraction=0.3, progress=False)
     assert [r["path"].split("/")[-2] for r in manifest.sources["row_inputs"]] == ["a", "b"]
     _check_split(*_both_splits(tmp_path / "ds2"))
@@ -135,9 +144,9 @@ def test_save_to_disk_dataset_and_dataset_dict(tmp_path: Path) -> None:
 def test_globs_pick_files_and_kinds(tmp_path: Path) -> None:
     _write_jsonl(tmp_path / "a.jsonl")
     (tmp_path / "notes.txt").write_text(DOCS[0])
-    manifest = prepare_corpus([str(tmp_path / "*.jsonl")], str(tmp_path / "ds"), seq_len=2,
+    manifest = prepare_corpus(["*.jsonl"], str(tmp_path / "ds"), seq_len=2,
                               val_fraction=0.3, progress=False)
-    assert [r["path"] for r in manifest.sources["row_inputs"]] == [str(tmp_path / "a.jsonl")]
+    assert [r["path"] for r in manifest.sources["row_inputs"]] == ["a.jsonl"]
     assert manifest.sources["files"] == []
     with pytest.raises(ValueError, match="matches no files"):
         prepare_corpus([str(tmp_path / "*.md")], str(tmp_path / "x"), progress=False)
@@ -152,7 +161,7 @@ def test_same_bytes_for_one_and_two_workers(tmp_path: Path) -> None:
     runs = {}
     for workers in (1, 2):
         out = tmp_path / f"w{workers}"
-        prepare_corpus([str(tmp_path / "src")], str(out), seq_len=16, val_fraction=0.2,
+        prepare_corpus(["src"], str(out), seq_len=16, val_fraction=0.2,
                        train_tokenizer=300, workers=workers, progress=False)
         runs[workers] = _tree(out)
     assert runs[1] == runs[2] and "tokenizer.json" in runs[1]
@@ -165,13 +174,13 @@ def test_ray_path_writes_the_same_bytes(tmp_path: Path, monkeypatch: pytest.Monk
     monkeypatch.setenv("BATON_SKIP_CODE_CHECK", "1")
     _write_jsonl(tmp_path / "rows.jsonl")
     monkeypatch.setattr(sources, "UNIT_BYTES", 2000)  # several units; planned in the driver
-    prepare_corpus([str(tmp_path / "rows.jsonl")], str(tmp_path / "serial"), seq_len=16,
+    prepare_corpus(["rows.jsonl"], str(tmp_path / "serial"), seq_len=16,
                    val_fraction=0.2, train_tokenizer=300, progress=False)
     started = not ray.is_initialized()
     if started:
         ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
     try:
-        prepare_corpus([str(tmp_path / "rows.jsonl")], str(tmp_path / "ray"), seq_len=16,
+        prepare_corpus(["rows.jsonl"], str(tmp_path / "ray"), seq_len=16,
                        val_fraction=0.2, train_tokenizer=300, use_ray=True, progress=False)
     finally:
         if started:
@@ -227,7 +236,7 @@ def test_prepare_with_a_trained_bpe_then_inspect_decodes(
     out = str(tmp_path / "ds")
     assert baton_data(["prepare", "--quiet", "--out", out, "--seq-len", "32",
                        "--val-fraction", "0.2", "--train-tokenizer", "400",
-                       str(tmp_path / "rows.jsonl")]) == 0
+                       "rows.jsonl"]) == 0
     printed = capsys.readouterr().out
     assert "rows skipped: missing field" in printed and "vocab 400 (uint16)" in printed
     assert baton_data(["inspect", out, "--show", "1", "--split", "train"]) == 0
