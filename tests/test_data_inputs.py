@@ -244,3 +244,27 @@ def test_prepare_with_a_trained_bpe_then_inspect_decodes(
     assert "<|endoftext|>" in shown or any(doc[:20] in shown for doc in DOCS)
     with TokenDataset(out) as ds:
         assert ds.decode(ds[0]) in shown
+
+
+def test_s3_sources_prefix_and_glob_give_the_local_dataset(s3_bucket: str,
+                                                            tmp_path: Path) -> None:
+    """Inputs on S3 (moto): a prefix and a glob are read through the storage layer, and the
+    tokens equal those of the same files prepared from local disk."""
+    import boto3
+
+    _write_jsonl(tmp_path / "rows.jsonl")
+    (tmp_path / "notes.txt").write_text(DOCS[0] * 20)
+    client = boto3.client("s3")
+    for name in ("rows.jsonl", "notes.txt"):
+        client.put_object(Bucket=s3_bucket, Key=f"corpus/{name}",
+                          Body=(tmp_path / name).read_bytes())
+    manifest = prepare_corpus([f"s3://{s3_bucket}/corpus"], f"s3://{s3_bucket}/ds", seq_len=8,
+                              val_fraction=0.0, progress=False)
+    assert manifest.sources["skipped_rows"] == EXPECTED_BAD
+    assert [f["path"] for f in manifest.sources["files"]] == [
+        f"s3://{s3_bucket}/corpus/notes.txt"]
+    globbed = prepare_corpus([f"s3://{s3_bucket}/corpus/*.jsonl"], str(tmp_path / "g"),
+                             seq_len=8, val_fraction=0.0, progress=False)
+    local = prepare_corpus(["rows.jsonl"], str(tmp_path / "l"), seq_len=8, val_fraction=0.0,
+                           progress=False)
+    assert globbed.splits["train"].shards == local.splits["train"].shards
