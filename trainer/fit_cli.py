@@ -309,6 +309,7 @@ def _fit_interruptibly(cfg: Any, args: argparse.Namespace, session: _Session,
         interrupts += 1
         if interrupts > 1:
             signal.signal(signal.SIGINT, signal.default_int_handler)
+            _no_ray_auto_init()
             raise KeyboardInterrupt
         stop.set()
         console.print("stopping after the current step (Ctrl-C again to abort)")
@@ -338,6 +339,15 @@ def _fit_interruptibly(cfg: Any, args: argparse.Namespace, session: _Session,
     if "error" in outcome:
         raise outcome["error"]
     return outcome["result"]
+
+
+def _no_ray_auto_init() -> None:
+    """On an abort the fit thread lives on while the interpreter shuts Ray down; a Ray call
+    it makes after that would start a fresh local Ray (Ray's auto-init) only to fail. Turn
+    auto-init off (a module flag of Ray's; absent in another Ray version: nothing to do)."""
+    hook = sys.modules.get("ray._private.auto_init_hook")
+    if hook is not None and hasattr(hook, "enable_auto_connect"):
+        hook.enable_auto_connect = False
 
 
 def _continue_command(args: argparse.Namespace) -> str:
