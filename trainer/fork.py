@@ -8,8 +8,9 @@ Contract:
   field or flag and the fix:
   * the source run exists and `step` is one of its committed snapshots (its manifest is
     parsed and validated as untrusted input, `elastic.manifest_check`);
-  * the new run directory (`cfg.snapshots.run_uri`) holds no run (no `run.json`, snapshots or
-    session log; a prepared `data/` or a released lease may be there) and neither directory
+  * the new run directory (`cfg.snapshots.run_uri`) holds no run (no `run.json`, snapshots,
+    session log or `generation.json`; a prepared `data/` or a released lease may be there)
+    and neither directory
     lies inside the other: a fork never writes into its parent;
   * nothing that fixes a tensor shape changes: the fields of
     `trainer.run_dir.TENSOR_SHAPE_FIELDS` against the parent's `run.json`, then every model
@@ -104,7 +105,8 @@ def _inside(a: str, b: str) -> bool:
 
 def _holds_run(store: SnapshotStore) -> list[str]:
     """What of a run the directory holds (empty: none)."""
-    found = [n for n in ("run.json", SESSIONS_NAME) if store.exists(store.path(n))]
+    found = [n for n in ("run.json", SESSIONS_NAME, GENERATION_NAME)
+             if store.exists(store.path(n))]
     if store.all_steps():
         found.append("snapshots/")
     return found
