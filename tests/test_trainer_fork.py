@@ -84,13 +84,17 @@ def _holds_no_run(run: Path) -> bool:
     return not (run / "run.json").exists() and not SnapshotStore(str(run)).all_steps()
 
 
-def test_fork_with_the_same_recipe_trains_on_exactly_like_its_parent(
-    capsys: pytest.CaptureFixture[str], parent: Path, tmp_path: Path, tiny_dataset: str,
+def test_fork_on_another_world_size_and_layout_trains_on_exactly_like_its_parent(
+    capsys: pytest.CaptureFixture[str], fake_fit: InProcessFit, parent: Path, tmp_path: Path,
+    tiny_dataset: str,
 ) -> None:
-    """Optimizer warm and data cursor kept: the fork's step 9..16 are the parent's."""
+    """Optimizer warm and data cursor kept: the fork's steps 9..16, on 2 FSDP2 workers, are
+    the parent's (continued on 1 DDP worker) up to float summation order."""
     fork = tmp_path / "runs" / "same"
+    fake_fit.world_size = 2
     code, text = _baton(capsys, ["fit", TINY, "--from", str(parent), "--run-dir", str(fork),
-                                 *_sets(tiny_dataset, 16)])
+                                 *_sets(tiny_dataset, 16, 'parallelism="fsdp"')])
+    fake_fit.world_size = 1
     assert code == 0, text
     assert f"forked {parent} at step 8 into {fork}" in text, text
     assert "optimizer warm, data cursor kept" in text, text
@@ -104,7 +108,9 @@ def test_fork_with_the_same_recipe_trains_on_exactly_like_its_parent(
     assert (lineage["uri"], lineage["step"], lineage["data_cursor"]) == (str(parent), 8, "kept")
     assert lineage["loss"] == parent_loss
     assert json.loads((fork / "generation.json").read_text())["generation"] >= 1
-    assert [r["step"] for r in read_records(str(fork)) if r["kind"] == "start"] == [8]
+    assert [(r["step"], r["world_size"]) for r in read_records(str(fork))
+            if r["kind"] == "start"] == [(8, 2)]
+    assert SnapshotStore(str(fork)).load_manifest(16).layout == "fsdp"
 
 
 def test_fork_changes_lr_and_data_with_the_optimizer_moments_carried_bitwise(
