@@ -41,7 +41,7 @@ from typing import Any
 
 import ray
 import ray.train
-from ray.train import RunConfig
+from ray.train.v2.api.config import RunConfig
 
 from elastic.errors import FatalRunError
 from elastic.lease import LeaseLostError, RunLease
@@ -108,8 +108,10 @@ class ElasticTorchTrainer(BatonTorchTrainer):
         self.stop = stop or threading.Event()
         self._resize = SnapshotBeforeResize(settings.run_uri)
         run_config = run_config or RunConfig()
+        # A controller callback: Ray Train runs any callback it is given, though RunConfig's
+        # annotation names only the user-facing kinds.
         run_config = dataclasses.replace(
-            run_config, callbacks=[*(run_config.callbacks or []), self._resize])
+            run_config, callbacks=[*(run_config.callbacks or []), self._resize])  # type: ignore[list-item]
         self.coordinator: Any = None  # the coordinator's handle while fit() runs
         self.health: dict[str, Any] = {}  # the coordinator's health() when fit() returned
         self.stopped_at: int | None = None

@@ -42,8 +42,8 @@ from typing import Any
 
 import ray
 import ray.train
-from ray.train import FailureConfig, RunConfig, ScalingConfig
 from ray.train.torch import TorchConfig
+from ray.train.v2.api.config import FailureConfig, RunConfig, ScalingConfig
 
 from elastic.coordinator import HEAD_NODE_RESOURCES
 from elastic.lease import LeaseLostError, RunLease

@@ -54,7 +54,6 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import ray
-from ray.train.torch import TorchTrainer
 from ray.train.v2._internal.execution.failure_handling import (
     DefaultFailurePolicy,
     FailureDecision,
@@ -71,6 +70,7 @@ from ray.train.v2._internal.execution.scaling_policy.autoscaling_coordinator_cli
 )
 from ray.train.v2.api.config import FailureConfig, ScalingConfig
 from ray.train.v2.api.exceptions import TrainingFailedError, WorkerGroupError
+from ray.train.v2.torch.torch_trainer import TorchTrainer  # Train V2 (what ray.train.torch gives)
 
 from elastic.errors import FatalRunError
 
