@@ -107,6 +107,15 @@ def test_until_then_continue_restores_warm_and_ends_where_an_uninterrupted_run_e
     assert seen == ref_seen  # the same samples, in the same order, each epoch once
 
 
+def test_until_at_the_restored_step_trains_nothing(tmp_path: Path) -> None:
+    first = Parts()
+    _train(first, first.session(tmp_path, snapshot_every=4, until=4), 12)
+    again = Parts(seed=5)
+    session = again.session(tmp_path, snapshot_every=4, until=4)
+    assert _train(again, session, 12) == []
+    assert session.stopped_at == 4 and SnapshotStore(str(tmp_path)).committed_steps() == [4]
+
+
 def test_cadence_and_the_final_commit(tmp_path: Path) -> None:
     parts = Parts()
     coordinator = LocalCoordinator(SnapshotStore(str(tmp_path)), keep_last=10,

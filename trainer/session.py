@@ -206,6 +206,9 @@ class Session:
     def steps(self, total: int) -> Iterator[int]:
         """Yield the 0-based index of each step still to train, up to `total`; after each,
         `step_done()`. Ends early on a stop; on finishing, `close()` commits the last step."""
+        if self.until is not None and self._progress.step >= self.until:
+            self._stop(self._progress.step)  # restored at or past `until`: nothing to train
+            return
         while self._progress.step < total:
             yield self._progress.step
             if self.step_done():
