@@ -41,6 +41,7 @@ from torch import nn
 from data_state import Microbatch, ResumableLoader, TokenDataset
 from data_state.manifest import DatasetError
 from elastic.errors import FatalRunError
+from elastic.protocol import CoordinatorClient
 from sketch_ops import sketch_model, sketch_seed
 from trainer.config import FitConfig
 from trainer.model import GPT, SKETCH_LAYERS
@@ -93,7 +94,8 @@ class WorkerEnv:
     rank: int = 0
     world_size: int = 1
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))
-    coordinator: Any = None  # elastic coordinator handle (Ray actor) or None in-process
+    # The run's coordinator; None: the worker context's under Ray, else in-process.
+    coordinator: CoordinatorClient | None = None
     on_metrics: Callable[[dict[str, Any]], None] | None = None
     on_start: Callable[[int], Any] | None = None  # called with the restored step
     report: Callable[[dict[str, Any]], None] | None = None  # all ranks (ray.train.report)

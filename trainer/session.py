@@ -58,7 +58,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol, runtime_checkable
 
 import torch
 import torch.distributed as dist
@@ -116,6 +116,14 @@ def current_context() -> WorkerContext | None:
     return _context
 
 
+@runtime_checkable
+class WorldSizeFree(Protocol):
+    """A loader whose state holds no rank: it is told its share (`data_state.ResumableLoader`,
+    `data_state.map_loader.MapStyleLoader`)."""
+
+    def reshard(self, *, rank: int, world_size: int) -> None: ...
+
+
 class _Progress:
     """The session's own state: the number of completed steps."""
 
@@ -161,7 +169,7 @@ class Session:
         if scheduler is not None:
             self.registry.register("sched", scheduler)
         if data is not None:
-            if callable(getattr(data, "reshard", None)):
+            if isinstance(data, WorldSizeFree):
                 data.reshard(rank=self.rank, world_size=self.world_size)
             self.registry.register("data", data)
         for key, extra in (extras or {}).items():
@@ -284,7 +292,7 @@ class Session:
         saved = self.snapshotter.restored_world_size
         if data is None or saved is None or saved == self.world_size:
             return
-        if callable(getattr(data, "reshard", None)):
+        if isinstance(data, WorldSizeFree):
             return  # world-size free: its cursor means the same samples at any world size
         message = (
             f"the data loader's position was saved at world size {saved} and restores at "
