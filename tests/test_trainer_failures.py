@@ -300,16 +300,15 @@ def test_a_worker_on_other_code_is_refused() -> None:
 def _corrupt_every_row_group(dataset: str) -> None:
     """Flip a byte inside every row group of the train split; footers stay readable, so the
     dataset opens (and passes pre-flight) and fails at the first read."""
-    import fsspec
-
+    from data_state import storage
     from data_state.dataset import read_manifest
     from data_state.shards import ShardReader
 
     manifest = read_manifest(dataset)
-    fs = fsspec.filesystem("file")
+    io, root = storage.resolve(dataset)
     for info in manifest.split("train").shards:
-        path = f"{dataset}/{info.path}"
-        reader = ShardReader(fs, path, info, seq_len=manifest.seq_len,
+        path = storage.join(root, info.path)
+        reader = ShardReader(io, path, info, seq_len=manifest.seq_len,
                              dtype=manifest.token_dtype).open()
         blob = bytearray(Path(path).read_bytes())
         for group in range(reader.num_row_groups):
