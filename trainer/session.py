@@ -6,7 +6,8 @@ Usage, inside a Ray Train V2 `train_func` run by `trainer.elastic_trainer.Elasti
     session = Session(model, optimizer, scheduler, loader, snapshot_every=10)
     for step in session.steps(total_steps):   # starts at the restored step
         ...forward, backward, optimizer.step(), scheduler.step(), loader.advance()...
-    # leaving the loop normally commits the last step (and waits for it)
+    # leaving the loop normally commits the last step (and waits for it); after a `break`,
+    # call session.close() to do the same
 
 Contract
 --------
