@@ -347,7 +347,7 @@ def _no_ray_auto_init() -> None:
     auto-init off (a module flag of Ray's; absent in another Ray version: nothing to do)."""
     hook = sys.modules.get("ray._private.auto_init_hook")
     if hook is not None and hasattr(hook, "enable_auto_connect"):
-        hook.enable_auto_connect = False
+        setattr(hook, "enable_auto_connect", False)  # noqa: B010 - a module attribute mypy cannot see
 
 
 def _continue_command(args: argparse.Namespace) -> str:

@@ -127,7 +127,7 @@ def plan_fork(cfg: FitConfig, source_uri: str, step: int | None,
         raise RunDirError(f"--data-cursor {data_cursor!r}: must be one of "
                           f"{', '.join(DATA_CURSOR_CHOICES)}")
     source = SnapshotStore(source_uri)
-    if not source.fs.isdir(source.root):
+    if not source.isdir(source.root):
         raise RunDirError(f"--from {source_uri}: run directory does not exist")
     target = SnapshotStore(cfg.snapshots.run_uri)
     new, old = _root(target), _root(source)
@@ -297,7 +297,7 @@ def make_fork(plan: ForkPlan, cfg: FitConfig) -> ForkResult:
         # Only what this fork wrote: the new run held no snapshot before (plan_fork).
         for path in [p for p in written if "/snapshots/" not in p]:
             try:
-                target.fs.rm(path)
+                target.remove(path)
             except OSError:
                 pass
         try:

@@ -220,7 +220,7 @@ def _fit_leased(
         namespace=NAMESPACE,
         get_if_exists=True,
         resources=HEAD_NODE_RESOURCES,  # on the head: it must outlive any worker node
-    ).remote(config.snapshots.run_uri)
+    ).remote(config.snapshots.run_uri, logging=config.logging)
 
     scaling = config.scaling
     num_workers: int | tuple[int, int] = (

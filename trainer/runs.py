@@ -72,13 +72,12 @@ def _cmd_ls(args: argparse.Namespace) -> int:
 def list_runs(directory: str, *, now: float | None = None) -> list[dict[str, Any]]:
     """One row per run under `directory` (module contract); FileNotFoundError if absent."""
     store = SnapshotStore(directory)
-    if not store.fs.isdir(store.root):
+    if not store.isdir(store.root):
         raise FileNotFoundError(f"runs ls: {directory} is not a directory")
     rows = []
-    for entry in sorted(store.fs.ls(store.root, detail=True), key=lambda e: str(e["name"])):
-        path = str(entry["name"]).rstrip("/")
-        name = path.rsplit("/", 1)[-1]
-        if entry.get("type") != "directory" or name.startswith("."):
+    for name in store.listdir(store.root):
+        path = store.path(name)
+        if name.startswith(".") or not store.isdir(path):
             continue
         if store.is_local and os.path.islink(path):
             continue  # a run listed under DIR must lie inside DIR
