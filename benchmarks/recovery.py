@@ -1,6 +1,6 @@
 """Recovery after a node loss: Baton against Ray Train's standard checkpoint recipe (issue 5).
 
-One run of this script, on a local multi-node Ray cluster (`trainer.local_cluster`: a head
+One run of this script, on a local multi-node Ray cluster (`trainer.on_ray.local_cluster`: a head
 with no CPUs and 2 worker nodes of 1 logical CPU), trains the same model, data order,
 optimizer and schedule with both tools on 2 workers (`num_workers=(1, 2)`), kills a worker
 node ungracefully once step LOSE_AT is reached, and lets each run finish on 1 worker (no node
@@ -217,8 +217,8 @@ def run_baton(cluster: Any, plan: Plan, work: Path, dataset: str, tag: str) -> d
     from elastic.catalog import export_model
     from elastic.store import SnapshotStore
     from trainer.metrics import read_records
-    from trainer.monitor import get_monitor
-    from trainer.ray_fit import fit
+    from trainer.on_ray.monitor import get_monitor
+    from trainer.on_ray.ray_fit import fit
 
     run = work / f"baton-{tag}"
     cfg = _config(plan, run, dataset)
@@ -311,8 +311,8 @@ def child(args: argparse.Namespace) -> None:
     for a while and start the next run on 1 worker.)"""
     import ray
 
-    from trainer.local_cluster import LocalCluster
-    from trainer.monitor import NAMESPACE
+    from trainer.on_ray.local_cluster import LocalCluster
+    from trainer.on_ray.monitor import NAMESPACE
 
     plan = PLANS[args.plan]
     cluster = LocalCluster(worker_nodes=2, fast_failure_detection=args.child == "fast")

@@ -106,6 +106,11 @@ def get_or_create_coordinator(run_uri: str, *, keep_last: int = 2,
     return handle
 
 
+def find_coordinator(name: str, namespace: str = NAMESPACE) -> ray.actor.ActorHandle:
+    """The running coordinator actor called ``name`` (a worker that was given only its name)."""
+    return ray.get_actor(name, namespace=namespace)
+
+
 class RayCoordinatorClient:
     """The worker side of the coordinator protocol (``elastic.protocol``) over the actor.
 

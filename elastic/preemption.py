@@ -19,7 +19,7 @@ Contract
   the next step boundary, which is a consistent cut.
 * ``external`` (optional) is asked every ``external_check_every`` steps for a preemption
   notice from the platform: it returns the notice's detail, or None. Inside a Ray Train
-  worker ``trainer.elastic_trainer`` passes one that asks ``ray.train.get_preemption_info()``
+  worker ``trainer.on_ray.elastic_trainer`` passes one that asks ``ray.train.get_preemption_info()``
   (itself a barrier across workers, so all ranks must call ``poll`` on the same steps). This
   module imports nothing of Ray. The advice of such a notice is to snapshot and keep training
   (``must_exit=False``); a SIGTERM means this process is going away (``must_exit=True``).

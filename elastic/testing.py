@@ -142,18 +142,16 @@ def run_group(fn: Callable[..., None], world_size: int, *args: Any, tmp_dir: str
 
 class SnapshotWorker:
     """One training rank as a (Ray actor) object: ``ray.remote(SnapshotWorker)`` in tests.
-    Kept free of Ray imports at module level so this module stays Ray-agnostic."""
+    Ray is reached only through ``elastic.coordinator`` (the one Ray module of ``elastic``)."""
 
     def __init__(self, run_uri: str, rank: int, world_size: int, coordinator_name: str,
                  namespace: str, seed: int = 5, generation: int | None = None) -> None:
-        import ray
-
-        from elastic.coordinator import RayCoordinatorClient
+        from elastic.coordinator import RayCoordinatorClient, find_coordinator
         from elastic.snapshotter import Snapshotter
 
         torch.set_num_threads(1)
         self.ts = build(seed=seed)
-        client = RayCoordinatorClient(ray.get_actor(coordinator_name, namespace=namespace))
+        client = RayCoordinatorClient(find_coordinator(coordinator_name, namespace))
         self.snap = Snapshotter(run_uri, self.ts.registry, rank, world_size,
                                 coordinator=client, snapshot_every=2, durable=False,
                                 split_min_bytes=64, generation=generation)

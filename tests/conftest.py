@@ -21,7 +21,7 @@ from ray_harness import free_port
 if TYPE_CHECKING:
     from s3_fault_proxy import S3FaultProxy
 
-# Every Ray process the tests start listens on 127.0.0.1 only (see trainer/local_cluster.py).
+# Every Ray process the tests start listens on 127.0.0.1 only (see trainer/on_ray/local_cluster.py).
 os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
 
 

@@ -1,6 +1,6 @@
 """`baton fit` without Ray, for the session and fork tests.
 
-`InProcessFit(world_size)` stands in for `trainer.ray_fit.fit` (monkeypatched): it runs the
+`InProcessFit(world_size)` stands in for `trainer.on_ray.ray_fit.fit` (monkeypatched): it runs the
 real worker loop (`trainer.loop.run_worker`) on `world_size` gloo processes (or in this
 process for 1), with the real pre-flight (`check_run_dir`), the real metrics files and the
 real snapshots; only Ray's placement and restarts are left out. `until` is passed to the

@@ -40,7 +40,7 @@ VENV_BIN = Path(sys.executable).parent  # the interpreter running the tests: the
 MARKER_VAR = "BATON_RAY_HARNESS"
 
 # Ray reads these in every process it starts: no token auth on local test clusters, and node
-# addresses on 127.0.0.1 only (see trainer/local_cluster.py for why that switch works).
+# addresses on 127.0.0.1 only (see trainer/on_ray/local_cluster.py for why that switch works).
 _RAY_ENV = {"RAY_AUTH_MODE": "disabled", "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}
 
 

@@ -122,7 +122,7 @@ def test_more_cpus_per_worker_than_this_machine_has(
 
 
 def test_cluster_nodes_too_small_for_a_worker() -> None:
-    """The check `trainer.ray_fit` runs after `ray.init` on a cluster without autoscaler."""
+    """The check `trainer.on_ray.ray_fit` runs after `ray.init` on a cluster without autoscaler."""
     cfg = FitConfig(snapshots=SnapshotConfig(run_uri="runs/x"),
                     scaling=ScalingSettings(cpus_per_worker=4))
     check_worker_fits(cfg, [{"CPU": 2.0}, {"CPU": 4.0}], "the Ray cluster")  # one node fits

@@ -5,7 +5,7 @@
   optional extra is needed at import time).
 * The import graph among those modules, built with ``ast``, is acyclic. Imports inside
   functions count too: a deferred import hides a cycle from the interpreter, not from the
-  reader (``sketch_ops/layer.py`` <-> ``policy.py`` and ``trainer/demo.py`` <->
+  reader (``sketch_ops/layer.py`` <-> ``policy.py`` and ``trainer/on_ray/demo.py`` <->
   ``fit_cli.py`` were such circles). Imports under ``if TYPE_CHECKING:`` do not count.
   Importing ``pkg.mod`` runs the package's ``__init__`` first; that implicit edge is not
   counted.

@@ -4,7 +4,7 @@
   `tests/migration_standard.py` and `tests/migration_baton.py` (code, not docstrings), and the
   conversion adds or changes at most 10 lines (the rest is the checkpoint code it deletes).
 - One slow test runs the converted loop with `ElasticTorchTrainer` on a local multi-node
-  cluster (`trainer.local_cluster`): 2 workers, a node lost after LOSE_AT (restart on 1), a
+  cluster (`trainer.on_ray.local_cluster`): 2 workers, a node lost after LOSE_AT (restart on 1), a
   node added back (scale-up to 2). Checked, on what the snapshots and the loop's records say:
   the final model and AdamW moments equal an uninterrupted run's (Baton's own loop,
   in-process, without Ray) to 1e-5 (P1, P2); the AdamW step counters equal STEPS (never a
@@ -88,10 +88,10 @@ def test_the_converted_loop_survives_a_node_loss_and_a_scale_up(
     import ray.cloudpickle
     from ray.train import FailureConfig, RunConfig, ScalingConfig
 
-    from trainer.elastic_trainer import SKIP_CODE_CHECK_ENV
-    from trainer.local_cluster import LocalCluster
     from trainer.loop import WorkerEnv, run_worker
-    from trainer.monitor import NAMESPACE
+    from trainer.on_ray.elastic_trainer import SKIP_CODE_CHECK_ENV
+    from trainer.on_ray.local_cluster import LocalCluster
+    from trainer.on_ray.monitor import NAMESPACE
 
     monkeypatch.setenv(SKIP_CODE_CHECK_ENV, "1")  # others may edit the checkout meanwhile
     reference = tmp_path / "reference"

@@ -132,7 +132,7 @@ def autoscaling_cluster(tmp_path: Path) -> Iterator[AutoscalingCluster]:
 _FIT_SCRIPT = """
 import json, sys
 from trainer.config import load_recipe
-from trainer.ray_fit import fit
+from trainer.on_ray.ray_fit import fit
 cfg = load_recipe("recipes/tiny.toml", json.loads(sys.argv[1]))
 result = fit(cfg, pace_s=float(sys.argv[2]))
 print("SUMMARY " + json.dumps(result.summary.to_dict()))
@@ -203,6 +203,6 @@ def test_fit_grows_from_min_to_max_workers_as_the_autoscaler_adds_a_node(
     summary = summarize(records)
     assert summary.steps == STEPS
     # A planned resize loses nothing (P6): the group snapshots on demand before Ray Train
-    # tears it down (trainer/resize.py), and the bigger group resumes from exactly there.
+    # tears it down (trainer/on_ray/resize.py), and the bigger group resumes from exactly there.
     assert summary.steps_redone == 0, summary
     assert max(SnapshotStore(str(run)).committed_steps()) == STEPS

@@ -10,7 +10,7 @@ the group to 2 again). Checked at the end, on what the snapshots say:
 - each restart redid at most `snapshot_every` steps (P6);
 - the restart after the node loss went straight to 1 worker: it began sooner after the loss
   than Ray Train's worker-group start timeout, so no attempt at the old size timed out first
-  (`trainer.scaling`).
+  (`trainer.on_ray.scaling`).
 """
 
 from __future__ import annotations
@@ -30,10 +30,10 @@ from snapshot_compare import assert_same_state, final_state
 
 from elastic.store import SnapshotStore
 from trainer.config import load_recipe
-from trainer.local_cluster import FAST_TRAIN_ENV, LocalCluster
 from trainer.metrics import read_records
-from trainer.monitor import NAMESPACE, get_monitor
-from trainer.ray_fit import FitResult, fit
+from trainer.on_ray.local_cluster import FAST_TRAIN_ENV, LocalCluster
+from trainer.on_ray.monitor import NAMESPACE, get_monitor
+from trainer.on_ray.ray_fit import FitResult, fit
 
 ROOT = Path(__file__).resolve().parents[1]
 STEPS = 80

@@ -1,6 +1,6 @@
 """No endless restart loops, no version skew (issue 13, point 7).
 
-- The failure policy (`trainer.scaling.FatalAwareFailurePolicy`) decides on constructed
+- The failure policy (`trainer.on_ray.scaling.FatalAwareFailurePolicy`) decides on constructed
   Ray Train errors, no cluster: a worker's `FatalRunError` RAISEs at once; other errors are
   retried up to `max_failures`, then RAISEd with the count; a stop on a preemption notice is
   not charged to `max_failures`; the verdict survives the trip to the driver.
@@ -33,13 +33,13 @@ from elastic.store import SnapshotStore
 from elastic.version import code_version, package_dirs, package_version, source_digest
 from trainer.config import FitConfig, ScalingSettings, load_recipe
 from trainer.loop import WorkerEnv, dataset_errors_are_fatal, run_worker
-from trainer.run_dir import RunDirError, check_run_dir, dataset_fingerprint
-from trainer.scaling import (
+from trainer.on_ray.scaling import (
     BatonTorchTrainer,
     FatalAwareFailurePolicy,
     RunFailedError,
     run_failed_error,
 )
+from trainer.run_dir import RunDirError, check_run_dir, dataset_fingerprint
 from trainer.session import PreemptedError
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -284,7 +284,7 @@ def test_code_version_changes_when_a_source_file_changes(tmp_path: Path) -> None
 
 
 def test_a_worker_on_other_code_is_refused() -> None:
-    from trainer.elastic_trainer import check_code_version
+    from trainer.on_ray.elastic_trainer import check_code_version
 
     check_code_version(code_version())  # the same code: no error
     check_code_version(None)  # the driver turned the check off
@@ -324,11 +324,11 @@ def test_a_fatal_worker_error_fails_the_fit_once(
 ) -> None:
     import ray
 
-    from trainer.elastic_trainer import SKIP_CODE_CHECK_ENV
-    from trainer.local_cluster import LocalCluster
     from trainer.metrics import read_records
-    from trainer.monitor import NAMESPACE
-    from trainer.ray_fit import fit
+    from trainer.on_ray.elastic_trainer import SKIP_CODE_CHECK_ENV
+    from trainer.on_ray.local_cluster import LocalCluster
+    from trainer.on_ray.monitor import NAMESPACE
+    from trainer.on_ray.ray_fit import fit
 
     dataset = str(tmp_path / "data")
     shutil.copytree(tiny_dataset, dataset)

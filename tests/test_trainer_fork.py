@@ -1,7 +1,7 @@
 """Forks (issue 17, point 5): `baton fit RECIPE --from RUN[@STEP] --run-dir NEW` and
 `baton runs ls DIR`.
 
-The CLI runs in-process through `trainer.cli.main`, with `trainer.ray_fit.fit` replaced by
+The CLI runs in-process through `trainer.cli.main`, with `trainer.on_ray.ray_fit.fit` replaced by
 `tests/inprocess_fit.InProcessFit` (the real worker loop in this process, no Ray): the
 fork's copy, checks, lineage and the warm restore are all the real code.
 """
@@ -33,10 +33,10 @@ TINY = str(ROOT / "recipes" / "tiny.toml")
 
 @pytest.fixture
 def fake_fit(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> InProcessFit:
-    import trainer.ray_fit
+    import trainer.on_ray.ray_fit
 
     fake = InProcessFit(tmp_dir=str(tmp_path))
-    monkeypatch.setattr(trainer.ray_fit, "fit", fake)
+    monkeypatch.setattr(trainer.on_ray.ray_fit, "fit", fake)
     return fake
 
 

@@ -1,4 +1,4 @@
-"""`trainer.scaling`: restart decisions after a node loss, on fake cluster states (no Ray).
+"""`trainer.on_ray.scaling`: restart decisions after a node loss, on fake cluster states (no Ray).
 
 A fake node table (what `ray.nodes()` returns), raylet probe, fresh reservation and clock
 stand in for the cluster; the policy sees the group through Ray Train's own hooks. The last
@@ -22,7 +22,7 @@ from ray.train.v2._internal.execution.scaling_policy import (
 )
 from ray.train.v2.api.data_parallel_trainer import DataParallelTrainer
 
-from trainer.scaling import BatonTorchTrainer, LiveNodesElasticPolicy
+from trainer.on_ray.scaling import BatonTorchTrainer, LiveNodesElasticPolicy
 
 CPU = {"CPU": 1.0}
 

@@ -1,7 +1,7 @@
 """Training in sessions (issue 17, point 4): `baton fit --until / --time-limit / Ctrl-C`, the
 continue command, `--reschedule`, the session log and the time budget.
 
-The CLI runs in-process through `trainer.cli.main`; Ray's part (`trainer.ray_fit.fit`) is
+The CLI runs in-process through `trainer.cli.main`; Ray's part (`trainer.on_ray.ray_fit.fit`) is
 replaced by `tests/inprocess_fit.InProcessFit`, which runs the real worker loop, so what is
 checked is the real snapshots, metrics and session log. The one end-to-end test through
 Ray (SIGINT to a real `baton fit` process) is marked slow.
@@ -39,10 +39,10 @@ def _sets(dataset: str, steps: int) -> list[str]:
 
 @pytest.fixture
 def fake_fit(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> InProcessFit:
-    import trainer.ray_fit
+    import trainer.on_ray.ray_fit
 
     fake = InProcessFit(tmp_dir=str(tmp_path))
-    monkeypatch.setattr(trainer.ray_fit, "fit", fake)
+    monkeypatch.setattr(trainer.on_ray.ray_fit, "fit", fake)
     return fake
 
 
@@ -215,8 +215,8 @@ def test_second_ctrl_c_aborts_at_once_with_exit_130(
         release.wait(30)  # still "training" when the second Ctrl-C comes
         return None
 
-    import trainer.ray_fit
-    trainer.ray_fit.fit = slow  # type: ignore[assignment]  # undone by the fixture
+    import trainer.on_ray.ray_fit
+    trainer.on_ray.ray_fit.fit = slow  # type: ignore[assignment]  # undone by the fixture
     sender = _signal_when_started(fake_fit, 2)
     code, text = _baton(capsys, ["fit", TINY, "--run-dir", str(run), *_sets(tiny_dataset, 12)])
     release.set()

@@ -91,7 +91,7 @@ def test_the_monitor_feeds_the_sinks_and_numbers_its_records(tmp_path: Path) -> 
     """The monitor actor's logic (no Ray): every record to the metrics files and the sinks,
     each step once across a restart; `since` hands the driver only what is new."""
     from trainer.metrics import read_records
-    from trainer.monitor import MonitorState
+    from trainer.on_ray.monitor import MonitorState
 
     monitor = MonitorState(str(tmp_path), LoggingConfig(tensorboard=True), keep=8)
     assert monitor.start_attempt(0, 2, 0.0) == 0

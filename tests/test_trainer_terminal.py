@@ -198,7 +198,7 @@ def test_ray_messages_go_to_the_file_and_its_path_is_told_once(
 
     from ray._private import worker as ray_worker
 
-    from trainer.ray_messages import ray_messages_to
+    from trainer.on_ray.ray_messages import ray_messages_to
 
     ray_logger = logging.getLogger("ray")
     handlers_before = list(ray_logger.handlers)
@@ -228,8 +228,8 @@ def test_run_feed_announces_a_node_loss_between_progress_lines(
     monitor, a node that was alive and is dead, the snapshot's manifest, the display."""
     import types
 
-    from trainer import monitor as monitor_module
     from trainer.config import FitConfig, SnapshotConfig
+    from trainer.on_ray import monitor as monitor_module
 
     state = monitor_module.MonitorState(str(tmp_path))
     remote = types.SimpleNamespace(since=types.SimpleNamespace(remote=state.since))

@@ -97,7 +97,7 @@ def test_python_fit_refuses_a_held_run_before_ray_starts(tmp_path: Path,
     """`trainer.fit(config)` takes the lease itself: the Python API is one-driver-per-run too."""
     import ray
 
-    from trainer.ray_fit import fit
+    from trainer.on_ray.ray_fit import fit
 
     run = tmp_path / "run"
     holder = {"host": "elsewhere", "pid": 4242, "ray_job_id": None, "started_at": time.time()}

@@ -28,12 +28,12 @@ from trainer.config import (
 )
 
 if TYPE_CHECKING:
-    from trainer.elastic_trainer import ElasticTorchTrainer
-    from trainer.ray_fit import FitResult
+    from trainer.on_ray.elastic_trainer import ElasticTorchTrainer
+    from trainer.on_ray.ray_fit import FitResult
     from trainer.session import Session
 
 # Public names loaded on first use: the module that holds each.
-_LAZY = {"Session": "trainer.session", "ElasticTorchTrainer": "trainer.elastic_trainer"}
+_LAZY = {"Session": "trainer.session", "ElasticTorchTrainer": "trainer.on_ray.elastic_trainer"}
 
 
 def __getattr__(name: str) -> Any:
@@ -45,8 +45,8 @@ def __getattr__(name: str) -> Any:
 
 
 def fit(config: FitConfig, **kwargs: Any) -> FitResult:
-    """Train `config` on Ray (see `trainer.ray_fit.fit`)."""
-    from trainer.ray_fit import fit as _fit
+    """Train `config` on Ray (see `trainer.on_ray.ray_fit.fit`)."""
+    from trainer.on_ray.ray_fit import fit as _fit
 
     return _fit(config, **kwargs)
 

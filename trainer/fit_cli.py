@@ -7,8 +7,9 @@ error no restart can fix, or `scaling.max_failures` restarts) exits with code 1 
 line, `error: <the worker's message> (after N restarts)`; `fit` shows a progress bar with
 ETA on a terminal (one plain line per second elsewhere: step/total, loss, tokens/s, workers,
 last commit, ETA), each restart as one event line, Ray's own messages in RUN/logs/ray.log
-(`trainer.terminal`, `trainer.monitor.RunFeed`, `trainer.ray_messages`), and a summary with
-formatted numbers at the end; `report` writes a PNG and prints the summary table.
+(`trainer.terminal`, `trainer.on_ray.monitor.RunFeed`, `trainer.on_ray.ray_messages`),
+and a summary with formatted numbers at the end; `report` writes a PNG and prints the summary
+table.
 
 Sessions (`trainer.session_log`): `--until STEP` and `--time-limit 2h30m` end the session
 early with that step committed, exit 0 and print `stopped at step N; continue with: <the
@@ -96,8 +97,8 @@ class _FitTerminal:
     Call it with each progress record; `close()` once the fit has ended."""
 
     def __init__(self, cfg: Any) -> None:
-        from trainer.monitor import RunFeed
-        from trainer.ray_messages import ray_log_path, ray_messages_to
+        from trainer.on_ray.monitor import RunFeed
+        from trainer.on_ray.ray_messages import ray_log_path, ray_messages_to
         from trainer.terminal import ProgressDisplay
 
         self.feed = RunFeed(cfg, ProgressDisplay(cfg.steps, console))
@@ -178,7 +179,7 @@ def _cmd_fit(args: argparse.Namespace) -> int:
         console.print(f"[red]error:[/red] {escape(str(err))}")
         return 2
     from trainer.commit_watch import FinalCommitError
-    from trainer.scaling import RunFailedError
+    from trainer.on_ray.scaling import RunFailedError
     from trainer.session_log import begin_session, end_session
 
     outcome, step, began = "failed", None, False
@@ -275,12 +276,12 @@ class _QuietNonMainThreadInit(logging.Filter):
 
 def _fit_interruptibly(cfg: Any, args: argparse.Namespace, session: _Session,
                        lease: Any) -> Any:
-    """Run `trainer.ray_fit.fit` in a thread while the main thread owns the signals: the
+    """Run `trainer.on_ray.ray_fit.fit` in a thread while the main thread owns the signals: the
     first SIGINT sets the stop event (the workers commit at the next step boundary and end),
     the second raises KeyboardInterrupt here; SIGTERM exits as Ray's own handler would.
     Ray Train installs its SIGINT handler (abort the run, nothing committed) only when
     `fit` runs in the main thread, hence the thread."""
-    from trainer.ray_fit import fit  # imports Ray: only once the input is known to be good
+    from trainer.on_ray.ray_fit import fit  # imports Ray: only once the input is known to be good
 
     stop = threading.Event()
     done = threading.Event()
@@ -384,7 +385,7 @@ def _cmd_report(args: argparse.Namespace) -> int:
 
 
 def _cmd_demo(args: argparse.Namespace) -> int:
-    from trainer.demo import run_demo
+    from trainer.on_ray.demo import run_demo
 
     return run_demo(args.recipe, args.run_dir)
 

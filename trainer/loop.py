@@ -7,8 +7,8 @@ process), and returns a `WorkerResult`. `build` makes the model, optimizer, sche
 `train_step` trains one step; `record` makes and hands out its metrics; `run_worker` is only
 control flow on a `trainer.session.Session` — the same public API any Ray Train loop uses —
 which restores, snapshots, answers preemption and planned resizes, and commits the end.
-Under Ray (`trainer.ray_fit`) the session finds the coordinator in the worker context that
-`trainer.elastic_trainer.ElasticTorchTrainer` installs; `env.coordinator` overrides it
+Under Ray (`trainer.on_ray.ray_fit`) the session finds the coordinator in the worker context that
+`trainer.on_ray.elastic_trainer.ElasticTorchTrainer` installs; `env.coordinator` overrides it
 (tests without Ray).
 
 Why the trajectory does not depend on the world size (promise P1):

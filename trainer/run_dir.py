@@ -24,7 +24,7 @@ Contract:
   (when the fit will start its own local Ray, this machine must have
   `scaling.cpus_per_worker` CPUs: otherwise Ray would wait forever for a place for the
   worker). Both raise `ConfigError` naming the field. `check_worker_fits(cfg, nodes, where)`
-  is the same test against a Ray cluster's nodes (`trainer.ray_fit` runs it after
+  is the same test against a Ray cluster's nodes (`trainer.on_ray.ray_fit` runs it after
   `ray.init`, unless the cluster has an autoscaler that can add nodes).
 - `model.vocab_size` 0 (the default) is the dataset's vocabulary: `ensure_dataset` sets it
   from `dataset.json` (so the workers and `run.json` see the number) and `check_run_dir`
@@ -272,11 +272,11 @@ def check_local_capacity(cfg: FitConfig) -> None:
     """When the fit will start a local Ray of its own (no `RAY_ADDRESS` and no Ray initialized
     in this process), refuse a worker this machine cannot hold, before Ray starts."""
     if os.environ.get("RAY_ADDRESS"):
-        return  # an existing cluster: trainer.ray_fit checks its nodes after ray.init
+        return  # an existing cluster: trainer.on_ray.ray_fit checks its nodes after ray.init
     # Look Ray up rather than import it: this module must not start or load Ray.
     ray = sys.modules.get("ray")
     if ray is not None and ray.is_initialized():
-        return  # connected already (the demo, tests): trainer.ray_fit checks that cluster
+        return  # connected already (the demo, tests): trainer.on_ray.ray_fit checks that cluster
     check_worker_fits(cfg, [{"CPU": float(os.cpu_count() or 1), "GPU": float("inf")}],
                       "this machine")  # GPUs are counted once Ray has started
 

@@ -1,7 +1,8 @@
 """`Session`: elastic snapshots for any training loop (Baton's own loop is built on it).
 
-Usage, inside a Ray Train V2 `train_func` run by `trainer.elastic_trainer.ElasticTorchTrainer`
-(or in a single process, or under torchrun, with `run_uri=`)::
+Usage, inside a Ray Train V2 `train_func` run by
+`trainer.on_ray.elastic_trainer.ElasticTorchTrainer` (or in a single process, or under torchrun,
+with `run_uri=`)::
 
     session = Session(model, optimizer, scheduler, loader, snapshot_every=10)
     for step in session.steps(total_steps):   # starts at the restored step
@@ -47,7 +48,7 @@ Contract
   per-rank sampler position no longer means the same samples, so the session logs a warning
   (`strict_data=True`: raises `FatalRunError` instead).
 
-Nothing here imports Ray; `trainer.elastic_trainer` is the Ray side.
+Nothing here imports Ray; `trainer.on_ray.elastic_trainer` is the Ray side.
 """
 
 from __future__ import annotations

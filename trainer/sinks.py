@@ -6,7 +6,7 @@ Contract:
   disabled sink imports nothing. An enabled sink whose extra is missing is refused when the
   config is validated (`trainer.config.LoggingConfig`: one line naming
   `pip install baton-train[tensorboard]`), so before Ray starts.
-- Sinks run in the run's monitor actor on the head node (`trainer.monitor`), next to the
+- Sinks run in the run's monitor actor on the head node (`trainer.on_ray.monitor`), next to the
   driver, and receive its records (`trainer.metrics` kinds), so training workers need no
   extra packages. From each `step` record they log `loss`, `val_loss`, `lr`,
   `tokens_per_s`, `world_size` and `snapshot_stall_s` (when present) at its `step`.

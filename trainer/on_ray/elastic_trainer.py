@@ -8,8 +8,8 @@ Usage (driver)::
     result = trainer.fit()
 
 Contract:
-- It is `trainer.scaling.BatonTorchTrainer` (Ray Train's `TorchTrainer` whose restarts after a
-  node loss go straight to the size the live nodes hold, whose `FatalRunError`s fail the run
+- It is `trainer.on_ray.scaling.BatonTorchTrainer` (Ray Train's `TorchTrainer` whose restarts
+  after a node loss go straight to the size the live nodes hold, whose `FatalRunError`s fail the run
   once, whose `fit()` raises a one-line `RunFailedError`) with, around `fit()`:
   * the run lease (`elastic.lease.RunLease`): acquired (`force_takeover` takes it from a live
     driver) and released when not passed in; renewed during the fit either way. A lease
@@ -17,7 +17,7 @@ Contract:
   * the run's coordinator actor (`elastic.coordinator.get_or_create_coordinator`, one per run
     and lease), kept alive until `fit()` returns; `trainer.coordinator` is its handle
     meanwhile, `trainer.health` its final `health()`;
-  * `trainer.resize.SnapshotBeforeResize` added to `run_config.callbacks` (a planned resize
+  * `trainer.on_ray.resize.SnapshotBeforeResize` added to `run_config.callbacks` (a planned resize
     redoes nothing);
   * around the user's `train_func` on every worker: the code-version check (a worker on
     other Baton code is a `FatalRunError`; `BATON_SKIP_CODE_CHECK=1` turns it off) and the
@@ -48,8 +48,8 @@ from elastic.lease import LeaseLostError, RunLease
 from elastic.store import SnapshotStore
 from elastic.version import code_version
 from trainer.config import SnapshotConfig
-from trainer.resize import SnapshotBeforeResize
-from trainer.scaling import BatonTorchTrainer
+from trainer.on_ray.resize import SnapshotBeforeResize
+from trainer.on_ray.scaling import BatonTorchTrainer
 from trainer.session import WorkerContext, worker_context
 
 # Set to 1 to let workers run other code than the driver: only for a checkout that is edited

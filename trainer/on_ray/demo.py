@@ -30,7 +30,7 @@ console = Console(stderr=True, soft_wrap=True)  # never wrap: logs are parsed
 
 
 def _wait_for_monitor(run_name: str, trainer: threading.Thread) -> Any:
-    from trainer.monitor import get_monitor
+    from trainer.on_ray.monitor import get_monitor
 
     while trainer.is_alive():
         try:
@@ -79,10 +79,10 @@ def activation_bytes(cfg: FitConfig) -> tuple[int, int]:
 def run_demo(recipe: str, run_dir: str) -> int:
     import ray
 
-    from trainer.local_cluster import LocalCluster
-    from trainer.monitor import NAMESPACE, RunFeed
-    from trainer.ray_fit import fit
-    from trainer.ray_messages import ray_log_path, ray_messages_to
+    from trainer.on_ray.local_cluster import LocalCluster
+    from trainer.on_ray.monitor import NAMESPACE, RunFeed
+    from trainer.on_ray.ray_fit import fit
+    from trainer.on_ray.ray_messages import ray_log_path, ray_messages_to
     from trainer.report import write_report
     from trainer.terminal import ProgressDisplay, fmt_mib, fmt_ratio, print_summary
 

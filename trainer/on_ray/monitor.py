@@ -109,7 +109,7 @@ class MonitorState:
             self._sinks = None
 
 
-# On the head node in a live fit (`trainer.ray_fit` places it); tests use `MonitorState`.
+# On the head node in a live fit (`trainer.on_ray.ray_fit` places it); tests use `MonitorState`.
 RunMonitor: Any = ray.remote(num_cpus=0)(MonitorState)  # Any: Ray's actor stubs are partial
 
 

@@ -5,7 +5,7 @@ Contract:
   reachable and holding the same model if it already has snapshots), prepares the embedded
   corpus when `data.uri` is empty, connects to Ray (`RAY_ADDRESS`, else a local one), starts
   the run's progress monitor, and runs the worker loop (`trainer.loop`) on
-  `trainer.elastic_trainer.ElasticTorchTrainer` — the same drop-in for `TorchTrainer` any Ray
+  `trainer.on_ray.elastic_trainer.ElasticTorchTrainer` — the same drop-in for `TorchTrainer` any Ray
   Train loop can use (lease, coordinator, restart and failure policies, snapshot before a
   planned resize) — with `ScalingConfig(num_workers=(min, max))`. Ray Train places the
   workers, restarts the group after a failure and resizes it when nodes come or go; every
@@ -21,12 +21,12 @@ Contract:
 - Right after connecting, before the trainer starts, refuses (`ConfigError`) a worker that no
   alive node can hold (`trainer.run_dir.check_worker_fits`: `scaling.cpus_per_worker`, a GPU),
   unless the cluster has an autoscaler that can add nodes (`_cluster_can_grow`).
-- Raises `trainer.scaling.RunFailedError` (one line: the worker's message and the restarts)
+- Raises `trainer.on_ray.scaling.RunFailedError` (one line: the worker's message and the restarts)
   when the run gives up: at once on an error no restart can fix (`FatalRunError`: a bad
   dataset, a recipe the run cannot continue with, a worker whose `code_version()` differs from
   the driver's), or after `scaling.max_failures` restarts.
-This module, `trainer.elastic_trainer`, `trainer.scaling` and `trainer.resize` are the ones of
-`trainer` that talk to Ray Train.
+The modules of `trainer.on_ray` (this one, `elastic_trainer`, `scaling`, `resize`) are the
+ones of `trainer` that talk to Ray Train.
 """
 
 from __future__ import annotations
@@ -50,10 +50,10 @@ from elastic.lease import LeaseLostError, RunLease
 from elastic.store import SnapshotStore
 from trainer.commit_watch import CommitWatch, FinalCommitError, final_commit_error
 from trainer.config import FitConfig
-from trainer.elastic_trainer import ElasticTorchTrainer
 from trainer.loop import WorkerEnv, run_worker
 from trainer.metrics import RunSummary, read_records, summarize
-from trainer.monitor import NAMESPACE, RunMonitor, get_monitor, monitor_name
+from trainer.on_ray.elastic_trainer import ElasticTorchTrainer
+from trainer.on_ray.monitor import NAMESPACE, RunMonitor, get_monitor, monitor_name
 from trainer.run_dir import check_run_dir, check_worker_fits, ensure_dataset
 
 log = logging.getLogger("baton.fit")
@@ -136,7 +136,7 @@ def _connect_ray() -> None:
         return
     address = os.environ.get("RAY_ADDRESS")
     if not address:
-        from trainer.local_cluster import use_loopback
+        from trainer.on_ray.local_cluster import use_loopback
 
         use_loopback()  # a Ray of our own on this machine: keep it on 127.0.0.1
     # "local": without it Ray joins any cluster a `ray start` left on this machine.

@@ -77,6 +77,7 @@ def ray_messages_to(path: Path, notice: Callable[[str], None]) -> Iterator[Path]
 
     sink = _FileSink(path, notice)
     ray_logger = logging.getLogger("ray")
+    handlers_before = list(ray_logger.handlers)
     terminal = [h for h in ray_logger.handlers if isinstance(h, logging.StreamHandler)
                 and not isinstance(h, logging.FileHandler)]
     to_file = _ToFile(sink)
@@ -93,6 +94,7 @@ def ray_messages_to(path: Path, notice: Callable[[str], None]) -> Iterator[Path]
         yield path
     finally:
         ray_worker.print_to_stdstream = original_print
-        ray_logger.removeHandler(to_file)
-        for handler in terminal:
-            ray_logger.addHandler(handler)
+        # Put the terminal handlers back where they were (their order is Ray's and pytest's),
+        # keeping any handler someone added meanwhile.
+        added = [h for h in ray_logger.handlers if h not in handlers_before and h is not to_file]
+        ray_logger.handlers = [*handlers_before, *added]
