@@ -6,7 +6,9 @@ URI (local path or ``s3://bucket/prefix/run``), prints to stdout and returns 0 o
 2 for bad input: an empty run URI, another scheme than a local path or ``s3://``, a run
 directory that does not exist, an ``--out`` that cannot be written. Every error is one line
 ``error: ...`` on stderr, never a traceback.
-``ls`` and ``show`` accept ``--json`` for machine-readable output.
+``ls`` and ``show`` accept ``--json`` for machine-readable output. ``export --format hf``
+writes a Hugging Face model directory (``trainer.hf.export_hf``) for runs of an HF model and
+refuses, in one line, a run of the built-in GPT.
 """
 
 from __future__ import annotations
@@ -45,10 +47,16 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("step", nargs="?", type=int)
     p.set_defaults(func=_guarded(_verify))
 
-    p = sub.add_parser("export", help="write the model weights as one safetensors file")
+    p = sub.add_parser("export", help="write the model weights as one safetensors file, or "
+                                      "(--format hf) as a Hugging Face model directory")
     p.add_argument("run_uri")
     p.add_argument("step", nargs="?", type=int)
-    p.add_argument("--out", required=True, help="output FILE.safetensors")
+    p.add_argument("--out", required=True,
+                   help="output FILE.safetensors, or the model directory for --format hf")
+    p.add_argument("--format", choices=("safetensors", "hf"), default="safetensors",
+                   help="hf: config.json, model.safetensors and the dataset's tokenizer, "
+                        "loadable with AutoModelForCausalLM.from_pretrained (runs of "
+                        "[model] hf_config / init_from only; needs baton-train[hf])")
     p.set_defaults(func=_guarded(_export))
 
 
@@ -157,6 +165,13 @@ def _export(args: argparse.Namespace) -> int:
     store = SnapshotStore(args.run_uri)
     try:
         step = resolve_step(store, args.step)
+        if args.format == "hf":
+            from trainer.hf import export_hf  # the trainer's model side (optional extra)
+
+            n, tokenizer = export_hf(store, step, args.out)
+            print(f"wrote snapshot {step} ({n} tensors) as a Hugging Face model with the "
+                  f"{tokenizer} tokenizer to {args.out}")
+            return 0
         n = export_model(store, step, args.out)
     except ValueError as err:
         return _fail(err)

@@ -18,6 +18,7 @@ from __future__ import annotations
 import collections.abc
 import dataclasses
 import functools
+import json
 import math
 import tomllib
 import types
@@ -122,6 +123,61 @@ def _describe(value: Any) -> str:
 MLP_RECOMPUTE = ("auto", "always", "never")
 
 
+# --- Hugging Face model sources ([model] hf_config / init_from; the model itself: trainer.hf)
+HF_INSTALL_HINT = "pip install baton-train[hf]"
+
+
+def require_transformers(field_name: str) -> Any:
+    """The `transformers` module, or one `ConfigError` naming the extra to install."""
+    import importlib.util  # locates the package without importing it
+
+    if importlib.util.find_spec("transformers") is None:
+        raise ConfigError(f"{field_name}: Hugging Face models need transformers: "
+                          f"{HF_INSTALL_HINT}")
+    import transformers
+
+    return transformers
+
+
+def config_file(path: Path) -> Path:
+    """A model directory's config.json, or `path` itself (a config file)."""
+    return path / "config.json" if path.is_dir() else path
+
+
+def check_local_source(path: str, field_name: str, *, weights: bool) -> Path:
+    """`path` as a local config file or model directory, or one `ConfigError`: a hub name,
+    URL or missing path (nothing is downloaded), a directory without config.json, or, for
+    `weights` (init_from), one without safetensors weights (pickled .bin is never read)."""
+    local = Path(path)
+    if "://" in path or not local.exists():
+        raise ConfigError(f"{field_name}: {path!r} is not a local file or directory; nothing "
+                          "is downloaded: save the model locally (e.g. `hf download NAME "
+                          "--local-dir DIR`) and give that directory")
+    if weights and not (local.is_dir() and any(local.glob("*.safetensors"))):
+        raise ConfigError(f"{field_name}: {path} must be a model directory with *.safetensors "
+                          "weights (pickled .bin weights are never loaded)")
+    if not config_file(local).is_file():
+        raise ConfigError(f"{field_name}: {path} has no config.json")
+    return local
+
+
+def raw_hf_config(path: str, field_name: str) -> dict[str, Any]:
+    """The JSON object of the model's config.json (plain data: nothing is imported)."""
+    try:
+        raw = json.loads(config_file(Path(path)).read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise ConfigError(f"{field_name}: {path} is not a readable JSON config "
+                          f"({' '.join(str(err).split())})") from err
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{field_name}: {path} must hold a JSON object")
+    return raw
+
+
+def hf_source_field(hf_config: str, init_from: str) -> tuple[str, str]:
+    """(the dotted field, its path) of a Hugging Face recipe."""
+    return ("model.init_from", init_from) if init_from else ("model.hf_config", hf_config)
+
+
 @dataclass
 class ModelConfig:
     """Shape and memory options of the built-in GPT (`trainer.model.GPT`), validated once.
@@ -147,9 +203,19 @@ class ModelConfig:
     # values and gradients, one n × d tensor less kept per norm. False runs them as separate
     # modules, so forward hooks on those linear layers fire (for analysis).
     fuse_norms: bool = True
+    # A Hugging Face causal LM instead of the built-in GPT (`trainer.hf`; needs
+    # `pip install baton-train[hf]`; then d_model, n_layers, n_heads and the two options above
+    # are not used). `hf_config`: a local config.json or model directory, randomly initialised
+    # from `seed`; `model.vocab_size` 0 takes the config's, a set value replaces it.
+    # `init_from`: a local model directory with safetensors weights (fine-tuning); its config
+    # and vocabulary are the model's. Relative paths in a recipe are relative to the recipe.
+    hf_config: str = ""
+    init_from: str = ""
 
     def __post_init__(self) -> None:
         _check_types(self, "model")
+        if self.hf_config or self.init_from:
+            self._check_hf()
         _require(self.vocab_size >= 0, "model.vocab_size", "must be >= 0 (0: from the dataset)")
         for name in ("d_model", "n_layers", "n_heads"):
             _require(getattr(self, name) >= 1, f"model.{name}", "must be >= 1")
@@ -163,6 +229,27 @@ class ModelConfig:
             "model.d_model",
             f"must be divisible by model.n_heads ({self.n_heads})",
         )
+
+    @property
+    def is_hf(self) -> bool:
+        """A Hugging Face model (`trainer.hf`) rather than the built-in GPT."""
+        return bool(self.hf_config or self.init_from)
+
+    def _check_hf(self) -> None:
+        """The HF source is a local path (nothing is downloaded), transformers is installed,
+        and `vocab_size` is the model's (read from its config.json)."""
+        _require(not (self.hf_config and self.init_from), "model.init_from",
+                 "cannot be set together with model.hf_config (init_from's config is used)")
+        field_name, path = hf_source_field(self.hf_config, self.init_from)
+        require_transformers(field_name)
+        check_local_source(path, field_name, weights=bool(self.init_from))
+        vocab = raw_hf_config(path, field_name).get("vocab_size")
+        _require(isinstance(vocab, int) and not isinstance(vocab, bool) and vocab >= 1,
+                 field_name, f"{path} has no positive integer vocab_size")
+        assert isinstance(vocab, int)
+        _require(not self.init_from or self.vocab_size in (0, vocab), "model.vocab_size",
+                 f"init_from's weights have {vocab} token ids; leave model.vocab_size out")
+        self.vocab_size = self.vocab_size or vocab
 
 
 @dataclass
@@ -493,6 +580,20 @@ def load_recipe(path: str | Path, overrides: Sequence[str] = ()) -> FitConfig:
         raw = tomllib.loads(path.read_text())
     except tomllib.TOMLDecodeError as err:
         raise ConfigError(f"recipe {path}: not valid TOML: {err}") from err
+    _resolve_model_paths(raw, path.parent)
     for assignment in overrides:
         apply_override(raw, assignment)
     return from_dict(raw, source=f"recipe {path}")
+
+
+def _resolve_model_paths(raw: dict[str, Any], recipe_dir: Path) -> None:
+    """A recipe's relative `model.hf_config` / `model.init_from` are relative to the recipe
+    (so it works from any directory); `--set` values stay relative to where you are."""
+    model = raw.get("model")
+    if not isinstance(model, dict):
+        return
+    for key in ("hf_config", "init_from"):
+        value = model.get(key)
+        if isinstance(value, str) and value and "://" not in value \
+                and not Path(value).is_absolute() and (recipe_dir / value).exists():
+            model[key] = str((recipe_dir / value).resolve())

@@ -43,7 +43,8 @@ from data_state.manifest import DatasetError
 from elastic.errors import FatalRunError
 from elastic.protocol import CoordinatorClient
 from sketch_ops import sketch_model, sketch_seed
-from trainer.config import FitConfig
+from trainer.config import ConfigError, FitConfig
+from trainer.hf import build_hf_model, causal_lm_loss, dataset_vocab_size
 from trainer.model import GPT, SKETCH_LAYERS
 from trainer.optim import WarmupCosine, build_optimizer
 from trainer.parallel import (
@@ -64,16 +65,32 @@ def next_token_loss(model: nn.Module, tokens: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), tokens[:, 1:].reshape(-1))
 
 
+def loss_function(cfg: FitConfig) -> Callable[[nn.Module, torch.Tensor], torch.Tensor]:
+    """The run's loss: the Python API's `loss_fn`, a Hugging Face model's own causal-LM loss,
+    or the built-in GPT's `next_token_loss` (the same quantity for each)."""
+    if cfg.loss_fn is not None:
+        return cfg.loss_fn
+    return causal_lm_loss if cfg.model.is_hf else next_token_loss
+
+
 def build_model(cfg: FitConfig) -> nn.Module:
-    """The same initial model on every rank (seeded), with BASIS layers when sketching is on."""
+    """The same initial model on every rank (seeded), with BASIS layers when sketching is on:
+    the Python API's `model_factory`, a Hugging Face model (`[model] hf_config` / `init_from`,
+    `trainer.hf`) or the built-in GPT."""
     torch.manual_seed(cfg.seed)
     if cfg.model_factory is not None:
         model = cfg.model_factory()
+    elif cfg.model.is_hf:
+        try:  # the model's vocabulary must hold every token id of the data
+            model = build_hf_model(cfg.model, dataset_vocab=dataset_vocab_size(cfg.data.uri))
+        except ConfigError as err:  # the same on every restart: fail the run once
+            raise FatalRunError(str(err)) from err
     else:
         model = GPT(cfg.model, seq_len=cfg.data.seq_len)
     sketch = cfg.sketch
     if sketch.enabled:
-        include = sketch.include or (SKETCH_LAYERS if cfg.model_factory is None else None)
+        builtin = cfg.model_factory is None and not cfg.model.is_hf
+        include = sketch.include or (SKETCH_LAYERS if builtin else None)
         if sketch.rank:
             sketch_model(model, rank=sketch.rank, include=include, estimator=sketch.estimator)
         else:
@@ -136,7 +153,7 @@ class WorkerResult:
 def evaluate(cfg: FitConfig, model: nn.Module, val_set: TokenDataset, env: WorkerEnv) -> float:
     """Mean loss over the first `eval.batches` microbatches of the val split (fixed, so every
     evaluation of a run, at any world size, scores the same samples)."""
-    loss_fn = cfg.loss_fn or next_token_loss
+    loss_fn = loss_function(cfg)
     size = cfg.data.microbatch_size
     count = min(cfg.eval.batches, len(val_set) // size)
     mine = list(range(env.rank, count, env.world_size))
@@ -227,7 +244,7 @@ def train_step(cfg: FitConfig, env: WorkerEnv, built: Built, step: int) -> tuple
     over all ranks and this rank's sample indices."""
     with dataset_errors_are_fatal(cfg.data.uri):  # a corrupt page found mid-run
         microbatches = built.loader.next_step()
-    step_loss = forward_backward(cfg, env, built.model, cfg.loss_fn or next_token_loss,
+    step_loss = forward_backward(cfg, env, built.model, loss_function(cfg),
                                  microbatches, step)
     if cfg.optim.grad_clip > 0:
         torch.nn.utils.clip_grad_norm_(built.model.parameters(), cfg.optim.grad_clip)

@@ -2,8 +2,8 @@
 
 Contract:
 - `wrap_model(model, parallelism, device)` returns the model as DDP (replicated) or FSDP2
-  (`fully_shard` per transformer block, then the root); with no process group (a single
-  process) the model is returned as is.
+  (`fully_shard` per transformer block, `shard_units`, then the root); with no process
+  group (a single process) the model is returned as is.
 - `accumulation_passes(num_mine, num_microbatches, world_size, parallelism)` is how many
   forward/backward passes this rank runs in a step. FSDP2 issues collectives in every pass,
   so every rank must run the same number: ranks with fewer microbatches pad with passes
@@ -41,11 +41,23 @@ def wrap_model(model: nn.Module, parallelism: str, device: torch.device) -> nn.M
         return DistributedDataParallel(model, device_ids=device_ids)
     if parallelism == "fsdp":
         # Shard block by block so only one block's parameters are gathered at a time.
-        for block in getattr(model, "blocks", ()):
+        for block in shard_units(model):
             fully_shard(block)
         fully_shard(model)
         return model
     raise ValueError(f"parallelism must be 'ddp' or 'fsdp', got {parallelism!r}")
+
+
+def shard_units(model: nn.Module) -> list[nn.Module]:
+    """The modules FSDP2 shards one by one (then the root takes the rest): the built-in
+    GPT's `blocks`, else every module of a class the model names in `_no_split_modules` —
+    Hugging Face's decoder layers (`LlamaDecoderLayer`, `Qwen2DecoderLayer`, ...), found
+    without knowing where a model family keeps them."""
+    blocks = getattr(model, "blocks", None)
+    if isinstance(blocks, nn.ModuleList):
+        return list(blocks)
+    names = set(getattr(model, "_no_split_modules", None) or ())
+    return [m for m in model.modules() if m is not model and type(m).__name__ in names]
 
 
 def accumulation_passes(
