@@ -26,8 +26,10 @@ Contract of `prepare_corpus(sources, out, *, seq_len, ...)`:
   order (`parallel.py`), shards written as they fill; memory is bounded by a few units per
   worker plus one shard per split (32 MB of tokens), whatever the corpus size. The
   tokenizer trainer's word counts grow with the number of distinct words, not with bytes.
-- `workers=N` tokenizes in N processes, `use_ray=True` on a Ray cluster with Ray Data; the
-  output is byte-identical to the serial run's either way (nothing about N is recorded).
+- `workers=N` tokenizes in N processes, `use_ray=True` on a Ray cluster with Ray Data, which
+  also writes the shards there (`ray_tokenize.py`: token bytes never pass through the
+  driver, which sees counts and writes the manifest); the output is byte-identical to the
+  serial run's either way (nothing about N is recorded).
 - Shards (and the tokenizer) are written first, each atomically, and `dataset.json` last: a
   dataset without its manifest is incomplete and readers refuse it. An existing dataset at
   `out` is only replaced with `overwrite=True` (its manifest is removed first, so a crash
@@ -162,31 +164,44 @@ def prepare_corpus(
     if tok.file_bytes is not None:
         storage.write_atomic(fs, storage.join(root, TOKENIZER_FILE), tok.file_bytes)
 
-    writers = {
-        split: SplitWriter(fs, root, split, seq_len=seq_len, dtype=tok.dtype,
-                           rows_per_group=rows_per_group, per_shard=per_shard)
-        for split in SPLITS
-    }
     job = Job(tok.file_bytes, getattr(tok, "eos_token", None), read, tokenize=True)
+    wanted = [s for s in SPLITS if not (s == "val" and val_fraction == 0)]
+    writers: dict[str, SplitWriter] = {}
+    on_ray = None  # use_ray: shards are written on the cluster (ray_tokenize.RayShardWriter)
+    if use_ray:
+        from data_state.ray_tokenize import RayShardWriter, ShardLayout  # Ray only when asked
+
+        uri = root if fs.is_local else out  # an absolute path: Ray workers have their own cwd
+        on_ray = RayShardWriter(ShardLayout(uri, storage_options, str(tok.dtype), seq_len,
+                                            rows_per_group, per_shard))
+        results = on_ray.tokenize(units, job)
+    else:
+        writers = {
+            split: SplitWriter(fs, root, split, seq_len=seq_len, dtype=tok.dtype,
+                               rows_per_group=rows_per_group, per_shard=per_shard)
+            for split in SPLITS
+        }
+        results = run_units(units, job, workers=workers)
     files: list[dict[str, Any]] = []
     skipped: list[dict[str, str]] = []
     rows: dict[str, Counter[str]] = {}
-    for result in _with_progress(_run(units, job, workers, use_ray), units,
-                                 "prepare: tokenizing", progress):
-        for split in SPLITS:
-            writers[split].append(result.tokens[split])
-        files += result.files
-        skipped += result.skipped_files
-        merge_rows(rows, result.rows)
+    try:
+        for result in _with_progress(results, units, "prepare: tokenizing", progress):
+            for split, writer in writers.items():
+                writer.append(result.tokens[split])
+            files += result.files
+            skipped += result.skipped_files
+            merge_rows(rows, result.rows)
 
-    documents = len(files) + sum(c["train"] + c["val"] for c in rows.values())
-    if documents == 0:
-        raise ValueError(_no_text_message(inputs, skipped, rows, text_field, text_column))
-    splits: dict[str, SplitInfo] = {}
-    for split in SPLITS:
-        if split == "val" and val_fraction == 0:
-            continue
-        splits[split] = writers[split].finish(where=out)
+        documents = len(files) + sum(c["train"] + c["val"] for c in rows.values())
+        if documents == 0:
+            raise ValueError(_no_text_message(inputs, skipped, rows, text_field, text_column))
+        splits: dict[str, SplitInfo] = (
+            on_ray.finish(wanted, where=out) if on_ray is not None
+            else {split: writers[split].finish(where=out) for split in wanted})
+    finally:
+        if on_ray is not None:
+            on_ray.close()
     manifest = DatasetManifest(
         seq_len=seq_len,
         token_dtype=str(tok.dtype),

@@ -7,6 +7,8 @@ Contract:
 - `run_units(units, job, workers=N)` (and `ray_tokenize.run_units_on_ray(units, job)`) yield
   one `UnitResult` per unit, in unit order, whatever the parallelism: results are consumed
   in order, never by arrival, so the output is byte-identical for any N, on Ray or serial.
+  (The Ray path that writes shards on the cluster returns results whose `tokens` are empty
+  and whose `token_counts` say how many tokens of each split the unit has.)
 - Bounded memory: at most `2 * N + 2` units, and `MAX_IN_FLIGHT_BYTES` of planned input
   (one unit more when a single unit is larger: a big Parquet row group), are in flight or
   waiting (most units are about `sources.UNIT_BYTES`), so memory does not grow with the
@@ -54,6 +56,7 @@ class UnitResult:
     index: int
     tokens: dict[str, np.ndarray] = field(default_factory=dict)  # split -> token stream part
     texts: list[str] = field(default_factory=list)  # train documents (when not tokenizing)
+    token_counts: dict[str, int] = field(default_factory=dict)  # split -> tokens kept elsewhere
     files: list[dict[str, Any]] = field(default_factory=list)
     skipped_files: list[dict[str, str]] = field(default_factory=list)
     rows: dict[str, dict[str, int]] = field(default_factory=dict)
@@ -62,7 +65,8 @@ class UnitResult:
     def to_bytes(self) -> bytes:
         arrays = dict(self.tokens)
         header = {
-            "index": self.index, "texts": self.texts, "files": self.files,
+            "index": self.index, "texts": self.texts, "token_counts": self.token_counts,
+            "files": self.files,
             "skipped_files": self.skipped_files, "rows": self.rows, "bytes_read": self.bytes_read,
             "arrays": [[s, str(a.dtype), int(a.size)] for s, a in arrays.items()],
         }

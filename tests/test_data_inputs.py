@@ -5,11 +5,13 @@ is one clear line. Documents are docstrings of the Python standard library."""
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import hashlib
 import inspect
 import json
 import os
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pyarrow as pa
@@ -167,25 +169,89 @@ def test_same_bytes_for_one_and_two_workers(tmp_path: Path) -> None:
     assert runs[1] == runs[2] and "tokenizer.json" in runs[1]
 
 
+def test_ray_shard_plans_cut_like_the_serial_writer(tmp_path: Path) -> None:
+    """Without Ray: the Ray path's stage 2 (`plan_shards` on unit token counts, then a task
+    building each shard from pieces of the unit objects stage 1 writes) gives the serial
+    `SplitWriter`'s files and `SplitInfo`, for uneven units, empty ones and a dropped tail."""
+    from data_state import ray_tokenize, storage
+    from data_state.split_writer import SplitWriter
+
+    rng = np.random.default_rng(7)
+    counts = [{"train": int(rng.integers(0, 40)) * (i % 5 != 2), "val": int(rng.integers(0, 9))}
+              for i in range(30)]
+    streams = {s: [rng.integers(0, 60_000, c[s]).astype(np.uint16) for c in counts]
+               for s in sources.SPLITS}
+    layout = ray_tokenize.ShardLayout(str(tmp_path / "ray"), None, "uint16", seq_len=5,
+                                      rows_per_group=2, per_shard=3)
+    for unit in range(len(counts)):  # as stage 1 writes them: splits in order, little-endian
+        blob = b"".join(streams[s][unit].astype("<u2").tobytes() for s in sources.SPLITS)
+        (tmp_path / "ray" / ray_tokenize.TEMP_DIR).mkdir(parents=True, exist_ok=True)
+        (tmp_path / "ray" / ray_tokenize.TEMP_DIR / f"unit-{unit:06d}.bin").write_bytes(blob)
+    io, root = storage.resolve(str(tmp_path / "serial"))
+    for split in sources.SPLITS:
+        writer = SplitWriter(io, root, split, seq_len=5, dtype=np.dtype(np.uint16),
+                             rows_per_group=2, per_shard=3)
+        for part in streams[split]:
+            writer.append(part)
+        serial = writer.finish(where="serial")
+        plans = list(ray_tokenize.plan_shards(counts, split, seq_len=5, per_shard=3))
+        out = ray_tokenize._write_shards({"plan": np.array([json.dumps(p) for p in plans])},
+                                         layout)
+        infos = [json.loads(i) for i in out["info"]]
+        assert [i.pop("index") for i in infos] == list(range(len(serial.shards))) != []
+        assert all(i.pop("split") == split for i in infos)
+        assert [dataclasses.asdict(s) for s in serial.shards] == infos
+        assert serial.num_dropped_tokens == sum(map(len, streams[split])) % 5
+    shards = {p: d for p, d in _tree(tmp_path / "ray").items() if p.endswith(".parquet")}
+    assert shards == _tree(tmp_path / "serial")
+
+
 @pytest.mark.slow
 def test_ray_path_writes_the_same_bytes(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Ray Data on a local Ray (2 CPUs, in this process) == the serial run."""
+    """Ray Data on a local Ray (2 CPUs, in this process) == the serial run; the shards are
+    written on the cluster (only token counts reach the driver) and no temporary object
+    stays behind, after success or after a refused split."""
     ray = pytest.importorskip("ray")
+    from data_state.parallel import UnitResult
+
     monkeypatch.setenv("BATON_SKIP_CODE_CHECK", "1")
     _write_jsonl(tmp_path / "rows.jsonl")
     monkeypatch.setattr(sources, "UNIT_BYTES", 2000)  # several units; planned in the driver
-    prepare_corpus(["rows.jsonl"], str(tmp_path / "serial"), seq_len=16,
-                   val_fraction=0.2, train_tokenizer=300, progress=False)
+    kwargs: dict[str, Any] = dict(seq_len=16, val_fraction=0.2, train_tokenizer=300,
+                                  progress=False, sequences_per_shard=4)  # several shards
+    prepare_corpus(["rows.jsonl"], str(tmp_path / "serial"), **kwargs)
+    received: list[UnitResult] = []
+    decode = UnitResult.from_bytes
+
+    def spy(blob: bytes) -> UnitResult:
+        received.append(decode(blob))
+        return received[-1]
+
+    monkeypatch.setattr(UnitResult, "from_bytes", staticmethod(spy))
     started = not ray.is_initialized()
     if started:
-        ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+        # "local": our own cluster, never one another process left running on this machine
+        ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
     try:
-        prepare_corpus(["rows.jsonl"], str(tmp_path / "ray"), seq_len=16,
-                       val_fraction=0.2, train_tokenizer=300, use_ray=True, progress=False)
+        prepare_corpus(["rows.jsonl"], str(tmp_path / "ray"), use_ray=True, **kwargs)
+        tokenizing = [r for r in received if r.token_counts]
+        with pytest.raises(ValueError, match="fewer than one sequence of seq_len 100000"):
+            prepare_corpus(["rows.jsonl"], str(tmp_path / "short"), use_ray=True,
+                           **{**kwargs, "seq_len": 100_000, "train_tokenizer": None})
     finally:
         if started:
             ray.shutdown()
-    assert _tree(tmp_path / "ray") == _tree(tmp_path / "serial")
+    serial = _tree(tmp_path / "serial")
+    assert _tree(tmp_path / "ray") == serial
+    assert len([p for p in serial if p.startswith("train/")]) > 2
+    assert not (tmp_path / "ray" / ".prepare-tmp").exists()
+    assert not (tmp_path / "short" / ".prepare-tmp").exists()
+    assert not list((tmp_path / "short").rglob("*.parquet"))  # refused before stage 2
+    assert tokenizing and all(not r.tokens for r in received)  # counts, never token arrays
+    total = sum(r.token_counts["train"] for r in tokenizing)
+    manifest = json.loads((tmp_path / "serial" / MANIFEST_NAME).read_text())
+    train = manifest["splits"]["train"]
+    assert total == train["num_tokens"] + train["num_dropped_tokens"]
 
 
 # -- bad input: one line each, through the CLI ------------------------------------------
