@@ -11,9 +11,10 @@ Contract:
   2. `finish(splits, where=)`: the driver cuts each split's stream with
      `split_writer.shard_spans` (the serial writer's rule) on the counts' prefix sums, so
      shard k of a split is a list of `(unit, first token, end token)` pieces
-     (`plan_shards`, pure); Ray Data tasks
-     read the pieces, build the shard with `split_writer.write_shard` (the serial writer's
-     encoder, atomic write, checksums) and return its `ShardInfo`. A split with no complete
+     (`plan_shards`, pure); Ray Data tasks read the pieces, build the shard with
+     `split_writer.write_shard` (the serial writer's encoder, atomic write, checksums) and
+     return its `ShardInfo`. Temporary objects also double the output's size on storage
+     until `close()`. A split with no complete
      sequence is the serial path's `ValueError`, raised before any shard is written.
   `close()` removes the temporary directory (call it on failure too); a leftover one from a
   crashed run is removed when a writer starts. The output is byte-identical to the serial
