@@ -13,7 +13,7 @@ Contract:
      shard k of a split is a list of `(unit, first token, end token)` pieces
      (`plan_shards`, pure); Ray Data tasks read the pieces, build the shard with
      `split_writer.write_shard` (the serial writer's encoder, atomic write, checksums) and
-     return its `ShardInfo`. Temporary objects also double the output's size on storage
+     return its `ShardInfo`. The temporary objects hold the raw token stream again on storage
      until `close()`. A split with no complete
      sequence is the serial path's `ValueError`, raised before any shard is written.
   `close()` removes the temporary directory (call it on failure too); a leftover one from a
