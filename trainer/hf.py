@@ -183,7 +183,8 @@ def export_hf(store: SnapshotStore, step: int, out: str) -> tuple[int, str]:
     from trainer.config import from_dict
 
     run_json = store.read_run_json() or {}
-    saved = run_json.get("config") if isinstance(run_json.get("config"), dict) else {}
+    saved_config = run_json.get("config")
+    saved: dict[str, Any] = saved_config if isinstance(saved_config, dict) else {}
     model_raw = saved.get("model")
     if not isinstance(model_raw, dict) or not (model_raw.get("hf_config")
                                                or model_raw.get("init_from")):
