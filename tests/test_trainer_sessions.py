@@ -192,6 +192,7 @@ def test_ctrl_c_stops_after_the_current_step_with_a_commit(
 ) -> None:
     run = tmp_path / "run"
     fake_fit.wait_for_stop, fake_fit.stop_step = True, 5
+    handler_before = signal.getsignal(signal.SIGINT)  # an earlier test's Ray may have set one
     sender = _signal_when_started(fake_fit, 1)
     code, text = _baton(capsys, ["fit", TINY, "--run-dir", str(run), *_sets(tiny_dataset, 12)])
     sender.join()
@@ -199,7 +200,7 @@ def test_ctrl_c_stops_after_the_current_step_with_a_commit(
     assert "stopping after the current step (Ctrl-C again to abort)" in text, text
     assert "stopped at step 5; continue with: baton fit" in text, text
     assert read_sessions(SnapshotStore(str(run)))[-1]["outcome"] == "stopped"
-    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # put back
+    assert signal.getsignal(signal.SIGINT) is handler_before  # put back
 
 
 def test_second_ctrl_c_aborts_at_once_with_exit_130(
