@@ -5,9 +5,13 @@ Contract
 ``Persister.submit(captured)`` hands a finished capture to the background thread and returns
 at once. The thread (1) sends the shard file's bytes to the coordinator's in-memory copy
 (RAM path, off this worker's node when the coordinator is a Ray actor; the coordinator may
-refuse it, e.g. over its cap, and the snapshot is then storage-only), (2) computes the
-crc32 of every checksum block, (3) writes the image as the shard file through the store
-(temp name + rename locally, one PUT on S3), (4) reports the receipt to the coordinator.
+refuse it, e.g. over its cap, and the snapshot is then storage-only), (2) writes the image as
+the shard file through the store (temp name + rename locally, one PUT on S3), while a second
+thread computes the crc32 of every checksum block, once, from the image, and (3) reports the
+receipt to the coordinator. Nothing state-sized is allocated per snapshot: the file is
+written from the image's memory as is (local stores), a Ray coordinator is sent a view of
+the image (Ray copies it into its object store during the call), and an in-process
+coordinator, which keeps what it is given, gets a copy in a recycled buffer (``RamCopies``).
 The shard's file name and receipt carry the worker group's generation, so the coordinator
 refuses them once another generation has started. Any failure — storage down, disk full,
 injected fault — is reported with ``report_failure`` (a reason a person can act on, e.g.
@@ -26,14 +30,17 @@ from __future__ import annotations
 import logging
 import os
 import socket
+import sys
 import threading
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from typing import Any
 
-from elastic.capture import Captured
+import numpy as np
+
+from elastic.capture import Captured, ShardImage
 from elastic.errors import describe
 from elastic.faults import FaultInjector
-from elastic.format import shard_filename
+from elastic.format import ChunkRecord, shard_filename
 from elastic.protocol import CoordinatorClient
 from elastic.store import SnapshotStore
 
@@ -55,6 +62,9 @@ class Persister:
         self.versions = dict(versions or {})
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="baton-persist",
                                         initializer=_lower_priority)
+        self._crc_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="baton-crc",
+                                            initializer=_lower_priority)
+        self._ram_copies = RamCopies()
         self._future: Future[None] | None = None
         self._lock = threading.Lock()
         self.last_error: BaseException | None = None
@@ -79,22 +89,28 @@ class Persister:
     def close(self) -> None:
         self.wait()
         self._pool.shutdown(wait=True)
+        self._crc_pool.shutdown(wait=True)
 
     def _persist(self, cap: Captured, generation: int) -> None:
         file = shard_filename(cap.rank, cap.world_size, generation)
+        checksums: Future[dict[str, list[ChunkRecord]]] | None = None
         try:
             self.faults.hit(cap.rank, cap.step, "persist_begin")
-            view = cap.image.memoryview()
+            # The checksums are computed once, from the image, on a second thread while this
+            # one sends and writes it (zlib and file writes release the GIL): the crc work
+            # hides behind the disk.
+            checksums = self._crc_pool.submit(cap.image.chunk_records, file, self.block_bytes)
             if self.ram:
-                # One copy of the image: the image itself is reused by the next capture.
-                self.coordinator.put_ram(cap.step, cap.rank, file, bytes(view), generation)
-            chunks = cap.image.chunk_records(file, self.block_bytes)
+                self.coordinator.put_ram(cap.step, cap.rank, file,
+                                         self._ram_payload(cap.image), generation)
             # Create-only: a shard name (rank, world, generation, step) is written once; if
-            # it exists, something else wrote it and this snapshot must not claim it.
+            # it exists, something else wrote it and this snapshot must not claim it. The
+            # image's memory goes to the file as is (no copy on a local store).
             self.store.write_file(
-                self.store.step_path(cap.step, file), view, durable=self.durable,
-                exclusive=True,
+                self.store.step_path(cap.step, file), cap.image.memoryview(),
+                durable=self.durable, exclusive=True,
                 mid_write=lambda: self.faults.hit(cap.rank, cap.step, "persist_mid"))
+            chunks = checksums.result()
             self.faults.hit(cap.rank, cap.step, "persist_end")
             receipt: dict[str, Any] = {
                 "step": cap.step, "rank": cap.rank, "world_size": cap.world_size,
@@ -118,6 +134,63 @@ class Persister:
                                                 socket.gethostname())
             except Exception as report_err:  # the coordinator may be down too
                 log.warning("snapshot %d: failure report lost: %r", cap.step, report_err)
+        finally:
+            if checksums is not None:  # the image is free only once nothing reads it
+                wait([checksums])
+
+    def _ram_payload(self, image: ShardImage) -> Any:
+        """What ``put_ram`` gets. A Ray coordinator client serialises its arguments during
+        the call, so it gets the image's memory itself (a numpy view: Ray writes it to its
+        object store in one copy, without an intermediate ``bytes``). Any other coordinator
+        may keep the object it is given (``LocalCoordinator`` in this process does), so it
+        gets a copy of its own, in a recycled buffer."""
+        if _serialises_arguments(self.coordinator):
+            return image.buffer.numpy()
+        return self._ram_copies.copy_of(image.buffer.numpy())
+
+
+def _serialises_arguments(coordinator: CoordinatorClient) -> bool:
+    # Only the Ray client is known to copy its arguments; it lives in elastic.coordinator,
+    # the one module of elastic that imports Ray. If that module is not loaded, the
+    # coordinator cannot be one (and this module must not import Ray to find out).
+    ray_side = sys.modules.get("elastic.coordinator")
+    return ray_side is not None and isinstance(coordinator, ray_side.RayCoordinatorClient)
+
+
+class RamCopies:
+    """Owned copies of shard images for an in-process coordinator, recycled.
+
+    The coordinator holds a copy until it drops it (it keeps the newest committed snapshot
+    and those in flight); a copy nothing else refers to any more is overwritten by the next
+    snapshot instead of allocating a fresh state-sized buffer, so after the first two
+    snapshots no new one is allocated and no fresh pages are touched. The check is CPython's
+    reference count: a buffer referred to only by this pool (and the call's argument) is free;
+    slices and memoryviews of it hold a reference, so one still being read is never reused.
+    """
+
+    MAX_KEPT = 3
+
+    def __init__(self) -> None:
+        self.buffers: list[np.ndarray] = []
+        self.allocated = 0  # how many buffers were ever allocated (for tests)
+
+    def copy_of(self, source: np.ndarray) -> np.ndarray:
+        free = [i for i in range(len(self.buffers)) if self._unreferenced(i)]
+        for i in free:
+            if self.buffers[i].shape == source.shape:
+                np.copyto(self.buffers[i], source)
+                return self.buffers[i]
+        # Free buffers of another size (the ownership plan changed) are dropped.
+        self.buffers = [b for i, b in enumerate(self.buffers) if i not in free]
+        buffer = source.copy()
+        self.allocated += 1
+        if len(self.buffers) < self.MAX_KEPT:
+            self.buffers.append(buffer)
+        return buffer
+
+    def _unreferenced(self, i: int) -> bool:
+        # References: the list's slot and getrefcount's own argument.
+        return sys.getrefcount(self.buffers[i]) <= 2
 
 
 # Background persistence competes with training for cores; on a small machine the training's

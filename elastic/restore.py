@@ -43,6 +43,7 @@ import math
 import os
 import zlib
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import torch
@@ -75,7 +76,9 @@ def _snap(step: int) -> str:
 @dataclass
 class ByteSource:
     """Reads of one snapshot: from RAM when ``ram`` serves them, else from ``store``.
-    One per restore (or verify): it caches the files' headers and the symlink checks."""
+    One per restore (or verify): it caches the files' headers and the symlink checks.
+    ``bytes_into`` counts the bytes ``read_into`` delivered, ``staged_bytes`` those of them
+    that went to a staging buffer first (resharding reads whole chunks into one)."""
 
     store: SnapshotStore
     step: int
@@ -83,31 +86,52 @@ class ByteSource:
     used_ram: bool = False
     used_storage: bool = False
     headers: dict[str, SafetensorsHeader] = field(default_factory=dict)
+    bytes_into: int = 0
+    staged_bytes: int = 0
     _safe_files: set[str] = field(default_factory=set)
 
     def read_many(self, requests: list[tuple[str, int, int]]) -> list[bytes]:
-        if self.ram is not None and requests:
-            got = self.ram(requests)
+        """Small reads (file headers) as ``bytes``."""
+        bufs = [bytearray(end - start) for _, start, end in requests]
+        self.read_into([(file, start, [memoryview(b)])
+                        for (file, start, _), b in zip(requests, bufs, strict=True)])
+        return [bytes(b) for b in bufs]
+
+    def read_into(self, reads: list[tuple[str, int, list[memoryview]]]) -> None:
+        """Fill each read's buffers with consecutive bytes of its file from its offset on
+        (exact: a short file is ``SnapshotIntegrityError``). The RAM copy serves all of
+        them or none; storage reads each file's ranges straight into the buffers."""
+        if not reads:
+            return
+        self.bytes_into += sum(len(b) for _, _, bufs in reads for b in bufs)
+        if self.ram is not None:
+            got = self.ram([(f, start, start + sum(len(b) for b in bufs))
+                            for f, start, bufs in reads])
             if got is not None:
                 self.used_ram = True
-                return got
-        self.used_storage = self.used_storage or bool(requests)
-        out: list[bytes] = [b""] * len(requests)
-        by_file: dict[str, list[int]] = {}
-        for i, (file, _, _) in enumerate(requests):
-            by_file.setdefault(file, []).append(i)
+                for (file, start, bufs), data in zip(reads, got, strict=True):
+                    view = memoryview(data).cast("B")
+                    if len(view) != sum(len(b) for b in bufs):
+                        raise SnapshotIntegrityError(
+                            f"{_snap(self.step)}: the RAM copy of {file} ends before byte "
+                            f"{start + sum(len(b) for b in bufs)}; truncated")
+                    pos = 0
+                    for buf in bufs:
+                        buf[:] = view[pos: pos + len(buf)]
+                        pos += len(buf)
+                return
+        self.used_storage = True
+        by_file: dict[str, list[tuple[int, list[memoryview]]]] = {}
+        for file, start, bufs in reads:
+            by_file.setdefault(file, []).append((start, bufs))
         for file, members in sorted(by_file.items()):
             path = self.store.step_path(self.step, file)
             self._refuse_links(file, path)
             try:
-                # Near ranges are fetched as one (the storage layer's MERGE_HOLE_BYTES).
-                got = self.store.read_ranges(path, [requests[i][1:] for i in members])
+                self.store.read_into(path, members)
             except FileNotFoundError as err:
                 raise SnapshotIntegrityError(f"{_snap(self.step)}: shard file {file} is "
                                              "missing") from err
-            for i, data in zip(members, got, strict=True):
-                out[i] = data
-        return out
 
     def _refuse_links(self, file: str, path: str) -> None:
         """A local shard must be a regular file inside the snapshot's own directory: a
@@ -132,6 +156,8 @@ class _ReadOp:
     lo: tuple[int, ...]
     hi: tuple[int, ...]
     rows_only: bool  # bytes are the contiguous rows [data_start, ...) of the chunk
+    need0: int = 0  # the absolute bytes [need0, need1) the target uses (inside start..end)
+    need1: int = 0
 
 
 def check_compatible(registry: StateRegistry, manifest: Manifest,
@@ -219,7 +245,7 @@ def _plan_reads(manifest: Manifest, targets: dict[str, Target]) -> list[_ReadOp]
                 need0, need1 = c0, c1
             start = c0 + (need0 - c0) // block * block
             end = min(c1, c0 + -(-(need1 - c0) // block) * block)
-            ops.append(_ReadOp(key, chunk, start, end, lo, hi, full_tail))
+            ops.append(_ReadOp(key, chunk, start, end, lo, hi, full_tail, need0, need1))
     return ops
 
 
@@ -269,16 +295,29 @@ def check_headers(manifest: Manifest, used: list[tuple[str, ChunkRecord]],
                                 f"{list(chunk.byte_range)} in the manifest")
 
 
-def _verify(op: _ReadOp, data: bytes, block: int, step: int) -> None:
+def _verify(op: _ReadOp, parts: list[memoryview], block: int, step: int) -> None:
+    """Check the crc32 of every checksum block of ``op``'s bytes, which arrived in
+    ``parts`` (consecutive pieces of ``[op.start, op.end)``: a block may span two)."""
     c0 = op.chunk.byte_range[0]
-    first = (op.start - c0) // block
-    for i, pos in enumerate(range(0, len(data), block)):
-        idx = first + i
-        if idx >= len(op.chunk.crc32) or zlib.crc32(data[pos:pos + block]) != op.chunk.crc32[idx]:
+    idx, crc, filled = (op.start - c0) // block, 0, 0
+
+    def check() -> None:
+        if idx >= len(op.chunk.crc32) or crc != op.chunk.crc32[idx]:
             raise SnapshotIntegrityError(
                 f"{_snap(step)}: checksum mismatch in {op.chunk.file}, chunk "
-                f"{op.chunk.name}, block {idx}; the snapshot is corrupt"
-            )
+                f"{op.chunk.name}, block {idx}; the snapshot is corrupt")
+
+    for part in parts:
+        pos = 0
+        while pos < len(part):
+            take = min(block - filled, len(part) - pos)
+            crc = zlib.crc32(part[pos: pos + take], crc)
+            pos, filled = pos + take, filled + take
+            if filled == block:
+                check()
+                idx, crc, filled = idx + 1, 0, 0
+    if filled:
+        check()
 
 
 def _allocate(targets: dict[str, Target], step: int) -> dict[str, torch.Tensor]:
@@ -293,44 +332,133 @@ def _allocate(targets: dict[str, Target], step: int) -> dict[str, torch.Tensor]:
     return local
 
 
+def _memory(t: torch.Tensor) -> memoryview:
+    """The bytes of a contiguous CPU tensor, writable in place."""
+    return t.reshape(-1).view(torch.uint8).numpy().data.cast("B")
+
+
+# Reads are issued in batches of about this many bytes: it bounds the staging buffer (partial
+# checksum blocks, whole chunks a resharded target needs a part of) and what one call to the
+# RAM copy returns, so a restore holds the state plus at most this much.
+BATCH_BYTES = 64 << 20
+
+
+@dataclass
+class _Placed:
+    """Where one op's bytes go: ``dst`` (the target's slice) straight from the file when it
+    is contiguous and in the chunk's byte order, else through ``staged`` (then copied)."""
+
+    op: _ReadOp
+    dst: torch.Tensor
+    src_shape: tuple[int, ...]
+    direct: bool
+
+
+def _place(op: _ReadOp, target: Target, local: torch.Tensor) -> _Placed:
+    t_lo = target.piece.offsets
+    dst = local[tuple(slice(a - o, b - o) for a, b, o in zip(op.lo, op.hi, t_lo, strict=True))]
+    if op.rows_only:
+        src_shape = (op.hi[0] - op.lo[0], *op.chunk.shape[1:])
+    else:
+        src_shape = tuple(op.chunk.shape)
+    # Same shape and contiguous: the target's slice holds the needed bytes in file order.
+    direct = tuple(dst.shape) == src_shape and dst.is_contiguous() and (
+        op.rows_only or (op.lo == op.chunk.offsets and tuple(op.hi) == tuple(
+            o + n for o, n in zip(op.chunk.offsets, op.chunk.shape, strict=True))))
+    return _Placed(op, dst, src_shape, direct)
+
+
 def read_tensors(manifest: Manifest, targets: dict[str, Target],
                  source: ByteSource) -> dict[str, torch.Tensor]:
-    """Read, verify and assemble every target's local tensor (wrapped as DTensor if needed)."""
+    """Read, verify and assemble every target's local tensor (wrapped as DTensor if needed).
+
+    Each target's tensor is allocated once and its bytes are read straight into it (local
+    disk: ``preadv`` into the tensor's memory); only the partial checksum blocks at the
+    edges of a needed range, and whole chunks of which a resharded target needs a
+    non-contiguous part, pass through one reused staging buffer. Every block is verified
+    before anything is loaded: a failure leaves the registry untouched."""
     ops = _plan_reads(manifest, targets)
     check_headers(manifest, [(op.key, op.chunk) for op in ops], source)
-    blobs = source.read_many([(op.chunk.file, op.start, op.end) for op in ops])
-    for op, data in zip(ops, blobs, strict=True):
-        if len(data) != op.end - op.start:
-            raise SnapshotIntegrityError(f"{_snap(manifest.step)}: {op.chunk.file} is "
-                                         f"truncated (chunk {op.chunk.name})")
-        _verify(op, data, manifest.block_bytes, manifest.step)
     local = _allocate(targets, manifest.step)
     filled = dict.fromkeys(targets, 0)
-    for op, data in zip(ops, blobs, strict=True):
-        target = targets[op.key]
-        dtype = target.piece.dtype
-        c_lo = op.chunk.offsets
-        if op.rows_only:
-            esize = torch.empty((), dtype=dtype).element_size()
-            row_bytes = math.prod(op.chunk.shape[1:]) * esize
-            skip = (op.lo[0] - c_lo[0]) * row_bytes - (op.start - op.chunk.byte_range[0])
-            raw = bytearray(data[skip: skip + (op.hi[0] - op.lo[0]) * row_bytes])
-            src = torch.frombuffer(raw, dtype=torch.uint8).view(dtype).view(
-                (op.hi[0] - op.lo[0], *op.chunk.shape[1:])) if raw else \
-                torch.empty((op.hi[0] - op.lo[0], *op.chunk.shape[1:]), dtype=dtype)
-        else:
-            raw = bytearray(data)
-            whole = torch.frombuffer(raw, dtype=torch.uint8).view(dtype).view(op.chunk.shape) \
-                if raw else torch.empty(op.chunk.shape, dtype=dtype)
-            src = whole[tuple(slice(a - o, b - o) for a, b, o in zip(op.lo, op.hi, c_lo,
-                                                                       strict=True))]
-        t_lo = target.piece.offsets
-        dst = local[op.key][tuple(slice(a - o, b - o) for a, b, o in zip(op.lo, op.hi, t_lo,
-                                                                           strict=True))]
-        dst.copy_(src)
-        filled[op.key] += src.numel()
+    placed = [_place(op, targets[op.key], local[op.key]) for op in ops]
+    placed.sort(key=lambda p: (p.op.chunk.file, p.op.start))
+    staging = bytearray()
+    batch: list[_Placed] = []
+    size = 0
+    for p in placed:
+        if batch and size + (p.op.end - p.op.start) > BATCH_BYTES:
+            staging = _read_batch(batch, source, manifest, staging)
+            batch, size = [], 0
+        batch.append(p)
+        size += p.op.end - p.op.start
+    if batch:
+        _read_batch(batch, source, manifest, staging)
+    for p in placed:
+        filled[p.op.key] += p.dst.numel()
     for key, target in targets.items():
         if filled[key] != target.piece.numel:
             raise ManifestError(f"{_snap(manifest.step)}: chunks cover "
                                 f"{filled[key]} of {target.piece.numel} elements of {key!r}")
     return {k: t.wrap(local[k].to(t.device)) for k, t in targets.items()}
+
+
+def _read_batch(batch: list[_Placed], source: ByteSource, manifest: Manifest,
+                staging: bytearray) -> bytearray:
+    """Read, verify and place one batch of ops; returns the (grown) staging buffer."""
+    need = sum(p.op.end - p.op.start - (p.op.need1 - p.op.need0 if p.direct else 0)
+               for p in batch)
+    if len(staging) < need:
+        staging = bytearray(need)
+    free = memoryview(staging)
+    reads: list[tuple[str, int, list[memoryview]]] = []
+    parts_of: list[list[memoryview]] = []
+    for p in batch:
+        op = p.op
+        if p.direct:
+            head, free = free[: op.need0 - op.start], free[op.need0 - op.start:]
+            tail, free = free[: op.end - op.need1], free[op.end - op.need1:]
+            parts = [head, _memory(p.dst), tail]
+        else:
+            whole, free = free[: op.end - op.start], free[op.end - op.start:]
+            parts = [whole]
+        source.staged_bytes += sum(len(x) for x in parts) - (
+            op.need1 - op.need0 if p.direct else 0)
+        reads.append((op.chunk.file, op.start, parts))
+        parts_of.append(parts)
+    source.read_into(reads)
+    # crc32 releases the GIL: the ops of a batch are verified on several cores at once.
+    list(_verify_pool().map(lambda p_parts: _verify(p_parts[0].op, p_parts[1],
+                                                    manifest.block_bytes, manifest.step),
+                            zip(batch, parts_of, strict=True)))
+    for p, parts in zip(batch, parts_of, strict=True):
+        if not p.direct:
+            _copy_staged(p, parts[0])
+    return staging
+
+
+_POOL: list[ThreadPoolExecutor] = []
+
+
+def _verify_pool() -> ThreadPoolExecutor:
+    if not _POOL:
+        _POOL.append(ThreadPoolExecutor(max_workers=min(4, os.cpu_count() or 1),
+                                        thread_name_prefix="baton-verify"))
+    return _POOL[0]
+
+
+def _copy_staged(p: _Placed, raw: memoryview) -> None:
+    op, dtype = p.op, p.dst.dtype
+    c0 = op.chunk.byte_range[0]
+    if op.rows_only:
+        skip = op.need0 - op.start
+        data = raw[skip: skip + op.need1 - op.need0]
+        src = torch.frombuffer(data, dtype=torch.uint8).view(dtype).view(p.src_shape) \
+            if len(data) else torch.empty(p.src_shape, dtype=dtype)
+    else:
+        data = raw[c0 - op.start:]
+        whole = torch.frombuffer(data, dtype=torch.uint8).view(dtype).view(op.chunk.shape) \
+            if len(data) else torch.empty(op.chunk.shape, dtype=dtype)
+        src = whole[tuple(slice(a - o, b - o) for a, b, o in zip(op.lo, op.hi, op.chunk.offsets,
+                                                                   strict=True))]
+    p.dst.copy_(src)

@@ -67,6 +67,11 @@ and ``path(*parts)`` joins under it; every method takes such a path (URIs stay `
 * ``s3_request(what, path, operation, **params)``: one raw S3 API call (e.g. a conditional
   ``put_object``) under the same deadlines and retries, for callers that need S3 semantics
   fsspec does not expose (the run lease). A response body is read whole inside the attempt.
+* **Reads into buffers.** ``read_into(path, [(offset, [buffer, ...]), ...])`` fills
+  caller-owned buffers (e.g. the memory of the tensors a restore loads) with exact reads:
+  local ``preadv`` straight into them; S3 spans merged as above, copied in.
+* **Buffer writes.** ``write_file`` takes ``bytes`` or any buffer (a ``memoryview`` of a
+  tensor's memory): locally it is written as is, without a copy; S3 gets one ``bytes`` copy.
 * ``stats`` counts reads and writes, so tests can show that a restore touched no storage.
 """
 
@@ -242,6 +247,29 @@ class Storage:
             for i in members:
                 out[i] = bytes(view[ranges[i][0] - start: ranges[i][1] - start])
         return out
+
+    def read_into(self, path: str, reads: Sequence[tuple[int, Sequence[memoryview]]]) -> None:
+        """Fill buffers with bytes of ``path``: each read is ``(offset, buffers)`` and its
+        buffers take consecutive bytes from ``offset`` on, exactly as many as they hold (else
+        ``TruncatedError``). Local: ``preadv`` straight into the buffers, no intermediate
+        copy. S3: the ranges are fetched as merged spans (like ``read_ranges``) and copied
+        into the buffers."""
+        wants = [(offset, offset + sum(len(b) for b in bufs)) for offset, bufs in reads]
+        if not self.is_local:
+            for start, end, members in merge_ranges(wants, hole_limit=self.hole_limit):
+                span = memoryview(self.read_range(path, start, end))
+                for i in members:
+                    pos = wants[i][0] - start
+                    for buf in reads[i][1]:
+                        buf[:] = span[pos: pos + len(buf)]
+                        pos += len(buf)
+            return
+        with open(path, "rb") as fh:
+            for (offset, bufs), (start, end) in zip(reads, wants, strict=True):
+                got = _preadv_exact(fh, list(bufs), offset)
+                if got != end - start:
+                    self._short_read(path, start, end, got, None)
+                self._count(read=got)
 
     def _short_read(self, path: str, start: int, end: int, got: int,
                     timeout: float | None) -> None:
@@ -466,6 +494,27 @@ def _locate(uri: str) -> tuple[bool, str]:
 def _range_refused(err: BaseException) -> bool:
     code, status = http_error(err.__cause__ or err)
     return status == 416 or code in ("InvalidRange", "416") or "InvalidRange" in str(err)
+
+
+def _preadv_exact(fh: Any, bufs: list[memoryview], offset: int) -> int:
+    """Read into ``bufs`` from ``offset`` until they are full or the file ends; the bytes
+    read. One ``preadv`` fills several buffers; the loop covers short reads."""
+    bufs = [b.cast("B") if b.format != "B" else b for b in bufs if len(b)]
+    total = 0
+    while bufs:
+        if hasattr(os, "preadv"):
+            n = os.preadv(fh.fileno(), bufs, offset)
+        else:  # no preadv on this platform: one buffer at a time
+            fh.seek(offset)
+            n = fh.readinto(bufs[0]) or 0
+        if n <= 0:
+            break
+        total, offset = total + n, offset + n
+        while bufs and n >= len(bufs[0]):
+            n -= len(bufs.pop(0))
+        if n:
+            bufs[0] = bufs[0][n:]
+    return total
 
 
 def _write_local(path: str, view: memoryview, *, durable: bool,

@@ -245,7 +245,11 @@ def test_unreachable_storage_at_restore_changes_nothing(tmp_path, monkeypatch) -
     def unreachable(self, path, start, end):
         raise StorageUnavailableError(f"{path}: no answer within 30 s")
 
+    def unreachable_into(self, path, reads):
+        raise StorageUnavailableError(f"{path}: no answer within 30 s")
+
     monkeypatch.setattr(SnapshotStore, "read_range", unreachable)
+    monkeypatch.setattr(SnapshotStore, "read_into", unreachable_into)
     ts = build(seed=99)
     with pytest.raises(StorageUnavailableError, match="nothing was changed"):
         Snapshotter(run, ts.registry, ram=False).restore()
