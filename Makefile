@@ -22,10 +22,10 @@ demo: $(STAMP)
 	$(BIN)/baton demo
 
 test: $(STAMP)
-	$(BIN)/python -m pytest -q --durations=25
+	$(BIN)/python -m pytest -q -n 2 --dist loadgroup --durations=25
 
 test-fast: $(STAMP)
-	$(BIN)/python -m pytest -q -m "not slow"
+	$(BIN)/python -m pytest -q -n 2 -m "not slow"
 
 lint: $(STAMP)
 	$(BIN)/ruff check .

@@ -111,7 +111,17 @@ def s3_faults(s3_endpoint: S3Endpoint) -> Iterator[S3FaultProxy]:
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Skip `gpu` tests where CUDA is absent, with the reason shown in the summary."""
+    """Skip `gpu` tests where CUDA is absent, with the reason shown in the summary; put every
+    `slow` test in one xdist group.
+
+    Why the group: `make test` runs pytest-xdist with two workers (`--dist loadgroup`). The
+    slow tests (Ray clusters, node kills, failure detection on 1 s health checks) then run
+    one at a time on one worker, as they did before, while the other worker runs the fast
+    tests; most of a Ray test's time is spent waiting, so the two overlap well on 2 cores."""
+    slow_group = pytest.mark.xdist_group("slow")
+    for item in items:
+        if item.get_closest_marker("slow") is not None:
+            item.add_marker(slow_group)
     try:
         import torch
 
