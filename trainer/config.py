@@ -280,29 +280,75 @@ class DataConfig:
         return self.global_batch // self.microbatch_size
 
 
+# The values of OptimConfig.name and OptimConfig.schedule (trainer.optim builds them).
+OPTIMIZERS = ("adamw", "sgd", "adafactor")
+SCHEDULES = ("cosine", "linear", "constant", "wsd")
+# Fields that only one optimizer (or schedule) uses: set away from their default for another
+# one, they are refused rather than silently ignored.
+_OPTIMIZER_FIELDS = {"beta1": "adamw", "beta2": "adamw", "eps": "adamw", "momentum": "sgd",
+                     "nesterov": "sgd", "beta2_decay": "adafactor"}
+_SCHEDULE_FIELDS = {"decay_fraction": "wsd"}
+
+
 @dataclass
 class OptimConfig:
-    """AdamW with linear warmup then cosine decay to `min_lr_ratio * lr`."""
+    """The optimizer and its learning-rate schedule (`trainer.optim`): linear warmup over
+    `warmup_steps`, then `schedule`. The schedule is a function of these fields and the run's
+    `steps` only, so stopping early never changes it."""
 
-    lr: float = 3e-3
-    weight_decay: float = 0.1
-    beta1: float = 0.9
-    beta2: float = 0.95
-    eps: float = 1e-8
+    name: str = "adamw"  # one of OPTIMIZERS: "adamw", "sgd" or "adafactor" (torch.optim's)
+    lr: float = 3e-3  # peak learning rate (adafactor: the cap of its relative step size)
+    weight_decay: float = 0.1  # on matrices only (2-D+ parameters)
+    beta1: float = 0.9  # adamw only
+    beta2: float = 0.95  # adamw only
+    eps: float = 1e-8  # adamw only
+    momentum: float = 0.9  # sgd only, in (0, 1)
+    nesterov: bool = False  # sgd only
+    beta2_decay: float = -0.8  # adafactor only: its second-moment decay exponent (<= 0)
     grad_clip: float = 1.0  # max global gradient norm; 0 disables clipping
+    # One of SCHEDULES after warmup: "cosine" (to min_lr_ratio * lr at `steps`), "linear" (the
+    # same, linearly), "constant" (lr), "wsd" (warmup-stable-decay: lr, then linear to
+    # min_lr_ratio * lr over the last decay_fraction of the steps).
+    schedule: str = "cosine"
     warmup_steps: int = 10
-    min_lr_ratio: float = 0.1
+    min_lr_ratio: float = 0.1  # the floor of cosine, linear and wsd (constant has none)
+    decay_fraction: float = 0.2  # wsd only: the share of `steps` spent decaying
 
     def __post_init__(self) -> None:
         _check_types(self, "optim")
+        for name, choices in (("name", OPTIMIZERS), ("schedule", SCHEDULES)):
+            _require(getattr(self, name) in choices, f"optim.{name}",
+                     f"must be one of {', '.join(choices)}, got {getattr(self, name)!r}")
         _require(self.lr > 0, "optim.lr", "must be > 0")
         _require(self.weight_decay >= 0, "optim.weight_decay", "must be >= 0")
         for name in ("beta1", "beta2"):
             _require(0 <= getattr(self, name) < 1, f"optim.{name}", "must be in [0, 1)")
         _require(self.eps > 0, "optim.eps", "must be > 0")
+        # Plain SGD (momentum 0) keeps no state, and torch's optimizer state-dict API makes
+        # up state for such an optimizer with a fake step, which would run beside training.
+        _require(0 < self.momentum < 1, "optim.momentum",
+                 "must be in (0, 1) (plain SGD without momentum is not supported)")
+        _require(self.beta2_decay <= 0, "optim.beta2_decay", "must be <= 0 (e.g. -0.8)")
         _require(self.grad_clip >= 0, "optim.grad_clip", "must be >= 0 (0 disables clipping)")
         _require(self.warmup_steps >= 0, "optim.warmup_steps", "must be >= 0")
         _require(0 <= self.min_lr_ratio <= 1, "optim.min_lr_ratio", "must be in [0, 1]")
+        _require(0 < self.decay_fraction <= 1, "optim.decay_fraction", "must be in (0, 1]")
+        for fields, chosen, what in ((_OPTIMIZER_FIELDS, self.name, "name"),
+                                     (_SCHEDULE_FIELDS, self.schedule, "schedule")):
+            for name, owner in fields.items():
+                _require(owner == chosen or getattr(self, name) == _default(self, name),
+                         f"optim.{name}", f'applies to optim.{what} = "{owner}" only (the recipe '
+                         f'has "{chosen}"); remove it, or set optim.{what} = "{owner}"')
+
+    def custom_fields(self) -> list[str]:
+        """The optimizer-building fields set away from their defaults (what an
+        `optimizer_factory` replaces)."""
+        return [n for n in ("name", "weight_decay", *_OPTIMIZER_FIELDS)
+                if getattr(self, n) != _default(self, n)]
+
+
+def _default(obj: Any, name: str) -> Any:
+    return next(f.default for f in dataclasses.fields(obj) if f.name == name)
 
 
 @dataclass
@@ -474,6 +520,9 @@ class FitConfig:
     # Python API only: build your own model / loss instead of the built-in GPT.
     model_factory: Callable[[], torch.nn.Module] | None = None
     loss_fn: Callable[[torch.nn.Module, torch.Tensor], torch.Tensor] | None = None
+    # Python API only: build your own optimizer from the (wrapped) model instead of
+    # optim.name's; optim.lr and the schedule still set its learning rate (trainer.optim).
+    optimizer_factory: Callable[[torch.nn.Module], torch.optim.Optimizer] | None = None
 
     def __post_init__(self) -> None:
         _check_types(self)
@@ -508,6 +557,17 @@ class FitConfig:
             "model_factory",
             "model_factory and loss_fn must be given together",
         )
+        _require(
+            not (self.optim.name == "adafactor" and self.parallelism == "fsdp"
+                 and self.optimizer_factory is None),
+            "optim.name",
+            "adafactor does not run on FSDP2 sharded parameters in this torch (its factored "
+            'moments need whole rows and columns); use parallelism = "ddp" or another optimizer',
+        )
+        custom = self.optim.custom_fields() if self.optimizer_factory is not None else []
+        _require(not custom, f"optim.{custom[0] if custom else ''}",
+                 "does not apply with optimizer_factory (the factory builds the optimizer); "
+                 "remove it")
 
     @property
     def run_name(self) -> str:
@@ -521,15 +581,22 @@ class FitConfig:
             if dataclasses.is_dataclass(value) and not isinstance(value, type):
                 out[f.name] = dataclasses.asdict(value)
             elif callable(value):
-                out[f.name] = f"{value.__module__}.{value.__qualname__}"
+                out[f.name] = callable_name(value)
             else:
                 out[f.name] = value
         return out
 
 
+def callable_name(value: Any) -> str:
+    """How run.json records a Python API callable (a partial or object has no __qualname__)."""
+    name = getattr(value, "__qualname__", type(value).__qualname__)
+    return f"{getattr(value, '__module__', type(value).__module__)}.{name}"
+
+
 def from_dict(raw: Mapping[str, Any], *, source: str = "config") -> FitConfig:
     """Build a validated FitConfig from plain data (a parsed recipe)."""
-    top_level = {f.name for f in dataclasses.fields(FitConfig)} - {"model_factory", "loss_fn"}
+    top_level = {f.name for f in dataclasses.fields(FitConfig)} - {
+        "model_factory", "loss_fn", "optimizer_factory"}
     kwargs: dict[str, Any] = {}
     for key, value in raw.items():
         if key not in top_level:

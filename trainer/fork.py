@@ -16,12 +16,14 @@ Contract:
     `trainer.run_dir.TENSOR_SHAPE_FIELDS` against the parent's `run.json`, then every model
     tensor (name and shape, from the recipe's model built on the meta device) against the
     snapshot's, so a custom `model_factory` is covered too;
+  * the optimizer is the parent's (`trainer.optim.optimizer_change`: `optim.name`, a
+    custom `optimizer_factory` or not): the fork restores its state;
   * `steps` is past the fork step (a fork's step count continues the parent's);
   * `data_cursor`: `keep` needs the same seed (the cursor carries it) and, when `data.uri`
     is set, the same dataset fingerprint; `auto` keeps the cursor when both are the same and
     resets it otherwise; `reset` starts the new run's data at epoch 0.
-  Everything else may change: lr and schedule, steps, global batch, world size, parallelism,
-  sketch settings, the data.
+  Everything else may change: lr and schedule (and the optimizer's hyper-parameters), steps,
+  global batch, world size, parallelism, sketch settings, the data.
 - `make_fork(plan, cfg)` (the caller holds the new run's lease) prepares the default corpus
   when `data.uri` is empty, decides the cursor, then copies the snapshot into the new run as
   its first committed snapshot: each shard file is read whole from the parent, checked
@@ -49,6 +51,7 @@ from elastic.commit import GENERATION_NAME
 from elastic.format import Manifest, crc32_blocks, parse_header
 from elastic.store import SnapshotStore
 from trainer.config import FitConfig
+from trainer.optim import optimizer_change
 from trainer.run_dir import (
     TENSOR_SHAPE_FIELDS,
     RunDirError,
@@ -156,6 +159,7 @@ def plan_fork(cfg: FitConfig, source_uri: str, step: int | None,
     # corpus is prepared by make_fork, which checks the shapes again with it resolved).
     _refuse_shape_change(with_dataset_vocab(cfg, cfg.data.uri), source_uri, parent_config,
                          manifest)
+    _refuse_optimizer_change(cfg, source_uri, parent_config)
     if cfg.steps <= step:
         raise RunDirError(
             f"steps: the fork starts at step {step} of {source_uri} and its step count "
@@ -204,6 +208,23 @@ def _refuse_shape_change(cfg: FitConfig, source_uri: str, parent: dict[str, Any]
                 f"{list(have) if have is not None else 'absent'} in snapshot "
                 f"{manifest.step} of {source_uri} and "
                 f"{list(want) if want is not None else 'absent'} in this recipe's model")
+
+
+def _refuse_optimizer_change(cfg: FitConfig, source_uri: str, parent: dict[str, Any]) -> None:
+    change = optimizer_change(parent, cfg)
+    if change is None:
+        return
+    name, saved, new = change
+    if name == "optimizer_factory":
+        raise RunDirError(
+            f"optimizer_factory: a fork restores its parent's optimizer state, and "
+            f"{source_uri} was trained with {saved}, this run has {new}; build the parent's "
+            "optimizer, or start a new run without --from")
+    raise RunDirError(
+        f"{name}: a fork restores its parent's optimizer state (moments, step counters), and "
+        f"{source_uri} was trained with {name} = {json.dumps(saved)}, this recipe asks for "
+        f"{json.dumps(new)}. Keep it (--set {name}={json.dumps(saved)}), or start a new run "
+        "without --from")
 
 
 def _model_shapes(cfg: FitConfig) -> dict[str, tuple[int, ...]] | None:

@@ -46,7 +46,7 @@ from sketch_ops import sketch_model, sketch_seed
 from trainer.config import ConfigError, FitConfig
 from trainer.hf import build_hf_model, causal_lm_loss, dataset_vocab_size
 from trainer.model import GPT, SKETCH_LAYERS
-from trainer.optim import WarmupCosine, build_optimizer
+from trainer.optim import LrSchedule, build_optimizer
 from trainer.parallel import (
     accumulation_passes,
     all_reduce_sum,
@@ -203,7 +203,7 @@ class Built:
 
     model: nn.Module
     optimizer: torch.optim.Optimizer
-    schedule: WarmupCosine
+    schedule: LrSchedule
     loader: ResumableLoader
     train_set: TokenDataset
     val_set: TokenDataset
@@ -217,8 +217,11 @@ class Built:
 def build(cfg: FitConfig, env: WorkerEnv) -> Built:
     """Model (wrapped for DDP / FSDP2), optimizer, LR schedule and data of this rank."""
     model = wrap_model(build_model(cfg).to(env.device), cfg.parallelism, env.device)
-    optimizer = build_optimizer(model, cfg.optim)
-    schedule = WarmupCosine(optimizer, cfg.optim, cfg.steps)
+    try:
+        optimizer = build_optimizer(model, cfg.optim, factory=cfg.optimizer_factory)
+    except ConfigError as err:  # a factory that returns no optimizer: the same on any restart
+        raise FatalRunError(str(err)) from err
+    schedule = LrSchedule(optimizer, cfg.optim, cfg.steps)
     with dataset_errors_are_fatal(cfg.data.uri):
         train_set = TokenDataset(cfg.data.uri, split="train")
         val_set = TokenDataset(cfg.data.uri, split="val")

@@ -1,52 +1,124 @@
-"""Optimizer and learning-rate schedule for the worker loop.
+"""Optimizers and learning-rate schedules for the worker loop.
 
 Contract:
-- `build_optimizer(model, cfg)` is AdamW with decoupled weight decay on matrices only (2-D+
-  parameters); biases, norms and nothing else are exempt, as in nanoGPT.
+- `build_optimizer(model, cfg, factory=None)` builds `cfg.name`'s optimizer over `model`'s
+  trainable parameters, weight decay on matrices only (2-D+ parameters; biases, norms and
+  nothing else are exempt, as in nanoGPT):
+  * `adamw`: decoupled weight decay, `betas = (beta1, beta2)`, `eps`. On CUDA the fused
+    kernel (one launch updates every parameter; elementwise, so a sharded parameter gets the
+    same update as a whole one). On CPU the per-parameter loop, as torch itself defaults to
+    there: the fused and foreach kernels are built for GPUs, and on CPU foreach only adds a
+    list of temporaries per step without a speed-up.
+  * `sgd`: `momentum` (> 0: plain SGD keeps no state, and torch's optimizer state-dict API,
+    which snapshots read, makes up state for a stateless optimizer with a fake step that
+    would run beside training), `nesterov`; weight decay is SGD's own (L2, added to the
+    gradient).
+  * `adafactor`: `torch.optim.Adafactor` (factored second moments: a row and a column
+    vector per matrix, so its state is O(n + m) per n x m matrix), `beta2_decay`; weight
+    decay decoupled. Its `lr` is the cap of the relative step size (`min(lr, 1/sqrt(t))`
+    times the parameter's RMS), not an absolute step.
+  `factory` (the Python API's `FitConfig.optimizer_factory`) replaces all of that: it is
+  called with the (wrapped) model and must return a `torch.optim.Optimizer`, else
+  `ConfigError` naming `optimizer_factory`. Whatever optimizer is built, its whole state goes
+  into the snapshot (`elastic.registry`, keyed by parameter name) and reshards. The factory's
+  optimizer must keep state (a stateless one, e.g. SGD without momentum, is not supported:
+  see `sgd` above).
 - `lr_at(cfg, total_steps, step)` is the learning rate of `step` (0-based: the update that
-  completes step `step + 1`): linear warmup over `warmup_steps`, then cosine decay to
-  `min_lr_ratio * lr` at `total_steps`. It is a pure function of the recipe (`optim.lr`,
-  `optim.warmup_steps`, `optim.min_lr_ratio` and the run's `steps`), never of when a session
-  started or stopped: stopping early and continuing lands on exactly the same learning rates.
-- `WarmupCosine` applies it to an optimizer. Its whole snapshot state is the step counter:
-  the schedule's shape always comes from the recipe being run, so a snapshot can never
-  silently override a changed `steps` or `lr` (`trainer.session_log` refuses such a change when
-  a run continues, unless asked for; `describe_schedule` says what it does from there).
+  completes step `step + 1`): linear warmup over `warmup_steps` to `lr`, then per
+  `cfg.schedule`, with `floor = min_lr_ratio * lr` and `progress` going 0 -> 1 from the end
+  of warmup to `total_steps`:
+  * `cosine`: `floor + (lr - floor) * (1 + cos(pi * progress)) / 2`;
+  * `linear`: `floor + (lr - floor) * (1 - progress)`;
+  * `constant`: `lr` (`min_lr_ratio` is not used);
+  * `wsd` (warmup-stable-decay): `lr` until the last `decay_fraction` of the run
+    (`decay_start`), then linear to `floor` at `total_steps`.
+  It is a pure function of the recipe (`SCHEDULE_FIELDS` of `trainer.session_log`: the run's
+  `steps` and the `optim` schedule fields), never of when a session started or stopped:
+  stopping early and continuing lands on exactly the same learning rates.
+- `LrSchedule` applies it to every parameter group of an optimizer (a factory's too: the
+  recipe's `optim.lr` and schedule drive its learning rate). Its whole snapshot state is the
+  step counter: the schedule's shape always comes from the recipe being run, so a snapshot
+  can never silently override a changed `steps` or `lr` (`trainer.session_log` refuses such
+  a change when a run continues, unless asked for; `describe_schedule` says what it does from
+  there). `WarmupCosine` is the name it had when cosine was the only schedule.
+- `optimizer_change(saved_config, cfg)` tells whether the optimizer state of a run made with
+  `saved_config` (its `run.json` config) fits the optimizer `cfg` builds: a continued run and
+  a fork restore that state, so another `optim.name`, or a custom factory on one side only,
+  is a (field, saved, new) triple; None otherwise, and when
+  the saved config cannot tell (doubt never refuses; restore checks the state itself).
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
 
-from trainer.config import OptimConfig
+from trainer.config import ConfigError, FitConfig, OptimConfig
 
 
-def build_optimizer(model: torch.nn.Module, cfg: OptimConfig) -> torch.optim.AdamW:
+def _param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict[str, Any]]:
     decay: list[torch.nn.Parameter] = []
     no_decay: list[torch.nn.Parameter] = []
     for param in model.parameters():
         if param.requires_grad:
             (decay if param.dim() >= 2 else no_decay).append(param)
-    groups = [
-        {"params": decay, "weight_decay": cfg.weight_decay},
-        {"params": no_decay, "weight_decay": 0.0},
-    ]
-    return torch.optim.AdamW(
-        groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, foreach=False
-    )
+    return [{"params": decay, "weight_decay": weight_decay},
+            {"params": no_decay, "weight_decay": 0.0}]
+
+
+def _on_cuda(groups: list[dict[str, Any]]) -> bool:
+    params = [p for g in groups for p in g["params"]]
+    return bool(params) and all(p.device.type == "cuda" for p in params)
+
+
+def build_optimizer(
+    model: torch.nn.Module,
+    cfg: OptimConfig,
+    factory: Callable[[torch.nn.Module], torch.optim.Optimizer] | None = None,
+) -> torch.optim.Optimizer:
+    """The run's optimizer (module contract)."""
+    if factory is not None:
+        optimizer = factory(model)
+        if not isinstance(optimizer, torch.optim.Optimizer):
+            raise ConfigError(f"optimizer_factory: must return a torch.optim.Optimizer, got "
+                              f"{type(optimizer).__name__}")
+        return optimizer
+    groups = _param_groups(model, cfg.weight_decay)
+    if cfg.name == "sgd":
+        return torch.optim.SGD(groups, lr=cfg.lr, momentum=cfg.momentum,
+                               nesterov=cfg.nesterov)
+    if cfg.name == "adafactor":
+        return torch.optim.Adafactor(groups, lr=cfg.lr, beta2_decay=cfg.beta2_decay)
+    fused = _on_cuda(groups)
+    return torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps,
+                             fused=fused or None, foreach=False if not fused else None)
+
+
+# ---------------------------------------------------------------------- schedules
+
+def decay_start(cfg: OptimConfig, total_steps: int) -> int:
+    """The first step of `wsd`'s decay: the last `decay_fraction` of the run, after warmup."""
+    return max(cfg.warmup_steps, total_steps - round(cfg.decay_fraction * total_steps))
 
 
 def lr_at(cfg: OptimConfig, total_steps: int, step: int) -> float:
     """The learning rate of (0-based) `step` of a run of `total_steps` steps."""
     if step < cfg.warmup_steps:
         return cfg.lr * (step + 1) / cfg.warmup_steps
-    span = max(1, total_steps - cfg.warmup_steps)
-    progress = min(1.0, (step - cfg.warmup_steps) / span)
+    if cfg.schedule == "constant":
+        return cfg.lr
+    start = decay_start(cfg, total_steps) if cfg.schedule == "wsd" else cfg.warmup_steps
+    if step < start:
+        return cfg.lr  # wsd's stable phase
+    span = max(1, total_steps - start)
+    progress = min(1.0, (step - start) / span)
     floor = cfg.lr * cfg.min_lr_ratio
-    return floor + (cfg.lr - floor) * 0.5 * (1.0 + math.cos(math.pi * progress))
+    if cfg.schedule == "cosine":
+        return floor + (cfg.lr - floor) * 0.5 * (1.0 + math.cos(math.pi * progress))
+    return floor + (cfg.lr - floor) * (1.0 - progress)  # linear, and wsd's decay
 
 
 def describe_schedule(cfg: OptimConfig, total_steps: int, from_step: int) -> str:
@@ -56,15 +128,24 @@ def describe_schedule(cfg: OptimConfig, total_steps: int, from_step: int) -> str
         parts.append(f"warming up to {cfg.lr:.3g} until step {cfg.warmup_steps}")
     else:
         parts.append(f"warmup ended at step {cfg.warmup_steps}")
-    if from_step < total_steps:
-        parts.append(f"cosine decay to {lr_at(cfg, total_steps, total_steps - 1):.3g} at step "
-                     f"{total_steps} (floor {cfg.lr * cfg.min_lr_ratio:.3g})")
-    else:
+    if from_step >= total_steps:
         parts.append(f"the run is complete at step {total_steps}")
+    elif cfg.schedule == "constant":
+        parts.append(f"constant until step {total_steps}")
+    else:
+        end = (f"to {lr_at(cfg, total_steps, total_steps - 1):.3g} at step {total_steps} "
+               f"(floor {cfg.lr * cfg.min_lr_ratio:.3g})")
+        if cfg.schedule == "wsd":
+            start = decay_start(cfg, total_steps)
+            stable = (f"stable until step {start}, then " if from_step < start
+                      else f"decaying since step {start}, ")
+            parts.append(f"{stable}linear decay {end}")
+        else:
+            parts.append(f"{cfg.schedule} decay {end}")
     return ", ".join(parts)
 
 
-class WarmupCosine:
+class LrSchedule:
     """Sets each parameter group's lr for the current step; `step()` moves to the next one."""
 
     def __init__(self, optimizer: torch.optim.Optimizer, cfg: OptimConfig, total_steps: int):
@@ -97,3 +178,43 @@ class WarmupCosine:
         # Only the position: lr, warmup and total_steps stay those of the recipe being run.
         self.current_step = int(state["step"])
         self._apply()
+
+
+WarmupCosine = LrSchedule
+
+
+# ---------------------------------------------------------------------- continuation
+
+def _saved(config: Mapping[str, Any], section: str, name: str, default: Any) -> Any:
+    table = config.get(section)
+    return table.get(name, default) if isinstance(table, Mapping) else default
+
+
+def _optimizer_words(factory: Any, name: Any) -> str:
+    if isinstance(factory, str):
+        return f"a custom optimizer_factory ({factory})"
+    return f"the built-in optimizer (optim.name = {name!r})"
+
+
+def optimizer_change(saved_config: Any, cfg: FitConfig) -> tuple[str, Any, Any] | None:
+    """(field, saved value, new value) when a run made with `saved_config` (a `run.json`
+    config) holds optimizer state that `cfg`'s optimizer cannot take; None otherwise."""
+    if not isinstance(saved_config, Mapping):
+        return None
+    saved_factory = saved_config.get("optimizer_factory")
+    new_factory = cfg.optimizer_factory
+    if isinstance(saved_factory, str) != (new_factory is not None):
+        new_name = (None if new_factory is None
+                    else f"{new_factory.__module__}.{new_factory.__qualname__}")
+        return ("optimizer_factory",
+                _optimizer_words(saved_factory, _saved(saved_config, "optim", "name", "adamw")),
+                _optimizer_words(new_name, cfg.optim.name))
+    if new_factory is not None:
+        return None  # two factories: the state is checked against the snapshot at restore
+    # Runs made before optim.name existed trained AdamW.
+    saved_name = _saved(saved_config, "optim", "name", "adamw")
+    if not isinstance(saved_name, str):
+        return None
+    if saved_name != cfg.optim.name:
+        return ("optim.name", saved_name, cfg.optim.name)
+    return None

@@ -8,10 +8,13 @@ Contract:
 - `check_continuation(cfg, fingerprint=..., reschedule=False)` refuses — `RunDirError` naming
   the field, the saved and the new value, and the fix — a recipe that changes what a
   continued run must keep: `seed`, `data.seq_len`, the model's shape (`TENSOR_SHAPE_FIELDS`;
-  not for a custom `model_factory`), the dataset (its train split's fingerprint differs from
+  not for a custom `model_factory`), the optimizer (its state is restored:
+  `trainer.optim.optimizer_change`: `optim.name`, a custom
+  `optimizer_factory` or not), the dataset (its train split's fingerprint differs from
   the one the newest snapshot's data cursor was made on), or, unless `reschedule`, the
   learning-rate schedule (`trainer.session_log.SCHEDULE_FIELDS`: `steps`, `optim.lr`,
-  `optim.warmup_steps`, `optim.min_lr_ratio`; the fix names `--reschedule`). Saved values
+  `optim.warmup_steps`, `optim.min_lr_ratio`, `optim.schedule`, `optim.decay_fraction`;
+  the fix names `--reschedule`). Saved values
   come from `run.json`'s `config` (written by the run's first session; the fixed fields never
   change after), the session log for the schedule (`trainer.session_log.saved_schedule`) and
   the newest committed manifest's data cursor. What cannot be read is not held against the
@@ -49,6 +52,7 @@ from typing import Any
 from elastic.storage_io import Storage
 from elastic.store import SnapshotStore
 from trainer.config import ConfigError, FitConfig
+from trainer.optim import optimizer_change
 from trainer.session_log import saved_schedule, schedule_changes
 
 # Fields that fix tensor shapes (and what the tensors mean): a continued run and a fork
@@ -158,6 +162,17 @@ def check_continuation(cfg: FitConfig, *, fingerprint: str | None,
                 f"{name} = {json.dumps(saved)}, this recipe asks for {json.dumps(new)}; a "
                 f"continued run cannot change it. {fix} (--set {name}={json.dumps(saved)})"
             )
+    change = optimizer_change(saved_config, cfg)
+    if change is not None:
+        name, saved, new = change
+        raise RunDirError(
+            f"{name}: {run_uri} holds a run trained with {name} = {json.dumps(saved)}, this "
+            f"recipe asks for {json.dumps(new)}; its optimizer state (moments, step counters) "
+            f"would not fit another optimizer. {fix} (--set {name}={json.dumps(saved)})"
+            if name != "optimizer_factory" else
+            f"optimizer_factory: {run_uri} holds a run trained with {saved}, this run has "
+            f"{new}; its optimizer state would not fit. Build the run's optimizer, or use "
+            "another run directory to start a new run.")
     cursor = _saved_cursor(store, committed)
     saved_fp = cursor.get("dataset") if cursor else None
     if saved_fp and fingerprint and saved_fp != fingerprint:

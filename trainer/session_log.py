@@ -8,8 +8,10 @@ Contract:
   PUT on S3), and untrusted when read: an unreadable file, or an entry without a valid
   `from_step` and `schedule`, is ignored (logged), never a crash; doubt never refuses.
 - The learning-rate schedule is a function of the recipe's schedule fields
-  (`SCHEDULE_FIELDS`: `steps`, `optim.lr`, `optim.warmup_steps`, `optim.min_lr_ratio`), so
-  stopping early never changes it. `saved_schedule(store, step)` is the schedule the run was
+  (`SCHEDULE_FIELDS`: `steps`, `optim.lr`, `optim.warmup_steps`, `optim.min_lr_ratio`,
+  `optim.schedule`, `optim.decay_fraction`), so stopping early never changes it. An entry or
+  `run.json` written before a field existed holds what the run was trained with then
+  (`ADDED_LATER`: cosine). `saved_schedule(store, step)` is the schedule the run was
   trained with up to committed step `step`: that of the newest session entry that started at
   or before `step` (a session started later and rolled back does not count), else the
   first session's `run.json` config; None when neither can be read. `schedule_changes`
@@ -40,13 +42,16 @@ from collections.abc import Callable
 from typing import Any
 
 from elastic.store import SnapshotStore
-from trainer.config import FitConfig
+from trainer.config import SCHEDULES, FitConfig
 
 log = logging.getLogger("baton.sessions")
 
 SESSIONS_NAME = "sessions.json"
 SESSIONS_VERSION = 1
-SCHEDULE_FIELDS = ("steps", "optim.lr", "optim.warmup_steps", "optim.min_lr_ratio")
+SCHEDULE_FIELDS = ("steps", "optim.lr", "optim.warmup_steps", "optim.min_lr_ratio",
+                   "optim.schedule", "optim.decay_fraction")
+# Schedule fields younger than the session log, with the value every run had before them.
+ADDED_LATER: dict[str, Any] = {"optim.schedule": "cosine", "optim.decay_fraction": 0.2}
 OUTCOMES = ("finished", "stopped", "aborted", "failed")
 
 
@@ -74,7 +79,9 @@ def schedule_of(cfg: FitConfig) -> dict[str, Any]:
     """The recipe's schedule fields, by dotted name."""
     return {"steps": cfg.steps, "optim.lr": cfg.optim.lr,
             "optim.warmup_steps": cfg.optim.warmup_steps,
-            "optim.min_lr_ratio": cfg.optim.min_lr_ratio}
+            "optim.min_lr_ratio": cfg.optim.min_lr_ratio,
+            "optim.schedule": cfg.optim.schedule,
+            "optim.decay_fraction": cfg.optim.decay_fraction}
 
 
 def _from_config(config: Any) -> dict[str, Any] | None:
@@ -84,10 +91,16 @@ def _from_config(config: Any) -> dict[str, Any] | None:
         value = config
         for part in name.split("."):
             if not isinstance(value, dict) or part not in value:
-                return None
+                value = ADDED_LATER.get(name, _ABSENT)
+                break
             value = value[part]
+        if value is _ABSENT:
+            return None
         out[name] = value
     return out
+
+
+_ABSENT = object()
 
 
 def saved_schedule(store: SnapshotStore, step: int,
@@ -111,12 +124,18 @@ def schedule_changes(saved: dict[str, Any] | None, cfg: FitConfig
         return []
     wanted = schedule_of(cfg)
     return [(name, saved[name], wanted[name]) for name in SCHEDULE_FIELDS
-            if name in saved and _number(saved[name]) and saved[name] != wanted[name]]
+            if name in saved and _schedule_value(name, saved[name])
+            and saved[name] != wanted[name]]
 
 
 def _number(value: Any) -> bool:
     return (isinstance(value, int | float) and not isinstance(value, bool)
             and math.isfinite(value))
+
+
+def _schedule_value(name: str, value: Any) -> bool:
+    """Whether `value` is one that field `name` can hold (untrusted input)."""
+    return value in SCHEDULES if name == "optim.schedule" else _number(value)
 
 
 # ---------------------------------------------------------------------- the session log
@@ -127,7 +146,11 @@ def _valid_entry(entry: Any) -> bool:
     start, schedule = entry.get("from_step"), entry.get("schedule")
     if not (_number(start) and isinstance(start, int) and start >= 0):
         return False
-    return isinstance(schedule, dict) and all(_number(schedule.get(n)) for n in SCHEDULE_FIELDS)
+    if not isinstance(schedule, dict):
+        return False
+    for name, value in ADDED_LATER.items():
+        schedule.setdefault(name, value)
+    return all(_schedule_value(n, schedule.get(n)) for n in SCHEDULE_FIELDS)
 
 
 def read_sessions(store: SnapshotStore) -> list[dict[str, Any]]:
