@@ -15,11 +15,10 @@ import torch
 
 from data_state import ResumableLoader, TokenDataset
 from sketch_ops import sketch_seed
+from trainer import ElasticTorchTrainer, Session
 from trainer.loop import build_model, next_token_loss
-from trainer.on_ray.elastic_trainer import ElasticTorchTrainer
 from trainer.optim import WarmupCosine, build_optimizer
 from trainer.parallel import all_reduce_sum, gather_samples, loss_weight
-from trainer.session import Session
 
 
 def train_func(config):
