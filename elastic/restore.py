@@ -43,7 +43,7 @@ import math
 import os
 import zlib
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 
 import torch
@@ -375,25 +375,41 @@ def read_tensors(manifest: Manifest, targets: dict[str, Target],
     Each target's tensor is allocated once and its bytes are read straight into it (local
     disk: ``preadv`` into the tensor's memory); only the partial checksum blocks at the
     edges of a needed range, and whole chunks of which a resharded target needs a
-    non-contiguous part, pass through one reused staging buffer. Every block is verified
-    before anything is loaded: a failure leaves the registry untouched."""
+    non-contiguous part, pass through a staging buffer (two, reused, alternating: one batch
+    is verified while the next is read). Every block is verified before anything is
+    loaded: a failure leaves the registry untouched."""
     ops = _plan_reads(manifest, targets)
     check_headers(manifest, [(op.key, op.chunk) for op in ops], source)
     local = _allocate(targets, manifest.step)
     filled = dict.fromkeys(targets, 0)
     placed = [_place(op, targets[op.key], local[op.key]) for op in ops]
     placed.sort(key=lambda p: (p.op.chunk.file, p.op.start))
-    staging = bytearray()
-    batch: list[_Placed] = []
+    batches: list[list[_Placed]] = [[]]
     size = 0
     for p in placed:
-        if batch and size + (p.op.end - p.op.start) > BATCH_BYTES:
-            staging = _read_batch(batch, source, manifest, staging)
-            batch, size = [], 0
-        batch.append(p)
+        if batches[-1] and size + (p.op.end - p.op.start) > BATCH_BYTES:
+            batches.append([])
+            size = 0
+        batches[-1].append(p)
         size += p.op.end - p.op.start
-    if batch:
-        _read_batch(batch, source, manifest, staging)
+    # Batch k is verified (and its staged chunks placed) on a pool thread while batch k+1
+    # is read: crc32 and preadv both release the GIL. Two staging buffers alternate; one is
+    # reused only once the batch that used it is done.
+    staging = [bytearray(), bytearray()]
+    checking: list[Future[None] | None] = [None, None]
+    try:
+        for k, batch in enumerate(b for b in batches if b):
+            slot = k % 2
+            previous = checking[slot]
+            if previous is not None:
+                previous.result()
+            staging[slot], parts_of = _read_batch(batch, source, staging[slot])
+            checking[slot] = _verify_pool().submit(_check_batch, batch, parts_of, manifest)
+    finally:
+        done = [f for f in checking if f is not None]
+        wait(done)  # nothing writes into the tensors once this returns or raises
+    for f in done:
+        f.result()
     for p in placed:
         filled[p.op.key] += p.dst.numel()
     for key, target in targets.items():
@@ -403,9 +419,10 @@ def read_tensors(manifest: Manifest, targets: dict[str, Target],
     return {k: t.wrap(local[k].to(t.device)) for k, t in targets.items()}
 
 
-def _read_batch(batch: list[_Placed], source: ByteSource, manifest: Manifest,
-                staging: bytearray) -> bytearray:
-    """Read, verify and place one batch of ops; returns the (grown) staging buffer."""
+def _read_batch(batch: list[_Placed], source: ByteSource, staging: bytearray
+                ) -> tuple[bytearray, list[list[memoryview]]]:
+    """Read one batch of ops: direct bytes into their tensors, the rest into ``staging``
+    (grown if needed, returned). Returns each op's parts, in file order."""
     need = sum(p.op.end - p.op.start - (p.op.need1 - p.op.need0 if p.direct else 0)
                for p in batch)
     if len(staging) < need:
@@ -427,23 +444,28 @@ def _read_batch(batch: list[_Placed], source: ByteSource, manifest: Manifest,
         reads.append((op.chunk.file, op.start, parts))
         parts_of.append(parts)
     source.read_into(reads)
-    # crc32 releases the GIL: the ops of a batch are verified on several cores at once.
-    list(_verify_pool().map(lambda p_parts: _verify(p_parts[0].op, p_parts[1],
-                                                    manifest.block_bytes, manifest.step),
-                            zip(batch, parts_of, strict=True)))
+    return staging, parts_of
+
+
+def _check_batch(batch: list[_Placed], parts_of: list[list[memoryview]],
+                 manifest: Manifest) -> None:
+    """Verify every block of a batch that was read, then place its staged chunks."""
+    for p, parts in zip(batch, parts_of, strict=True):
+        _verify(p.op, parts, manifest.block_bytes, manifest.step)
     for p, parts in zip(batch, parts_of, strict=True):
         if not p.direct:
             _copy_staged(p, parts[0])
-    return staging
 
 
 _POOL: list[ThreadPoolExecutor] = []
+if hasattr(os, "register_at_fork"):  # a forked child has none of the pool's threads
+    os.register_at_fork(after_in_child=_POOL.clear)
 
 
 def _verify_pool() -> ThreadPoolExecutor:
     if not _POOL:
-        _POOL.append(ThreadPoolExecutor(max_workers=min(4, os.cpu_count() or 1),
-                                        thread_name_prefix="baton-verify"))
+        # Two batches at most are being verified at once (the two staging slots).
+        _POOL.append(ThreadPoolExecutor(max_workers=2, thread_name_prefix="baton-verify"))
     return _POOL[0]
 
 
