@@ -14,12 +14,21 @@ Measured in one run, on a prefix of the default corpus (Python's stdlib `.py` fi
 - the loader on the prepared uint16 dataset (seq_len 256), local and S3 (moto on 127.0.0.1,
   started here): tokens/s delivered to one worker (`ResumableLoader`, global batch 64 of
   microbatches of 8, default cache) against tokens/s the built-in GPT with that vocabulary
-  (d_model 256, 4 layers, fp32 AdamW, microbatch 8) trains on. Target >= 20x.
+  (d_model 256, 4 layers, fp32 AdamW, microbatch 8) trains on. Target >= 20x;
+- worker scaling, the tokenizer pinned to one thread per process: each run is a fresh
+  interpreter started with RAYON_NUM_THREADS=1 (set before `tokenizers` loads, so the serial
+  path cannot use a thread pool either), timing `prepare_corpus` serial (1 process x 1 thread)
+  and with `workers=2` (2 processes x 1 thread, their spawn inside the time), alternating,
+  on more text (8 MB by default) so start-up is amortized. Speed-up = ratio of medians;
+  `os.cpu_count()` and the load average at start and end are recorded, since on a shared
+  machine other jobs take cores from both sides.
 
 The machine is small and shared: absolute numbers move between runs, ratios much less.
 
     python benchmarks/data_prepare.py            # writes benchmarks/results/data_prepare.json
     python benchmarks/data_prepare.py --quick    # smaller text, fewer rounds (smoke run)
+    python benchmarks/data_prepare.py --scaling-only   # only the scaling part, merged into
+                                                       # the JSON file's "scaling" entry
 """
 
 from __future__ import annotations
@@ -31,17 +40,23 @@ import os
 import platform
 import socket
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from data_state import ResumableLoader, TokenDataset, prepare_corpus  # noqa: E402
-from data_state.corpus import default_corpus_files  # noqa: E402
+# Not `from data_state import TokenDataset`: that loads torch, and spawned workers re-import
+# this file, so each would pay a torch import inside the timed `workers=2` runs.
+from data_state.corpus import default_corpus_files, prepare_corpus  # noqa: E402
 from data_state.sources import cap  # noqa: E402
+
+if TYPE_CHECKING:
+    from data_state.dataset import TokenDataset
 
 DEFAULT_OUT = ROOT / "benchmarks" / "results" / "data_prepare.json"
 SEQ_LEN, MICROBATCH, GLOBAL_BATCH, VOCAB = 256, 8, 64, 8192
@@ -116,6 +131,9 @@ def training_tokens_per_s(ds: TokenDataset, steps: int) -> float:
 
 
 def loader_tokens_per_s(uri: str, steps: int) -> float:
+    from data_state.dataset import TokenDataset
+    from data_state.loader import ResumableLoader
+
     with TokenDataset(uri) as ds, ResumableLoader(
         ds, global_batch=GLOBAL_BATCH, microbatch_size=MICROBATCH, seed=0
     ) as loader:
@@ -124,6 +142,69 @@ def loader_tokens_per_s(uri: str, steps: int) -> float:
             tokens += sum(mb.tokens.numel() for mb in loader.next_step())
             loader.advance()
         return tokens / (time.perf_counter() - start)
+
+
+# Run in a fresh interpreter (`-c`: spawned workers then re-import nothing of this file), so
+# RAYON_NUM_THREADS=1 is in the environment before `tokenizers` is loaded.
+_SCALING_CHILD = """
+import json, sys, time
+args = json.load(sys.stdin)
+from data_state.corpus import prepare_corpus
+start = time.perf_counter()
+prepare_corpus(args["paths"], args["out"], seq_len=args["seq_len"], val_fraction=0.0,
+               tokenizer=args["tokenizer"], workers=args["workers"], progress=False)
+print(json.dumps({"seconds": time.perf_counter() - start}))
+"""
+
+
+def pinned_prepare_s(paths: list[str], out: str, tokenizer_file: str, workers: int) -> float:
+    """Seconds `prepare_corpus` takes in a fresh process whose tokenizer uses one thread."""
+    env = dict(os.environ, RAYON_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false")
+    request = json.dumps({"paths": paths, "out": out, "seq_len": SEQ_LEN,
+                          "tokenizer": tokenizer_file, "workers": workers})
+    done = subprocess.run([sys.executable, "-c", _SCALING_CHILD], input=request, env=env,
+                          cwd=ROOT, capture_output=True, text=True, check=False)
+    if done.returncode != 0:
+        raise RuntimeError(f"scaling run (workers={workers}) failed:\n{done.stderr}")
+    return float(json.loads(done.stdout.strip().splitlines()[-1])["seconds"])
+
+
+def worker_scaling(max_bytes: int, rounds: int, tokenizer_file: str, tmp: str) -> dict[str, Any]:
+    """Serial (1 process x 1 thread) against workers=2 (2 x 1 thread), alternating."""
+    load_start = os.getloadavg()
+    paths, _, nbytes = corpus_prefix(max_bytes)
+    runs: dict[str, list[float]] = {"serial, 1 thread": [], "workers=2, 1 thread each": []}
+    for r in range(rounds):
+        for name, workers in (("serial, 1 thread", 1), ("workers=2, 1 thread each", 2)):
+            seconds = pinned_prepare_s(paths, f"{tmp}/scaling-{workers}-{r}", tokenizer_file,
+                                       workers)
+            runs[name].append(nbytes / 1e6 / seconds)
+    # One workers=2 run on one small file: mostly the two processes starting.
+    startup = pinned_prepare_s(paths[:1], f"{tmp}/scaling-start", tokenizer_file, 2)
+    stats = {name: summary(values) for name, values in runs.items()}
+    return {
+        "cpu_count": os.cpu_count(), "text_bytes": nbytes, "files": len(paths),
+        "rounds": rounds, "worker_start_s": startup,
+        "load_average_start": list(load_start), "load_average_end": list(os.getloadavg()),
+        "note": "shared machine: other jobs were running; both sides lose cores to them",
+        "mb_per_s": stats, "mb_per_s_runs": runs,
+        "speedup_workers2_over_serial": stats["workers=2, 1 thread each"]["median"]
+        / stats["serial, 1 thread"]["median"],
+    }
+
+
+def print_scaling(s: dict[str, Any]) -> None:
+    print(f"worker scaling, tokenizer pinned to 1 thread per process (RAYON_NUM_THREADS=1): "
+          f"{s['text_bytes'] / 1e6:.1f} MB, {s['files']} files, {s['rounds']} alternating rounds; "
+          f"os.cpu_count() = {s['cpu_count']}")
+    print("  load average (1, 5, 15 min) at start "
+          + ", ".join(f"{x:.2f}" for x in s["load_average_start"]) + "; at end "
+          + ", ".join(f"{x:.2f}" for x in s["load_average_end"])
+          + "  (shared machine: other jobs were running)")
+    for name, st in s["mb_per_s"].items():
+        print(f"  {name:<28} {st['median']:>8.2f} MB/s median  ({st['min']:.2f}-{st['max']:.2f})")
+    print(f"  speed-up workers=2 / serial: {s['speedup_workers2_over_serial']:.2f}x "
+          f"(ideal 2.00x; worker start-up {s['worker_start_s']:.1f} s is inside the time)")
 
 
 def _moto() -> object:
@@ -150,10 +231,17 @@ def main() -> int:
     parser.add_argument("--quick", action="store_true", help="smaller text, fewer rounds")
     parser.add_argument("--max-bytes", type=int, default=None, help="text to tokenize")
     parser.add_argument("--rounds", type=int, default=None)
+    parser.add_argument("--scaling-bytes", type=int, default=None,
+                        help="text for the worker-scaling part (default 8 MB, --quick 2 MB)")
+    parser.add_argument("--scaling-only", action="store_true",
+                        help="run only the worker-scaling part; update the JSON file's entry")
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT)
     args = parser.parse_args()
     max_bytes = args.max_bytes or (1_000_000 if args.quick else 6_000_000)
     rounds = args.rounds or (2 if args.quick else 3)
+    scaling_bytes = args.scaling_bytes or (2_000_000 if args.quick else 8_000_000)
+    if args.scaling_only:
+        return scaling_only(scaling_bytes, rounds, args.out)
     paths, texts, nbytes = corpus_prefix(max_bytes)
 
     with tempfile.TemporaryDirectory() as tmp:
@@ -184,10 +272,11 @@ def main() -> int:
                       "S3 (moto, 127.0.0.1)": loader_tokens_per_s(s3_uri, steps)}
         finally:
             server.stop()  # type: ignore[attr-defined]
+        scaling = worker_scaling(scaling_bytes, rounds, tokenizer_file, tmp)
 
     import tokenizers
 
-    result = {
+    result: dict[str, Any] = {
         "meta": {"python": platform.python_version(), "tokenizers": tokenizers.__version__,
                  "cpus": os.cpu_count(), "text_bytes": nbytes, "files": len(paths),
                  "bpe_vocab": VOCAB, "bpe_train_s": train_s, "rounds": rounds,
@@ -203,6 +292,7 @@ def main() -> int:
         "training_tokens_per_s": train,
         "loader_tokens_per_s": loader,
         "loader_ratio_to_training": {k: v / train for k, v in loader.items()},
+        "scaling": scaling,
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=2) + "\n")
@@ -219,7 +309,24 @@ def main() -> int:
     print(f"loader, {dtype} tokens (vocab {vocab}), against training at {train:,.0f} tokens/s:")
     for name, rate in loader.items():
         print(f"  {name:<22} {rate:>12,.0f} tokens/s {rate / train:>9.1f}x")
+    print_scaling(scaling)
     print(f"wrote {args.out}")
+    return 0
+
+
+def scaling_only(scaling_bytes: int, rounds: int, out: Path) -> int:
+    """The worker-scaling part alone; the BPE it uses is trained on the first 1 MB (untimed)."""
+    paths, _, _ = corpus_prefix(1_000_000)
+    with tempfile.TemporaryDirectory() as tmp:
+        prepare_corpus(paths, f"{tmp}/trained", seq_len=SEQ_LEN, val_fraction=0.0,
+                       train_tokenizer=VOCAB, progress=False)
+        scaling = worker_scaling(scaling_bytes, rounds, f"{tmp}/trained/tokenizer.json", tmp)
+    result = json.loads(out.read_text()) if out.exists() else {}
+    result["scaling"] = scaling
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=2) + "\n")
+    print_scaling(scaling)
+    print(f"wrote {out} (its \"scaling\" entry)")
     return 0
 
 
