@@ -41,7 +41,9 @@ before reading tensors) and raises ``ManifestError`` naming the component and th
 * an optimizer's ``param_groups[*].params`` name parameters the live optimizer has.
 
 Model and optimizer tensors themselves (names, shapes, dtypes) are checked by restore. A
-snapshot that lacks a registered component raises ``SnapshotMismatchError``.
+snapshot that lacks a registered component raises ``SnapshotMismatchError``, unless it was
+registered ``optional=True``: then it keeps its fresh state (e.g. fp16's loss scaler when a
+run switches into fp16); a snapshot's component that nothing registered is ignored.
 """
 
 from __future__ import annotations
@@ -110,11 +112,14 @@ class FlatState:
 class StateRegistry:
     def __init__(self) -> None:
         self._components: dict[str, Stateful] = {}
+        self._optional: set[str] = set()
         self._model: nn.Module | None = None
 
-    def register(self, key: str, obj: Any, *, model: nn.Module | None = None) -> None:
+    def register(self, key: str, obj: Any, *, model: nn.Module | None = None,
+                 optional: bool = False) -> None:
         """Register ``obj`` under ``key``. An optimizer is bound to ``model`` or, by
-        default, to the module registered earlier."""
+        default, to the module registered earlier. An ``optional`` component may be absent
+        from a snapshot (it then keeps its state); it must hold no tensors."""
         if not key or "." in key or key.startswith("__"):
             raise ValueError(f"registry key {key!r} must be non-empty, without '.' or '__'")
         if key in self._components:
@@ -139,6 +144,8 @@ class StateRegistry:
                 f"registry key {key!r}: {type(obj).__name__} has no state_dict()/"
                 "load_state_dict(); wrap it in an object that has both"
             )
+        if optional:
+            self._optional.add(key)
 
     def keys(self) -> list[str]:
         return list(self._components)
@@ -166,18 +173,19 @@ class StateRegistry:
         """Load every component from ``skeletons`` (tensors resolved from ``tensors``), after
         checking all of them: nothing is loaded unless everything fits."""
         self.check_state(skeletons, where)
-        for key in self._components:
+        present = [key for key in self._components if key in skeletons]  # optional: absent
+        for key in present:
             for path, name in _tensor_refs(skeletons[key], key):
                 if not isinstance(name, str) or name not in tensors:
                     raise ManifestError(f"{where}: state {path}: tensor {short_repr(name)} was "
                                         "not read from the snapshot")
-        for key, comp in self._components.items():
-            comp.load_state_dict(decode_tree(skeletons[key], tensors))
+        for key in present:
+            self._components[key].load_state_dict(decode_tree(skeletons[key], tensors))
 
     def check_state(self, skeletons: Mapping[str, Any], where: str = "snapshot") -> None:
         """Raise unless each component's snapshot skeleton fits its live state (see the
         module contract); ``where`` names the snapshot in the message."""
-        missing = [k for k in self._components if k not in skeletons]
+        missing = [k for k in self._components if k not in skeletons and k not in self._optional]
         if missing:
             raise SnapshotMismatchError(
                 f"{where} has no state for registered component(s) {missing}; it was saved "
@@ -185,6 +193,8 @@ class StateRegistry:
             )
         live = self.flatten().skeletons
         for key, comp in self._components.items():
+            if key not in skeletons:
+                continue  # optional, and not in this snapshot
             checker = _SkeletonCheck(where)
             if isinstance(comp, OptimizerState):
                 checker.optimizer(live[key], skeletons[key], key)

@@ -488,6 +488,27 @@ class LoggingConfig:
         return self.tensorboard or self.mlflow
 
 
+# The values of PrecisionConfig.dtype (trainer.precision maps them to torch dtypes).
+PRECISIONS = ("fp32", "bf16", "fp16")
+
+
+@dataclass
+class PrecisionConfig:
+    """The dtype forward and backward compute in (`trainer.precision`). Master weights,
+    optimizer state and snapshots stay fp32 in every dtype, so a run may be continued in
+    another one."""
+
+    # "fp32" (no casts), "bf16" (autocast under DDP, FSDP2's MixedPrecisionPolicy under
+    # FSDP; gradients reduced in fp32) or "fp16" (the same, plus a dynamic loss scaler whose
+    # state is in the snapshot). All three run on CPU and CUDA.
+    dtype: str = "fp32"
+
+    def __post_init__(self) -> None:
+        _check_types(self, "precision")
+        _require(self.dtype in PRECISIONS, "precision.dtype",
+                 f"must be one of {', '.join(PRECISIONS)}, got {self.dtype!r}")
+
+
 _SECTIONS: dict[str, type] = {
     "model": ModelConfig,
     "data": DataConfig,
@@ -497,6 +518,7 @@ _SECTIONS: dict[str, type] = {
     "scaling": ScalingSettings,
     "eval": EvalConfig,
     "logging": LoggingConfig,
+    "precision": PrecisionConfig,
 }
 _PARALLELISMS = ("ddp", "fsdp")
 
@@ -513,6 +535,7 @@ class FitConfig:
     scaling: ScalingSettings = field(default_factory=ScalingSettings)
     eval: EvalConfig = field(default_factory=EvalConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
+    precision: PrecisionConfig = field(default_factory=PrecisionConfig)
     parallelism: str = "ddp"  # "ddp" (replicated) or "fsdp" (FSDP2 fully_shard)
     seed: int = 0
     steps: int = 100  # optimizer steps in the whole run (a resumed run continues to this)

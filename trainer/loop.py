@@ -20,7 +20,8 @@ Why the trajectory does not depend on the world size (promise P1):
   gradient averaging of DDP / FSDP2 yields the mean over all microbatches of the step.
 Only float summation order changes with the world size.
 
-A snapshot holds model, optimizer, LR schedule, data cursor and the step (promise P2); it is
+A snapshot holds model, optimizer, LR schedule, data cursor, the step and, in fp16, the loss
+scale (promise P2; `[precision]`: `trainer.precision`, state always fp32); it is
 captured right after the optimizer update of a step, so the data cursor and the schedule
 have been advanced for exactly the committed steps (promise P5).
 """
@@ -55,6 +56,7 @@ from trainer.parallel import (
     loss_weight,
     wrap_model,
 )
+from trainer.precision import autocast, ensure_optimizer_state, loss_scaler
 from trainer.run_dir import RunDirError, check_continuation
 from trainer.session import Session
 
@@ -164,7 +166,8 @@ def evaluate(cfg: FitConfig, model: nn.Module, val_set: TokenDataset, env: Worke
         for i in range(passes):
             index = mine[i] if i < len(mine) else mine[-1] if mine else 0
             tokens = val_set.batch(range(index * size, (index + 1) * size)).to(env.device)
-            loss = loss_fn(model, tokens).item()
+            with autocast(model, cfg.precision.dtype, env.device):
+                loss = loss_fn(model, tokens).item()
             total += loss if i < len(mine) else 0.0  # padding passes only keep FSDP in step
     model.train()
     (summed,) = all_reduce_sum([total], env.device)
@@ -178,9 +181,11 @@ def forward_backward(
     loss_fn: Callable[[nn.Module, torch.Tensor], torch.Tensor],
     microbatches: list[Microbatch],
     step: int,
+    scaler: torch.amp.GradScaler,
 ) -> float:
     """Accumulate this rank's share of the step's gradient; returns the sum of its
-    microbatches' losses. Gradients are reduced across ranks in the last pass only."""
+    microbatches' (unscaled) losses. Gradients are reduced across ranks in the last pass
+    only. Each forward runs in the run's precision; `scaler` scales the loss (fp16 only)."""
     num_microbatches = cfg.data.num_microbatches
     weight = loss_weight(env.world_size, num_microbatches)
     passes = accumulation_passes(len(microbatches), num_microbatches, env.world_size,
@@ -190,9 +195,10 @@ def forward_backward(
         real = i < len(microbatches)  # padding passes (FSDP2) only keep collectives in step
         mb = microbatches[i] if real else microbatches[-1]
         with grad_sync(model, cfg.parallelism, last=i == passes - 1):
-            with sketch_seed(cfg.seed, step, mb.index):
+            with sketch_seed(cfg.seed, step, mb.index), \
+                    autocast(model, cfg.precision.dtype, env.device):
                 loss = loss_fn(model, mb.tokens.to(env.device))
-            (loss * (weight if real else 0.0)).backward()
+            scaler.scale(loss * (weight if real else 0.0)).backward()
         step_loss += loss.item() if real else 0.0
     return step_loss
 
@@ -207,6 +213,7 @@ class Built:
     loader: ResumableLoader
     train_set: TokenDataset
     val_set: TokenDataset
+    scaler: torch.amp.GradScaler  # fp16's loss scaler; disabled (pass-through) otherwise
 
     def close(self) -> None:
         self.loader.close()
@@ -216,7 +223,8 @@ class Built:
 
 def build(cfg: FitConfig, env: WorkerEnv) -> Built:
     """Model (wrapped for DDP / FSDP2), optimizer, LR schedule and data of this rank."""
-    model = wrap_model(build_model(cfg).to(env.device), cfg.parallelism, env.device)
+    model = wrap_model(build_model(cfg).to(env.device), cfg.parallelism, env.device,
+                       precision=cfg.precision.dtype)
     try:
         optimizer = build_optimizer(model, cfg.optim, factory=cfg.optimizer_factory)
     except ConfigError as err:  # a factory that returns no optimizer: the same on any restart
@@ -238,7 +246,8 @@ def build(cfg: FitConfig, env: WorkerEnv) -> Built:
         train_set.close()
         val_set.close()
         raise FatalRunError(f"dataset {cfg.data.uri!r}: {err}") from err
-    return Built(model, optimizer, schedule, loader, train_set, val_set)
+    return Built(model, optimizer, schedule, loader, train_set, val_set,
+                 loss_scaler(cfg.precision.dtype, env.device))
 
 
 def train_step(cfg: FitConfig, env: WorkerEnv, built: Built, step: int) -> tuple[float, list[int]]:
@@ -248,11 +257,18 @@ def train_step(cfg: FitConfig, env: WorkerEnv, built: Built, step: int) -> tuple
     with dataset_errors_are_fatal(cfg.data.uri):  # a corrupt page found mid-run
         microbatches = built.loader.next_step()
     step_loss = forward_backward(cfg, env, built.model, loss_function(cfg),
-                                 microbatches, step)
+                                 microbatches, step, built.scaler)
+    built.scaler.unscale_(built.optimizer)  # fp16: clip and step the true gradients
     if cfg.optim.grad_clip > 0:
         torch.nn.utils.clip_grad_norm_(built.model.parameters(), cfg.optim.grad_clip)
-    built.optimizer.step()  # the session's hook first finishes an in-flight capture
+    # The session's hook first finishes an in-flight capture. fp16: skipped (on every rank)
+    # when a gradient overflowed, and the scale backs off; otherwise just optimizer.step().
+    scale = built.scaler.get_scale()
+    built.scaler.step(built.optimizer)
+    built.scaler.update()
     built.optimizer.zero_grad(set_to_none=True)
+    if built.scaler.get_scale() < scale:  # skipped: maybe no update yet, so no state
+        ensure_optimizer_state(built.model, built.optimizer)
     built.schedule.step()
     built.loader.advance()
     (loss_sum,) = all_reduce_sum([step_loss], env.device)
@@ -302,7 +318,7 @@ def run_worker(cfg: FitConfig, env: WorkerEnv) -> WorkerResult:
         if env.rank == 0:  # one rank reads run.json and the manifest; its error fails the group
             refuse_other_run(cfg, built.train_set.fingerprint)
         session = Session(
-            built.model, built.optimizer, built.schedule, built.loader,
+            built.model, built.optimizer, built.schedule, built.loader, scaler=built.scaler,
             snapshots=cfg.snapshots, until=env.stop_after, coordinator=env.coordinator,
             layout=cfg.parallelism, run_info={"config": cfg.to_dict()},
         )

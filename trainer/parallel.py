@@ -1,9 +1,10 @@
 """Data-parallel wrapping and world-size-invariant gradient accumulation.
 
 Contract:
-- `wrap_model(model, parallelism, device)` returns the model as DDP (replicated) or FSDP2
-  (`fully_shard` per transformer block, `shard_units`, then the root); with no process
-  group (a single process) the model is returned as is.
+- `wrap_model(model, parallelism, device, precision=)` returns the model as DDP (replicated)
+  or FSDP2 (`fully_shard` per transformer block, `shard_units`, then the root, each with
+  `precision`'s `MixedPrecisionPolicy`, `trainer.precision`); with no process group (a single
+  process) the model is returned as is. DDP takes no precision: the loop autocasts.
 - `accumulation_passes(num_mine, num_microbatches, world_size, parallelism)` is how many
   forward/backward passes this rank runs in a step. FSDP2 issues collectives in every pass,
   so every rank must run the same number: ranks with fewer microbatches pad with passes
@@ -28,12 +29,15 @@ from torch import nn
 from torch.distributed.fsdp import FSDPModule, fully_shard
 from torch.nn.parallel import DistributedDataParallel
 
+from trainer.precision import fsdp_policy, fsdp_root_policy
+
 
 def distributed() -> bool:
     return dist.is_available() and dist.is_initialized()
 
 
-def wrap_model(model: nn.Module, parallelism: str, device: torch.device) -> nn.Module:
+def wrap_model(model: nn.Module, parallelism: str, device: torch.device, *,
+               precision: str = "fp32") -> nn.Module:
     if not distributed():
         return model
     if parallelism == "ddp":
@@ -42,8 +46,8 @@ def wrap_model(model: nn.Module, parallelism: str, device: torch.device) -> nn.M
     if parallelism == "fsdp":
         # Shard block by block so only one block's parameters are gathered at a time.
         for block in shard_units(model):
-            fully_shard(block)
-        fully_shard(model)
+            fully_shard(block, mp_policy=fsdp_policy(precision))
+        fully_shard(model, mp_policy=fsdp_root_policy(precision))
         return model
     raise ValueError(f"parallelism must be 'ddp' or 'fsdp', got {parallelism!r}")
 

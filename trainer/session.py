@@ -13,11 +13,13 @@ with `run_uri=`)::
 Contract
 --------
 - Construction registers every component once, under fixed keys (`model`, `optim`, `sched`,
-  `data`, each of `extras`, and `trainer` for the session's own step counter), and restores
-  the newest committed snapshot into them, resharded to this rank and world size, optimizer
-  warm (`elastic.snapshotter.Snapshotter.restore`). `session.step` is then the number of
-  completed steps (0 for a fresh run). A snapshot that holds another model, or none usable
-  at all, raises `FatalRunError` (a restart cannot fix it).
+  `data`, `scaler`, each of `extras`, and `trainer` for the session's own step counter), and
+  restores the newest committed snapshot into them, resharded to this rank and world size,
+  optimizer warm (`elastic.snapshotter.Snapshotter.restore`). `session.step` is then the
+  number of completed steps (0 for a fresh run). A snapshot that holds another model, or none
+  usable at all, raises `FatalRunError` (a restart cannot fix it). `scaler` (fp16's
+  `torch.amp.GradScaler`) is registered only when enabled, and optionally: a snapshot without
+  one (a run that was not fp16) leaves it fresh.
 - Rank and world size come from `torch.distributed` (as Ray Train sets it up), else 0 and 1.
   The run directory, the coordinator, snapshot settings, the platform's preemption notice
   and an `until` step come from the worker context `ElasticTorchTrainer` installs
@@ -150,6 +152,7 @@ class Session:
         data: Any = None,
         *,
         extras: Mapping[str, Any] | None = None,
+        scaler: torch.amp.GradScaler | None = None,
         run_uri: str | None = None,
         snapshot_every: int | None = None,
         snapshots: SnapshotConfig | None = None,
@@ -174,6 +177,9 @@ class Session:
             if isinstance(data, WorldSizeFree):
                 data.reshard(rank=self.rank, world_size=self.world_size)
             self.registry.register("data", data)
+        if scaler is not None and scaler.is_enabled():
+            # fp16's loss scale; optional: a run switching into fp16 starts from a fresh one
+            self.registry.register("scaler", scaler, optional=True)
         for key, extra in (extras or {}).items():
             self.registry.register(key, extra)
         self.registry.register(PROGRESS_KEY, self._progress)
@@ -234,6 +240,9 @@ class Session:
         stopping = (notice is not None and notice.source == "stop") or (
             self.until is not None and step >= self.until)
         started = time.perf_counter()
+        # A capture still in flight here saw no optimizer.step() since it began (fp16 skipped
+        # an overflowing update): nothing it copies changed; finish it before the next one.
+        self.snapshotter.wait_capture()
         if notice is not None or stopping:
             # Commit exactly this step (P6): the run continues (or is exported) from here.
             self.snapshotter.after_step(step, force=True)
