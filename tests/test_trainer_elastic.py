@@ -31,7 +31,7 @@ from snapshot_compare import assert_same_state, final_state
 from elastic.store import SnapshotStore
 from trainer.config import load_recipe
 from trainer.metrics import read_records
-from trainer.on_ray.local_cluster import FAST_TRAIN_ENV, LocalCluster
+from trainer.on_ray.local_cluster import LocalCluster
 from trainer.on_ray.monitor import NAMESPACE, get_monitor
 from trainer.on_ray.ray_fit import FitResult, fit
 
@@ -154,15 +154,11 @@ def test_node_loss_and_gain_end_where_an_uninterrupted_run_ends(
     assert redone[0] == 0 and 0 <= redone[1] <= SNAPSHOT_EVERY and redone[2:] == [0] * len(
         redone[2:]
     ), redone
-    # Failure detection, GCS marking the node dead and a group start take ~10 s here; a first
-    # attempt at 2 workers would add the whole start timeout (15 s) before the 1-worker one.
+    # The restarted group is the size the live nodes hold. (That the decision never tries the
+    # old size first is shown on fake cluster states in test_trainer_scaling.py: a wall-clock
+    # bound here failed under CI load, and tests assert no wall-clock times.)
     restart = next(r for r in read_records(str(b)) if r["kind"] == "start" and r["attempt"] == 1)
-    start_timeout_s = float(FAST_TRAIN_ENV["RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S"])
     assert restart["world_size"] == 1
-    assert restart["time"] - lost_at < start_timeout_s + 3, (
-        f"restart began {restart['time'] - lost_at:.1f} s after the node loss: "
-        "a start attempt at the old size timed out first"
-    )
 
     state_a, state_b = final_state(a, tmp_path, STEPS), final_state(b, tmp_path, STEPS)
     assert_same_state(state_a, state_b)
