@@ -20,15 +20,12 @@ object reads them from storage instead — slower, never wrong.
 
 from __future__ import annotations
 
-import io
-from collections.abc import Callable
-
 import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
 from data_state.manifest import DatasetError, ShardInfo
-from data_state.storage import Storage, TruncatedError, read_span
+from data_state.storage import RangeFile, Storage, TruncatedError, read_span
 
 COLUMN = "tokens"
 _FOOTER_READ = 1 << 16  # the footer of a shard with ~1000 row groups fits in one read
@@ -133,11 +130,11 @@ class ShardReader:
         arrays = [_flba_to_numpy(c, self.dtype, self.seq_len) for c in column.chunks]
         return arrays[0] if len(arrays) == 1 else np.concatenate(arrays)
 
-    def _file(self, pieces: dict[int, bytes] | None = None) -> _HeldBytesFile:
+    def _file(self, pieces: dict[int, bytes] | None = None) -> RangeFile:
         # Fetched chunks first: a small shard's footer read also covers its row groups, and
         # a decode must use the bytes it was given.
         held = [*(pieces or {}).items(), self._footer]
-        return _HeldBytesFile(self.info.num_bytes, held, self._fetch)
+        return RangeFile(self.info.num_bytes, self._fetch, held)
 
     def _fetch(self, start: int, end: int) -> bytes:
         return read_span(self.io, self.path, start, end)
@@ -166,42 +163,3 @@ def _flba_to_numpy(array: pa.FixedSizeBinaryArray, dtype: np.dtype, seq_len: int
         data, dtype=np.uint8, count=len(array) * width, offset=array.offset * width
     )
     return flat.view(dtype).reshape(len(array), seq_len)
-
-
-class _HeldBytesFile(io.RawIOBase):
-    """A read-only file of `size` bytes served from held pieces, falling back to `fetch`."""
-
-    def __init__(
-        self, size: int, pieces: list[tuple[int, bytes]], fetch: Callable[[int, int], bytes]
-    ) -> None:
-        super().__init__()
-        self._size, self._pieces, self._fetch, self._pos = size, pieces, fetch, 0
-
-    def readable(self) -> bool:
-        return True
-
-    def seekable(self) -> bool:
-        return True
-
-    def tell(self) -> int:
-        return self._pos
-
-    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
-        base = {io.SEEK_SET: 0, io.SEEK_CUR: self._pos, io.SEEK_END: self._size}[whence]
-        self._pos = base + offset
-        return self._pos
-
-    def read(self, size: int = -1) -> bytes:
-        end = self._size if size is None or size < 0 else min(self._size, self._pos + size)
-        start, self._pos = self._pos, max(self._pos, end)
-        if end <= start:
-            return b""
-        for piece_start, piece in self._pieces:
-            if piece_start <= start and end <= piece_start + len(piece):
-                return piece[start - piece_start : end - piece_start]
-        return self._fetch(start, end)
-
-    def readinto(self, buffer: bytearray | memoryview) -> int:  # type: ignore[override]
-        data = self.read(len(buffer))
-        buffer[: len(data)] = data
-        return len(data)

@@ -316,39 +316,10 @@ def _locate(uri: str, options: Mapping[str, Any] | None) -> tuple[storage.Storag
 def _open(uri: str, options: Mapping[str, Any] | None) -> io.BufferedReader:
     """A buffered, seekable read-only file over `uri` (local or s3://)."""
     store, path = _locate(uri, options)
-    return io.BufferedReader(_RangeFile(store, path, store.size(path)), buffer_size=1 << 20)
+    def fetch(start: int, end: int) -> bytes:  # exact, with the layer's deadlines and retries
+        return store.read_range(path, start, end)
 
-
-class _RangeFile(io.RawIOBase):
-    """A read-only file whose reads are `Storage.read_range` calls: exact, with the storage
-    layer's deadlines and retries. (A streaming-read primitive the storage layer lacks.)"""
-
-    def __init__(self, store: storage.Storage, path: str, size: int) -> None:
-        super().__init__()
-        self._store, self._path, self._size, self._pos = store, path, size, 0
-
-    def readable(self) -> bool:
-        return True
-
-    def seekable(self) -> bool:
-        return True
-
-    def tell(self) -> int:
-        return self._pos
-
-    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
-        base = {io.SEEK_SET: 0, io.SEEK_CUR: self._pos, io.SEEK_END: self._size}[whence]
-        self._pos = max(0, base + offset)
-        return self._pos
-
-    def readinto(self, buffer: Any) -> int:
-        end = min(self._size, self._pos + len(buffer))
-        if end <= self._pos:
-            return 0
-        data = self._store.read_range(self._path, self._pos, end)
-        buffer[: len(data)] = data
-        self._pos = end
-        return len(data)
+    return io.BufferedReader(storage.RangeFile(store.size(path), fetch), buffer_size=1 << 20)
 
 
 def _check_column(schema: pa.Schema, column: str, f: InputFile) -> None:

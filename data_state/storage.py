@@ -17,13 +17,18 @@ Contract (what the data side adds on top):
 - `read_span(io, path, start, end)` returns exactly bytes `[start, end)`; a missing or
   truncated file is a `DatasetError` naming it and the fix.
 - `write_atomic(io, path, data)`: the file appears whole or not at all.
+- `RangeFile(size, fetch, held=())`: a seekable read-only file of `size` bytes whose reads are
+  answered from `held` `(offset, bytes)` pieces when one covers them, else by
+  `fetch(start, end)` (e.g. an exact `Storage.read_range`); what pyarrow and `io.BufferedReader`
+  read through.
 - `merge_ranges(ranges, hole_limit=)` is the layer's; `Storage.hole_limit` is its default
   (0 on local disk, `MERGE_HOLE_BYTES` on S3).
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import io
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from data_state.manifest import DatasetError
@@ -34,8 +39,8 @@ from elastic.storage_io import (
     merge_ranges,
 )
 
-__all__ = ["MERGE_HOLE_BYTES", "Storage", "TruncatedError", "join", "merge_ranges", "read_span",
-           "resolve", "write_atomic"]
+__all__ = ["MERGE_HOLE_BYTES", "RangeFile", "Storage", "TruncatedError", "join", "merge_ranges",
+           "read_span", "resolve", "write_atomic"]
 
 
 def resolve(uri: str, storage_options: Mapping[str, Any] | None = None, *,
@@ -77,3 +82,42 @@ def read_span(io: Storage, path: str, start: int, end: int) -> bytes:
             f"short read from {path}: {err}; the file is truncated or was replaced: prepare "
             "the dataset again"
         ) from None
+
+
+class RangeFile(io.RawIOBase):
+    """A read-only, seekable file served from held pieces, falling back to `fetch` (contract
+    above)."""
+
+    def __init__(self, size: int, fetch: Callable[[int, int], bytes],
+                 held: Sequence[tuple[int, bytes]] = ()) -> None:
+        super().__init__()
+        self._size, self._fetch, self._held, self._pos = size, fetch, held, 0
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def tell(self) -> int:
+        return self._pos
+
+    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
+        base = {io.SEEK_SET: 0, io.SEEK_CUR: self._pos, io.SEEK_END: self._size}[whence]
+        self._pos = max(0, base + offset)
+        return self._pos
+
+    def read(self, size: int | None = -1) -> bytes:
+        end = self._size if size is None or size < 0 else min(self._size, self._pos + size)
+        start, self._pos = self._pos, max(self._pos, end)
+        if end <= start:
+            return b""
+        for piece_start, piece in self._held:
+            if piece_start <= start and end <= piece_start + len(piece):
+                return piece[start - piece_start : end - piece_start]
+        return self._fetch(start, end)
+
+    def readinto(self, buffer: Any) -> int:
+        data = self.read(len(buffer))
+        buffer[: len(data)] = data
+        return len(data)
