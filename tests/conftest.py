@@ -19,6 +19,9 @@ import pytest
 from ray_harness import free_port
 
 if TYPE_CHECKING:
+    from pathlib import Path
+
+    from inprocess_fit import InProcessFit
     from s3_fault_proxy import S3FaultProxy
 
 # Every Ray process the tests start listens on 127.0.0.1 only (see trainer/on_ray/local_cluster.py).
@@ -108,6 +111,18 @@ def s3_faults(s3_endpoint: S3Endpoint) -> Iterator[S3FaultProxy]:
             yield proxy
     finally:
         proxy.stop()
+
+
+@pytest.fixture
+def fake_fit(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> InProcessFit:
+    """`baton fit` without Ray: `tests/inprocess_fit.InProcessFit` in place of Ray's fit."""
+    from inprocess_fit import InProcessFit
+
+    import trainer.on_ray.ray_fit
+
+    fake = InProcessFit(tmp_dir=str(tmp_path))
+    monkeypatch.setattr(trainer.on_ray.ray_fit, "fit", fake)
+    return fake
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

@@ -7,6 +7,9 @@ real snapshots; only Ray's placement and restarts are left out. `until` is passe
 loop as its planned stop; `stop` (the Ctrl-C / time-limit event) is honoured before
 training starts: when `wait_for_stop` is set, the fake waits for the event and then trains
 to `stop_step` only, as the workers would stop at their next step boundary.
+
+The `fake_fit` fixture (conftest.py) puts one in place of Ray's fit; `baton(capsys, argv)`
+runs the CLI and returns its exit code and its output as one line (rich may wrap).
 """
 
 from __future__ import annotations
@@ -17,10 +20,12 @@ from dataclasses import dataclass, field
 from types import SimpleNamespace
 from typing import Any
 
+import pytest
 import torch
 
 from elastic.store import SnapshotStore
 from elastic.testing import run_group
+from trainer.cli import main
 from trainer.config import FitConfig
 from trainer.loop import WorkerEnv, run_worker
 from trainer.metrics import MetricsWriter, read_records, summarize
@@ -85,3 +90,9 @@ class InProcessFit:
             summary=summarize(read_records(cfg.snapshots.run_uri)),
             stopped_at=step if step < cfg.steps else None,
         )
+
+
+def baton(capsys: pytest.CaptureFixture[str], argv: list[str]) -> tuple[int, str]:
+    code = main(argv)
+    captured = capsys.readouterr()
+    return code, " ".join((captured.out + captured.err).split())  # rich may wrap lines

@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 from inprocess_fit import InProcessFit
+from inprocess_fit import baton as _baton
 from safetensors.torch import load_file
 from snapshot_compare import assert_same_state, final_state
 
@@ -29,21 +30,6 @@ from trainer.runs import list_runs
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = str(ROOT / "recipes" / "tiny.toml")
-
-
-@pytest.fixture
-def fake_fit(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> InProcessFit:
-    import trainer.on_ray.ray_fit
-
-    fake = InProcessFit(tmp_dir=str(tmp_path))
-    monkeypatch.setattr(trainer.on_ray.ray_fit, "fit", fake)
-    return fake
-
-
-def _baton(capsys: pytest.CaptureFixture[str], argv: list[str]) -> tuple[int, str]:
-    code = main(argv)
-    captured = capsys.readouterr()
-    return code, " ".join((captured.out + captured.err).split())
 
 
 def _one_line(capsys: pytest.CaptureFixture[str], argv: list[str], *needles: str) -> str:

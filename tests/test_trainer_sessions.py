@@ -19,6 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 from inprocess_fit import InProcessFit, train_worker
+from inprocess_fit import baton as _baton
 from snapshot_compare import assert_same_state, final_state
 
 from elastic.store import SnapshotStore
@@ -35,21 +36,6 @@ TINY = str(ROOT / "recipes" / "tiny.toml")
 def _sets(dataset: str, steps: int) -> list[str]:
     return ["--set", f'data.uri="{dataset}"', "--set", f"steps={steps}", "--set",
             "eval.every=0"]
-
-
-@pytest.fixture
-def fake_fit(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> InProcessFit:
-    import trainer.on_ray.ray_fit
-
-    fake = InProcessFit(tmp_dir=str(tmp_path))
-    monkeypatch.setattr(trainer.on_ray.ray_fit, "fit", fake)
-    return fake
-
-
-def _baton(capsys: pytest.CaptureFixture[str], argv: list[str]) -> tuple[int, str]:
-    code = main(argv)
-    captured = capsys.readouterr()
-    return code, " ".join((captured.out + captured.err).split())  # rich may wrap lines
 
 
 def _continue_argv(text: str) -> list[str]:
