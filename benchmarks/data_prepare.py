@@ -110,24 +110,12 @@ def worker_start_s(path: str, tokenizer_file: str, tmp: str, rounds: int) -> flo
 
 
 def training_tokens_per_s(ds: TokenDataset, steps: int) -> float:
-    import torch
+    """The data-throughput benchmark's training rate (same model, microbatch and seq_len), on
+    this dataset's vocabulary; imported here, not at the top: spawned workers import this file
+    and must not load torch."""
+    from data_throughput import training_tokens_per_s as measure
 
-    from trainer.config import ModelConfig
-    from trainer.model import GPT
-
-    torch.manual_seed(0)
-    model = GPT(ModelConfig(vocab_size=ds.vocab_size, d_model=256, n_layers=4, n_heads=4),
-                seq_len=SEQ_LEN)
-    opt = torch.optim.AdamW(model.parameters(), lr=3e-4)
-    batch = ds.batch(range(MICROBATCH))
-    times = []
-    for _ in range(steps + 1):  # the first step warms up allocators and kernels
-        start = time.perf_counter()
-        model.loss(batch).backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        times.append(time.perf_counter() - start)
-    return MICROBATCH * SEQ_LEN / statistics.median(times[1:])
+    return measure(ds, steps)
 
 
 def loader_tokens_per_s(uri: str, steps: int) -> float:

@@ -49,7 +49,8 @@ SEQ_LEN, MICROBATCH, GLOBAL_BATCH = 256, 8, 64
 
 def training_tokens_per_s(ds: TokenDataset, steps: int) -> float:
     torch.manual_seed(0)
-    model = GPT(ModelConfig(vocab_size=256, d_model=256, n_layers=4, n_heads=4), seq_len=SEQ_LEN)
+    model = GPT(ModelConfig(vocab_size=ds.vocab_size, d_model=256, n_layers=4, n_heads=4),
+                seq_len=SEQ_LEN)
     opt = torch.optim.AdamW(model.parameters(), lr=3e-4)
     batch = torch.from_numpy(ds.read(range(MICROBATCH)).astype("int64"))
     times = []
