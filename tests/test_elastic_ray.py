@@ -56,7 +56,9 @@ def test_coordinator_restart_node_loss_and_ram_restore(tmp_path) -> None:
             try:
                 assert ray.get(coord.committed_steps.remote(), timeout=10) == [2, 4]
                 break
-            except ray.exceptions.RayActorError:
+            except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
+                # Still restarting: one call may wait its whole 10 s on a busy machine
+                # (CI runs the fast tests beside this one); the 60 s deadline still holds.
                 if time.monotonic() > deadline:
                     raise
                 time.sleep(0.5)
