@@ -41,9 +41,7 @@ from __future__ import annotations
 
 import math
 import os
-import zlib
 from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 
 import torch
@@ -59,18 +57,16 @@ from elastic.format import (
     str_to_dtype,
 )
 from elastic.layout import Piece, Target, target_piece
+from elastic.read_batches import Placed, ReadOp, place, read_placed
+from elastic.read_batches import snapshot_label as _snap
 from elastic.registry import SnapshotMismatchError, StateRegistry
 from elastic.store import SnapshotStore
 
-__all__ = ["ByteSource", "SnapshotMismatchError", "check_compatible", "plan_targets",
-           "read_tensors"]
+__all__ = ["ByteSource", "SnapshotMismatchError", "allocate", "check_compatible",
+           "check_coverage", "plan_reads", "plan_targets", "read_tensors"]
 
 # (file, start, end) requests -> bytes per request, or None when the source cannot serve.
 ReadMany = Callable[[list[tuple[str, int, int]]], list[bytes] | None]
-
-
-def _snap(step: int) -> str:
-    return f"snapshot {step_dirname(step)}"
 
 
 @dataclass
@@ -146,20 +142,6 @@ class ByteSource:
         self._safe_files.add(file)
 
 
-@dataclass(frozen=True)
-class _ReadOp:
-    key: str
-    chunk: ChunkRecord
-    start: int  # block-aligned absolute byte range to fetch
-    end: int
-    # The rectangle, in global coordinates, that this op supplies to the target.
-    lo: tuple[int, ...]
-    hi: tuple[int, ...]
-    rows_only: bool  # bytes are the contiguous rows [data_start, ...) of the chunk
-    need0: int = 0  # the absolute bytes [need0, need1) the target uses (inside start..end)
-    need1: int = 0
-
-
 def check_compatible(registry: StateRegistry, manifest: Manifest,
                      templates: dict[str, torch.Tensor]) -> None:
     """The snapshot holds the registered model (``SnapshotMismatchError``) and its JSON state
@@ -215,8 +197,8 @@ def _parameter_like(key: str, shape: tuple[int, ...],
     return best
 
 
-def _plan_reads(manifest: Manifest, targets: dict[str, Target]) -> list[_ReadOp]:
-    ops: list[_ReadOp] = []
+def plan_reads(manifest: Manifest, targets: dict[str, Target]) -> list[ReadOp]:
+    ops: list[ReadOp] = []
     block = manifest.block_bytes
     for key, target in targets.items():
         rec = manifest.tensors[key]
@@ -245,7 +227,7 @@ def _plan_reads(manifest: Manifest, targets: dict[str, Target]) -> list[_ReadOp]
                 need0, need1 = c0, c1
             start = c0 + (need0 - c0) // block * block
             end = min(c1, c0 + -(-(need1 - c0) // block) * block)
-            ops.append(_ReadOp(key, chunk, start, end, lo, hi, full_tail, need0, need1))
+            ops.append(ReadOp(key, chunk, start, end, lo, hi, full_tail, need0, need1))
     return ops
 
 
@@ -295,32 +277,7 @@ def check_headers(manifest: Manifest, used: list[tuple[str, ChunkRecord]],
                                 f"{list(chunk.byte_range)} in the manifest")
 
 
-def _verify(op: _ReadOp, parts: list[memoryview], block: int, step: int) -> None:
-    """Check the crc32 of every checksum block of ``op``'s bytes, which arrived in
-    ``parts`` (consecutive pieces of ``[op.start, op.end)``: a block may span two)."""
-    c0 = op.chunk.byte_range[0]
-    idx, crc, filled = (op.start - c0) // block, 0, 0
-
-    def check() -> None:
-        if idx >= len(op.chunk.crc32) or crc != op.chunk.crc32[idx]:
-            raise SnapshotIntegrityError(
-                f"{_snap(step)}: checksum mismatch in {op.chunk.file}, chunk "
-                f"{op.chunk.name}, block {idx}; the snapshot is corrupt")
-
-    for part in parts:
-        pos = 0
-        while pos < len(part):
-            take = min(block - filled, len(part) - pos)
-            crc = zlib.crc32(part[pos: pos + take], crc)
-            pos, filled = pos + take, filled + take
-            if filled == block:
-                check()
-                idx, crc, filled = idx + 1, 0, 0
-    if filled:
-        check()
-
-
-def _allocate(targets: dict[str, Target], step: int) -> dict[str, torch.Tensor]:
+def allocate(targets: dict[str, Target], step: int) -> dict[str, torch.Tensor]:
     local: dict[str, torch.Tensor] = {}
     for key, t in targets.items():
         try:
@@ -332,40 +289,16 @@ def _allocate(targets: dict[str, Target], step: int) -> dict[str, torch.Tensor]:
     return local
 
 
-def _memory(t: torch.Tensor) -> memoryview:
-    """The bytes of a contiguous CPU tensor, writable in place."""
-    return t.reshape(-1).view(torch.uint8).numpy().data.cast("B")
-
-
-# Reads are issued in batches of about this many bytes: it bounds the staging buffer (partial
-# checksum blocks, whole chunks a resharded target needs a part of) and what one call to the
-# RAM copy returns, so a restore holds the state plus at most this much.
-BATCH_BYTES = 64 << 20
-
-
-@dataclass
-class _Placed:
-    """Where one op's bytes go: ``dst`` (the target's slice) straight from the file when it
-    is contiguous and in the chunk's byte order, else through ``staged`` (then copied)."""
-
-    op: _ReadOp
-    dst: torch.Tensor
-    src_shape: tuple[int, ...]
-    direct: bool
-
-
-def _place(op: _ReadOp, target: Target, local: torch.Tensor) -> _Placed:
-    t_lo = target.piece.offsets
-    dst = local[tuple(slice(a - o, b - o) for a, b, o in zip(op.lo, op.hi, t_lo, strict=True))]
-    if op.rows_only:
-        src_shape = (op.hi[0] - op.lo[0], *op.chunk.shape[1:])
-    else:
-        src_shape = tuple(op.chunk.shape)
-    # Same shape and contiguous: the target's slice holds the needed bytes in file order.
-    direct = tuple(dst.shape) == src_shape and dst.is_contiguous() and (
-        op.rows_only or (op.lo == op.chunk.offsets and tuple(op.hi) == tuple(
-            o + n for o, n in zip(op.chunk.offsets, op.chunk.shape, strict=True))))
-    return _Placed(op, dst, src_shape, direct)
+def check_coverage(manifest: Manifest, targets: dict[str, Target],
+                   placed: list[Placed]) -> None:
+    """The planned ops fill every element of every target (else ``ManifestError``)."""
+    filled = dict.fromkeys(targets, 0)
+    for p in placed:
+        filled[p.op.key] += p.dst.numel()
+    for key, target in targets.items():
+        if filled[key] != target.piece.numel:
+            raise ManifestError(f"{_snap(manifest.step)}: chunks cover "
+                                f"{filled[key]} of {target.piece.numel} elements of {key!r}")
 
 
 def read_tensors(manifest: Manifest, targets: dict[str, Target],
@@ -375,112 +308,13 @@ def read_tensors(manifest: Manifest, targets: dict[str, Target],
     Each target's tensor is allocated once and its bytes are read straight into it (local
     disk: ``preadv`` into the tensor's memory); only the partial checksum blocks at the
     edges of a needed range, and whole chunks of which a resharded target needs a
-    non-contiguous part, pass through a staging buffer (two, reused, alternating: one batch
-    is verified while the next is read). Every block is verified before anything is
-    loaded: a failure leaves the registry untouched."""
-    ops = _plan_reads(manifest, targets)
+    non-contiguous part, pass through a staging buffer (``elastic.read_batches``). Every
+    block is verified before anything is loaded: a failure leaves the registry untouched.
+    This reads alone; ``elastic.group_read`` reads with the other ranks of a group."""
+    ops = plan_reads(manifest, targets)
     check_headers(manifest, [(op.key, op.chunk) for op in ops], source)
-    local = _allocate(targets, manifest.step)
-    filled = dict.fromkeys(targets, 0)
-    placed = [_place(op, targets[op.key], local[op.key]) for op in ops]
-    placed.sort(key=lambda p: (p.op.chunk.file, p.op.start))
-    batches: list[list[_Placed]] = [[]]
-    size = 0
-    for p in placed:
-        if batches[-1] and size + (p.op.end - p.op.start) > BATCH_BYTES:
-            batches.append([])
-            size = 0
-        batches[-1].append(p)
-        size += p.op.end - p.op.start
-    # Batch k is verified (and its staged chunks placed) on a pool thread while batch k+1
-    # is read: crc32 and preadv both release the GIL. Two staging buffers alternate; one is
-    # reused only once the batch that used it is done.
-    staging = [bytearray(), bytearray()]
-    checking: list[Future[None] | None] = [None, None]
-    try:
-        for k, batch in enumerate(b for b in batches if b):
-            slot = k % 2
-            previous = checking[slot]
-            if previous is not None:
-                previous.result()
-            staging[slot], parts_of = _read_batch(batch, source, staging[slot])
-            checking[slot] = _verify_pool().submit(_check_batch, batch, parts_of, manifest)
-    finally:
-        done = [f for f in checking if f is not None]
-        wait(done)  # nothing writes into the tensors once this returns or raises
-    for f in done:
-        f.result()
-    for p in placed:
-        filled[p.op.key] += p.dst.numel()
-    for key, target in targets.items():
-        if filled[key] != target.piece.numel:
-            raise ManifestError(f"{_snap(manifest.step)}: chunks cover "
-                                f"{filled[key]} of {target.piece.numel} elements of {key!r}")
+    local = allocate(targets, manifest.step)
+    placed = [place(op, targets[op.key], local[op.key]) for op in ops]
+    check_coverage(manifest, targets, placed)
+    read_placed(placed, source, manifest)
     return {k: t.wrap(local[k].to(t.device)) for k, t in targets.items()}
-
-
-def _read_batch(batch: list[_Placed], source: ByteSource, staging: bytearray
-                ) -> tuple[bytearray, list[list[memoryview]]]:
-    """Read one batch of ops: direct bytes into their tensors, the rest into ``staging``
-    (grown if needed, returned). Returns each op's parts, in file order."""
-    need = sum(p.op.end - p.op.start - (p.op.need1 - p.op.need0 if p.direct else 0)
-               for p in batch)
-    if len(staging) < need:
-        staging = bytearray(need)
-    free = memoryview(staging)
-    reads: list[tuple[str, int, list[memoryview]]] = []
-    parts_of: list[list[memoryview]] = []
-    for p in batch:
-        op = p.op
-        if p.direct:
-            head, free = free[: op.need0 - op.start], free[op.need0 - op.start:]
-            tail, free = free[: op.end - op.need1], free[op.end - op.need1:]
-            parts = [head, _memory(p.dst), tail]
-        else:
-            whole, free = free[: op.end - op.start], free[op.end - op.start:]
-            parts = [whole]
-        source.staged_bytes += sum(len(x) for x in parts) - (
-            op.need1 - op.need0 if p.direct else 0)
-        reads.append((op.chunk.file, op.start, parts))
-        parts_of.append(parts)
-    source.read_into(reads)
-    return staging, parts_of
-
-
-def _check_batch(batch: list[_Placed], parts_of: list[list[memoryview]],
-                 manifest: Manifest) -> None:
-    """Verify every block of a batch that was read, then place its staged chunks."""
-    for p, parts in zip(batch, parts_of, strict=True):
-        _verify(p.op, parts, manifest.block_bytes, manifest.step)
-    for p, parts in zip(batch, parts_of, strict=True):
-        if not p.direct:
-            _copy_staged(p, parts[0])
-
-
-_POOL: list[ThreadPoolExecutor] = []
-if hasattr(os, "register_at_fork"):  # a forked child has none of the pool's threads
-    os.register_at_fork(after_in_child=_POOL.clear)
-
-
-def _verify_pool() -> ThreadPoolExecutor:
-    if not _POOL:
-        # Two batches at most are being verified at once (the two staging slots).
-        _POOL.append(ThreadPoolExecutor(max_workers=2, thread_name_prefix="baton-verify"))
-    return _POOL[0]
-
-
-def _copy_staged(p: _Placed, raw: memoryview) -> None:
-    op, dtype = p.op, p.dst.dtype
-    c0 = op.chunk.byte_range[0]
-    if op.rows_only:
-        skip = op.need0 - op.start
-        data = raw[skip: skip + op.need1 - op.need0]
-        src = torch.frombuffer(data, dtype=torch.uint8).view(dtype).view(p.src_shape) \
-            if len(data) else torch.empty(p.src_shape, dtype=dtype)
-    else:
-        data = raw[c0 - op.start:]
-        whole = torch.frombuffer(data, dtype=torch.uint8).view(dtype).view(op.chunk.shape) \
-            if len(data) else torch.empty(op.chunk.shape, dtype=dtype)
-        src = whole[tuple(slice(a - o, b - o) for a, b, o in zip(op.lo, op.hi, op.chunk.offsets,
-                                                                   strict=True))]
-    p.dst.copy_(src)

@@ -1,0 +1,213 @@
+"""Reading planned byte ranges of a snapshot into tensors, in bounded batches, verified.
+
+Contract
+--------
+A ``ReadOp`` is one byte range ``[start, end)`` of one chunk, widened to whole checksum
+blocks, of which the target uses ``[need0, need1)``. A ``Placed`` op says where its bytes
+go: ``direct`` ops land straight in ``dst`` (a contiguous slice of the tensor that will be
+loaded, whose bytes are ``[need0, need1)`` in file order; the partial checksum blocks at the
+edges go to a staging buffer), the others are read whole into a staging buffer and copied
+(``copy_staged``: a resharded target needs a non-contiguous part of the chunk).
+
+``read_placed(placed, source, manifest)`` reads every op in batches of about
+``BATCH_BYTES`` (local disk: ``preadv`` into the tensors' memory), verifies the crc32 of
+every block it read against the manifest (a mismatch is ``SnapshotIntegrityError`` naming
+file, chunk and block) on a pool thread while the next batch is read (two staging buffers
+alternate), and returns only once nothing writes into the tensors any more. It reads each
+op once: callers that must not read a byte twice (``elastic.group_read``) plan ops that do
+not overlap. Values are copied bitwise; nothing is ever unpickled.
+"""
+
+from __future__ import annotations
+
+import os
+import zlib
+from concurrent.futures import Future, ThreadPoolExecutor, wait
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+
+from elastic.errors import SnapshotIntegrityError
+from elastic.format import ChunkRecord, Manifest, step_dirname
+from elastic.layout import Target
+
+if TYPE_CHECKING:
+    from elastic.restore import ByteSource
+
+# Reads are issued in batches of about this many bytes: it bounds the staging buffer (partial
+# checksum blocks, whole chunks a resharded target needs a part of) and what one call to the
+# RAM copy returns, so a restore holds the state plus at most this much.
+BATCH_BYTES = 64 << 20
+
+
+def snapshot_label(step: int) -> str:
+    return f"snapshot {step_dirname(step)}"
+
+
+@dataclass(frozen=True)
+class ReadOp:
+    key: str
+    chunk: ChunkRecord
+    start: int  # block-aligned absolute byte range to fetch
+    end: int
+    # The rectangle, in global coordinates, that this op supplies to the target.
+    lo: tuple[int, ...]
+    hi: tuple[int, ...]
+    rows_only: bool  # bytes are the contiguous rows [data_start, ...) of the chunk
+    need0: int = 0  # the absolute bytes [need0, need1) the target uses (inside start..end)
+    need1: int = 0
+
+
+@dataclass
+class Placed:
+    """Where one op's bytes go: ``dst`` (the target's slice) straight from the file when it
+    is contiguous and in the chunk's byte order, else through ``staged`` (then copied)."""
+
+    op: ReadOp
+    dst: torch.Tensor
+    src_shape: tuple[int, ...]
+    direct: bool
+
+
+def place(op: ReadOp, target: Target, local: torch.Tensor) -> Placed:
+    t_lo = target.piece.offsets
+    dst = local[tuple(slice(a - o, b - o) for a, b, o in zip(op.lo, op.hi, t_lo, strict=True))]
+    if op.rows_only:
+        src_shape = (op.hi[0] - op.lo[0], *op.chunk.shape[1:])
+    else:
+        src_shape = tuple(op.chunk.shape)
+    # Same shape and contiguous: the target's slice holds the needed bytes in file order.
+    direct = tuple(dst.shape) == src_shape and dst.is_contiguous() and (
+        op.rows_only or (op.lo == op.chunk.offsets and tuple(op.hi) == tuple(
+            o + n for o, n in zip(op.chunk.offsets, op.chunk.shape, strict=True))))
+    return Placed(op, dst, src_shape, direct)
+
+
+def memory(t: torch.Tensor) -> memoryview:
+    """The bytes of a contiguous CPU tensor, writable in place."""
+    return t.reshape(-1).view(torch.uint8).numpy().data.cast("B")
+
+
+def verify(op: ReadOp, parts: list[memoryview], block: int, step: int) -> None:
+    """Check the crc32 of every checksum block of ``op``'s bytes, which arrived in
+    ``parts`` (consecutive pieces of ``[op.start, op.end)``: a block may span two)."""
+    c0 = op.chunk.byte_range[0]
+    idx, crc, filled = (op.start - c0) // block, 0, 0
+
+    def check() -> None:
+        if idx >= len(op.chunk.crc32) or crc != op.chunk.crc32[idx]:
+            raise SnapshotIntegrityError(
+                f"{snapshot_label(step)}: checksum mismatch in {op.chunk.file}, chunk "
+                f"{op.chunk.name}, block {idx}; the snapshot is corrupt")
+
+    for part in parts:
+        pos = 0
+        while pos < len(part):
+            take = min(block - filled, len(part) - pos)
+            crc = zlib.crc32(part[pos: pos + take], crc)
+            pos, filled = pos + take, filled + take
+            if filled == block:
+                check()
+                idx, crc, filled = idx + 1, 0, 0
+    if filled:
+        check()
+
+
+def read_placed(placed: list[Placed], source: ByteSource, manifest: Manifest) -> None:
+    """Read, verify and place every op (see the module contract)."""
+    placed = sorted(placed, key=lambda p: (p.op.chunk.file, p.op.start))
+    batches: list[list[Placed]] = [[]]
+    size = 0
+    for p in placed:
+        if batches[-1] and size + (p.op.end - p.op.start) > BATCH_BYTES:
+            batches.append([])
+            size = 0
+        batches[-1].append(p)
+        size += p.op.end - p.op.start
+    # Batch k is verified (and its staged chunks placed) on a pool thread while batch k+1
+    # is read: crc32 and preadv both release the GIL. Two staging buffers alternate; one is
+    # reused only once the batch that used it is done.
+    staging = [bytearray(), bytearray()]
+    checking: list[Future[None] | None] = [None, None]
+    try:
+        for k, batch in enumerate(b for b in batches if b):
+            slot = k % 2
+            previous = checking[slot]
+            if previous is not None:
+                previous.result()
+            staging[slot], parts_of = _read_batch(batch, source, staging[slot])
+            checking[slot] = _verify_pool().submit(_check_batch, batch, parts_of, manifest)
+    finally:
+        done = [f for f in checking if f is not None]
+        wait(done)  # nothing writes into the tensors once this returns or raises
+    for f in done:
+        f.result()
+
+
+def _read_batch(batch: list[Placed], source: ByteSource, staging: bytearray
+                ) -> tuple[bytearray, list[list[memoryview]]]:
+    """Read one batch of ops: direct bytes into their tensors, the rest into ``staging``
+    (grown if needed, returned). Returns each op's parts, in file order."""
+    need = sum(p.op.end - p.op.start - (p.op.need1 - p.op.need0 if p.direct else 0)
+               for p in batch)
+    if len(staging) < need:
+        staging = bytearray(need)
+    free = memoryview(staging)
+    reads: list[tuple[str, int, list[memoryview]]] = []
+    parts_of: list[list[memoryview]] = []
+    for p in batch:
+        op = p.op
+        if p.direct:
+            head, free = free[: op.need0 - op.start], free[op.need0 - op.start:]
+            tail, free = free[: op.end - op.need1], free[op.end - op.need1:]
+            parts = [head, memory(p.dst), tail]
+        else:
+            whole, free = free[: op.end - op.start], free[op.end - op.start:]
+            parts = [whole]
+        source.staged_bytes += sum(len(x) for x in parts) - (
+            op.need1 - op.need0 if p.direct else 0)
+        reads.append((op.chunk.file, op.start, parts))
+        parts_of.append(parts)
+    source.read_into(reads)
+    return staging, parts_of
+
+
+def _check_batch(batch: list[Placed], parts_of: list[list[memoryview]],
+                 manifest: Manifest) -> None:
+    """Verify every block of a batch that was read, then place its staged chunks."""
+    for p, parts in zip(batch, parts_of, strict=True):
+        verify(p.op, parts, manifest.block_bytes, manifest.step)
+    for p, parts in zip(batch, parts_of, strict=True):
+        if not p.direct:
+            copy_staged(p, parts[0])
+
+
+_POOL: list[ThreadPoolExecutor] = []
+if hasattr(os, "register_at_fork"):  # a forked child has none of the pool's threads
+    os.register_at_fork(after_in_child=_POOL.clear)
+
+
+def _verify_pool() -> ThreadPoolExecutor:
+    if not _POOL:
+        # Two batches at most are being verified at once (the two staging slots).
+        _POOL.append(ThreadPoolExecutor(max_workers=2, thread_name_prefix="baton-verify"))
+    return _POOL[0]
+
+
+def copy_staged(p: Placed, raw: memoryview) -> None:
+    """Copy the target's part of an op's bytes (``raw``: bytes ``[start, end)``) to ``dst``."""
+    op, dtype = p.op, p.dst.dtype
+    c0 = op.chunk.byte_range[0]
+    if op.rows_only:
+        skip = op.need0 - op.start
+        data = raw[skip: skip + op.need1 - op.need0]
+        src = torch.frombuffer(data, dtype=torch.uint8).view(dtype).view(p.src_shape) \
+            if len(data) else torch.empty(p.src_shape, dtype=dtype)
+    else:
+        data = raw[c0 - op.start:]
+        whole = torch.frombuffer(data, dtype=torch.uint8).view(dtype).view(op.chunk.shape) \
+            if len(data) else torch.empty(op.chunk.shape, dtype=dtype)
+        src = whole[tuple(slice(a - o, b - o) for a, b, o in zip(op.lo, op.hi, op.chunk.offsets,
+                                                                   strict=True))]
+    p.dst.copy_(src)
