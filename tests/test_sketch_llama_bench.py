@@ -1,0 +1,50 @@
+"""benchmarks/sketch_llama.py's smoke mode (`--quick`: a tiny Llama, in this process) runs its
+three phases and writes the ratios and validation figures the README table is made of."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import math
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("transformers")
+
+
+def _benchmark():  # noqa: ANN202 - a module loaded from a path
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "sketch_llama.py"
+    spec = importlib.util.spec_from_file_location("sketch_llama_benchmark", path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up there
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_quick_run_writes_memory_time_and_quality_ratios(tmp_path: Path,
+                                                         tiny_dataset: str) -> None:
+    bench = _benchmark()
+    out = tmp_path / "llama.json"
+    argv = ["--quick", "--data", tiny_dataset, "--out", str(out), "--only", "exact,down-proj"]
+    assert bench.main(argv) == 0
+    result = json.loads(out.read_text())
+    rows = {r["variant"]: r for r in result["rows"]}
+    assert set(rows) == {"exact", "down-proj"}
+    assert rows["exact"]["saved_ratio"] == 1.0 and rows["exact"]["time_ratio"] == 1.0
+    # Unfused, down_proj's input (the gated product) is kept for its weight gradient alone:
+    # its R x I sketch replaces it.
+    assert 0 < rows["down-proj"]["saved_ratio"] < 1
+    assert rows["down-proj"]["time_ratio"] > 0
+    low, high = rows["down-proj"]["time_ratio_range"]
+    assert low <= rows["down-proj"]["time_ratio"] <= high
+    for row in rows.values():
+        assert len(row["final_val"]) == 1 and math.isfinite(row["val_mean"])
+    assert math.isfinite(rows["down-proj"]["delta_pct"])
+    assert set(result["targets"]) == {"saved_ratio<=0.55", "time_ratio<=1.0", "val_within_2pct"}
+    # Resumable: a second call finds every probe and run on disk and only reports.
+    runs = tmp_path / "llama"
+    stamps = {p.name: p.stat().st_mtime_ns for p in runs.glob("*.json")}
+    assert bench.main(argv) == 0
+    assert {p.name: p.stat().st_mtime_ns for p in runs.glob("*.json")} == stamps
