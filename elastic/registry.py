@@ -14,8 +14,9 @@ The trainer registers each component once::
 Models and optimizers go through ``torch.distributed.checkpoint.state_dict``
 (``get_model_state_dict`` / ``get_optimizer_state_dict`` and the ``set_*`` twins), so
 optimizer state is keyed by parameter FQN, never by position, and FSDP2 parameters come out
-as DTensors (their local shards). Every other component's ``state_dict()`` must be a tree of
-dicts, lists, tuples, str/int/float/bool/None and tensors.
+as DTensors (their local shards); a stateless optimizer (plain SGD) is read without DCP's
+state initialisation, which would step it (see ``OptimizerState``). Every other component's
+``state_dict()`` must be a tree of dicts, lists, tuples, str/int/float/bool/None and tensors.
 
 ``flatten()`` turns the registry into (a) a flat ``{name: tensor}`` map — names are
 ``"<key>.<path>"``, e.g. ``model.blocks.0.attn.weight`` or
@@ -55,7 +56,8 @@ from typing import Any, NoReturn, Protocol
 
 import torch
 from torch import nn
-from torch.distributed.checkpoint.state_dict import (
+from torch.distributed.checkpoint.state_dict import (  # _get_fqns: DCP's own parameter names
+    _get_fqns,
     get_model_state_dict,
     get_optimizer_state_dict,
     set_model_state_dict,
@@ -90,14 +92,45 @@ class ModelState:
 
 
 class OptimizerState:
-    """An optimizer keyed by parameter FQN (DCP's ``get_optimizer_state_dict``)."""
+    """An optimizer keyed by parameter FQN (DCP's ``get_optimizer_state_dict``).
+
+    A stateless optimizer (plain SGD: no momentum buffers, no step counter) is read without
+    DCP. DCP cannot tell "no state yet" from "never has state": for an optimizer with empty
+    state and no gradients it makes the state up with a fake ``optimizer.step()`` at learning
+    rate 0. Run by a capture on its side thread, that step would wait on the very capture
+    (``Session``'s pre-step hook) and set the learning rates to 0 under the training thread.
+    So a post-step hook records whether the last step left any state; once a step has left
+    none, ``state_dict()`` is the optimizer's own param groups keyed by FQN, with empty
+    ``state`` (exactly DCP's layout, so it loads back through ``set_optimizer_state_dict``)."""
 
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
         self.model = model
         self.optimizer = optimizer
+        self._stateless = False  # a step ran and left no state
+        optimizer.register_step_post_hook(self._after_step)
+
+    def _after_step(self, optimizer: torch.optim.Optimizer, *_: Any) -> None:
+        self._stateless = not optimizer.state
 
     def state_dict(self) -> dict[str, Any]:
+        if self._stateless and not self.optimizer.state:
+            return self._stateless_state_dict()
         return get_optimizer_state_dict(self.model, self.optimizer)
+
+    def _stateless_state_dict(self) -> dict[str, Any]:
+        """DCP's layout without DCP's state initialisation: ``param_groups`` with each
+        parameter named by its FQN (as ``get_optimizer_state_dict`` names it), no state."""
+        saved = self.optimizer.state_dict()  # params as positions over all param groups
+        position = {id(p): i for i, p in
+                    enumerate(p for g in self.optimizer.param_groups for p in g["params"])}
+        fqn_at: dict[int, str] = {}
+        for name, param in self.model.named_parameters():
+            if id(param) in position:
+                (fqn,) = _get_fqns(self.model, name)
+                fqn_at[position[id(param)]] = fqn
+        for group in saved["param_groups"]:
+            group["params"] = [fqn_at[i] for i in group["params"]]
+        return {"state": {}, "param_groups": saved["param_groups"]}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         set_optimizer_state_dict(self.model, self.optimizer, state_dict)

@@ -16,6 +16,7 @@ import torch
 from snapshot_compare import assert_same_state, final_state
 
 from elastic.errors import FatalRunError
+from elastic.store import SnapshotStore
 from elastic.testing import run_group
 from trainer.cli import main
 from trainer.config import FitConfig, OptimConfig, load_recipe
@@ -69,12 +70,15 @@ def rmsprop(model: torch.nn.Module) -> torch.optim.Optimizer:
     (["optim.name=\"sgd\"", "optim.nesterov=true", "optim.schedule=\"wsd\"",
       "optim.decay_fraction=0.5"], "momentum_buffer"),
     (["optim.name=\"adafactor\"", "optim.lr=0.01", "optim.schedule=\"linear\""], "col_var"),
-], ids=["adamw-constant", "sgd-nesterov-wsd", "adafactor-linear"])
+    (["optim.name=\"sgd\"", "optim.momentum=0.0"], None),
+], ids=["adamw-constant", "sgd-nesterov-wsd", "adafactor-linear", "sgd-plain"])
 def test_each_optimizer_and_schedule_resumes_bitwise(
-    tmp_path: Path, tiny_dataset: str, sets: list[str], state_key: str,
+    tmp_path: Path, tiny_dataset: str, sets: list[str], state_key: str | None,
 ) -> None:
     """Stopped at step 3 (between snapshots) and continued in a fresh process state: the same
-    bits as the uninterrupted run, optimizer state included."""
+    bits as the uninterrupted run, optimizer state included. Plain SGD has none: its snapshot
+    holds the param groups only (taken without DCP's fake optimizer step, which on the
+    capture thread deadlocked)."""
     reference = tmp_path / "reference"
     _train(_cfg(reference, tiny_dataset, sets))
     resumed = tmp_path / "resumed"
@@ -82,7 +86,14 @@ def test_each_optimizer_and_schedule_resumes_bitwise(
     _train(_cfg(resumed, tiny_dataset, sets))
     ref = final_state(reference, tmp_path, STEPS)
     _assert_bitwise(ref, final_state(resumed, tmp_path, STEPS))
-    assert any(k.startswith("optim.state.") and k.endswith(state_key) for k in ref)
+    optimizer_state = [k for k in ref if k.startswith("optim.state.")]
+    if state_key is None:
+        assert not optimizer_state and any(k.startswith("model.") for k in ref)
+        groups = SnapshotStore(str(resumed)).load_manifest(STEPS).state["optim"]
+        assert groups["state"] == {} and groups["param_groups"][0]["momentum"] == 0.0
+        assert all(isinstance(p, str) for g in groups["param_groups"] for p in g["params"])
+    else:
+        assert any(k.endswith(state_key) for k in optimizer_state)
 
 
 def _moved_run(tmp_path: Path, tiny_dataset: str, sets: list[str], first: tuple[int, str],
@@ -102,10 +113,41 @@ def _moved_run(tmp_path: Path, tiny_dataset: str, sets: list[str], first: tuple[
                       final_state(moved, tmp_path, STEPS))
 
 
-def test_sgd_reshards_to_another_world_size_and_layout(tmp_path: Path, tiny_dataset: str) -> None:
-    """SGD's momentum buffers saved on one DDP rank, restored as FSDP2 shards on 2 ranks."""
-    _moved_run(tmp_path, tiny_dataset, ['optim.name="sgd"', 'optim.schedule="wsd"'],
-               (1, "ddp"), (2, "fsdp"))
+def test_plain_sgd_state_is_read_without_an_optimizer_step() -> None:
+    """DCP makes up state for an optimizer that has none with a fake step (lr 0, zero
+    gradients): on the capture thread that step deadlocked. The registry reads plain SGD's
+    param groups instead, its parameters named exactly as DCP names them."""
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+
+    from elastic.registry import OptimizerState
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.ReLU(), torch.nn.Linear(3, 2))
+    plain = torch.optim.SGD([{"params": [model[2].weight, model[0].weight]},
+                             {"params": [model[0].bias, model[2].bias], "weight_decay": 0.0}],
+                            lr=0.5, weight_decay=0.1)
+    state = OptimizerState(model, plain)
+    model(torch.randn(5, 4)).sum().backward()
+    plain.step()
+    plain.zero_grad(set_to_none=True)
+    steps: list[int] = []
+    plain.register_step_pre_hook(lambda *_: steps.append(1))
+    ours = state.state_dict()
+    assert steps == [] and all(p.grad is None for p in model.parameters())
+    assert [g["lr"] for g in plain.param_groups] == [0.5, 0.5]
+    dcp = get_optimizer_state_dict(model, plain)  # takes the fake step
+    assert steps == [1]
+    assert ours == dcp and ours["state"] == {}
+    assert ours["param_groups"][0]["params"] == ["2.weight", "0.weight"]
+
+
+@pytest.mark.parametrize("momentum", [0.9, 0.0], ids=["momentum", "plain"])
+def test_sgd_reshards_to_another_world_size_and_layout(tmp_path: Path, tiny_dataset: str,
+                                                       momentum: float) -> None:
+    """SGD's momentum buffers (plain SGD: its param groups alone) saved on one DDP rank,
+    restored as FSDP2 shards on 2 ranks."""
+    _moved_run(tmp_path, tiny_dataset, ['optim.name="sgd"', 'optim.schedule="wsd"',
+                                        f"optim.momentum={momentum}"], (1, "ddp"), (2, "fsdp"))
 
 
 @pytest.mark.slow  # a second gloo group (~10 s on 2 cores); the FSDP2 case above is the fast one
@@ -176,7 +218,8 @@ def test_continuing_or_forking_with_another_optimizer_is_refused(
     ("optim.beta2_decay=-0.5", "optim.beta2_decay"),  # adafactor only
     ("optim.decay_fraction=0.3", "optim.decay_fraction"),  # wsd only
     ("optim.momentum=true", "optim.momentum"),
-    ("optim.momentum=0.0", "optim.momentum"),  # plain SGD keeps no state: not supported
+    ('optim.name="sgd" --set optim.momentum=1.0', "optim.momentum"),
+    ('optim.name="sgd" --set optim.momentum=0.0 --set optim.nesterov=true', "optim.nesterov"),
     ('optim.name="adafactor" --set parallelism="fsdp"', "optim.name"),
 ])
 def test_bad_optimizer_settings_are_one_line(
@@ -193,7 +236,7 @@ def test_bad_optimizer_settings_are_one_line(
 def test_optimizer_settings_are_checked_together() -> None:
     from trainer.config import ConfigError, SnapshotConfig
 
-    for kwargs, field in ((dict(name="sgd", momentum=0.0), "optim.momentum"),
+    for kwargs, field in ((dict(name="sgd", momentum=0.0, nesterov=True), "optim.nesterov"),
                           (dict(schedule="wsd", decay_fraction=0.0), "optim.decay_fraction"),
                           (dict(name="adafactor", beta2_decay=0.1), "optim.beta2_decay"),
                           (dict(name="sgd", beta1=0.8), "optim.beta1")):

@@ -302,7 +302,7 @@ class OptimConfig:
     beta1: float = 0.9  # adamw only
     beta2: float = 0.95  # adamw only
     eps: float = 1e-8  # adamw only
-    momentum: float = 0.9  # sgd only, in (0, 1)
+    momentum: float = 0.9  # sgd only, in [0, 1); 0 = plain SGD (no optimizer state)
     nesterov: bool = False  # sgd only
     beta2_decay: float = -0.8  # adafactor only: its second-moment decay exponent (<= 0)
     grad_clip: float = 1.0  # max global gradient norm; 0 disables clipping
@@ -324,10 +324,9 @@ class OptimConfig:
         for name in ("beta1", "beta2"):
             _require(0 <= getattr(self, name) < 1, f"optim.{name}", "must be in [0, 1)")
         _require(self.eps > 0, "optim.eps", "must be > 0")
-        # Plain SGD (momentum 0) keeps no state, and torch's optimizer state-dict API makes
-        # up state for such an optimizer with a fake step, which would run beside training.
-        _require(0 < self.momentum < 1, "optim.momentum",
-                 "must be in (0, 1) (plain SGD without momentum is not supported)")
+        _require(0 <= self.momentum < 1, "optim.momentum", "must be in [0, 1) (0: plain SGD)")
+        _require(not self.nesterov or self.momentum > 0, "optim.nesterov",
+                 "needs optim.momentum > 0 (Nesterov momentum without momentum is plain SGD)")
         _require(self.beta2_decay <= 0, "optim.beta2_decay", "must be <= 0 (e.g. -0.8)")
         _require(self.grad_clip >= 0, "optim.grad_clip", "must be >= 0 (0 disables clipping)")
         _require(self.warmup_steps >= 0, "optim.warmup_steps", "must be >= 0")
