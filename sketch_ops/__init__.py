@@ -3,7 +3,8 @@
 Public API:
 - `SketchedLinear(in_features, out_features, bias=True, *, rank, name="")`: drop-in `nn.Linear`.
 - `sketched_linear(x, weight, bias, *, rank, seed)`: the functional form.
-- `sketch_model(model, *, rank, include=None) -> list[str]`: swap a model's `nn.Linear`s in place.
+- `sketch_model(model, *, rank, include=None) -> list[str]`: swap a model's `nn.Linear`s in place
+  (`include="auto", probe_batch=...`: only those whose sketch frees memory, `probe.py`).
 - `sketch_seed(seed, step, microbatch=0)`: context manager making sketches a pure function of
   (seed, step, microbatch, layer name).
 - `gelu_mlp(fc, proj, x, *, norm=None, recompute=False)`: `proj(gelu(fc(norm(x))))` that, when
@@ -18,7 +19,8 @@ the CUDA (Triton) implementation, chosen by `dispatch.py`.
 
 from .function import sketched_linear
 from .fused import gelu_mlp
-from .layer import SketchedLinear, sketch_model
+from .layer import SketchedLinear
+from .model import sketch_model
 from .norm_linear import norm_linear
 from .seeds import sketch_seed
 

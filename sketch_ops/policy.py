@@ -3,7 +3,9 @@
 Contract: `selector(include)` is the one definition of "selected layer" (`sketch_model`'s
 `include`): None selects every candidate; a sequence of `fnmatch` glob patterns matches the
 qualified name; a callable `(name, module) -> bool` decides itself; a bare string is refused
-(it would be read as a sequence of one-character patterns).
+(it would be read as a sequence of one-character patterns). `AUTO` ("auto") is the one string
+`sketch_model` takes: it needs a probe step, which `sketch_model` runs and turns into a
+callable (`model.auto_plan`); here it is refused with that hint.
 
 `ranks_for_budget(model, *, memory_budget, rows, include=None, bytes_per_value=4)`
 returns `{qualified name: R}` for the `nn.Linear` layers `include` selects (the selection rules
@@ -27,7 +29,8 @@ from collections.abc import Callable, Sequence
 
 from torch import nn
 
-Include = Sequence[str] | Callable[[str, nn.Linear], bool] | None
+AUTO = "auto"
+Include = Sequence[str] | Callable[[str, nn.Linear], bool] | None  # or AUTO, a str
 
 
 def selector(include: Include) -> Callable[[str, nn.Linear], bool]:
@@ -35,10 +38,15 @@ def selector(include: Include) -> Callable[[str, nn.Linear], bool]:
         return lambda name, module: True
     if callable(include):
         return include
+    if include == AUTO:
+        raise ValueError(
+            "include='auto' needs a probe step: call sketch_model(model, rank=R, "
+            "include='auto', probe_batch=BATCH), which resolves it"
+        )
     if isinstance(include, str):
         raise ValueError(
-            f"sketch_model: include must be a list of glob patterns, not a string ({include!r}); "
-            f"write include=[{include!r}]"
+            f"sketch_model: include must be a list of glob patterns or 'auto', not the string "
+            f"{include!r}; write include=[{include!r}]"
         )
     patterns = list(include)
     return lambda name, module: any(fnmatch.fnmatchcase(name, p) for p in patterns)

@@ -1,0 +1,141 @@
+"""`sketch_model`: swap a model's selected `nn.Linear`s for `SketchedLinear`s; `auto_plan`.
+
+Contract:
+- `sketch_model(model, *, rank, include=None, estimator="centered")` replaces `nn.Linear`
+  modules in place by `SketchedLinear`s that reuse the same `Parameter` objects (an optimizer
+  built before still points at them) and returns the replaced qualified names, in
+  `named_modules` order. `rank` is one R for every selected layer, or a mapping from qualified
+  name to R (the per-layer ranks of `policy.ranks_for_budget`); a mapping selects exactly its
+  keys, each of which must name an `nn.Linear` the selection admits. `estimator` is
+  `"centered"` (the default: it halves the gradient error on real activations,
+  benchmarks/sketch_quality.py) or `"basis"` (DESIGN.md §4 as written); see `function.py`.
+  Instead of `rank`, `memory_budget=B, rows=n` gives per-layer ranks whose sketches of an
+  n-row microbatch fit in B bytes (`policy.py`).
+  `include` selects the layers (`policy.selector`, the one definition): None = every
+  `nn.Linear`; a sequence of `fnmatch` glob patterns matched against the qualified name; a
+  callable `(name, module) -> bool`; or `"auto"`, which needs `probe_batch=` (one microbatch
+  of the model's input; `loss_fn=(model, batch) -> loss`, default the sum of the output):
+  `auto_plan` applies the structural fusions and probes one step, and only the layers whose
+  sketch frees memory are swapped. Only modules whose type is exactly `nn.Linear` are
+  candidates: already-sketched layers and subclasses (which may not call `forward`, e.g.
+  `nn.MultiheadAttention.out_proj`) are left alone.
+- `auto_plan(model, probe_batch, *, rank, loss_fn=None, estimator="centered")` patches the
+  model's structures in place (`fuse_swiglu_mlps`: a Llama-style gate/up/down MLP becomes one
+  recomputing function; `fuse_rms_norms`: an RMSNorm fused into the linears it feeds; both
+  matched by structure, values and gradients unchanged), then returns `probe.plan_sketch`'s
+  `SketchPlan` with the patched module names in `plan.fused`.
+
+Call `sketch_model` before wrapping the model in DDP/FSDP, so names have no wrapper prefix.
+Why this is not in `layer.py`: the fusions build on `SketchedLinear`, and "auto" builds on
+them, so the module that chooses layers sits above both (no import cycle).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from torch import nn
+
+from .function import check_estimator, check_rank
+from .layer import SketchedLinear
+from .policy import AUTO, Include, ranks_for_budget, selector
+from .probe import LossFn, SketchPlan, plan_sketch
+
+
+def fuse_structures(model: nn.Module) -> list[str]:
+    """Apply the structural fusions "auto" relies on; returns the patched module names."""
+    import importlib
+
+    patched: list[str] = []
+    # TODO(integration): plain imports once sketch_ops/swiglu.py and rms_norm.py are in.
+    for module, function in (("swiglu", "fuse_swiglu_mlps"), ("rms_norm", "fuse_rms_norms")):
+        try:
+            fuse = getattr(importlib.import_module(f"{__package__}.{module}"), function)
+        except ModuleNotFoundError as err:
+            if err.name != f"{__package__}.{module}":
+                raise
+            continue
+        patched += fuse(model)
+    return patched
+
+
+def auto_plan(
+    model: nn.Module,
+    probe_batch: Any,
+    *,
+    rank: int | Mapping[str, int],
+    loss_fn: LossFn | None = None,
+    estimator: str = "centered",
+) -> SketchPlan:
+    """Fuse the model's structures in place, then probe which layers to sketch."""
+    fused = fuse_structures(model)
+    plan = plan_sketch(model, probe_batch, rank=rank, loss_fn=loss_fn, estimator=estimator)
+    plan.fused = fused
+    return plan
+
+
+def sketch_model(
+    model: nn.Module,
+    *,
+    rank: int | Mapping[str, int] | None = None,
+    include: Include = None,
+    estimator: str = "centered",
+    memory_budget: int | None = None,
+    rows: int | None = None,
+    probe_batch: Any = None,
+    loss_fn: LossFn | None = None,
+) -> list[str]:
+    """Swap the selected `nn.Linear`s of `model` for `SketchedLinear`s; return their names.
+
+    Give either `rank` or `memory_budget` (bytes of sketches per microbatch of `rows` rows,
+    shared out by `policy.ranks_for_budget`). `include="auto"` needs `probe_batch`."""
+    check_estimator(estimator)
+    if (rank is None) == (memory_budget is None):
+        raise ValueError("sketch_model: give exactly one of rank= and memory_budget=")
+    if isinstance(include, str) and include == AUTO:
+        if probe_batch is None:
+            raise ValueError(
+                "sketch_model: include='auto' needs probe_batch= (one microbatch of the "
+                "model's input, e.g. token ids (batch, seq)) for its probe step"
+            )
+        # Under a memory budget the ranks come after the choice: price each sketch at R = 1.
+        include = auto_plan(model, probe_batch, rank=1 if rank is None else rank,
+                            loss_fn=loss_fn, estimator=estimator).include
+    if memory_budget is not None:
+        if rows is None:
+            raise ValueError(
+                "sketch_model: memory_budget= needs rows= (tokens per microbatch, the n of the "
+                "sketch) to turn bytes into ranks"
+            )
+        rank = ranks_for_budget(model, memory_budget=memory_budget, rows=rows, include=include)
+    assert rank is not None
+    ranks = dict(rank) if isinstance(rank, Mapping) else None  # per layer, or
+    uniform = 0 if isinstance(rank, Mapping) else rank  # one R for every layer
+    for value in ranks.values() if ranks is not None else (uniform,):
+        check_rank(value)
+    select = selector(include)
+    chosen = [
+        (name, module)
+        for name, module in model.named_modules()
+        if type(module) is nn.Linear
+        and name
+        and select(name, module)
+        and (ranks is None or name in ranks)
+    ]
+    if ranks is not None:
+        missing = sorted(set(ranks) - {name for name, _ in chosen})
+        if missing:
+            raise ValueError(
+                f"sketch_model: rank names layers that are not selectable nn.Linear modules of "
+                f"this model: {missing}; use qualified names from model.named_modules()"
+            )
+    for name, module in chosen:
+        parent_name, _, child = name.rpartition(".")
+        parent = model.get_submodule(parent_name)
+        layer_rank = ranks[name] if ranks is not None else uniform
+        sketched = SketchedLinear.from_linear(
+            module, rank=layer_rank, name=name, estimator=estimator
+        )
+        setattr(parent, child, sketched)
+    return [name for name, _ in chosen]
