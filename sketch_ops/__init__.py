@@ -22,13 +22,19 @@ from .fused import gelu_mlp
 from .layer import SketchedLinear
 from .model import sketch_model
 from .norm_linear import norm_linear
+from .rms_norm import fuse_rms_norms, rms_norm
 from .seeds import sketch_seed
+from .swiglu import fuse_swiglu_mlps, swiglu_mlp
 
 __all__ = [
     "SketchedLinear",
+    "fuse_rms_norms",
+    "fuse_swiglu_mlps",
     "gelu_mlp",
     "norm_linear",
+    "rms_norm",
     "sketch_model",
     "sketch_seed",
     "sketched_linear",
+    "swiglu_mlp",
 ]

@@ -1,0 +1,169 @@
+"""Row-blocked pieces shared by the fused MLP functions (`fused.py`, `swiglu.py`).
+
+Contract:
+- `row_blocks(n)`: the `[start, end)` ranges of at most `BLOCK_ROWS` rows that a fused
+  function walks, so that no n × hidden tensor outlives a block.
+- `layer_sketches(layers, n)`: per layer, `(rank, seed, estimator)`: its effective rank, its
+  seed for this call (`layer_seed`, drawn in the order given) and estimator for a
+  `SketchedLinear`, `(0, 0, "basis")` for a plain layer (rank 0 means an exact dW).
+- `BlockInputSketch(n, rank, seed, width, estimator, device, acc)`: `S M` and `||M||²` (and
+  M's column sums for the centred estimator) of an n × width matrix M that arrives a row block
+  at a time: `add(block_plan(start, end), rows)` per block. S is linear in the rows, so block
+  sketches add up to the whole sketch. `finish(dtype)` returns what `function.input_sketch`
+  returns: the scaled sketch M̂ (in `dtype`) and, centred, M's row mean.
+- `saved_sketch_weight_grad(dy, dy_sum, x_hat, x_mean, n, rank, seed)`: a sketched layer's
+  dW estimate from its whole output gradient and the input sketch saved in forward (what
+  `sketched_linear`'s backward computes).
+- `BlockWeightGrad(shape, rank, seed, estimator, n, device, acc)`: dW = dYᵀX of a layer whose
+  input X and output gradient dY are both at hand a row block at a time (a layer recomputed in
+  backward): exact (accumulated `dYᵀX`) for rank 0, else the BASIS estimate from the two block
+  sketches. `add(start, end, dy_rows, x_rows)` per block, then `finish(dy_sum)` with dY's
+  column sums (accumulation dtype; needed by the centred estimator only).
+
+Every result equals what the unfused `sketched_linear` / `nn.Linear` computes from the same
+seed, up to fp32 summation order (sums are accumulated in `acc`, fp32 for low precision).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from torch import nn
+
+from . import dispatch
+from .function import input_sketch, weight_grad_estimate
+from .layer import SketchedLinear
+from .seeds import SketchPlan, effective_rank, layer_seed, make_plan
+
+BLOCK_ROWS = 2048  # rows per block: bounds the temporaries to BLOCK_ROWS × hidden width
+
+
+def row_blocks(n: int) -> list[tuple[int, int]]:
+    """The row ranges `[start, end)` of at most BLOCK_ROWS rows covering n rows."""
+    return [(start, min(start + BLOCK_ROWS, n)) for start in range(0, n, BLOCK_ROWS)]
+
+
+def layer_sketches(
+    layers: Sequence[nn.Module], n: int
+) -> tuple[tuple[int, ...], tuple[int, ...], tuple[str, ...]]:
+    """`(ranks, seeds, estimators)` of `layers` for a call on n rows; 0, 0, "basis" for a plain
+    layer. Seeds are drawn in the order given: pass the layers in the composition's call order."""
+    settings = [
+        (effective_rank(layer.rank, n), layer_seed(layer.sketch_name), layer.estimator)
+        if isinstance(layer, SketchedLinear)
+        else (0, 0, "basis")
+        for layer in layers
+    ]
+    ranks, seeds, estimators = zip(*settings, strict=True)
+    return ranks, seeds, estimators
+
+
+class BlockInputSketch:
+    """The sketch of an n × width matrix accumulated a row block at a time."""
+
+    def __init__(
+        self,
+        n: int,
+        rank: int,
+        seed: int,
+        width: int,
+        estimator: str,
+        device: torch.device,
+        acc: torch.dtype,
+    ) -> None:
+        self.n, self.device = n, device
+        # The plan stays on the CPU: row_block reads the bucket sizes on the host.
+        self.plan = make_plan(n, rank, seed)
+        self.sketch = torch.zeros(self.plan.rank, width, dtype=acc, device=device)
+        self.sq_norm = torch.zeros((), dtype=acc, device=device)
+        self.row_sum = (
+            torch.zeros(width, dtype=acc, device=device) if estimator == "centered" else None
+        )
+
+    def block_plan(self, start: int, end: int) -> SketchPlan:
+        """The sketch of rows [start, end), on the data's device (share it between matrices
+        sketched with the same seed)."""
+        return self.plan.row_block(start, end).to(self.device)
+
+    def add(self, block_plan: SketchPlan, rows: torch.Tensor) -> None:
+        part, part_sq = dispatch.bucket_sum(rows, block_plan)
+        self.sketch += part
+        self.sq_norm += part_sq
+        if self.row_sum is not None:
+            self.row_sum += rows.sum(0, dtype=self.row_sum.dtype)
+
+    def finish(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """`(M̂ in dtype, M's row mean or None)`, as `function.input_sketch` returns them."""
+        hat, mean = input_sketch(
+            self.sketch, self.sq_norm, self.row_sum, self.plan.to(self.device), self.n
+        )
+        return hat.to(dtype), mean
+
+
+def saved_sketch_weight_grad(
+    dy: torch.Tensor,
+    dy_sum: torch.Tensor | None,
+    x_hat: torch.Tensor,
+    x_mean: torch.Tensor | None,
+    n: int,
+    rank: int,
+    seed: int,
+) -> torch.Tensor:
+    """A sketched layer's dW estimate (accumulation dtype) from its n-row output gradient and
+    the input sketch `BlockInputSketch.finish` gave in forward."""
+    plan = make_plan(n, rank, seed).to(dy.device)
+    dy_sketch, dy_sq = dispatch.bucket_sum(dy, plan)
+    return weight_grad_estimate(dy_sketch, dy_sq, dy_sum, x_hat, x_mean, plan, n)
+
+
+class BlockWeightGrad:
+    """dW = dYᵀX from row blocks of X and dY: exact for rank 0, else the BASIS estimate."""
+
+    def __init__(
+        self,
+        shape: torch.Size,
+        rank: int,
+        seed: int,
+        estimator: str,
+        n: int,
+        device: torch.device,
+        acc: torch.dtype,
+    ) -> None:
+        self.n, self.device = n, device
+        self.exact = (
+            torch.zeros(shape, dtype=acc, device=device) if rank == 0 else None
+        )
+        self.dy_sketch = self.x_sketch = None
+        if rank > 0:
+            out_features, in_features = shape
+            # dY's centring uses the column sums the caller passes to finish (it needs them
+            # for the bias anyway), so its block sketch skips them.
+            self.dy_sketch = BlockInputSketch(n, rank, seed, out_features, "basis", device, acc)
+            self.x_sketch = BlockInputSketch(n, rank, seed, in_features, estimator, device, acc)
+
+    def add(self, start: int, end: int, dy_rows: torch.Tensor, x_rows: torch.Tensor) -> None:
+        if self.exact is not None:
+            self.exact.addmm_(dy_rows.t().to(self.exact.dtype), x_rows.to(self.exact.dtype))
+            return
+        assert self.dy_sketch is not None and self.x_sketch is not None  # rank > 0
+        block_plan = self.x_sketch.block_plan(start, end)
+        self.dy_sketch.add(block_plan, dy_rows)
+        self.x_sketch.add(block_plan, x_rows)
+
+    def finish(self, dy_sum: torch.Tensor | None = None) -> torch.Tensor:
+        """dW in the accumulation dtype; `dy_sum` are dY's column sums over all n rows (only
+        read by a sketch with the centred estimator)."""
+        if self.exact is not None:
+            return self.exact
+        assert self.dy_sketch is not None and self.x_sketch is not None  # rank > 0
+        x_hat, x_mean = self.x_sketch.finish(self.x_sketch.sketch.dtype)
+        return weight_grad_estimate(
+            self.dy_sketch.sketch,
+            self.dy_sketch.sq_norm,
+            dy_sum,
+            x_hat,
+            x_mean,
+            self.x_sketch.plan.to(self.device),
+            self.n,
+        )
