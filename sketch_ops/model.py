@@ -23,7 +23,7 @@ Contract:
   model's structures in place (`fuse_swiglu_mlps`: a Llama-style gate/up/down MLP becomes one
   recomputing function; `fuse_rms_norms`: an RMSNorm fused into the linears it feeds; both
   matched by structure, values and gradients unchanged), then returns `probe.plan_sketch`'s
-  `SketchPlan` with the patched module names in `plan.fused`.
+  `AutoPlan` with the patched module names in `plan.fused`.
 
 Call `sketch_model` before wrapping the model in DDP/FSDP, so names have no wrapper prefix.
 Why this is not in `layer.py`: the fusions build on `SketchedLinear`, and "auto" builds on
@@ -40,7 +40,7 @@ from torch import nn
 from .function import check_estimator, check_rank
 from .layer import SketchedLinear
 from .policy import AUTO, Include, ranks_for_budget, selector
-from .probe import LossFn, SketchPlan, plan_sketch
+from .probe import AutoPlan, LossFn, plan_sketch
 
 
 def fuse_structures(model: nn.Module) -> list[str]:
@@ -67,7 +67,7 @@ def auto_plan(
     rank: int | Mapping[str, int],
     loss_fn: LossFn | None = None,
     estimator: str = "centered",
-) -> SketchPlan:
+) -> AutoPlan:
     """Fuse the model's structures in place, then probe which layers to sketch."""
     fused = fuse_structures(model)
     plan = plan_sketch(model, probe_batch, rank=rank, loss_fn=loss_fn, estimator=estimator)

@@ -1,7 +1,7 @@
 """Which linear layers' sketches free memory: probe steps over what autograd keeps.
 
 Contract: `plan_sketch(model, batch, *, rank, loss_fn=None, estimator="centered")` returns a
-`SketchPlan` for the model as it is (fusions applied or not), with one `LayerPlan` per
+`AutoPlan` for the model as it is (fusions applied or not), with one `LayerPlan` per
 candidate layer (a module whose type is exactly `nn.Linear`, what `sketch_model` swaps):
 - `"sketch"`: sketching it (with the sibling layers that read the same input) lowers the
   step's activation bytes by more than nothing: its input is kept for weight gradients alone;
@@ -67,7 +67,7 @@ class LayerPlan:
 
 
 @dataclass
-class SketchPlan:
+class AutoPlan:
     layers: list[LayerPlan] = field(default_factory=list)
     exact_bytes: int = 0  # measured by the probe: activation bytes of the step as it ran
     rows: int = 0  # rows (tokens) of the largest linear input seen
@@ -186,7 +186,7 @@ def plan_sketch(
     rank: int | Mapping[str, int],
     loss_fn: LossFn | None = None,
     estimator: str = "centered",
-) -> SketchPlan:
+) -> AutoPlan:
     """Probe `model` on `batch` and decide, per `nn.Linear`, sketch / keep / recomputed (module
     docstring). `rank` prices the sketches (a mapping: per layer, 1 for the others)."""
     loss = loss_fn or default_loss
@@ -197,7 +197,7 @@ def plan_sketch(
 
     with _state_restored(model):
         first = _trace(model, batch, loss, backward=True)
-        plan = SketchPlan(exact_bytes=first.saved_bytes,
+        plan = AutoPlan(exact_bytes=first.saved_bytes,
                           rows=max((c.rows for c in first.calls), default=0))
         groups = _groups(first.calls)
         verdict: dict[str, tuple[Decision, str]] = {}

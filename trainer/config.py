@@ -357,9 +357,10 @@ class SketchConfig:
 
     rank: int = 0
     memory_budget_mib: float = 0.0
-    # Module-name globs; [] = the built-in GPT's policy (trainer.model.SKETCH_LAYERS), or every
-    # nn.Linear of a user model.
-    include: list[str] = field(default_factory=list)
+    # Module-name globs, or "auto" (a probe step picks the layers whose sketch frees memory:
+    # sketch_ops.probe); [] = the built-in GPT's policy (trainer.model.SKETCH_LAYERS), "auto"
+    # for any other model.
+    include: list[str] | str = field(default_factory=list)
     estimator: str = "centered"  # or "basis" (sketch_ops.function)
 
     def __post_init__(self) -> None:
@@ -372,6 +373,12 @@ class SketchConfig:
             not (self.rank and self.memory_budget_mib),
             "sketch.memory_budget_mib",
             "cannot be set together with sketch.rank; set one of them (the other to 0)",
+        )
+        _require(
+            not isinstance(self.include, str) or self.include == "auto",
+            "sketch.include",
+            f'must be "auto" or a list of strings (module-name globs, e.g. '
+            f'["*.mlp.down_proj"]), got {self.include!r}',
         )
         _require(
             self.estimator in ESTIMATORS,

@@ -57,7 +57,7 @@ from trainer.parallel import (
     wrap_model,
 )
 from trainer.precision import autocast, ensure_optimizer_state, loss_scaler
-from trainer.run_dir import RunDirError, check_continuation
+from trainer.run_dir import RunDirError, check_continuation, model_config_record
 from trainer.session import Session
 
 
@@ -75,10 +75,13 @@ def loss_function(cfg: FitConfig) -> Callable[[nn.Module, torch.Tensor], torch.T
     return causal_lm_loss if cfg.model.is_hf else next_token_loss
 
 
-def build_model(cfg: FitConfig) -> nn.Module:
-    """The same initial model on every rank (seeded), with BASIS layers when sketching is on:
-    the Python API's `model_factory`, a Hugging Face model (`[model] hf_config` / `init_from`,
-    `trainer.hf`) or the built-in GPT."""
+def build_model(cfg: FitConfig, device: torch.device | None = None) -> nn.Module:
+    """The same initial model on every rank (seeded), on `device` (default: where it was
+    built), with BASIS layers when sketching is on: the Python API's `model_factory`, a Hugging
+    Face model (`[model] hf_config` / `init_from`, `trainer.hf`) or the built-in GPT. Layers
+    are chosen by `sketch.include`: the built-in GPT's default is `SKETCH_LAYERS`, any other
+    model's "auto" (`sketch_ops.probe`: one probe step on a microbatch of zeros, the same on
+    every rank, so P1 holds)."""
     torch.manual_seed(cfg.seed)
     if cfg.model_factory is not None:
         model = cfg.model_factory()
@@ -89,12 +92,16 @@ def build_model(cfg: FitConfig) -> nn.Module:
             raise FatalRunError(str(err)) from err
     else:
         model = GPT(cfg.model, seq_len=cfg.data.seq_len)
+    if device is not None:
+        model = model.to(device)
     sketch = cfg.sketch
     if sketch.enabled:
         builtin = cfg.model_factory is None and not cfg.model.is_hf
-        include = sketch.include or (SKETCH_LAYERS if builtin else None)
+        include = sketch.include or (SKETCH_LAYERS if builtin else "auto")
+        probe = probe_args(cfg, model) if include == "auto" else {}
         if sketch.rank:
-            sketch_model(model, rank=sketch.rank, include=include, estimator=sketch.estimator)
+            sketch_model(model, rank=sketch.rank, include=include, estimator=sketch.estimator,
+                         **probe)
         else:
             sketch_model(
                 model,
@@ -102,8 +109,24 @@ def build_model(cfg: FitConfig) -> nn.Module:
                 rows=cfg.data.microbatch_size * (cfg.data.seq_len - 1),  # inputs per microbatch
                 include=include,
                 estimator=sketch.estimator,
+                **probe,
             )
     return model
+
+
+def probe_args(cfg: FitConfig, model: nn.Module) -> dict[str, Any]:
+    """`sketch_model`'s probe for `include="auto"`: one microbatch of token id 0 (what is saved
+    for backward depends on shapes, not values) through the run's loss, under its autocast."""
+    device = next(model.parameters()).device
+    tokens = torch.zeros(cfg.data.microbatch_size, cfg.data.seq_len, dtype=torch.long,
+                         device=device)
+    run_loss = loss_function(cfg)
+
+    def probe_loss(model: nn.Module, batch: torch.Tensor) -> torch.Tensor:
+        with autocast(model, cfg.precision.dtype, device):
+            return run_loss(model, batch)
+
+    return {"probe_batch": tokens, "loss_fn": probe_loss}
 
 
 @dataclass
@@ -223,7 +246,7 @@ class Built:
 
 def build(cfg: FitConfig, env: WorkerEnv) -> Built:
     """Model (wrapped for DDP / FSDP2), optimizer, LR schedule and data of this rank."""
-    model = wrap_model(build_model(cfg).to(env.device), cfg.parallelism, env.device,
+    model = wrap_model(build_model(cfg, env.device), cfg.parallelism, env.device,
                        precision=cfg.precision.dtype)
     try:
         optimizer = build_optimizer(model, cfg.optim, factory=cfg.optimizer_factory)
@@ -320,7 +343,8 @@ def run_worker(cfg: FitConfig, env: WorkerEnv) -> WorkerResult:
         session = Session(
             built.model, built.optimizer, built.schedule, built.loader, scaler=built.scaler,
             snapshots=cfg.snapshots, until=env.stop_after, coordinator=env.coordinator,
-            layout=cfg.parallelism, run_info={"config": cfg.to_dict()},
+            layout=cfg.parallelism,
+            run_info={"config": cfg.to_dict(), **model_config_record(cfg)},
         )
         with session:
             if env.on_start is not None:
