@@ -1,0 +1,254 @@
+"""Restore as a group: every checksum block the group needs is read once, by one rank.
+
+Contract
+--------
+``group_read_tensors(manifest, targets, source)`` is ``restore.read_tensors`` for a rank of
+an initialised process group (gloo or NCCL; every rank calls it for the same snapshot, with
+targets planned the same way). It returns the same tensors, bitwise, but the group reads
+each byte of the snapshot that it needs once in all:
+
+* Every rank plans its reads as ``read_tensors`` would (``plan_reads``: needed ranges
+  widened to whole checksum blocks) and the ranks all-gather these block ranges (integers).
+  From them every rank computes the same plan: the blocks of each chunk that one rank needs
+  are *private* to it; blocks that several ranks need are *shared* and cut into pieces of at
+  most ``SHARE_PIECE_BYTES`` (whole blocks), each owned by the needing rank that has been
+  given the fewest bytes so far (ranks take turns, so the reading is balanced).
+* A replicated (DDP) state is needed whole by every rank: every block is shared, and each
+  rank reads about ``state / W`` and receives the rest. A sharded (FSDP2) state shares only
+  the blocks at the boundaries between two ranks' rows, so the group reads the union of
+  what the ranks need — nothing twice, however small the chunks are against the blocks.
+* Each rank reads its private blocks straight into its tensors (``read_placed``), then the
+  shared pieces are exchanged in rounds of at most ``ROUND_BYTES``: the owners read and
+  verify their pieces of the round into one round buffer (on ``group_device``: CPU for gloo,
+  CUDA for NCCL), each owner broadcasts its part, and every rank that needs a piece copies
+  its bytes into its tensor. Memory beyond the state: one round buffer (and, for NCCL, a CPU
+  staging buffer of the same size) besides ``read_placed``'s staging buffers.
+* Ops whose bytes do not land contiguously in the target (a resharded rectangle that needs
+  a non-contiguous part of a chunk) are read by their rank alone, as ``read_tensors`` does.
+* Headers: each rank checks the safetensors headers of the chunks it reads itself, so the
+  group reads the manifest's tensor bytes once plus each file's header once per rank that
+  reads from that file (at most W × the headers).
+* Agreement: a failure (checksum, missing file, storage) on one rank fails the read on every
+  rank at the same point — before the exchange, and before each round — with the failing
+  rank's own error there and a ``SnapshotIntegrityError`` / ``StorageUnavailableError`` /
+  ``RuntimeError`` saying another rank failed elsewhere; nothing is loaded, so the caller
+  (``Snapshotter.restore``) moves on to the previous snapshot on every rank together.
+  Everything is verified before it is sent: a rank only receives bytes whose owner checked
+  their crc32. Only integers and raw tensor bytes cross the process group; nothing is pickled.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+import torch
+import torch.distributed as dist
+
+from elastic.collectives import agree_max, all_gather_ints, group_device
+from elastic.errors import SnapshotIntegrityError, StorageUnavailableError
+from elastic.format import ChunkRecord, Manifest
+from elastic.layout import Target
+from elastic.read_batches import Placed, ReadOp, memory, place, read_placed, snapshot_label, verify
+from elastic.restore import ByteSource, allocate, check_coverage, check_headers, plan_reads
+
+# Shared spans are cut into pieces of at most this many bytes (whole checksum blocks), the unit
+# of balancing the reads between ranks.
+SHARE_PIECE_BYTES = 32 << 20
+# Shared pieces are exchanged in rounds of at most this many bytes (one piece larger than it,
+# when a checksum block is, is a round of its own): it bounds the exchange buffer.
+ROUND_BYTES = 64 << 20
+
+# Failure codes agreed across ranks (the maximum wins), as Snapshotter.restore ranks them.
+_OK, _CORRUPT, _UNREACHABLE, _OTHER = 0, 1, 2, 3
+
+
+@dataclass(frozen=True)
+class _Piece:
+    """Shared bytes ``[start, end)`` of chunk number ``chunk``, read by ``owner``."""
+
+    chunk: int
+    start: int
+    end: int
+    owner: int
+    needers: tuple[int, ...]
+
+
+def _chunks(manifest: Manifest) -> list[tuple[str, ChunkRecord]]:
+    """Every chunk with its tensor key, in an order all ranks agree on."""
+    return [(key, c) for key in sorted(manifest.tensors) for c in manifest.tensors[key].chunks]
+
+
+def _failure_code(err: BaseException) -> int:
+    if isinstance(err, FileNotFoundError):  # the store answered: the file is not there
+        return _CORRUPT
+    if isinstance(err, (SnapshotIntegrityError, ValueError)):
+        return _CORRUPT
+    if isinstance(err, (StorageUnavailableError, OSError)):
+        return _UNREACHABLE
+    return _OTHER
+
+
+def _settle(err: Exception | None, step: int, what: str) -> None:
+    """Every rank learns whether any rank failed ``what``; all raise together if one did."""
+    worst = agree_max(_OK if err is None else _failure_code(err))
+    if err is not None:
+        raise err
+    where = f"{snapshot_label(step)}: another rank failed while {what}"
+    if worst == _CORRUPT:
+        raise SnapshotIntegrityError(f"{where} (corrupt or missing data)")
+    if worst == _UNREACHABLE:
+        raise StorageUnavailableError(f"{where} (storage did not answer)")
+    if worst == _OTHER:
+        raise RuntimeError(f"{where}; see that rank's log")
+
+
+def group_read_tensors(manifest: Manifest, targets: dict[str, Target],
+                       source: ByteSource) -> dict[str, torch.Tensor]:
+    """Read, verify and assemble every target's local tensor with the group (see the module
+    contract). Every rank of the default process group must call it."""
+    step = manifest.step
+    err: Exception | None = None
+    try:
+        ops = plan_reads(manifest, targets)
+        local = allocate(targets, step)
+        placed = [place(op, targets[op.key], local[op.key]) for op in ops]
+        check_coverage(manifest, targets, placed)
+    except Exception as caught:  # settled with the group: no rank may wait for this one
+        err = caught
+    _settle(err, step, "planning its reads")
+
+    chunks = _chunks(manifest)
+    index = {(c.file, c.byte_range[0]): i for i, (_, c) in enumerate(chunks)}
+    direct = {index[(p.op.chunk.file, p.op.chunk.byte_range[0])]: p for p in placed if p.direct}
+    alone = [p for p in placed if not p.direct]
+    wants = all_gather_ints([x for i, p in sorted(direct.items())
+                             for x in (i, p.op.start, p.op.end)])
+    rank = dist.get_rank()
+    private, pieces = _plan(wants, manifest.block_bytes)
+
+    err = None
+    try:
+        mine = [_narrow(direct[i], start, end) for i, start, end in private.get(rank, [])]
+        owned = [p for p in pieces if p.owner == rank]
+        check_headers(manifest, [(p.op.key, p.op.chunk) for p in mine + alone]
+                      + [chunks[p.chunk] for p in owned], source)
+        read_placed(mine + alone, source, manifest)
+    except Exception as caught:
+        err = caught
+    _settle(err, step, "reading its own blocks")
+
+    for batch in _rounds(pieces):
+        _exchange(batch, chunks, direct, rank, source, manifest)
+    return {k: t.wrap(local[k].to(t.device)) for k, t in targets.items()}
+
+
+def _plan(wants: list[list[int]], block: int
+          ) -> tuple[dict[int, list[tuple[int, int, int]]], list[_Piece]]:
+    """From every rank's ``(chunk, start, end)`` triples: each rank's private ranges
+    ``{rank: [(chunk, start, end)]}`` and the shared pieces with their owners."""
+    by_chunk: dict[int, list[tuple[int, int, int]]] = {}
+    for rank, flat in enumerate(wants):
+        for i in range(0, len(flat), 3):
+            chunk, start, end = flat[i: i + 3]
+            if end > start:
+                by_chunk.setdefault(chunk, []).append((rank, start, end))
+    private: dict[int, list[tuple[int, int, int]]] = {}
+    shared: list[tuple[int, int, int, tuple[int, ...]]] = []
+    for chunk in sorted(by_chunk):
+        ranges = by_chunk[chunk]
+        cuts = sorted({x for _, start, end in ranges for x in (start, end)})
+        for a, b in zip(cuts, cuts[1:], strict=False):
+            needers = tuple(r for r, start, end in ranges if start <= a and b <= end)
+            if len(needers) == 1:
+                spans = private.setdefault(needers[0], [])
+                if spans and spans[-1][0] == chunk and spans[-1][2] == a:
+                    spans[-1] = (chunk, spans[-1][1], b)  # adjacent: one read
+                else:
+                    spans.append((chunk, a, b))
+            elif needers:
+                shared.append((chunk, a, b, needers))
+    load = [0] * len(wants)
+    for rank, spans in private.items():
+        load[rank] += sum(end - start for _, start, end in spans)
+    step = max(block, SHARE_PIECE_BYTES // block * block)
+    pieces: list[_Piece] = []
+    for chunk, a, b, needers in shared:
+        for start in range(a, b, step):
+            end = min(b, start + step)
+            owner = min(needers, key=lambda r: (load[r], r))
+            load[owner] += end - start
+            pieces.append(_Piece(chunk, start, end, owner, needers))
+    return private, pieces
+
+
+def _narrow(p: Placed, start: int, end: int) -> Placed:
+    """The part of direct op ``p`` that reads bytes ``[start, end)`` (whole blocks)."""
+    op = p.op
+    need0, need1 = max(op.need0, start), min(op.need1, end)
+    flat = p.dst.reshape(-1).view(torch.uint8)
+    dst = flat[need0 - op.need0: max(need0, need1) - op.need0]
+    return Placed(replace(op, start=start, end=end, need0=need0, need1=max(need0, need1)),
+                  dst, tuple(dst.shape), True)
+
+
+def _rounds(pieces: list[_Piece]) -> list[list[_Piece]]:
+    rounds: list[list[_Piece]] = []
+    size = ROUND_BYTES
+    for piece in pieces:
+        if size + piece.end - piece.start > ROUND_BYTES:
+            rounds.append([])
+            size = 0
+        rounds[-1].append(piece)
+        size += piece.end - piece.start
+    return rounds
+
+
+def _exchange(batch: list[_Piece], chunks: list[tuple[str, ChunkRecord]],
+              direct: dict[int, Placed], rank: int, source: ByteSource,
+              manifest: Manifest) -> None:
+    """One round: owners read and verify their pieces, all agree, each owner broadcasts its
+    part of the round buffer, and every rank that needs a piece copies it into its tensor."""
+    batch = sorted(batch, key=lambda p: p.owner)  # each owner's pieces are one broadcast
+    offsets, total = [], 0
+    for piece in batch:
+        offsets.append(total)
+        total += piece.end - piece.start
+    device = group_device()
+    host = torch.empty(total, dtype=torch.uint8)
+    err: Exception | None = None
+    try:
+        reads, ops = [], []
+        for piece, off in zip(batch, offsets, strict=True):
+            if piece.owner != rank:
+                continue
+            key, chunk = chunks[piece.chunk]
+            view = memory(host[off: off + piece.end - piece.start])
+            reads.append((chunk.file, piece.start, [view]))
+            ops.append((ReadOp(key, chunk, piece.start, piece.end, (), (), True,
+                               piece.start, piece.end), view))
+        source.read_into(reads)
+        for op, view in ops:
+            verify(op, [view], manifest.block_bytes, manifest.step)
+    except Exception as caught:
+        err = caught
+    _settle(err, manifest.step, "reading the blocks it shares")
+    buffer = host if device.type == "cpu" else host.to(device)
+    i = 0
+    while i < len(batch):  # one broadcast per owner, of its consecutive pieces
+        j = i
+        while j < len(batch) and batch[j].owner == batch[i].owner:
+            j += 1
+        end = offsets[j - 1] + batch[j - 1].end - batch[j - 1].start
+        dist.broadcast(buffer[offsets[i]: end], src=batch[i].owner)
+        i = j
+    if buffer is not host:
+        host.copy_(buffer)
+    for piece, off in zip(batch, offsets, strict=True):
+        if rank not in piece.needers:
+            continue
+        p = direct[piece.chunk]
+        lo, hi = max(p.op.need0, piece.start), min(p.op.need1, piece.end)
+        if hi > lo:
+            flat = p.dst.reshape(-1).view(torch.uint8)
+            flat[lo - p.op.need0: hi - p.op.need0].copy_(
+                host[off + lo - piece.start: off + hi - piece.start])
