@@ -26,6 +26,7 @@ _COMMAND_GROUPS: tuple[str, ...] = (
     "elastic.cli",  # baton snapshots ls|show|verify|export
     "trainer.fit_cli",  # baton fit|report|demo
     "trainer.runs",  # baton runs ls
+    "trainer.sketch_plan",  # baton sketch-plan
 )
 
 

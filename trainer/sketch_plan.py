@@ -1,0 +1,195 @@
+"""`baton sketch-plan RECIPE`: what `sketch.include = "auto"` sketches in a recipe's model, and
+what that does to the activation memory of one step (registered into `trainer.cli`).
+
+Contract: builds the recipe's model on CPU (no Ray, no dataset read: token id 0 stands in for
+data, since what autograd saves depends on shapes only), exactly as a run builds it before
+sketching (`trainer.loop.build_model`, seeded), and measures one training step of it through
+the run's loss on a microbatch of `--rows` tokens (default: `data.microbatch_size ×
+data.seq_len`). Then it applies "auto" (`sketch_ops.model.auto_plan`: the structural fusions,
+then the probe), prints one row per linear layer (sketched / recomputed / kept, its input's
+bytes, the bytes its sketch frees, why) and the activation bytes of exact backprop, the
+prediction for the plan and the plan as measured (`sketch_ops.memory.saved_bytes` on one step
+of the sketched model), with their ratios. R is `sketch.rank`, else `--rank`; a recipe with
+`sketch.memory_budget_mib` gets its per-layer ranks from the budget (the probe prices each
+sketch at R = 1). `--set KEY=VALUE` overrides the recipe as in `baton fit`. A bad recipe, a
+missing extra or a bad flag is one line on stderr, exit 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import sys
+from typing import Any
+
+import torch
+from torch import nn
+
+from trainer.cli import one_line
+from trainer.config import ConfigError, FitConfig, load_recipe
+
+MIB = 2**20
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    plan = subparsers.add_parser(
+        "sketch-plan", help='which layers sketch.include = "auto" sketches, and the memory it '
+                            "saves (CPU, one step)")
+    plan.add_argument("recipe", help="TOML recipe, e.g. recipes/llama-tiny.toml")
+    plan.add_argument("--rows", type=int, metavar="N",
+                      help="tokens per microbatch to probe (default: data.microbatch_size x "
+                           "data.seq_len)")
+    plan.add_argument("--rank", type=int, metavar="R",
+                      help="sketch rank when the recipe sets none (sketch.rank wins)")
+    plan.add_argument("--set", dest="overrides", action="append", default=[],
+                      metavar="KEY=VALUE", help="override a recipe value, e.g. sketch.rank=64")
+    plan.set_defaults(func=_cmd_sketch_plan)
+
+
+def _fail(message: str) -> int:
+    print(f"error: {one_line(message)}", file=sys.stderr)
+    return 2
+
+
+def _cmd_sketch_plan(args: argparse.Namespace) -> int:
+    from elastic.errors import FatalRunError
+
+    try:
+        # The run directory is never touched here; the recipe just must be complete.
+        cfg = load_recipe(args.recipe, ['snapshots.run_uri="sketch-plan"', *args.overrides])
+        batch = _probe_tokens(cfg, args.rows)
+        rank = _rank(cfg, args.rank)
+        report = plan_and_measure(cfg, batch, rank)
+    except (ConfigError, FatalRunError, ValueError, OSError) as err:
+        return _fail(str(err))
+    print_report(report)
+    return 0
+
+
+def _probe_tokens(cfg: FitConfig, rows: int | None) -> torch.Tensor:
+    """A microbatch of token id 0: `rows` tokens as sequences of at most `data.seq_len`."""
+    seq = cfg.data.seq_len
+    if rows is None:
+        return torch.zeros(cfg.data.microbatch_size, seq, dtype=torch.long)
+    if rows < 2:
+        raise ValueError(f"--rows {rows}: must be >= 2 (tokens per microbatch)")
+    if rows <= seq:
+        return torch.zeros(1, rows, dtype=torch.long)
+    if rows % seq:
+        raise ValueError(f"--rows {rows}: must be at most data.seq_len ({seq}) or a multiple "
+                         f"of it (whole sequences), e.g. {rows // seq * seq}")
+    return torch.zeros(rows // seq, seq, dtype=torch.long)
+
+
+def _rank(cfg: FitConfig, flag: int | None) -> int | None:
+    """One R for every layer, or None when the recipe's memory budget sets the ranks."""
+    if cfg.sketch.rank:
+        return cfg.sketch.rank
+    if cfg.sketch.memory_budget_mib:
+        return None
+    if flag is None:
+        raise ValueError("sketch.rank: the recipe does not sketch (rank 0, no memory budget); "
+                         "pass --rank R or --set sketch.rank=R")
+    if flag < 1:
+        raise ValueError(f"--rank {flag}: must be >= 1")
+    return flag
+
+
+@dataclasses.dataclass
+class PlanReport:
+    plan: Any  # sketch_ops.probe.AutoPlan
+    rows: int
+    ranks: dict[str, int]  # the sketched layers' R
+    exact_bytes: int  # the model as built (no fusions, no sketches), measured
+    measured_bytes: int  # the model with the plan applied, measured
+    recipe_layers: list[str] | None  # what the recipe's own include selects, when not auto
+
+
+def plan_and_measure(cfg: FitConfig, batch: torch.Tensor, rank: int | None) -> PlanReport:
+    """Build the recipe's model, measure exact backprop, apply "auto", measure again."""
+    from sketch_ops import SketchedLinear, sketch_model, sketch_seed
+    from sketch_ops.memory import saved_bytes
+    from sketch_ops.model import auto_plan
+    from sketch_ops.policy import selector
+    from trainer.loop import build_model, loss_function
+    from trainer.model import SKETCH_LAYERS
+
+    exact_cfg = dataclasses.replace(cfg, sketch=dataclasses.replace(
+        cfg.sketch, rank=0, memory_budget_mib=0.0))
+    model = build_model(exact_cfg)
+    loss = loss_function(cfg)
+
+    def step(model: nn.Module) -> torch.Tensor:
+        return loss(model, batch)
+
+    recipe_layers = None
+    include = cfg.sketch.include or (SKETCH_LAYERS if not cfg.model.is_hf else "auto")
+    if include != "auto":
+        select = selector(include)
+        recipe_layers = [n for n, m in model.named_modules()
+                         if type(m) is nn.Linear and n and select(n, m)]
+    exact = saved_bytes(lambda: step(model), model)
+    plan = auto_plan(model, batch, rank=1 if rank is None else rank, loss_fn=loss,
+                     estimator=cfg.sketch.estimator)
+    if rank is not None:
+        sketch_model(model, rank=rank, include=plan.include, estimator=cfg.sketch.estimator)
+    elif plan.sketched:
+        sketch_model(model, memory_budget=int(cfg.sketch.memory_budget_mib * MIB),
+                     rows=plan.rows, include=plan.include, estimator=cfg.sketch.estimator)
+    ranks = {name: module.rank for name, module in model.named_modules()
+             if isinstance(module, SketchedLinear)}
+    with sketch_seed(cfg.seed, 0):
+        measured = saved_bytes(lambda: step(model), model)
+    return PlanReport(plan, int(batch.numel()), ranks, exact, measured, recipe_layers)
+
+
+def print_report(report: PlanReport) -> None:
+    plan = report.plan
+    word = {"sketch": "sketched", "keep": "kept", "recomputed": "recomputed"}
+    rows = [(layer.name, f"{layer.in_features}->{layer.out_features}", word[layer.decision],
+             f"{report.ranks[layer.name]}" if layer.name in report.ranks else "-",
+             _size(layer.input_bytes), _size(layer.freed_bytes) if layer.freed_bytes else "-",
+             layer.reason) for layer in plan.layers]
+    header = ("layer", "in->out", "decision", "R", "input", "freed", "why")
+    widths = [max(len(h), *(len(r[i]) for r in rows)) if rows else len(h)
+              for i, h in enumerate(header)]
+    print(f"sketch plan (include = \"auto\"), {report.rows} tokens per microbatch")
+    if plan.fused:
+        print(f"fused first: {len(plan.fused)} modules ({_summarise(plan.fused)})")
+    for row in (header, *rows):
+        print("  ".join(cell.ljust(width) if i in (0, 1, 2, 6) else cell.rjust(width)
+                        for i, (cell, width) in enumerate(zip(row, widths, strict=True))).rstrip())
+    counts = {w: sum(1 for layer in plan.layers if word[layer.decision] == w)
+              for w in word.values()}
+    print(", ".join(f"{n} {w}" for w, n in counts.items()))
+    exact = report.exact_bytes
+    print(f"activation bytes per microbatch: exact {_mib(exact)} MiB (as built), "
+          f"{_mib(plan.exact_bytes)} MiB with the fusions")
+    print(f"planned: predicted {_mib(plan.predicted_bytes)} MiB "
+          f"({plan.predicted_bytes / exact:.2f}x exact), measured {_mib(report.measured_bytes)} "
+          f"MiB ({report.measured_bytes / exact:.2f}x exact); measured / predicted "
+          f"{report.measured_bytes / max(1, plan.predicted_bytes):.2f}")
+    if report.recipe_layers is not None and sorted(report.recipe_layers) != sorted(plan.sketched):
+        print(f"note: the recipe's sketch.include selects {len(report.recipe_layers)} other "
+              f"layer(s) ({_summarise(report.recipe_layers)}); set sketch.include = \"auto\" "
+              "for this plan")
+
+
+def _mib(n: int) -> str:
+    return f"{n / MIB:.2f}"
+
+
+def _size(n: int) -> str:
+    """Bytes in KiB or MiB, whichever reads better."""
+    return f"{n / MIB:.2f} MiB" if abs(n) >= MIB else f"{n / 1024:.1f} KiB"
+
+
+def _summarise(names: list[str]) -> str:
+    """Names with block indices folded: model.layers.#.mlp x4."""
+    import re
+
+    folded: dict[str, int] = {}
+    for name in names:
+        key = re.sub(r"\.\d+\.", ".#.", name)
+        folded[key] = folded.get(key, 0) + 1
+    return ", ".join(k if n == 1 else f"{k} x{n}" for k, n in folded.items())
