@@ -274,3 +274,41 @@ def test_a_model_vocabulary_smaller_than_the_datasets_is_refused(tmp_path: Path,
     cfg = load_recipe(RECIPE, _overrides(tmp_path / "run", tiny_dataset, config,
                                          "model.vocab_size=256"))
     assert build_model(cfg).get_input_embeddings().weight.shape[0] == 256
+
+
+def test_continuing_with_another_model_config_is_refused(tmp_path: Path, tiny_dataset: str,
+                                                         capsys: pytest.CaptureFixture[str]
+                                                         ) -> None:
+    """run.json records the model's config.json content: a continued run whose
+    `model.hf_config` holds other content (here a change no tensor shape shows), or that
+    switches to the built-in GPT, is refused before Ray starts (and by the workers) in one
+    line naming the field and the fix; the same content under another path continues."""
+    from trainer.loop import refuse_other_run
+    from trainer.run_dir import RunDirError, check_run_dir, dataset_fingerprint
+
+    config = write_config(tmp_path / "llama", "llama", vocab_size=256)
+    run = tmp_path / "run"
+    _run(tmp_path, _overrides(run, tiny_dataset, config, "eval.every=0"), 1, stop_after=2)
+    recorded = SnapshotStore(str(run)).read_run_json()["hf_model_config"]
+    assert recorded == json.loads(config.read_text())
+    copied = write_config(tmp_path / "elsewhere", "llama", vocab_size=256)  # same content
+    assert check_run_dir(load_recipe(RECIPE, _overrides(run, tiny_dataset, copied))) == 2
+
+    changed = {**recorded, "rms_norm_eps": 1e-3}
+    (tmp_path / "elsewhere" / "config.json").write_text(json.dumps(changed))
+    cfg = load_recipe(RECIPE, _overrides(run, tiny_dataset, copied))
+    with pytest.raises(RunDirError) as err:
+        check_run_dir(cfg)
+    line = str(err.value)
+    assert line.startswith("model.hf_config: ") and "\n" not in line, line
+    assert "rms_norm_eps = 1e-06" in line and "has 0.001" in line and "--from" in line, line
+    with pytest.raises(FatalRunError, match="^model.hf_config: .*rms_norm_eps"):
+        refuse_other_run(cfg, dataset_fingerprint(tiny_dataset) or "")
+    _one_line(capsys, ["fit", str(RECIPE), "--run-dir", str(run), "--set",
+                       f'data.uri="{tiny_dataset}"', "--set", f"steps={STEPS}", "--set",
+                       f'model.hf_config="{copied}"'], 2, "model.hf_config", "rms_norm_eps")
+    builtin = load_recipe(RECIPE, _overrides(run, tiny_dataset, None, 'model.hf_config=""'))
+    with pytest.raises(RunDirError, match="^model.hf_config: .* a Hugging Face model "
+                                          '\\(model_type "llama"\\), this recipe builds the '
+                                          "built-in GPT"):
+        check_run_dir(builtin)

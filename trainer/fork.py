@@ -56,6 +56,7 @@ from trainer.run_dir import (
     TENSOR_SHAPE_FIELDS,
     RunDirError,
     dataset_fingerprint,
+    model_config_record,
     shape_value,
     with_dataset_vocab,
 )
@@ -311,7 +312,8 @@ def make_fork(plan: ForkPlan, cfg: FitConfig) -> ForkResult:
         written.append(path)
         path = target.path("run.json")
         target.write_json(path, {**_run_info(library_versions()), "config": data_cfg.to_dict(),
-                                 "parent": parent}, exclusive=True)
+                                 **model_config_record(data_cfg), "parent": parent},
+                          exclusive=True)
         written.append(path)
         target.write_manifest(dataclasses.replace(plan.manifest, state=state), exclusive=True)
     except BaseException:

@@ -17,7 +17,13 @@ Contract:
   the fix names `--reschedule`). Saved values
   come from `run.json`'s `config` (written by the run's first session; the fixed fields never
   change after), the session log for the schedule (`trainer.session_log.saved_schedule`) and
-  the newest committed manifest's data cursor. What cannot be read is not held against the
+  the newest committed manifest's data cursor. A Hugging Face model's config is part of
+  the model: `run.json` records its `config.json` object (`model_config_record`, key
+  `hf_model_config`), and a continued run whose `model.hf_config` / `model.init_from` holds
+  other content (wherever the file now lives), or that switches between a Hugging Face model
+  and the built-in GPT, is refused naming the field and the first key that differs; the fix
+  is to restore the file or to fork into a new run directory (`baton fit --from`), whose own
+  checks compare tensor shapes. What cannot be read is not held against the
   recipe (doubt never refuses). The driver runs it before Ray starts and every worker's rank 0
   runs it again (`trainer.loop`), so the two refuse exactly the same recipes (a schedule
   change the driver accepted is in the session log before the workers start).
@@ -51,7 +57,7 @@ from typing import Any
 
 from elastic.storage_io import Storage
 from elastic.store import SnapshotStore
-from trainer.config import ConfigError, FitConfig
+from trainer.config import ConfigError, FitConfig, hf_source_field, raw_hf_config
 from trainer.optim import optimizer_change
 from trainer.session_log import saved_schedule, schedule_changes
 
@@ -64,6 +70,10 @@ TENSOR_SHAPE_FIELDS = (
 # the data cursor carries, and the sketches). The schedule may change only when asked
 # (`reschedule`); other fields (global_batch, workers, parallelism, ...) freely.
 _FIXED_FIELDS = ("seed", *TENSOR_SHAPE_FIELDS)
+
+
+# run.json's key for a Hugging Face model's config.json object (`model_config_record`).
+HF_MODEL_CONFIG_KEY = "hf_model_config"
 
 
 class RunDirError(ValueError):
@@ -162,6 +172,7 @@ def check_continuation(cfg: FitConfig, *, fingerprint: str | None,
                 f"{name} = {json.dumps(saved)}, this recipe asks for {json.dumps(new)}; a "
                 f"continued run cannot change it. {fix} (--set {name}={json.dumps(saved)})"
             )
+    _refuse_model_config_change(cfg, run_json)
     change = optimizer_change(saved_config, cfg)
     if change is not None:
         name, saved, new = change
@@ -184,6 +195,62 @@ def check_continuation(cfg: FitConfig, *, fingerprint: str | None,
         )
     if not reschedule:
         _refuse_schedule_change(cfg, store, max(committed), run_json)
+
+
+def model_config_record(cfg: FitConfig) -> dict[str, Any]:
+    """What `run.json` records of the model beyond the recipe: a Hugging Face model's
+    `config.json` object under `HF_MODEL_CONFIG_KEY` (the file's content, not its path, which
+    may differ between machines); `{}` for the built-in GPT or a `model_factory`."""
+    if cfg.model_factory is not None or not cfg.model.is_hf:
+        return {}
+    field_name, path = hf_source_field(cfg.model.hf_config, cfg.model.init_from)
+    return {HF_MODEL_CONFIG_KEY: raw_hf_config(path, field_name)}
+
+
+def _refuse_model_config_change(cfg: FitConfig, run_json: dict[str, Any]) -> None:
+    """A continued run keeps its Hugging Face model config (module docstring)."""
+    if cfg.model_factory is not None:
+        return
+    run_uri = cfg.snapshots.run_uri
+    saved = run_json.get(HF_MODEL_CONFIG_KEY)
+    saved_model = _field(run_json.get("config", {}), "model")
+    saved_builtin = (isinstance(saved_model, dict) and saved_model.get("hf_config") == ""
+                     and saved_model.get("init_from") == ""
+                     and _field(run_json.get("config", {}), "model_factory") is None)
+    fix = (f"Restore the model's config, or fork the run into a new run directory "
+           f"(baton fit RECIPE --from {run_uri} --run-dir NEW_DIR).")
+    if not cfg.model.is_hf:
+        if isinstance(saved, dict):
+            raise RunDirError(
+                f"model.hf_config: {run_uri} holds a run of a Hugging Face model "
+                f"(model_type {json.dumps(saved.get('model_type'))}), this recipe builds the "
+                f"built-in GPT; a continued run cannot change its model. {fix}")
+        return
+    field_name, path = hf_source_field(cfg.model.hf_config, cfg.model.init_from)
+    if saved_builtin:
+        raise RunDirError(
+            f"{field_name}: {run_uri} holds a run of the built-in GPT, this recipe builds the "
+            f"Hugging Face model of {path}; a continued run cannot change its model. {fix}")
+    if not isinstance(saved, dict):
+        return  # a run.json from before this record: nothing to compare with
+    try:
+        new = raw_hf_config(path, field_name)
+    except ConfigError:
+        return  # the recipe's own checks report an unreadable config
+    if new == saved:
+        return
+    key = next(k for k in sorted({*saved, *new})
+               if saved.get(k, _MISSING) != new.get(k, _MISSING))
+    raise RunDirError(
+        f"{field_name}: {run_uri} holds a run of another model config: it was made with "
+        f"{key} = {_brief(saved, key)} in its config.json, {path} has {_brief(new, key)}; a "
+        f"continued run cannot change the model's config. {fix}")
+
+
+def _brief(config: dict[str, Any], key: str, limit: int = 60) -> str:
+    """`config[key]` for a one-line message (`absent` when the key is not there)."""
+    text = json.dumps(config[key]) if key in config else "absent"
+    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 def _refuse_schedule_change(cfg: FitConfig, store: SnapshotStore, step: int,
