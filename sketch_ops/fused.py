@@ -13,7 +13,7 @@ fc is plain (`norm_linear`).
 Why: the MLP's largest activations are its 4d-wide hidden tensors: GELU saves its input, and
 proj keeps GELU's output for its weight gradient. Once proj is sketched, only GELU's input is
 still needed, and the fused function recomputes it instead: it walks the rows in blocks of
-`BLOCK_ROWS`. Forward, per block: norm, fc, GELU, proj, and the block's part of proj's input
+`blocked.BLOCK_ROWS`. Forward, per block: norm, fc, GELU, proj, and the block's part of proj's input
 sketch (S is linear in the rows, so block sketches add up). Saved: x (n × d; the norm's input,
 which a LayerNorm keeps anyway), proj's R × 4d sketch (plus the hidden row mean for the centred
 estimator) and the two seeds. Backward, per block: recompute the norm and fc's output, the hidden
@@ -42,23 +42,17 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from . import dispatch, reference
-from .function import (
-    autocast_inputs,
-    input_sketch,
-    needs_sketch,
-    validate,
-    weight_grad_estimate,
+from . import reference
+from .blocked import (
+    BlockInputSketch,
+    BlockWeightGrad,
+    layer_sketches,
+    row_blocks,
+    saved_sketch_weight_grad,
 )
+from .function import autocast_inputs, needs_sketch, validate
 from .layer import SketchedLinear
 from .norm_linear import fusable_norm, layer_norm_rows, layer_norm_rows_backward, norm_linear
-from .seeds import effective_rank, layer_seed, make_plan
-
-BLOCK_ROWS = 2048  # rows per block: bounds the temporaries to BLOCK_ROWS × hidden width
-
-
-def _blocks(n: int) -> list[tuple[int, int]]:
-    return [(start, min(start + BLOCK_ROWS, n)) for start in range(0, n, BLOCK_ROWS)]
 
 
 class _GeluMlpFn(torch.autograd.Function):
@@ -82,32 +76,23 @@ class _GeluMlpFn(torch.autograd.Function):
         n = x2d.shape[0]
         out = torch.empty(n, w2.shape[0], dtype=x2d.dtype, device=x2d.device)
         acc = reference.acc_dtype(x2d.dtype)
-        proj_sketched = ranks[1] > 0
-        if proj_sketched:
-            plan2 = make_plan(n, ranks[1], seeds[1])
-            sketch = torch.zeros(plan2.rank, w2.shape[1], dtype=acc, device=x2d.device)
-            sq_norm = torch.zeros((), dtype=sketch.dtype, device=x2d.device)
-            hidden_sum = torch.zeros(w2.shape[1], dtype=acc, device=x2d.device)
-        for start, end in _blocks(n):
+        proj_sketch = (
+            BlockInputSketch(n, ranks[1], seeds[1], w2.shape[1], estimators[1], x2d.device, acc)
+            if ranks[1] > 0
+            else None
+        )
+        for start, end in row_blocks(n):
             rows = x2d[start:end]
             if eps is not None:
                 rows = layer_norm_rows(rows, norm_w, norm_b, eps)[0]
             hidden = torch.ops.aten.gelu_(F.linear(rows, w1, b1))  # no graph here
             del rows
             out[start:end] = F.linear(hidden, w2, b2)
-            if proj_sketched:
-                block_plan = plan2.row_block(start, end).to(x2d.device)
-                part, part_sq = dispatch.bucket_sum(hidden, block_plan)
-                sketch += part
-                sq_norm += part_sq
-                hidden_sum += hidden.sum(0, dtype=acc)
+            if proj_sketch is not None:
+                proj_sketch.add(proj_sketch.block_plan(start, end), hidden)
         hidden_hat = hidden_mean = None
-        if proj_sketched:
-            centred_sum = hidden_sum if estimators[1] == "centered" else None
-            hidden_hat, hidden_mean = input_sketch(
-                sketch, sq_norm, centred_sum, plan2.to(x2d.device), n
-            )
-            hidden_hat = hidden_hat.to(x2d.dtype)
+        if proj_sketch is not None:
+            hidden_hat, hidden_mean = proj_sketch.finish(x2d.dtype)
         # Seeds as a saved tensor: under activation checkpointing they then come from the
         # recompute together with the sketch (see function.py).
         seeds_t = torch.tensor(seeds, dtype=torch.int64)
@@ -123,19 +108,22 @@ class _GeluMlpFn(torch.autograd.Function):
         need_dx, need_dnw, need_dnb, need_dw1, need_db1, need_dw2, need_db2 = (
             ctx.needs_input_grad[:7]
         )
-        n, acc, eps = x2d.shape[0], reference.acc_dtype(dy.dtype), ctx.eps
+        n, acc, eps, device = x2d.shape[0], reference.acc_dtype(dy.dtype), ctx.eps, dy.device
         seed1, seed2 = (int(s) for s in seeds_t)
-        fc_exact, proj_exact = ctx.ranks[0] == 0, ctx.ranks[1] == 0
+        (rank1, rank2), (estimator1, _) = ctx.ranks, ctx.estimators
         dw2 = db2 = None
         dy_sum = None  # column sums of dY: db2, and μdy when centred; one pass for both
         if need_db2 or (need_dw2 and hidden_mean is not None):
             dy_sum = dy.sum(0, dtype=acc)
-        if need_dw2 and not proj_exact:
-            plan2 = make_plan(n, ctx.ranks[1], seed2).to(dy.device)
-            dy_sketch, dy_sq = dispatch.bucket_sum(dy, plan2)
-            dw2 = weight_grad_estimate(dy_sketch, dy_sq, dy_sum, hidden_hat, hidden_mean, plan2, n)
-        elif need_dw2:
-            dw2 = torch.zeros(w2.shape, dtype=acc, device=dy.device)
+        if need_dw2 and rank2 > 0:
+            assert hidden_hat is not None  # saved in forward whenever proj is sketched
+            dw2 = saved_sketch_weight_grad(dy, dy_sum, hidden_hat, hidden_mean, n, rank2, seed2)
+        # proj's exact dW from the recomputed hidden rows (recompute with a plain proj).
+        proj_exact = (
+            BlockWeightGrad(w2.shape, 0, 0, "basis", n, device, acc)
+            if need_dw2 and rank2 == 0
+            else None
+        )
         if need_db2:
             assert dy_sum is not None  # computed above whenever db2 is needed
             db2 = dy_sum.to(dy.dtype)
@@ -145,23 +133,20 @@ class _GeluMlpFn(torch.autograd.Function):
         dnb = torch.zeros_like(norm_b, dtype=acc) if need_dnb and norm_b is not None else None
         # fc's dW: exact when fc is plain — its input is recomputed anyway, so an exact dW costs
         # no memory, only the n-row matmul; otherwise its BASIS sketch, built block by block.
-        plan1 = make_plan(n, ctx.ranks[0], seed1) if need_dw1 and not fc_exact else None
-        dw1 = torch.zeros(w1.shape, dtype=acc, device=dy.device) if need_dw1 and fc_exact else None
+        fc_grad = (
+            BlockWeightGrad(w1.shape, rank1, seed1, estimator1, n, device, acc)
+            if need_dw1
+            else None
+        )
         dh_sum = torch.zeros(w1.shape[0], dtype=acc, device=dy.device)
-        if plan1 is not None:
-            dh_sketch = torch.zeros(plan1.rank, w1.shape[0], dtype=acc, device=dy.device)
-            x_sketch = torch.zeros(plan1.rank, w1.shape[1], dtype=acc, device=dy.device)
-            dh_sq = torch.zeros((), dtype=acc, device=dy.device)
-            x_sq = torch.zeros((), dtype=acc, device=dy.device)
-            x_sum = torch.zeros(w1.shape[1], dtype=acc, device=dy.device)
-        for start, end in _blocks(n):
+        for start, end in row_blocks(n):
             raw = x2d[start:end]
             rows, mean, rstd = (
                 (raw, raw, raw) if eps is None else layer_norm_rows(raw, norm_w, norm_b, eps)
             )
             pre = F.linear(rows, w1, b1)
-            if dw2 is not None and proj_exact:
-                dw2.addmm_(dy[start:end].t().to(acc), F.gelu(pre).to(acc))
+            if proj_exact is not None:
+                proj_exact.add(start, end, dy[start:end], F.gelu(pre))
             dh = torch.ops.aten.gelu_backward(dy[start:end] @ w2, pre)
             del pre
             if need_rows_grad:
@@ -181,21 +166,11 @@ class _GeluMlpFn(torch.autograd.Function):
                         dnb += part_dnb
                 del drows
             dh_sum += dh.sum(0, dtype=acc)
-            if dw1 is not None:
-                dw1.addmm_(dh.t().to(acc), rows.to(acc))
-            if plan1 is not None:
-                block_plan = plan1.row_block(start, end).to(dy.device)
-                for target, target_sq, mat in ((dh_sketch, dh_sq, dh), (x_sketch, x_sq, rows)):
-                    part, part_sq = dispatch.bucket_sum(mat, block_plan)
-                    target += part
-                    target_sq += part_sq
-                x_sum += rows.sum(0, dtype=acc)
-        if plan1 is not None:
-            plan1 = plan1.to(dy.device)
-            centred_sum = x_sum if ctx.estimators[0] == "centered" else None
-            x_hat, x_mean = input_sketch(x_sketch, x_sq, centred_sum, plan1, n)
-            dw1 = weight_grad_estimate(dh_sketch, dh_sq, dh_sum, x_hat, x_mean, plan1, n)
-        dw1 = None if dw1 is None else dw1.to(w1.dtype)
+            if fc_grad is not None:
+                fc_grad.add(start, end, dh, rows)
+        if proj_exact is not None:
+            dw2 = proj_exact.finish()
+        dw1 = None if fc_grad is None else fc_grad.finish(dh_sum).to(w1.dtype)
         dw2 = None if dw2 is None else dw2.to(w2.dtype)
         db1 = dh_sum.to(dy.dtype) if need_db1 else None
         dnw = None if dnw is None else dnw.to(norm_w.dtype)
@@ -240,13 +215,8 @@ def gelu_mlp(
     _, w2, b2 = autocast_inputs(x, proj.weight, proj.bias)
     lead = x.shape[:-1]
     x2d = x.reshape(-1, x.shape[-1])
-    n = x2d.shape[0]
     # Per layer (fc, proj): rank 0, seed 0 and "basis" for a plain layer (exact dW).
-    ranks, seeds, estimators = zip(*(
-        (effective_rank(layer.rank, n), layer_seed(layer.sketch_name), layer.estimator)
-        if isinstance(layer, SketchedLinear) else (0, 0, "basis")
-        for layer in (fc, proj)
-    ), strict=True)
+    ranks, seeds, estimators = layer_sketches((fc, proj), x2d.shape[0])
     eps = None if inner is None else inner.eps
     with torch.autocast(x.device.type, enabled=False):
         out = _GeluMlpFn.apply(

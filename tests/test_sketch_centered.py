@@ -147,9 +147,9 @@ def test_centred_layer_saves_the_sketch_and_the_row_mean() -> None:
 def test_fused_mlp_equals_the_unfused_composition(
     monkeypatch: pytest.MonkeyPatch, fc_kind: str, estimator: str
 ) -> None:
-    from sketch_ops import fused
+    from sketch_ops import blocked
 
-    monkeypatch.setattr(fused, "BLOCK_ROWS", 7)  # several row blocks, a ragged last one
+    monkeypatch.setattr(blocked, "BLOCK_ROWS", 7)  # several row blocks, a ragged last one
     torch.manual_seed(0)
     if fc_kind == "sketched":
         fc: nn.Linear = SketchedLinear(16, 40, rank=5, name="fc", estimator=estimator)

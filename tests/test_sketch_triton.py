@@ -58,9 +58,9 @@ CHECKS = textwrap.dedent(
 
     # The whole layer and the fused MLP through the kernels equal the reference path.
     import os
-    from sketch_ops import SketchedLinear, fused, gelu_mlp, sketch_seed
+    from sketch_ops import SketchedLinear, blocked, gelu_mlp, sketch_seed
 
-    fused.BLOCK_ROWS = 16  # several row blocks
+    blocked.BLOCK_ROWS = 16  # several row blocks
     fc, proj = SketchedLinear(24, 40, rank=6, name="fc"), SketchedLinear(40, 24, rank=5, name="p")
     x = torch.randn(3, 20, 24, requires_grad=True)
     g = torch.randn(3, 20, 24)
