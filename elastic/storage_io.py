@@ -69,7 +69,8 @@ and ``path(*parts)`` joins under it; every method takes such a path (URIs stay `
   fsspec does not expose (the run lease). A response body is read whole inside the attempt.
 * **Reads into buffers.** ``read_into(path, [(offset, [buffer, ...]), ...])`` fills
   caller-owned buffers (e.g. the memory of the tensors a restore loads) with exact reads:
-  local ``preadv`` straight into them; S3 spans merged as above, copied in.
+  local ``preadv`` straight into them; S3 spans merged as above, copied in, except that a
+  span's holes stay at most ``READ_INTO_MAX_WASTE`` (1/16) of the bytes it wants.
 * **Buffer writes.** ``write_file`` takes ``bytes`` or any buffer (a ``memoryview`` of a
   tensor's memory): locally it is written as is, without a copy; S3 gets one ``bytes`` copy.
 * ``stats`` counts reads and writes, so tests can show that a restore touched no storage.
@@ -99,6 +100,11 @@ T = TypeVar("T")
 # a second request. Local random reads cost no request latency: there the hole is 0 (only
 # adjacent or overlapping ranges merge), so nothing is read that was not asked for.
 MERGE_HOLE_BYTES = 4 << 20
+# ``read_into`` (a snapshot restore's reads) merges ranges only while a span's holes stay at
+# most this fraction of the bytes it wants: a resharded restore asks for every other piece of
+# a file (the halves of chunks another rank needs lie between), and reading those holes would
+# double its bytes.
+READ_INTO_MAX_WASTE = 1 / 16
 # One merged span never grows past this (a single range larger than it is read as is), so the
 # memory a merged read holds stays bounded.
 MAX_SPAN_BYTES = 64 << 20
@@ -121,25 +127,32 @@ class IOStats:
     files_written: int = 0
 
 
-def merge_ranges(ranges: Sequence[tuple[int, int]], *, hole_limit: int
-                 ) -> list[tuple[int, int, list[int]]]:
+def merge_ranges(ranges: Sequence[tuple[int, int]], *, hole_limit: int,
+                 max_waste: float | None = None) -> list[tuple[int, int, list[int]]]:
     """Group byte ranges of one object into spans ``(start, end, indices of member ranges)``.
 
     Ranges are taken by start; a range joins the current span when the gap to it is at most
-    ``hole_limit`` and the span stays within ``MAX_SPAN_BYTES``."""
+    ``hole_limit`` and the span stays within ``MAX_SPAN_BYTES`` and, with ``max_waste``, when
+    the span's holes stay at most ``max_waste`` times the bytes its members want (so what is
+    read is at most ``1 + max_waste`` times what is asked for, however small the ranges)."""
     order = sorted(range(len(ranges)), key=lambda i: ranges[i])
     spans: list[tuple[int, int, list[int]]] = []
+    holes = wanted = 0  # of the current span
     for i in order:
         start, end = ranges[i]
         if start < 0 or end < start:
             raise ValueError(f"invalid byte range ({start}, {end})")
         if spans:
             s_start, s_end, members = spans[-1]
-            if start - s_end <= hole_limit and max(end, s_end) - s_start <= MAX_SPAN_BYTES:
+            hole, more = max(0, start - s_end), max(0, end - max(start, s_end))
+            if start - s_end <= hole_limit and max(end, s_end) - s_start <= MAX_SPAN_BYTES \
+                    and (max_waste is None or holes + hole <= max_waste * (wanted + more)):
                 members.append(i)
                 spans[-1] = (s_start, max(end, s_end), members)
+                holes, wanted = holes + hole, wanted + more
                 continue
         spans.append((start, end, [i]))
+        holes, wanted = 0, end - start
     return spans
 
 
@@ -256,7 +269,8 @@ class Storage:
         into the buffers."""
         wants = [(offset, offset + sum(len(b) for b in bufs)) for offset, bufs in reads]
         if not self.is_local:
-            for start, end, members in merge_ranges(wants, hole_limit=self.hole_limit):
+            for start, end, members in merge_ranges(wants, hole_limit=self.hole_limit,
+                                                    max_waste=READ_INTO_MAX_WASTE):
                 span = memoryview(self.read_range(path, start, end))
                 for i in members:
                     pos = wants[i][0] - start
