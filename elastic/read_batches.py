@@ -12,8 +12,9 @@ edges go to a staging buffer), the others are read whole into a staging buffer a
 ``read_placed(placed, source, manifest)`` reads every op in batches of about
 ``BATCH_BYTES`` (local disk: ``preadv`` into the tensors' memory), verifies the crc32 of
 every block it read against the manifest (a mismatch is ``SnapshotIntegrityError`` naming
-file, chunk and block) on a pool thread while the next batch is read (two staging buffers
-alternate), and returns only once nothing writes into the tensors any more. It reads each
+file, chunk and block) on ``VERIFY_THREADS`` pool threads while the next batches are read
+(a large direct op is cut into batch-sized pieces, ``split_direct``, so one tensor's blocks
+are verified in parallel), and returns only once nothing writes into the tensors any more. It reads each
 op once: callers that must not read a byte twice (``elastic.group_read``) plan ops that do
 not overlap. Values are copied bitwise; nothing is ever unpickled.
 """
@@ -23,7 +24,7 @@ from __future__ import annotations
 import os
 import zlib
 from concurrent.futures import Future, ThreadPoolExecutor, wait
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
 import torch
@@ -35,10 +36,16 @@ from elastic.layout import Target
 if TYPE_CHECKING:
     from elastic.restore import ByteSource
 
-# Reads are issued in batches of about this many bytes: it bounds the staging buffer (partial
+# Reads are issued in batches of about this many bytes: it bounds each staging buffer (partial
 # checksum blocks, whole chunks a resharded target needs a part of) and what one call to the
-# RAM copy returns, so a restore holds the state plus at most this much.
-BATCH_BYTES = 64 << 20
+# RAM copy returns, so a restore holds the state plus at most (VERIFY_THREADS + 1) x this
+# much; and it is the unit of work of the verifying threads.
+BATCH_BYTES = 32 << 20
+# Threads that verify crc32s (about 4 GB/s each with zlib 1.2.13, slower than reading a page-
+# cached file, so verification, not the read, bounds a restore on few cores): as many as the
+# process may use, at most 4 (a node's other workers restore at the same time).
+VERIFY_THREADS = max(1, min(4, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity")
+                            else os.cpu_count() or 1))
 
 
 def snapshot_label(step: int) -> str:
@@ -116,33 +123,57 @@ def verify(op: ReadOp, parts: list[memoryview], block: int, step: int) -> None:
 
 def read_placed(placed: list[Placed], source: ByteSource, manifest: Manifest) -> None:
     """Read, verify and place every op (see the module contract)."""
-    placed = sorted(placed, key=lambda p: (p.op.chunk.file, p.op.start))
+    ordered = sorted(placed, key=lambda p: (p.op.chunk.file, p.op.start))
+    pieces = [q for p in ordered for q in split_direct(p, BATCH_BYTES, manifest.block_bytes)]
     batches: list[list[Placed]] = [[]]
     size = 0
-    for p in placed:
+    for p in pieces:
         if batches[-1] and size + (p.op.end - p.op.start) > BATCH_BYTES:
             batches.append([])
             size = 0
         batches[-1].append(p)
         size += p.op.end - p.op.start
-    # Batch k is verified (and its staged chunks placed) on a pool thread while batch k+1
-    # is read: crc32 and preadv both release the GIL. Two staging buffers alternate; one is
-    # reused only once the batch that used it is done.
-    staging = [bytearray(), bytearray()]
-    checking: list[Future[None] | None] = [None, None]
+    # This thread reads the batches in file order (one reader: the source is not shared
+    # between threads); each batch read is verified, and its staged chunks placed, on one of
+    # VERIFY_THREADS pool threads meanwhile (crc32 and preadv release the GIL; crc32 costs
+    # more CPU than the read, so it gets the threads). Each batch in flight holds its own
+    # staging buffer, recycled once its verification is done: at most VERIFY_THREADS + 1.
+    pool = _verify_pool()
+    spare: list[bytearray] = []
+    checking: list[tuple[Future[None], bytearray]] = []
     try:
-        for k, batch in enumerate(b for b in batches if b):
-            slot = k % 2
-            previous = checking[slot]
-            if previous is not None:
-                previous.result()
-            staging[slot], parts_of = _read_batch(batch, source, staging[slot])
-            checking[slot] = _verify_pool().submit(_check_batch, batch, parts_of, manifest)
+        for batch in (b for b in batches if b):
+            if len(checking) > VERIFY_THREADS:
+                oldest, buffer = checking.pop(0)
+                oldest.result()
+                spare.append(buffer)
+            staging, parts_of = _read_batch(batch, source, spare.pop() if spare else bytearray())
+            checking.append((pool.submit(_check_batch, batch, parts_of, manifest), staging))
     finally:
-        done = [f for f in checking if f is not None]
-        wait(done)  # nothing writes into the tensors once this returns or raises
-    for f in done:
+        wait([f for f, _ in checking])  # nothing writes into the tensors once this returns
+    for f, _ in checking:
         f.result()
+
+
+def split_direct(p: Placed, max_bytes: int, block: int) -> list[Placed]:
+    """A direct op cut into ops of at most ``max_bytes`` (whole checksum blocks, at least
+    one), so the verification of one large tensor spreads over the pool's threads; each
+    piece's ``dst`` is the flat bytes of its part of ``p.dst``. Other ops are not cut (a
+    staged chunk is placed whole)."""
+    op = p.op
+    step = max(block, max_bytes // block * block)
+    if not p.direct or op.end - op.start <= step:
+        return [p]
+    flat = p.dst.reshape(-1).view(torch.uint8)
+    out: list[Placed] = []
+    for s in range(op.start, op.end, step):
+        e = min(op.end, s + step)
+        # The needed bytes of this piece; the partial blocks at the op's edges stay staged.
+        a = min(max(s, op.need0), e)
+        b = max(min(e, op.need1), a)
+        piece = replace(op, start=s, end=e, need0=a, need1=b)
+        out.append(Placed(piece, flat[a - op.need0: b - op.need0], (b - a,), True))
+    return out
 
 
 def _read_batch(batch: list[Placed], source: ByteSource, staging: bytearray
@@ -190,8 +221,8 @@ if hasattr(os, "register_at_fork"):  # a forked child has none of the pool's thr
 
 def _verify_pool() -> ThreadPoolExecutor:
     if not _POOL:
-        # Two batches at most are being verified at once (the two staging slots).
-        _POOL.append(ThreadPoolExecutor(max_workers=2, thread_name_prefix="baton-verify"))
+        _POOL.append(ThreadPoolExecutor(max_workers=VERIFY_THREADS,
+                                        thread_name_prefix="baton-verify"))
     return _POOL[0]
 
 
