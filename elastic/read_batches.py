@@ -14,9 +14,10 @@ edges go to a staging buffer), the others are read whole into a staging buffer a
 every block it read against the manifest (a mismatch is ``SnapshotIntegrityError`` naming
 file, chunk and block) on ``VERIFY_THREADS`` pool threads while the next batches are read
 (a large direct op is cut into batch-sized pieces, ``split_direct``, so one tensor's blocks
-are verified in parallel), and returns only once nothing writes into the tensors any more. It reads each
-op once: callers that must not read a byte twice (``elastic.group_read``) plan ops that do
-not overlap. Values are copied bitwise; nothing is ever unpickled.
+are verified in parallel), and returns only once nothing writes into the tensors any
+more. It reads each op once: callers that must not read a byte twice
+(``elastic.group_read``) plan ops that do not overlap. Values are copied bitwise; nothing
+is ever unpickled.
 """
 
 from __future__ import annotations
