@@ -160,7 +160,8 @@ def measure(size: float, rounds: int, workdir: str) -> dict[str, Any]:
 
         def restores(step: int = step) -> None:
             rows["restore_disk"].append(timed(lambda: baton_restore(registry, store, step)))
-            ram = functools.partial(snap.coordinator.read_ram, step)
+            assert snap.ram_tier is not None
+            ram = functools.partial(snap.ram_tier.read, step, snap.coordinator.ram_locations(step))
             from_ram: list[bool] = []
             rows["restore_ram"].append(timed(
                 lambda: from_ram.append(baton_restore(registry, store, step, ram))))

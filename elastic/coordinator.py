@@ -11,10 +11,16 @@ fencing, GC, abort, quarantine, rebuild-from-store) lives in ``elastic.commit`` 
 tested without Ray. When the actor restarts it rebuilds its view from the store (no
 committed snapshot is lost; the in-memory copy is, so restores fall back to storage).
 
-The in-memory copy of the newest snapshot lives in the actor's process on the head node:
-workers send their shard-file bytes with ``put_ram``, so losing a worker node does not lose
-them, and ``read_ram`` returns only the byte ranges a restoring worker asks for. (At scale
-the copies would go to peers on other nodes; the client interface stays the same.)
+The RAM copies of the newest snapshot live on peers, not on the head: one ``RamStore``
+actor per node and run (``get_or_create_ram_store``: ``baton-ram-<run>-<node>``, the very
+class of ``elastic.ram_store`` made remote, pinned to its node with a hard node affinity,
+detached so that it outlives the worker that created it, gone with its node). A worker's
+``ray_ram_tier`` puts its shard into the stores of the next nodes on the ring
+(``snapshots.ram_replicas``) and reads ranges from whichever store the coordinator names.
+The coordinator keeps only that metadata (and tells the stores what to keep); no shard byte
+passes through it. ``release_ram_stores`` ends a run's stores (the driver, at the end of a
+fit). After a coordinator restart its index is empty: restores read storage until the next
+commit.
 
 ``RayCoordinatorClient(handle)`` is what a worker passes to ``Snapshotter(coordinator=...)``:
 a proxy that forwards the protocol's methods (``elastic.protocol.PROTOCOL_METHODS``) to the
@@ -28,11 +34,14 @@ import re
 from collections.abc import Callable
 from typing import Any
 
+import numpy as np
 import ray
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from elastic.format import DEFAULT_BLOCK_BYTES
 from elastic.local_coordinator import LocalCoordinator
 from elastic.protocol import PROTOCOL_METHODS
+from elastic.ram_store import RamStore, RamStoreClient, RamTier, Requests, StoreLost
 from elastic.store import SnapshotStore
 
 NAMESPACE = "baton"
@@ -46,13 +55,18 @@ class _StoreBackedCoordinator(LocalCoordinator):
 
     def __init__(self, run_uri: str, *, storage_options: dict[str, Any] | None = None,
                  storage_timeout_s: float | None = None, storage_retry_s: float | None = None,
-                 **kwargs: Any) -> None:
+                 lease_token: str | None = None, **kwargs: Any) -> None:
         deadlines: dict[str, float] = {}
         if storage_timeout_s is not None:
             deadlines["timeout_s"] = storage_timeout_s
         if storage_retry_s is not None:
             deadlines["retry_deadline_s"] = storage_retry_s
-        super().__init__(SnapshotStore(run_uri, storage_options, **deadlines), **kwargs)
+
+        def ram_stores(node: str) -> RamStoreClient:
+            return RayRamStoreClient(find_ram_store(run_uri, node, lease_token))
+
+        super().__init__(SnapshotStore(run_uri, storage_options, **deadlines),
+                         lease_token=lease_token, ram_stores=ram_stores, **kwargs)
 
 
 # The actor *is* the local coordinator, made remote (its options: get_or_create_coordinator).
@@ -62,16 +76,20 @@ CoordinatorActor = ray.remote(_StoreBackedCoordinator)
 def coordinator_name(run_uri: str, lease_token: str | None = None) -> str:
     """One actor per (run, lease): a driver that took a run over (``--force-takeover``) on
     the same Ray cluster gets a coordinator of its own instead of the fenced one."""
+    return f"baton-coordinator-{_run_key(run_uri, lease_token)}"
+
+
+def _run_key(run_uri: str, lease_token: str | None) -> str:
     tail = re.sub(r"[^A-Za-z0-9_.-]", "-", run_uri.rstrip("/").rsplit("/", 1)[-1])[:40]
     key = run_uri if lease_token is None else f"{run_uri}\n{lease_token}"
     digest = hashlib.blake2b(key.encode(), digest_size=4).hexdigest()
-    return f"baton-coordinator-{tail}-{digest}"
+    return f"{tail}-{digest}"
 
 
 def get_or_create_coordinator(run_uri: str, *, keep_last: int = 2,
                               block_bytes: int = DEFAULT_BLOCK_BYTES,
-                              storage_options: dict[str, Any] | None = None, ram: bool = True,
-                              ram_cap_bytes: int | None = None, lease_token: str | None = None,
+                              storage_options: dict[str, Any] | None = None,
+                              lease_token: str | None = None,
                               pending_timeout_s: float = 600.0,
                               storage_timeout_s: float | None = None,
                               storage_retry_s: float | None = None,
@@ -100,7 +118,7 @@ def get_or_create_coordinator(run_uri: str, *, keep_last: int = 2,
     handle = CoordinatorActor.options(**options).remote(
         run_uri, storage_options=storage_options, storage_timeout_s=storage_timeout_s,
         storage_retry_s=storage_retry_s, keep_last=keep_last, block_bytes=block_bytes,
-        ram=ram, ram_cap_bytes=ram_cap_bytes, lease_token=lease_token,
+        lease_token=lease_token,
         pending_timeout_s=pending_timeout_s)
     assert isinstance(handle, ray.actor.ActorHandle)  # Ray types it as handle-or-class
     return handle
@@ -146,3 +164,103 @@ class RayCoordinatorClient:
     def flush(self, timeout_s: float) -> None:
         """Receipts go straight to the actor; nothing to flush."""
 
+
+
+# ---------------------------------------------------------------------- the RAM tier's stores
+
+RamStoreActor = ray.remote(RamStore)
+_RAM_PREFIX = "baton-ram-"
+
+
+def ram_store_name(run_uri: str, node_id: str, lease_token: str | None = None) -> str:
+    """The store of this run (and lease, as for the coordinator) on node ``node_id``."""
+    return f"{_RAM_PREFIX}{_run_key(run_uri, lease_token)}-{node_id[:16]}"
+
+
+def get_or_create_ram_store(run_uri: str, node_id: str, *, cap_bytes: int | None,
+                            lease_token: str | None = None) -> ray.actor.ActorHandle:
+    """The run's store on ``node_id``; created there on first call (its cap then holds)."""
+    handle = RamStoreActor.options(
+        name=ram_store_name(run_uri, node_id, lease_token), namespace=NAMESPACE,
+        get_if_exists=True, num_cpus=0,
+        # Several workers read from it at once during a restore; it is thread-safe.
+        max_concurrency=4,
+        # Its copies are of other nodes' shards: it must outlive the worker that created it
+        # (an owned actor dies with its owner) and live only on its own node.
+        lifetime="detached", max_restarts=0,
+        scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False),
+    ).remote(cap_bytes)
+    assert isinstance(handle, ray.actor.ActorHandle)
+    return handle
+
+
+def find_ram_store(run_uri: str, node_id: str,
+                   lease_token: str | None = None) -> ray.actor.ActorHandle:
+    """The run's store on ``node_id``; ``StoreLost`` when there is none (any more)."""
+    try:
+        return ray.get_actor(ram_store_name(run_uri, node_id, lease_token), namespace=NAMESPACE)
+    except ValueError as err:
+        raise StoreLost(f"no RAM store on node {node_id}") from err
+
+
+def release_ram_stores(run_uri: str, lease_token: str | None = None) -> int:
+    """End this run's stores (their copies are of no use once the fit is over)."""
+    prefix = f"{_RAM_PREFIX}{_run_key(run_uri, lease_token)}-"
+    ended = 0
+    for actor in ray.util.list_named_actors(all_namespaces=True):
+        if actor["namespace"] == NAMESPACE and actor["name"].startswith(prefix):
+            try:
+                ray.kill(ray.get_actor(actor["name"], namespace=NAMESPACE))
+                ended += 1
+            except ValueError:
+                continue  # gone meanwhile
+    return ended
+
+
+class RayRamStoreClient:
+    """``elastic.ram_store.RamStoreClient`` over a store actor: a dead actor (its node
+    lost) or an unschedulable one is ``StoreLost``, so callers fall back to storage."""
+
+    def __init__(self, handle: ray.actor.ActorHandle) -> None:
+        self.handle = handle
+
+    def put(self, step: int, generation: int, file: str, data: Any) -> bool:
+        # A numpy array goes to the object store in one copy, without an interim bytes.
+        return bool(self._get(self.handle.put.remote(step, generation, file, data)))
+
+    def read(self, step: int, requests: Requests) -> list[Any] | None:
+        got = self._get(self.handle.read.remote(step, requests))
+        return None if got is None else [np.asarray(x) for x in got]
+
+    def keep(self, committed: int | None, in_flight: list[int]) -> None:
+        self.handle.keep.remote(committed, in_flight)  # a notice: nothing to wait for
+
+    def stats(self) -> dict[str, Any]:
+        return dict(self._get(self.handle.stats.remote()))
+
+    @staticmethod
+    def _get(ref: Any) -> Any:
+        try:
+            return ray.get(ref)
+        except (ray.exceptions.RayActorError, ray.exceptions.ActorUnschedulableError,
+                ray.exceptions.ObjectLostError) as err:
+            raise StoreLost(f"RAM store lost: {type(err).__name__}") from err
+
+
+def ray_ram_tier(run_uri: str, *, cap_bytes: int | None, replicas: int = 1,
+                 lease_token: str | None = None) -> RamTier:
+    """This worker's RAM tier on a Ray cluster: its node's ring successors' stores."""
+    handles: dict[str, RayRamStoreClient] = {}
+
+    def live_nodes() -> list[str]:
+        return [n["NodeID"] for n in ray.nodes() if n.get("Alive")]
+
+    def store_on(node: str) -> RamStoreClient:
+        # Node ids are never reused: a lost store's handle just keeps answering StoreLost.
+        if node not in handles:
+            handles[node] = RayRamStoreClient(get_or_create_ram_store(
+                run_uri, node, cap_bytes=cap_bytes, lease_token=lease_token))
+        return handles[node]
+
+    node = ray.get_runtime_context().get_node_id()
+    return RamTier(node, live_nodes, store_on, replicas=replicas)

@@ -6,11 +6,13 @@ Contract
 or as the Ray actor (``elastic.coordinator`` makes this very class remote). It adds to
 ``elastic.commit.CommitCore`` (generations, receipts, commit, fencing, GC, quarantine):
 
-* ``RamCache``: the newest committed snapshot's shard files (plus those in flight), held in
-  this process so a restore after a node loss reads no storage. At most ``ram_cap_bytes``
-  in all (``snapshots.ram_copy_mib``; 0 turns it off): a shard that does not fit is refused
-  and that snapshot is storage-only (logged once per snapshot). Puts from another
-  generation or for a stale step are refused.
+* The RAM tier's index, metadata only: which node's store (``elastic.ram_store``) holds
+  which shard file of which step, as the receipts say (``receipt["ram"]``: the nodes that
+  took the file). ``ram_locations(step)`` answers restores; when a snapshot commits or is
+  aborted the stores concerned are told what to keep (``RamStore.keep``: the newest commit
+  plus the steps in flight). The coordinator never receives shard bytes: what it handles
+  per snapshot (``health()["handled_bytes"]``: receipts in, manifests out) is
+  O(number of chunks), whatever the state's size.
 * On-demand snapshots before a planned resize: ``request_snapshot`` / ``snapshot_requested``
   / ``answer_request`` / ``request_met`` / ``cancel_request``.
 * Stop requests (Ctrl-C or a time limit on the driver): ``request_stop`` (driver) /
@@ -19,13 +21,14 @@ or as the Ray actor (``elastic.coordinator`` makes this very class remote). It a
   driver. A request stays until the fit ends, so a worker group restarted in between stops
   too.
 
-Thread-safe: its own lock guards only the RAM copy and the request flags; the core has its
+Thread-safe: its own lock guards only the RAM index and the request flags; the core has its
 own and does storage I/O outside it, so a threaded actor never serialises behind a slow
 store.
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import threading
 import time
@@ -34,55 +37,32 @@ from typing import Any
 
 from elastic.commit import CommitCore
 from elastic.faults import FaultInjector
+from elastic.ram_store import RamStoreClient, StoreLost
 from elastic.store import SnapshotStore
 
 log = logging.getLogger("baton.elastic")
-
-
-class RamCache:
-    """Shard-file bytes of the newest snapshots, keyed by (step, file), at most ``cap``
-    bytes in all (None: no cap; 0: nothing is held)."""
-
-    def __init__(self, cap: int | None = None) -> None:
-        self.cap = cap
-        self.files: dict[int, dict[str, bytes]] = {}
-
-    def held(self) -> int:
-        return sum(len(d) for files in self.files.values() for d in files.values())
-
-    def put(self, step: int, file: str, data: bytes) -> bool:
-        if self.cap is not None and self.held() + len(data) > self.cap:
-            return False
-        self.files.setdefault(step, {})[file] = data
-        return True
-
-    def keep_only(self, steps: set[int]) -> None:
-        for step in list(self.files):
-            if step not in steps:
-                del self.files[step]
-
-    def read(self, step: int, requests: list[tuple[str, int, int]]) -> list[bytes] | None:
-        held = self.files.get(step, {})
-        if not all(f in held for f, _, _ in requests):
-            return None
-        return [held[f][a:b] for f, a, b in requests]
 
 
 class LocalCoordinator:
     """Thread-safe coordinator for one run; used in-process or as the Ray actor."""
 
     def __init__(self, store: SnapshotStore, *, keep_last: int = 2, block_bytes: int,
-                 faults: FaultInjector | None = None, ram: bool = True,
-                 ram_cap_bytes: int | None = None, lease_token: str | None = None,
+                 faults: FaultInjector | None = None,
+                 ram_stores: Callable[[str], RamStoreClient] | None = None,
+                 lease_token: str | None = None,
                  pending_timeout_s: float = 600.0, max_pending: int = 3,
                  clock: Callable[[], float] = time.monotonic) -> None:
-        self.lock = threading.RLock()  # guards the RAM copy and the request flags only
+        self.lock = threading.RLock()  # guards the RAM index and the request flags only
         self.core = CommitCore(store, keep_last=keep_last, block_bytes=block_bytes,
                                faults=faults, lease_token=lease_token,
                                pending_timeout_s=pending_timeout_s, max_pending=max_pending,
                                clock=clock)
-        self.ram = RamCache(ram_cap_bytes) if ram and ram_cap_bytes != 0 else None
-        self._ram_refused: set[int] = set()
+        # The RAM tier: step -> shard file -> nodes whose store holds a copy; the stores
+        # are reached through ``ram_stores(node)`` only to tell them what to keep.
+        self.ram_stores = ram_stores
+        self.ram_index: dict[int, dict[str, list[str]]] = {}
+        self._ram_told: tuple[int | None, tuple[int, ...]] | None = None
+        self.handled_bytes = 0  # receipts received and manifests served (O(chunks))
         # On-demand snapshots (before a planned resize): whether one is asked for, and the
         # step the workers took it at (they answer once they have persisted it).
         self.requested = False
@@ -145,26 +125,13 @@ class LocalCoordinator:
 
     # ---------------------------------------------------------------- shards
 
-    def put_ram(self, step: int, rank: int, file: str, data: bytes, generation: int) -> bool:
-        """Hold a copy of a shard file; False when refused (other generation, stale step, or
-        over the RAM cap: that snapshot is then storage-only)."""
-        core = self.core
-        with core._lock:
-            if core._refusal_locked(step, generation) is not None:
-                return False
-        with self.lock:
-            if self.ram is None:
-                return False
-            if not self.ram.put(step, file, data):
-                if step not in self._ram_refused:
-                    self._ram_refused.add(step)
-                    log.warning("snapshot %d: RAM copy would exceed snapshots.ram_copy_mib "
-                                "(%.0f MiB held); this snapshot is storage-only", step,
-                                self.ram.held() / 2**20)
-                return False
-            return True
-
     def report_shard(self, receipt: dict[str, Any]) -> int | None:
+        holders = receipt.get("ram") or []
+        with self.lock:
+            self.handled_bytes += len(json.dumps(receipt, separators=(",", ":")))
+            if holders and isinstance(receipt.get("file"), str):
+                self.ram_index.setdefault(int(receipt["step"]), {})[receipt["file"]] = [
+                    str(node) for node in holders]
         step = self.core.report(receipt)
         self._trim_ram()
         return step
@@ -182,13 +149,17 @@ class LocalCoordinator:
         with self.core._lock:
             return list(self.core.committed)
 
-    def read_ram(self, step: int, requests: list[tuple[str, int, int]]) -> list[bytes] | None:
+    def ram_locations(self, step: int) -> dict[str, list[str]]:
         with self.lock:
-            return None if self.ram is None else self.ram.read(step, requests)
+            return {f: list(nodes) for f, nodes in self.ram_index.get(step, {}).items()}
 
     def read_manifest(self, step: int) -> bytes | None:
         with self.core._lock:
-            return self.core.manifests.get(step)
+            manifest = self.core.manifests.get(step)
+        if manifest is not None:
+            with self.lock:
+                self.handled_bytes += len(manifest)
+        return manifest
 
     def reject(self, step: int, reason: str) -> None:
         self.core.reject(step, reason)
@@ -209,7 +180,8 @@ class LocalCoordinator:
         self.core.expire()
         info = self.core.health()
         with self.lock:
-            info["ram_bytes"] = self.ram.held() if self.ram is not None else 0
+            info["ram_files"] = {s: len(files) for s, files in self.ram_index.items()}
+            info["handled_bytes"] = self.handled_bytes
             info["stopped_at"] = self.stopped_at
         return info
 
@@ -218,11 +190,24 @@ class LocalCoordinator:
             return list(self.core.events)
 
     def _trim_ram(self) -> None:
+        """Forget copies of steps that are neither the newest commit nor in flight, and
+        tell the stores concerned when that changed (a commit, an abort)."""
         with self.core._lock:
             newest = self.core.committed[-1] if self.core.committed else None
-            keep = set(self.core.pending) | set(self.core.committing) | (
-                {newest} if newest is not None else set())
+            in_flight = tuple(sorted(set(self.core.pending) | self.core.committing))
+        keep = set(in_flight) | ({newest} if newest is not None else set())
         with self.lock:
-            if self.ram is not None:
-                self.ram.keep_only(keep)
-            self._ram_refused &= keep
+            dropped = [s for s in self.ram_index if s not in keep]
+            nodes = {n for s in self.ram_index for files in [self.ram_index[s]]
+                     for holders in files.values() for n in holders}
+            for s in dropped:
+                del self.ram_index[s]
+            told = (newest, in_flight)
+            if self.ram_stores is None or not nodes or (not dropped and told == self._ram_told):
+                return
+            self._ram_told = told
+        for node in sorted(nodes):
+            try:
+                self.ram_stores(node).keep(newest, list(in_flight))
+            except StoreLost:
+                continue  # its node is gone, and its copies with it

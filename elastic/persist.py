@@ -3,15 +3,15 @@
 Contract
 --------
 ``Persister.submit(captured)`` hands a finished capture to the background thread and returns
-at once. The thread (1) sends the shard file's bytes to the coordinator's in-memory copy
-(RAM path, off this worker's node when the coordinator is a Ray actor; the coordinator may
-refuse it, e.g. over its cap, and the snapshot is then storage-only), (2) writes the image as
-the shard file through the store (temp name + rename locally, one PUT on S3), while a second
-thread computes the crc32 of every checksum block, once, from the image, and (3) reports the
-receipt to the coordinator. Nothing state-sized is allocated per snapshot: the file is
-written from the image's memory as is (local stores), a Ray coordinator is sent a view of
-the image (Ray copies it into its object store during the call), and an in-process
-coordinator, which keeps what it is given, gets a copy in a recycled buffer (``RamCopies``).
+at once. The thread (1) sends the shard file's bytes to the RAM tier (``elastic.ram_store``:
+the stores of the next nodes on the ring, never the coordinator; a store may refuse it, e.g.
+over its cap, and that shard is then storage-only), (2) writes the image as the shard file
+through the store (temp name + rename locally, one PUT on S3), while a second thread
+computes the crc32 of every checksum block, once, from the image, and (3) reports the
+receipt to the coordinator, naming the nodes that took a RAM copy (``"ram"``). Nothing
+state-sized is allocated per snapshot: the file is written from the image's memory as is
+(local stores), and the RAM tier is sent a view of the image (a Ray store actor's call
+copies it into the object store; a store copies what it keeps into a buffer it recycles).
 The shard's file name and receipt carry the worker group's generation, so the coordinator
 refuses them once another generation has started. Any failure — storage down, disk full,
 injected fault — is reported with ``report_failure`` (a reason a person can act on, e.g.
@@ -22,7 +22,7 @@ The thread runs at a lower CPU priority (``PERSIST_NICE``) so it takes idle cycl
 At most one snapshot is in flight per worker: ``busy()`` tells the snapshotter whether the
 image is still being written, and ``wait()`` blocks until it is free. The image is shared
 with the capturer, so a new capture must not start while ``busy()`` (bounded memory: one
-image per worker, plus the RAM copy).
+image per worker; the RAM copies live in the stores).
 """
 
 from __future__ import annotations
@@ -30,18 +30,16 @@ from __future__ import annotations
 import logging
 import os
 import socket
-import sys
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from typing import Any
 
-import numpy as np
-
-from elastic.capture import Captured, ShardImage
+from elastic.capture import Captured
 from elastic.errors import describe
 from elastic.faults import FaultInjector
 from elastic.format import ChunkRecord, shard_filename
 from elastic.protocol import CoordinatorClient
+from elastic.ram_store import RamTier
 from elastic.store import SnapshotStore
 
 log = logging.getLogger("baton.elastic")
@@ -49,14 +47,14 @@ log = logging.getLogger("baton.elastic")
 
 class Persister:
     def __init__(self, store: SnapshotStore, coordinator: CoordinatorClient, *, layout: str,
-                 block_bytes: int, ram: bool = True, durable: bool = True,
+                 block_bytes: int, ram_tier: RamTier | None = None, durable: bool = True,
                  faults: FaultInjector | None = None,
                  versions: dict[str, str] | None = None) -> None:
         self.store = store
         self.coordinator = coordinator
         self.layout = layout
         self.block_bytes = block_bytes
-        self.ram = ram
+        self.ram_tier = ram_tier
         self.durable = durable
         self.faults = faults or FaultInjector()
         self.versions = dict(versions or {})
@@ -64,7 +62,6 @@ class Persister:
                                         initializer=_lower_priority)
         self._crc_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="baton-crc",
                                             initializer=_lower_priority)
-        self._ram_copies = RamCopies()
         self._future: Future[None] | None = None
         self._lock = threading.Lock()
         self.last_error: BaseException | None = None
@@ -100,9 +97,9 @@ class Persister:
             # one sends and writes it (zlib and file writes release the GIL): the crc work
             # hides behind the disk.
             checksums = self._crc_pool.submit(cap.image.chunk_records, file, self.block_bytes)
-            if self.ram:
-                self.coordinator.put_ram(cap.step, cap.rank, file,
-                                         self._ram_payload(cap.image), generation)
+            # The image's memory itself: a store keeps a copy of its own (module docstring).
+            ram_holders = ([] if self.ram_tier is None else
+                           self.ram_tier.put(cap.step, generation, file, cap.image.buffer.numpy()))
             # Create-only: a shard name (rank, world, generation, step) is written once; if
             # it exists, something else wrote it and this snapshot must not claim it. The
             # image's memory goes to the file as is (no copy on a local store).
@@ -115,6 +112,7 @@ class Persister:
             receipt: dict[str, Any] = {
                 "step": cap.step, "rank": cap.rank, "world_size": cap.world_size,
                 "generation": generation, "layout": self.layout, "file": file,
+                "ram": ram_holders,
                 "chunks": {k: [c.to_json() for c in v] for k, v in chunks.items()},
                 # Every receipt names the code that wrote it: the coordinator refuses to mix.
                 "versions": self.versions,
@@ -137,60 +135,6 @@ class Persister:
         finally:
             if checksums is not None:  # the image is free only once nothing reads it
                 wait([checksums])
-
-    def _ram_payload(self, image: ShardImage) -> Any:
-        """What ``put_ram`` gets. A Ray coordinator client serialises its arguments during
-        the call, so it gets the image's memory itself (a numpy view: Ray writes it to its
-        object store in one copy, without an intermediate ``bytes``). Any other coordinator
-        may keep the object it is given (``LocalCoordinator`` in this process does), so it
-        gets a copy of its own, in a recycled buffer."""
-        if _serialises_arguments(self.coordinator):
-            return image.buffer.numpy()
-        return self._ram_copies.copy_of(image.buffer.numpy())
-
-
-def _serialises_arguments(coordinator: CoordinatorClient) -> bool:
-    # Only the Ray client is known to copy its arguments; it lives in elastic.coordinator,
-    # the one module of elastic that imports Ray. If that module is not loaded, the
-    # coordinator cannot be one (and this module must not import Ray to find out).
-    ray_side = sys.modules.get("elastic.coordinator")
-    return ray_side is not None and isinstance(coordinator, ray_side.RayCoordinatorClient)
-
-
-class RamCopies:
-    """Owned copies of shard images for an in-process coordinator, recycled.
-
-    The coordinator holds a copy until it drops it (it keeps the newest committed snapshot
-    and those in flight); a copy nothing else refers to any more is overwritten by the next
-    snapshot instead of allocating a fresh state-sized buffer, so after the first two
-    snapshots no new one is allocated and no fresh pages are touched. The check is CPython's
-    reference count: a buffer referred to only by this pool (and the call's argument) is free;
-    slices and memoryviews of it hold a reference, so one still being read is never reused.
-    """
-
-    MAX_KEPT = 3
-
-    def __init__(self) -> None:
-        self.buffers: list[np.ndarray] = []
-        self.allocated = 0  # how many buffers were ever allocated (for tests)
-
-    def copy_of(self, source: np.ndarray) -> np.ndarray:
-        free = [i for i in range(len(self.buffers)) if self._unreferenced(i)]
-        for i in free:
-            if self.buffers[i].shape == source.shape:
-                np.copyto(self.buffers[i], source)
-                return self.buffers[i]
-        # Free buffers of another size (the ownership plan changed) are dropped.
-        self.buffers = [b for i, b in enumerate(self.buffers) if i not in free]
-        buffer = source.copy()
-        self.allocated += 1
-        if len(self.buffers) < self.MAX_KEPT:
-            self.buffers.append(buffer)
-        return buffer
-
-    def _unreferenced(self, i: int) -> bool:
-        # References: the list's slot and getrefcount's own argument.
-        return sys.getrefcount(self.buffers[i]) <= 2
 
 
 # Background persistence competes with training for cores; on a small machine the training's

@@ -14,6 +14,10 @@ all of it:
   ``flush``) to the actor, so adding a method here and to ``LocalCoordinator`` is all it
   takes to reach it over Ray.
 
+The coordinator handles metadata only: receipts (which name the nodes whose RAM stores took
+a copy of the shard, ``receipt["ram"]``), generations, commits, requests. Shard bytes go
+from a worker to its peers' RAM stores and to storage, never through it.
+
 Every method is safe to repeat: a retried call after a coordinator restart is either
 refused (stale generation, aborted step) or has the same effect. The driver-side controls
 (``request_snapshot``, ``request_met``, ``cancel_request``, ``request_stop``) are not part of
@@ -40,10 +44,6 @@ class CoordinatorClient(Protocol):
         ...
 
     # ------------------------------------------------------------------ writing a snapshot
-
-    def put_ram(self, step: int, rank: int, file: str, data: bytes, generation: int) -> bool:
-        """Hold an off-node copy of a shard file; False when refused (storage-only)."""
-        ...
 
     def report_shard(self, receipt: dict[str, Any]) -> int | None:
         """One rank's shard is durable; returns the step if this receipt committed it."""
@@ -74,9 +74,10 @@ class CoordinatorClient(Protocol):
         """Committed steps, oldest first."""
         ...
 
-    def read_ram(self, step: int, requests: list[tuple[str, int, int]]) -> list[bytes] | None:
-        """Byte ranges ``(file, start, end)`` of the in-memory copy of ``step``; None when
-        it does not hold all of them (then restore reads storage)."""
+    def ram_locations(self, step: int) -> dict[str, list[str]]:
+        """Which nodes' RAM stores hold a copy of each shard file of ``step`` (metadata
+        from the receipts; empty when none). The bytes are read from those stores
+        (``elastic.ram_store.RamTier``), never through the coordinator."""
         ...
 
     def read_manifest(self, step: int) -> bytes | None:

@@ -28,7 +28,8 @@ here, because a manifest is untrusted input (DESIGN P8):
   every block read is verified against the manifest's crc32 (a mismatch is
   ``SnapshotIntegrityError`` naming the file, chunk and block). Values are copied bitwise;
   nothing is ever unpickled.
-* ``ByteSource`` is where bytes come from: the coordinator's RAM copy or the store. On a
+* ``ByteSource`` is where bytes come from: the RAM tier (peers' stores, file by file;
+  what they do not hold or lost comes from storage) or the store. On a
   local store it refuses a shard file that is a symbolic link or whose real path is not in
   the snapshot's directory (``ManifestError``); a missing file is ``SnapshotIntegrityError``.
 
@@ -43,6 +44,7 @@ import math
 import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -65,13 +67,15 @@ from elastic.store import SnapshotStore
 __all__ = ["ByteSource", "SnapshotMismatchError", "allocate", "check_compatible",
            "check_coverage", "plan_reads", "plan_targets", "read_tensors"]
 
-# (file, start, end) requests -> bytes per request, or None when the source cannot serve.
-ReadMany = Callable[[list[tuple[str, int, int]]], list[bytes] | None]
+# (file, start, end) requests -> bytes (any buffer) per request, None for a request the
+# source does not hold (read from storage), or None when it serves none of them.
+ReadMany = Callable[[list[tuple[str, int, int]]], list[Any] | None]
 
 
 @dataclass
 class ByteSource:
-    """Reads of one snapshot: from RAM when ``ram`` serves them, else from ``store``.
+    """Reads of one snapshot: from the RAM tier when ``ram`` serves them (file by file:
+    whatever it does not hold comes from ``store``), else from ``store``.
     One per restore (or verify): it caches the files' headers and the symlink checks.
     ``bytes_into`` counts the bytes ``read_into`` delivered, ``staged_bytes`` those of them
     that went to a staging buffer first (resharding reads whole chunks into one)."""
@@ -95,26 +99,32 @@ class ByteSource:
 
     def read_into(self, reads: list[tuple[str, int, list[memoryview]]]) -> None:
         """Fill each read's buffers with consecutive bytes of its file from its offset on
-        (exact: a short file is ``SnapshotIntegrityError``). The RAM copy serves all of
-        them or none; storage reads each file's ranges straight into the buffers."""
+        (exact: a short file is ``SnapshotIntegrityError``). The RAM tier serves what it
+        holds; storage reads the rest, each file's ranges straight into the buffers."""
         if not reads:
             return
         self.bytes_into += sum(len(b) for _, _, bufs in reads for b in bufs)
         if self.ram is not None:
             got = self.ram([(f, start, start + sum(len(b) for b in bufs))
                             for f, start, bufs in reads])
-            if got is not None:
+            rest = []
+            for (file, start, bufs), data in zip(reads, got or [None] * len(reads),
+                                                 strict=True):
+                if data is None:  # not held (or its store is gone): storage
+                    rest.append((file, start, bufs))
+                    continue
                 self.used_ram = True
-                for (file, start, bufs), data in zip(reads, got, strict=True):
-                    view = memoryview(data).cast("B")
-                    if len(view) != sum(len(b) for b in bufs):
-                        raise SnapshotIntegrityError(
-                            f"{_snap(self.step)}: the RAM copy of {file} ends before byte "
-                            f"{start + sum(len(b) for b in bufs)}; truncated")
-                    pos = 0
-                    for buf in bufs:
-                        buf[:] = view[pos: pos + len(buf)]
-                        pos += len(buf)
+                view = memoryview(data).cast("B")
+                if len(view) != sum(len(b) for b in bufs):
+                    raise SnapshotIntegrityError(
+                        f"{_snap(self.step)}: the RAM copy of {file} ends before byte "
+                        f"{start + sum(len(b) for b in bufs)}; truncated")
+                pos = 0
+                for buf in bufs:
+                    buf[:] = view[pos: pos + len(buf)]
+                    pos += len(buf)
+            reads = rest
+            if not reads:
                 return
         self.used_storage = True
         by_file: dict[str, list[tuple[int, list[memoryview]]]] = {}

@@ -26,6 +26,11 @@ store-based receipt exchange (``StoreCoordinator``, rank 0 commits) otherwise; o
 cluster pass ``elastic.coordinator.RayCoordinatorClient``. All ranks must call the capture
 methods with the same steps (a step boundary is a consistent cut in synchronous training).
 
+RAM tier (``ram_tier``, ``elastic.ram_store``): where each shard's RAM copy goes and restores
+read from first. On a Ray cluster pass ``elastic.coordinator.ray_ram_tier(...)`` (stores on
+peer nodes); the in-process coordinator of world size 1 gets an in-process store (capped at
+``ram_cap_bytes``) unless ``ram=False``; store groups have none.
+
 Busy policy (``on_busy``): when the previous snapshot is still being persisted, ``"skip"``
 (default) skips this snapshot so a slow or dead storage never blocks training, ``"wait"``
 waits for it. ``force=True`` (preemption) always waits. Restore agreement: when
@@ -58,9 +63,11 @@ from elastic.local_coordinator import LocalCoordinator
 from elastic.manifest_check import parse_manifest
 from elastic.persist import Persister
 from elastic.protocol import CoordinatorClient
+from elastic.ram_store import RamTier, in_process_tier
 from elastic.registry import StateRegistry
 from elastic.restore import (
     ByteSource,
+    ReadMany,
     SnapshotMismatchError,
     check_compatible,
     plan_targets,
@@ -90,7 +97,8 @@ class Snapshotter:
     def __init__(self, run_uri: str, registry: StateRegistry, rank: int = 0,
                  world_size: int = 1, *, layout: str = "ddp",
                  coordinator: CoordinatorClient | None = None, snapshot_every: int = 100,
-                 keep_last: int = 2, ram: bool = True, on_busy: str = "skip",
+                 keep_last: int = 2, ram: bool = True, ram_tier: RamTier | None = None,
+                 ram_cap_bytes: int | None = None, on_busy: str = "skip",
                  durable: bool = True, storage_options: dict[str, Any] | None = None,
                  block_bytes: int = DEFAULT_BLOCK_BYTES,
                  split_min_bytes: int = DEFAULT_SPLIT_MIN_BYTES, flush_timeout_s: float = 120.0,
@@ -120,11 +128,15 @@ class Snapshotter:
         # The worker-group generation this rank writes for (None until joined: restore() or
         # the first capture, both points every rank reaches together).
         self.generation = generation
+        if coordinator is None and world_size == 1 and ram and ram_tier is None:
+            ram_tier = in_process_tier(ram_cap_bytes)  # its store: the only node, this one
+        self.ram_tier = ram_tier if ram else None
         if coordinator is None:
             if world_size == 1:
-                coordinator = LocalCoordinator(self.store, keep_last=keep_last,
-                                               block_bytes=block_bytes, faults=self.faults,
-                                               ram=ram)
+                coordinator = LocalCoordinator(
+                    self.store, keep_last=keep_last, block_bytes=block_bytes,
+                    faults=self.faults,
+                    ram_stores=self.ram_tier.store_on if self.ram_tier is not None else None)
             else:
                 coordinator = StoreCoordinator(self.store, rank, world_size,
                                                keep_last=keep_last, block_bytes=block_bytes,
@@ -133,7 +145,8 @@ class Snapshotter:
         self.capturer = Capturer(registry, rank, world_size, split_min_bytes=split_min_bytes,
                                  faults=self.faults)
         self.persister = Persister(self.store, coordinator, layout=layout,
-                                   block_bytes=block_bytes, ram=ram, durable=durable,
+                                   block_bytes=block_bytes, ram_tier=self.ram_tier,
+                                   durable=durable,
                                    faults=self.faults, versions=library_versions())
         self._handle: CaptureHandle | None = None
         self.skipped: list[int] = []
@@ -162,8 +175,7 @@ class Snapshotter:
                 manifest = self._manifest(step)
                 templates = self.registry.flatten().tensors
                 check_compatible(self.registry, manifest, templates)
-                source = ByteSource(self.store, step,
-                                    ram=functools.partial(self.coordinator.read_ram, step))
+                source = ByteSource(self.store, step, ram=self._ram_reader(step))
                 tensors = read_tensors(manifest, plan_targets(manifest, templates), source)
                 loaded = (manifest, tensors, source)
             except SnapshotMismatchError:
@@ -200,6 +212,15 @@ class Snapshotter:
                 f"no committed snapshot of {self.store.run_uri} could be restored (each was "
                 "moved to quarantine/): " + "; ".join(self.restore_errors))
         return 0
+
+    def _ram_reader(self, step: int) -> ReadMany | None:
+        """Reads of ``step`` from the RAM stores the coordinator says hold its files."""
+        if self.ram_tier is None:
+            return None
+        locations = self.coordinator.ram_locations(step)
+        if not locations:
+            return None
+        return functools.partial(self.ram_tier.read, step, locations)
 
     def join_generation(self) -> int:
         """This rank's worker-group generation: rank 0 starts one at the coordinator and

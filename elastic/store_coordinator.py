@@ -10,7 +10,7 @@ by ``flush()`` — collects the receipts of its in-flight steps (for the generat
 started them: another generation's receipt files are never read) and commits each step once
 all are in. No collective is needed, so it works from background threads and never blocks
 training. Rank 0 starts each generation (``new_generation``); the snapshotter broadcasts it.
-There is no off-node RAM copy in this mode (``read_ram`` serves nothing).
+There is no RAM tier in this mode (``ram_locations`` names no store).
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ class StoreCoordinator:
         self.rank = rank
         self.world_size = world_size
         self.local = (LocalCoordinator(store, keep_last=keep_last, block_bytes=block_bytes,
-                                       faults=faults, ram=False) if rank == 0 else None)
+                                       faults=faults) if rank == 0 else None)
 
     def _receipt_path(self, step: int, rank: int, world_size: int, generation: int) -> str:
         name = shard_filename(rank, world_size, generation) + RECEIPT_SUFFIX
@@ -51,10 +51,6 @@ class StoreCoordinator:
 
     def current_generation(self) -> int:
         return self._owner().current_generation()
-
-    def put_ram(self, step: int, rank: int, file: str, data: bytes, generation: int) -> bool:
-        """No RAM copy off the node without Ray."""
-        return False
 
     def report_shard(self, receipt: dict[str, Any]) -> int | None:
         if self.local is not None:
@@ -85,8 +81,8 @@ class StoreCoordinator:
             return self.local.committed_steps()
         return self.store.committed_steps()
 
-    def read_ram(self, step: int, requests: list[tuple[str, int, int]]) -> list[bytes] | None:
-        return None
+    def ram_locations(self, step: int) -> dict[str, list[str]]:
+        return {}
 
     def read_manifest(self, step: int) -> bytes | None:
         return None

@@ -145,16 +145,21 @@ class SnapshotWorker:
     Ray is reached only through ``elastic.coordinator`` (the one Ray module of ``elastic``)."""
 
     def __init__(self, run_uri: str, rank: int, world_size: int, coordinator_name: str,
-                 namespace: str, seed: int = 5, generation: int | None = None) -> None:
-        from elastic.coordinator import RayCoordinatorClient, find_coordinator
+                 namespace: str, seed: int = 5, generation: int | None = None,
+                 ballast: int = 0) -> None:
+        from elastic.coordinator import RayCoordinatorClient, find_coordinator, ray_ram_tier
         from elastic.snapshotter import Snapshotter
 
         torch.set_num_threads(1)
         self.ts = build(seed=seed)
+        if ballast:  # state of ``ballast`` more float32s, the same in every rank and seed
+            self.ts.registry.register("ballast", nn.Linear(ballast, 1, bias=False))
         client = RayCoordinatorClient(find_coordinator(coordinator_name, namespace))
         self.snap = Snapshotter(run_uri, self.ts.registry, rank, world_size,
                                 coordinator=client, snapshot_every=2, durable=False,
-                                split_min_bytes=64, generation=generation)
+                                split_min_bytes=64, generation=generation,
+                                ram_tier=ray_ram_tier(run_uri, cap_bytes=None))
+        self.node = self.snap.ram_tier.node if self.snap.ram_tier else None
 
     def train(self, first: int, last: int) -> list[int]:
         for step in range(first, last + 1):
@@ -165,7 +170,7 @@ class SnapshotWorker:
 
     def restore(self) -> dict[str, Any]:
         step = self.snap.restore()
-        return {"step": step, "restored_from": self.snap.restored_from,
+        return {"step": step, "restored_from": self.snap.restored_from, "node": self.node,
                 "storage_reads": self.snap.store.stats.range_reads,
                 "state": full_state(self.ts)}
 

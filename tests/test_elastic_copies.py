@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from elastic.layout import Piece, Target
-from elastic.persist import RamCopies
+from elastic.ram_store import RamStore
 from elastic.registry import StateRegistry
 from elastic.restore import ByteSource, plan_targets, read_tensors
 from elastic.snapshotter import Snapshotter
@@ -105,7 +105,7 @@ def test_resharded_restore_stages_only_what_it_must(tmp_path) -> None:
 def test_persist_allocates_nothing_state_sized(tmp_path) -> None:
     """After the first snapshots, persisting one (RAM copy included) allocates no buffer of
     the state's size: the file is written from the capture image, the RAM copy reuses a
-    buffer the coordinator dropped. The RAM copy still holds each snapshot's own bytes."""
+    buffer its store dropped. The RAM copy still holds each snapshot's own bytes."""
     model, optim, registry = _state(width=1024)  # ~12.6 MB of state
     state_bytes = sum(t.numel() * t.element_size() for t in registry.flatten().tensors.values())
     snap = Snapshotter(str(tmp_path), registry, durable=False, keep_last=2)
@@ -124,7 +124,8 @@ def test_persist_allocates_nothing_state_sized(tmp_path) -> None:
         tracemalloc.stop()
     assert snap.persister.last_error is None
     assert peak < state_bytes / 8, (peak, state_bytes)
-    assert snap.persister._ram_copies.allocated == 2
+    assert snap.ram_tier is not None
+    assert snap.ram_tier.store_on("local").allocated == 2
     expected = _flat(registry)
     for key in expected:  # scribble: the restore must bring step 5 back from RAM
         registry.flatten().tensors[key].detach().zero_()
@@ -136,15 +137,19 @@ def test_persist_allocates_nothing_state_sized(tmp_path) -> None:
 
 
 def test_ram_copies_never_reuse_a_buffer_still_referred_to() -> None:
-    copies = RamCopies()
-    a = copies.copy_of(np.full(16, 1, np.uint8))
-    view = a[4:8]  # a reader still holds a slice of the first copy
-    del a
-    b = copies.copy_of(np.full(16, 2, np.uint8))
-    assert (view == 1).all() and (b == 2).all() and copies.allocated == 2
-    del view, b
-    c = copies.copy_of(np.full(16, 3, np.uint8))  # both free now: one is reused
-    assert (c == 3).all() and copies.allocated == 2
+    store = RamStore()
+    store.put(1, 0, "f", np.full(16, 1, np.uint8))
+    view = store.read(1, [("f", 4, 8)])[0]  # a reader still holds a slice of the copy
+    store.keep(1, [])
+    store.put(2, 0, "f", np.full(16, 2, np.uint8))
+    store.keep(2, [])  # step 1's buffer is spare now, but still referred to by the reader
+    store.put(3, 0, "f", np.full(16, 3, np.uint8))
+    assert (view == 1).all() and store.allocated == 3
+    del view
+    store.keep(3, [])
+    store.put(4, 0, "f", np.full(16, 4, np.uint8))  # a free spare is reused
+    assert store.allocated == 3
+    assert bytes(store.read(4, [("f", 0, 16)])[0]) == bytes([4] * 16)
 
 
 _RSS_SCRIPT = textwrap.dedent("""

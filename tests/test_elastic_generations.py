@@ -22,6 +22,7 @@ from elastic.errors import StorageUnavailableError
 from elastic.faults import FaultInjector
 from elastic.format import DEFAULT_BLOCK_BYTES, MANIFEST_NAME, step_dirname
 from elastic.local_coordinator import LocalCoordinator
+from elastic.ram_store import RamTier, in_process_tier
 from elastic.snapshotter import Snapshotter
 from elastic.store import SnapshotStore
 from elastic.testing import build, full_state, train_step
@@ -33,10 +34,10 @@ def _coordinator(run: str, **kwargs) -> LocalCoordinator:
 
 
 def _group(run: str, coord: LocalCoordinator, seed: int, faults: FaultInjector | None = None,
-           world: int = 2):
+           world: int = 2, ram_tier: RamTier | None = None):
     states = [build(seed=seed) for _ in range(world)]
     snaps = [Snapshotter(run, s.registry, r, world, coordinator=coord, snapshot_every=2,
-                         durable=False, split_min_bytes=64, faults=faults)
+                         durable=False, split_min_bytes=64, faults=faults, ram_tier=ram_tier)
              for r, s in enumerate(states)]
     return states, snaps
 
@@ -284,32 +285,37 @@ def test_disk_full_is_reported_with_its_reason(tmp_path, monkeypatch) -> None:
 
 def test_ram_copy_is_capped_and_can_be_off(tmp_path) -> None:
     run = str(tmp_path / "run")
-    coord = _coordinator(run, ram_cap_bytes=1)  # smaller than any shard: storage-only
-    states, snaps = _group(run, coord, seed=5, world=1)
+    tier = in_process_tier(cap_bytes=1)  # smaller than any shard: storage-only
+    coord = _coordinator(run, ram_stores=tier.store_on)
+    states, snaps = _group(run, coord, seed=5, world=1, ram_tier=tier)
     refs = _train(states, snaps, range(1, 3))
-    assert coord.health()["ram_bytes"] == 0 and coord.committed_steps() == [2]
+    assert tier.store_on("local").held_bytes() == 0 and coord.committed_steps() == [2]
+    assert coord.ram_locations(2) == {}  # the receipt named no holder
     _restore_equals(run, refs[2], 2)
 
     run2 = str(tmp_path / "run2")
-    off = _coordinator(run2, ram_cap_bytes=0)
-    assert off.ram is None
-    states, snaps = _group(run2, off, seed=5, world=1)
+    off = _coordinator(run2)
+    states, snaps = _group(run2, off, seed=5, world=1)  # no RAM tier: off
     _train(states, snaps, range(1, 3))
-    assert off.read_ram(2, [("x", 0, 1)]) is None
+    assert snaps[0].ram_tier is None and off.ram_locations(2) == {}
 
     run3 = str(tmp_path / "run3")
-    roomy = _coordinator(run3, ram_cap_bytes=1 << 30)
-    states, snaps = _group(run3, roomy, seed=5, world=1)
+    tier = in_process_tier(cap_bytes=1 << 30)
+    roomy = _coordinator(run3, ram_stores=tier.store_on)
+    states, snaps = _group(run3, roomy, seed=5, world=1, ram_tier=tier)
     _train(states, snaps, range(1, 5))
-    held = roomy.health()["ram_bytes"]
-    assert 0 < held <= 1 << 30 and list(roomy.ram.files) == [4]  # the newest commit only
+    store = tier.store_on("local")
+    assert 0 < store.held_bytes() <= 1 << 30 and store.stats()["steps"] == [4]  # newest only
+    assert list(roomy.ram_index) == [4]
 
 
 def test_a_stuck_rank_cannot_grow_memory_or_step_directories(tmp_path) -> None:
     run = str(tmp_path / "run")
     now = [0.0]
-    coord = _coordinator(run, pending_timeout_s=50, clock=lambda: now[0])
-    states, snaps = _group(run, coord, seed=5)
+    tier = in_process_tier()
+    coord = _coordinator(run, pending_timeout_s=50, clock=lambda: now[0],
+                         ram_stores=tier.store_on)
+    states, snaps = _group(run, coord, seed=5, ram_tier=tier)
     _train(states, snaps, range(1, 3))
     for step in range(3, 41):  # rank 1 is stuck: only rank 0 snapshots
         train_step(states[0], step)
@@ -317,7 +323,9 @@ def test_a_stuck_rank_cannot_grow_memory_or_step_directories(tmp_path) -> None:
         snaps[0].persister.wait()
         now[0] += 1
         assert len(coord.core.pending) <= coord.core.max_pending
-        assert len(coord.ram.files) <= coord.core.max_pending + 1
+        # The store: the newest commit plus one step in flight; the index no more.
+        assert len(tier.store_on("local").stats()["steps"]) <= 2
+        assert len(coord.ram_index) <= coord.core.max_pending + 1
     dirs = SnapshotStore(run).all_steps()
     assert len(dirs) <= 1 + coord.core.max_pending, dirs
     now[0] += 100  # nothing completes: the timeout aborts what is left and removes its files

@@ -398,9 +398,13 @@ class SnapshotConfig:
     run_uri: str = ""  # run directory (local path or s3://bucket/prefix/NAME); required
     snapshot_every: int = 10  # steps between snapshots (plus on preemption or resize)
     keep_last: int = 3  # committed snapshots kept; older ones are deleted
-    # Cap on the coordinator's in-memory copy of the newest snapshot (MiB; 0 turns it off).
-    # A snapshot that does not fit is storage-only, and the coordinator's log says so.
+    # Cap on each node's RAM store (MiB; 0 turns the RAM copies off): it holds copies of
+    # other nodes' shards of the newest snapshot (plus one in flight). A shard that does not
+    # fit is storage-only.
     ram_copy_mib: float = 4096.0
+    # How many other nodes hold a RAM copy of each shard (the next ones in the sorted list of
+    # live nodes; 0 = none). On a one-node cluster the copy is on that node.
+    ram_replicas: int = 1
     # An in-flight snapshot not complete after this long is aborted and its files removed.
     pending_timeout_s: float = 600.0
     # S3: the total deadline of one storage call (a black-holed endpoint fails within it),
@@ -413,6 +417,7 @@ class SnapshotConfig:
         _require(self.snapshot_every >= 1, "snapshots.snapshot_every", "must be >= 1")
         _require(self.keep_last >= 1, "snapshots.keep_last", "must be >= 1")
         _require(self.ram_copy_mib >= 0, "snapshots.ram_copy_mib", "must be >= 0 (0 = off)")
+        _require(self.ram_replicas >= 0, "snapshots.ram_replicas", "must be >= 0 (0 = off)")
         _require(self.pending_timeout_s > 0, "snapshots.pending_timeout_s", "must be > 0")
         _require(self.storage_timeout_s > 0, "snapshots.storage_timeout_s", "must be > 0")
         _require(self.storage_retry_s >= self.storage_timeout_s, "snapshots.storage_retry_s",

@@ -72,6 +72,7 @@ from torch.distributed.tensor import DTensor
 from elastic.errors import FatalRunError, SnapshotIntegrityError
 from elastic.preemption import PreemptionNotice, PreemptionWatcher
 from elastic.protocol import CoordinatorClient
+from elastic.ram_store import RamTier
 from elastic.registry import SnapshotMismatchError, StateRegistry
 from elastic.snapshotter import Snapshotter
 from trainer.config import SnapshotConfig
@@ -98,6 +99,7 @@ class WorkerContext:
 
     snapshots: SnapshotConfig  # run directory and snapshot settings
     coordinator: CoordinatorClient | None = None  # the run's coordinator (Ray actor client)
+    ram_tier: RamTier | None = None  # where shards' RAM copies go (stores on peer nodes)
     preemption_notice: Callable[[], Any] | None = None  # the platform's notice, or None
     until: int | None = None  # stop (committing) after this step
 
@@ -188,7 +190,10 @@ class Session:
             layout=layout or _layout_of(model),
             coordinator=coordinator or (context.coordinator if context else None),
             snapshot_every=settings.snapshot_every, keep_last=settings.keep_last,
-            ram=settings.ram_copy_mib != 0, storage_timeout_s=settings.storage_timeout_s,
+            ram=settings.ram_copy_mib != 0 and settings.ram_replicas != 0,
+            ram_tier=context.ram_tier if context and coordinator is None else None,
+            ram_cap_bytes=int(settings.ram_copy_mib * 2**20),
+            storage_timeout_s=settings.storage_timeout_s,
             storage_retry_s=settings.storage_retry_s,
             run_info=run_info,
         )

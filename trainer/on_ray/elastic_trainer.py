@@ -146,7 +146,7 @@ class ElasticTorchTrainer(BatonTorchTrainer):
         return result
 
     def _fit_leased(self, lease: RunLease) -> Any:
-        from elastic.coordinator import get_or_create_coordinator
+        from elastic.coordinator import get_or_create_coordinator, release_ram_stores
 
         if not ray.is_initialized():
             ray.init()
@@ -156,7 +156,6 @@ class ElasticTorchTrainer(BatonTorchTrainer):
         self.coordinator = get_or_create_coordinator(
             snaps.run_uri, keep_last=snaps.keep_last,
             lease_token=lease.token,  # fencing: no manifest once another driver took the run
-            ram=snaps.ram_copy_mib != 0, ram_cap_bytes=int(snaps.ram_copy_mib * 2**20),
             pending_timeout_s=snaps.pending_timeout_s, storage_timeout_s=snaps.storage_timeout_s,
             storage_retry_s=snaps.storage_retry_s,
         )
@@ -172,6 +171,7 @@ class ElasticTorchTrainer(BatonTorchTrainer):
             done.set()
             forward.join(timeout=10)
             self.coordinator = None
+            release_ram_stores(snaps.run_uri, lease_token=lease.token)
         self.stopped_at = self.health.get("stopped_at")
         return result
 
@@ -196,13 +196,23 @@ class ElasticTorchTrainer(BatonTorchTrainer):
         lease_token = self._lease_token
 
         def train_func_in_session_context() -> Any:
-            from elastic.coordinator import RayCoordinatorClient, get_or_create_coordinator
+            from elastic.coordinator import (
+                RayCoordinatorClient,
+                get_or_create_coordinator,
+                ray_ram_tier,
+            )
 
             check_code_version(driver_version)
+            snaps = context.snapshots
             coordinator = RayCoordinatorClient(
-                get_or_create_coordinator(context.snapshots.run_uri, lease_token=lease_token))
+                get_or_create_coordinator(snaps.run_uri, lease_token=lease_token))
+            # Each shard's RAM copy goes to the stores of the next nodes on the ring.
+            ram_tier = ray_ram_tier(snaps.run_uri, cap_bytes=int(snaps.ram_copy_mib * 2**20),
+                                    replicas=snaps.ram_replicas, lease_token=lease_token) \
+                if snaps.ram_copy_mib and snaps.ram_replicas else None
             with worker_context(dataclasses.replace(
-                    context, coordinator=coordinator, preemption_notice=ray_preemption_notice)):
+                    context, coordinator=coordinator, ram_tier=ram_tier,
+                    preemption_notice=ray_preemption_notice)):
                 return inner()
 
         return train_func_in_session_context

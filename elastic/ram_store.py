@@ -1,0 +1,278 @@
+"""The RAM tier: copies of shard files held by stores on peer nodes, never on the head.
+
+Contract
+--------
+``RamStore`` holds shard-file bytes for one run on one node. It is plain Python: in-process
+it is used as is (world size 1, tests), and on a Ray cluster the very same class is the
+per-node actor (``elastic.coordinator.get_or_create_ram_store``: named
+``baton-ram-<run>-<node>`` in namespace ``baton``, pinned to its node, detached so that it
+outlives the worker that created it; it dies with its node).
+
+* ``put(step, generation, file, data)`` keeps ``data`` (a copy the store owns) and returns
+  True, or refuses (False): a generation older than one it has seen, a step at or before
+  the newest committed one, an in-flight step older than the one it holds, or more than
+  ``cap_bytes`` held in all (``snapshots.ram_copy_mib`` per node: that shard is then
+  storage-only). It holds the newest committed snapshot plus at most one in flight: a put
+  for a newer step drops any other uncommitted step first. Before it has heard which step
+  committed it keeps the two newest steps (never more), so a commit notice that is late
+  never costs the committed copy.
+* ``keep(committed, in_flight)`` (from the coordinator when a snapshot commits or is
+  aborted) drops every step but those (and any newer one, whose receipt the coordinator
+  had not seen when it sent this).
+* ``read(step, requests)`` returns the byte ranges ``(file, start, end)`` of ``step``, or
+  None when it does not hold every file asked for (then the reader goes to storage).
+
+``ring_holders(node, live_nodes, replicas)`` is the placement (Gemini-style ring): a worker
+on node ``i`` of the sorted live nodes sends its shard to the stores of nodes ``i+1 ..
+i+replicas`` (never its own node while another exists; on a one-node cluster its own node,
+which does not survive that node's loss). ``RamTier`` is a worker's view of the stores: it
+puts a shard where the ring says (returning the nodes that took it: they go in the receipt,
+and the coordinator keeps only that metadata) and reads ranges from whichever node the
+coordinator says holds a file; a store that is gone (``StoreLost``) or refuses reads as
+"not held", so the reader falls back to storage, never fails. ``in_process_tier`` is the
+tier of a run without Ray: one store, node ``"local"``.
+
+How the bytes travel. Measured on this 2-core machine, a 256 MiB shard from a worker on
+one raylet of a ``ray.cluster_utils.Cluster`` to a store actor on another (best of two;
+memcpy of the same buffer: 48 ms, 5.6 GB/s):
+
+=================================================  =======  ========
+put: the image as a numpy argument, store keeps it  357 ms  0.75 GB/s
+put: numpy argument, store copies it (chosen)        517 ms  0.52 GB/s
+put: ``ray.put`` first, the store gets the ref       907 ms  0.30 GB/s
+put: ``bytes(image)`` argument (the old path)       1532 ms  0.18 GB/s
+read 64 MiB ranges returned as numpy views           861 ms  0.31 GB/s
+read 64 MiB ranges returned as ``bytes``            1151 ms  0.23 GB/s
+=================================================  =======  ========
+
+So the worker passes the capture image as a numpy array (Ray writes it to the object store
+once, with no intermediate ``bytes``, the one copy a remote node needs anyway). The store
+copies it into a buffer it owns (one more memcpy, +0.16 s here) rather than keeping the
+argument: a kept argument pins the object store's shared memory, which is sized and
+spilled by Ray, not by ``snapshots.ram_copy_mib``. Dropped buffers are reused by later puts
+(``allocated`` stays at two per shard), so after the first two snapshots a store allocates
+nothing. Reads return numpy views of the held buffer (sent out of band, no pickled copy);
+the reader copies them into its tensors.
+"""
+
+from __future__ import annotations
+
+import sys
+import threading
+from collections.abc import Callable, Iterable
+from typing import Any, Protocol
+
+import numpy as np
+
+# (file, start, end) byte ranges of one step's shard files.
+Requests = list[tuple[str, int, int]]
+
+LOCAL_NODE = "local"
+
+class StoreLost(OSError):
+    """The store actor (and so its node) is gone: its copies are lost, read storage."""
+
+
+class RamStoreClient(Protocol):
+    """What a worker and the coordinator call on a store (a ``RamStore`` in-process, or
+    the Ray actor through ``elastic.coordinator.RayRamStoreClient``)."""
+
+    def put(self, step: int, generation: int, file: str, data: Any) -> bool: ...
+
+    def read(self, step: int, requests: Requests) -> list[Any] | None: ...
+
+    def keep(self, committed: int | None, in_flight: list[int]) -> None: ...
+
+
+class RamStore:
+    """Shard-file copies of one run on one node (thread-safe; see the module docstring)."""
+
+    def __init__(self, cap_bytes: int | None = None) -> None:
+        self.cap_bytes = cap_bytes
+        self._lock = threading.Lock()
+        self.files: dict[int, dict[str, np.ndarray]] = {}  # step -> file -> owned bytes
+        self.step_generation: dict[int, int] = {}
+        self.generation = -1  # the newest generation a put came from
+        self.committed: int | None = None  # the newest commit the coordinator told of
+        self._spare: list[np.ndarray] = []  # dropped buffers, reused by later puts
+        self.allocated = 0  # buffers ever allocated (after the first two snapshots: none)
+        self.refused = 0
+        self.bytes_in = 0
+        self.bytes_out = 0
+
+    def put(self, step: int, generation: int, file: str, data: Any) -> bool:
+        view = data.reshape(-1).view(np.uint8) if isinstance(data, np.ndarray) \
+            else np.frombuffer(data, dtype=np.uint8)
+        with self._lock:
+            if (generation < self.generation
+                    or (self.committed is not None and step <= self.committed)
+                    or any(s > step for s in self._uncommitted_locked())):
+                self.refused += 1
+                return False
+            self.generation = generation
+            for s in self._uncommitted_locked():
+                if s != step and (self.step_generation[s] < generation
+                                  or self.committed is not None):
+                    self._drop_locked(s)
+            # Not told of a commit yet: the older step may be the committed one; keep it
+            # and this one, never a third.
+            others = sorted(s for s in self.files if s not in (step, self.committed))
+            for s in others[:-1] if self.committed is None else others:
+                self._drop_locked(s)
+            previous = self.files.get(step, {}).pop(file, None)
+            if previous is not None:
+                self._spare.append(previous)
+            if self.cap_bytes is not None:
+                if self._held_locked() + self._spare_locked() + view.nbytes > self.cap_bytes:
+                    self._spare.clear()  # resident memory counts against the cap
+                if self._held_locked() + view.nbytes > self.cap_bytes:
+                    self.refused += 1
+                    return False
+            owned = self._take_spare_locked(view.nbytes)
+            np.copyto(owned, view)
+            self.files.setdefault(step, {})[file] = owned
+            self.step_generation[step] = generation
+            self.bytes_in += view.nbytes
+            return True
+
+    def read(self, step: int, requests: Requests) -> list[np.ndarray] | None:
+        with self._lock:
+            held = self.files.get(step, {})
+            if not all(f in held for f, _, _ in requests):
+                return None
+            out = [held[f][a:b] for f, a, b in requests]
+            self.bytes_out += sum(len(x) for x in out)
+            return out
+
+    def keep(self, committed: int | None, in_flight: list[int]) -> None:
+        with self._lock:
+            if committed is not None and (self.committed is None or committed > self.committed):
+                self.committed = committed
+            wanted = set(in_flight) | ({committed} if committed is not None else set())
+            # A step newer than all the coordinator knew of is a put whose receipt it has
+            # not seen yet (this notice was overtaken): not its to drop.
+            horizon = max(wanted, default=-1)
+            for s in list(self.files):
+                if s not in wanted and s <= horizon:
+                    self._drop_locked(s)
+
+    def held_bytes(self) -> int:
+        with self._lock:
+            return self._held_locked()
+
+    def stats(self) -> dict[str, Any]:
+        with self._lock:
+            return {"held_bytes": self._held_locked(), "spare_bytes": self._spare_locked(),
+                    "steps": sorted(self.files), "committed": self.committed,
+                    "refused": self.refused, "allocated": self.allocated,
+                    "bytes_in": self.bytes_in, "bytes_out": self.bytes_out}
+
+    def _uncommitted_locked(self) -> list[int]:
+        return [s for s in self.files if s != self.committed]
+
+    def _held_locked(self) -> int:
+        return sum(b.nbytes for files in self.files.values() for b in files.values())
+
+    def _spare_locked(self) -> int:
+        return sum(b.nbytes for b in self._spare)
+
+    def _drop_locked(self, step: int) -> None:
+        dropped = list(self.files.pop(step, {}).values())
+        self.step_generation.pop(step, None)
+        self._spare.extend(dropped)
+        # Spares for one step's worth of puts at most: with the two steps held, a store's
+        # memory stays about two snapshots' shards.
+        limit = max([sum(b.nbytes for b in f.values()) for f in self.files.values()]
+                    + [sum(b.nbytes for b in dropped)])
+        while self._spare and self._spare_locked() > limit:
+            self._spare.pop(0)
+
+    def _take_spare_locked(self, nbytes: int) -> np.ndarray:
+        """A dropped buffer of this size that nothing refers to any more (a reader's view
+        of it holds a reference: CPython's count, as ``sys.getrefcount`` sees it), else a
+        new one."""
+        for i in range(len(self._spare)):
+            # References: the list's slot and getrefcount's argument.
+            if self._spare[i].nbytes == nbytes and sys.getrefcount(self._spare[i]) <= 2:
+                return self._spare.pop(i)
+        self.allocated += 1
+        return np.empty(nbytes, dtype=np.uint8)
+
+
+def ring_holders(node: str, live_nodes: Iterable[str], replicas: int) -> list[str]:
+    """The nodes whose stores hold copies of a shard written on ``node``: the next
+    ``replicas`` nodes after it in the sorted live nodes (0: none). Never ``node`` itself
+    while another node is live; alone, ``node`` (not surviving its own loss)."""
+    if replicas <= 0:
+        return []
+    ring = sorted(set(live_nodes) | {node})
+    if len(ring) == 1:
+        return [node]
+    at = ring.index(node)
+    return [ring[(at + k) % len(ring)] for k in range(1, min(replicas, len(ring) - 1) + 1)]
+
+
+class RamTier:
+    """A worker's access to the RAM tier (see the module docstring).
+
+    ``store_on(node)`` gives the store client of ``node`` (raising ``StoreLost`` when it is
+    gone); ``live_nodes()`` the nodes alive now. A store copies what it keeps, so ``put``
+    may be given a view of memory the caller reuses (the capture image)."""
+
+    def __init__(self, node: str, live_nodes: Callable[[], list[str]],
+                 store_on: Callable[[str], RamStoreClient], *, replicas: int = 1) -> None:
+        self.node = node
+        self.live_nodes = live_nodes
+        self.store_on = store_on
+        self.replicas = replicas
+
+    def put(self, step: int, generation: int, file: str, data: Any) -> list[str]:
+        """Copy a shard file to the stores of its ring; returns the nodes that took it."""
+        took = []
+        for node in ring_holders(self.node, self.live_nodes(), self.replicas):
+            try:
+                if self.store_on(node).put(step, generation, file, data):
+                    took.append(node)
+            except StoreLost:
+                continue
+        return took
+
+    def read(self, step: int, locations: dict[str, list[str]],
+             requests: Requests) -> list[Any | None]:
+        """Each request's bytes from a store holding its file, or None (read storage)."""
+        got: list[Any | None] = [None] * len(requests)
+        todo = list(range(len(requests)))
+        tried: set[str] = set()
+        while todo:
+            # Ask each node for everything it is the first untried holder of.
+            by_node: dict[str, list[int]] = {}
+            for i in todo:
+                node = next((n for n in locations.get(requests[i][0], []) if n not in tried),
+                            None)
+                if node is not None:
+                    by_node.setdefault(node, []).append(i)
+            if not by_node:
+                break
+            for node, indices in by_node.items():
+                tried.add(node)
+                try:
+                    data = self.store_on(node).read(step, [requests[i] for i in indices])
+                except StoreLost:
+                    data = None
+                if data is not None:
+                    for i, d in zip(indices, data, strict=True):
+                        got[i] = d
+            todo = [i for i in todo if got[i] is None]
+        return got
+
+
+def in_process_tier(cap_bytes: int | None = None) -> RamTier:
+    """The RAM tier of a run without Ray: one in-process store on node ``"local"``."""
+    store = RamStore(cap_bytes)
+
+    def store_on(node: str) -> RamStoreClient:
+        if node != LOCAL_NODE:
+            raise StoreLost(f"no RAM store on node {node!r} in this process")
+        return store
+
+    return RamTier(LOCAL_NODE, lambda: [LOCAL_NODE], store_on)

@@ -1,0 +1,249 @@
+"""The RAM tier without Ray (elastic/ram_store.py): ring placement, the per-node cap, what a
+store keeps, and a coordinator that handles metadata only.
+
+Nodes are in-process ``RamStore`` objects here (the Ray actor is the same class made
+remote); a lost node is a store that answers ``StoreLost``, as a dead actor does.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import numpy as np
+import torch
+from torch import nn
+
+from elastic.format import DEFAULT_BLOCK_BYTES
+from elastic.local_coordinator import LocalCoordinator
+from elastic.protocol import CoordinatorClient
+from elastic.ram_store import RamStore, RamStoreClient, RamTier, StoreLost, ring_holders
+from elastic.snapshotter import Snapshotter
+from elastic.store import SnapshotStore
+from elastic.testing import build, full_state, train_step
+
+# ------------------------------------------------------------------------------ placement
+
+
+def test_ring_places_copies_on_the_next_nodes_never_the_own_one() -> None:
+    nodes = ["c", "a", "d", "b"]  # sorted: a b c d
+    assert ring_holders("a", nodes, 1) == ["b"]
+    assert ring_holders("d", nodes, 1) == ["a"]  # wraps around
+    assert ring_holders("b", nodes, 2) == ["c", "d"]
+    assert ring_holders("c", nodes, 9) == ["d", "a", "b"]  # at most every other node
+    assert ring_holders("a", nodes, 0) == []  # off
+    for node in nodes:
+        for k in (1, 2, 3):
+            assert node not in ring_holders(node, nodes, k)
+    # Every node's shard lands on a different node: losing one node loses one copy each.
+    assert sorted(ring_holders(n, nodes, 1)[0] for n in nodes) == sorted(nodes)
+    assert ring_holders("solo", ["solo"], 1) == ["solo"]  # one node: its own store
+    assert ring_holders("new", ["a", "b"], 1) == ["a"]  # a node not listed yet still counts
+
+
+# ------------------------------------------------------------------------------ one store
+
+
+def _data(n: int, value: int = 1) -> np.ndarray:
+    return np.full(n, value, dtype=np.uint8)
+
+
+def test_store_is_capped_per_node() -> None:
+    store = RamStore(cap_bytes=100)
+    assert store.put(2, 0, "shard-0", _data(60))
+    assert not store.put(2, 0, "shard-1", _data(60))  # 120 > 100: storage-only
+    assert store.put(2, 0, "shard-2", _data(40))
+    assert store.held_bytes() == 100 and store.refused == 1
+    assert store.read(2, [("shard-1", 0, 1)]) is None  # not held: the reader goes to storage
+    store.keep(2, [])
+    # A new step's shards do not fit beside the committed one: refused, the commit kept.
+    assert not store.put(4, 0, "shard-0", _data(60, 7))
+    assert store.stats()["steps"] == [2]
+    assert bytes(store.read(2, [("shard-0", 10, 12)])[0]) == b"\x01\x01"
+    assert not RamStore(cap_bytes=0).put(2, 0, "f", _data(1))
+
+
+def test_store_keeps_the_newest_commit_and_at_most_one_step_in_flight() -> None:
+    store = RamStore()
+    assert store.put(2, 1, "f", _data(8, 2))
+    assert store.put(4, 1, "f", _data(8, 4))
+    # Not told of any commit yet: 2 may be the committed one; a third step drops only the
+    # oldest, never both.
+    assert store.put(6, 1, "f", _data(8, 6))
+    assert store.stats()["steps"] == [4, 6]
+    store.keep(4, [6])
+    assert store.put(8, 1, "f", _data(8, 8))  # 6 is superseded: at most one in flight
+    assert store.stats()["steps"] == [4, 8]
+    assert not store.put(6, 1, "f", _data(8))  # older than the step in flight: refused
+    assert not store.put(4, 1, "g", _data(8))  # at or before the newest commit: refused
+    assert not store.put(10, 0, "f", _data(8))  # an older generation: refused
+    assert store.put(10, 2, "f", _data(8, 10))  # a new generation: its in-flight 8 is gone
+    assert store.stats()["steps"] == [4, 10]
+    # A keep overtaken by a newer put does not drop that put (its receipt is still coming).
+    store.keep(4, [])
+    assert store.stats()["steps"] == [4, 10]
+    store.keep(10, [])
+    assert store.stats()["steps"] == [10]
+    assert [bytes(x) for x in store.read(10, [("f", 0, 2)])] == [b"\x0a\x0a"]
+    assert store.read(4, [("f", 0, 2)]) is None
+
+
+def test_store_owns_a_copy_of_what_it_is_given() -> None:
+    store = RamStore()
+    image = _data(16, 3)
+    store.put(1, 0, "f", image)
+    image[:] = 9  # the capture image is reused by the next capture
+    assert bytes(store.read(1, [("f", 0, 16)])[0]) == bytes([3] * 16)
+
+
+# ------------------------------------------------------------------------------ a cluster of stores
+
+
+class _Nodes:
+    """In-process stores standing for nodes; ``lose(node)`` is the node going away."""
+
+    def __init__(self, names: list[str], cap_bytes: int | None = None) -> None:
+        self.stores = {n: RamStore(cap_bytes) for n in names}
+        self.lost: set[str] = set()
+
+    def live(self) -> list[str]:
+        return [n for n in self.stores if n not in self.lost]
+
+    def store_on(self, node: str) -> RamStoreClient:
+        if node in self.lost:
+            raise StoreLost(f"node {node} is gone")
+        return self.stores[node]
+
+    def tier(self, node: str, replicas: int = 1) -> RamTier:
+        return RamTier(node, self.live, self.store_on, replicas=replicas)
+
+    def lose(self, node: str) -> None:
+        self.lost.add(node)
+
+
+_JSON_SCALARS = (str, int, float, bool, type(None))
+
+
+def _json_only(value: Any, where: str) -> None:
+    if isinstance(value, dict):
+        for k, v in value.items():
+            assert isinstance(k, str), where
+            _json_only(v, where)
+    elif isinstance(value, list | tuple):
+        for v in value:
+            _json_only(v, where)
+    else:
+        assert isinstance(value, _JSON_SCALARS), f"{where} sent {type(value).__name__}"
+
+
+class _Wire:
+    """What a worker's calls to a remote coordinator carry: every argument must be plain
+    JSON data (no bytes, arrays or views), and its size is counted."""
+
+    def __init__(self, coordinator: LocalCoordinator) -> None:
+        self.coordinator = coordinator
+        self.sent = 0
+
+    def __getattr__(self, name: str) -> Any:
+        method = getattr(self.coordinator, name)
+
+        def call(*args: Any, **kwargs: Any) -> Any:
+            _json_only([list(args), kwargs], name)
+            self.sent += len(json.dumps([list(args), kwargs]))
+            return method(*args, **kwargs)
+
+        return call
+
+
+def _state_bytes(snap: Snapshotter) -> int:
+    return sum(t.numel() * t.element_size() for t in snap.registry.flatten().tensors.values())
+
+
+def _two_ranks(run: str, nodes: _Nodes, ballast: int, steps: int):
+    """Ranks 0 and 1 (on nodes n0 and n1) train and snapshot every 2 steps."""
+    coord = LocalCoordinator(SnapshotStore(run), keep_last=2, block_bytes=DEFAULT_BLOCK_BYTES,
+                             ram_stores=nodes.store_on)
+    wire = _Wire(coord)
+    states, snaps = [], []
+    for rank, node in enumerate(["n0", "n1"]):
+        ts = build(seed=5)
+        ts.registry.register("ballast", _ballast(ballast))
+        states.append(ts)
+        snaps.append(Snapshotter(run, ts.registry, rank, 2, coordinator=wire, snapshot_every=2,
+                                 durable=False, split_min_bytes=64, ram_tier=nodes.tier(node)))
+    assert isinstance(wire, CoordinatorClient)
+    for step in range(1, steps + 1):
+        for ts, snap in zip(states, snaps, strict=True):
+            train_step(ts, step)
+            snap.after_step(step)
+            snap.persister.wait()
+    return coord, wire, states, snaps
+
+
+def _ballast(n: int) -> nn.Module:
+    torch.manual_seed(1)
+    return nn.Linear(n, 1, bias=False)
+
+
+def _restore_on(run: str, nodes: _Nodes, node: str, wire: _Wire, ballast: int):
+    ts = build(seed=99)
+    ts.registry.register("ballast", nn.Linear(ballast, 1, bias=False))
+    snap = Snapshotter(run, ts.registry, coordinator=wire, ram_tier=nodes.tier(node))
+    step = snap.restore()
+    return step, snap, ts
+
+
+def test_coordinator_handles_metadata_only_whatever_the_state_size(tmp_path) -> None:
+    handled = {}
+    for ballast in (64, 1 << 20):  # 256 B and 4 MiB of extra state
+        nodes = _Nodes(["n0", "n1", "n2"])
+        coord, wire, states, snaps = _two_ranks(str(tmp_path / f"run{ballast}"), nodes,
+                                                ballast, steps=6)
+        assert coord.committed_steps() == [4, 6]
+        # Each shard's copy is on the next node: n0 -> n1, n1 -> n2, none on its own.
+        locations = coord.ram_locations(6)
+        assert sorted(locations.values()) == [["n1"], ["n2"]]
+        assert nodes.stores["n0"].held_bytes() == 0
+        # The stores hold the newest commit only (nothing is in flight).
+        assert all(s.stats()["steps"] in ([], [6]) for s in nodes.stores.values())
+        handled[ballast] = (coord.health()["handled_bytes"], wire.sent, _state_bytes(snaps[0]))
+    (small, small_sent, small_state), (big, big_sent, big_state) = handled[64], handled[1 << 20]
+    assert big_state > 20 * small_state
+    # Receipts in, manifests out, calls' arguments: the same size whatever the state's size.
+    assert big < 1.05 * small and big_sent < 1.05 * small_sent, handled
+    assert big < big_state / 10
+
+
+def test_node_loss_restores_from_the_peer_copy_and_falls_back_for_lost_copies(
+        tmp_path, monkeypatch) -> None:
+    run = str(tmp_path / "run")
+    read: list[str] = []
+    real_read_into = SnapshotStore.read_into
+
+    def recording_read_into(self, path, reads):
+        read.append(path.rsplit("/", 1)[-1])
+        return real_read_into(self, path, reads)
+
+    monkeypatch.setattr(SnapshotStore, "read_into", recording_read_into)
+    nodes = _Nodes(["n0", "n1", "n2"])
+    coord, wire, states, snaps = _two_ranks(run, nodes, 64, steps=6)
+    reference = full_state(states[0])
+
+    # n0 is lost: its shard's copy is on n1, n1's on n2. A worker on n1 restores from RAM.
+    nodes.lose("n0")
+    step, snap, ts = _restore_on(run, nodes, "n1", wire, 64)
+    assert step == 6 and snap.restored_from == ("ram", 6)
+    assert snap.store.stats.range_reads == 0 and read == []
+    for key, value in reference.items():
+        assert torch.equal(full_state(ts)[key], value), key
+
+    # n1 (holding n0's copy) is lost as well: n0's shard comes from storage, n1's from n2.
+    nodes.lose("n1")
+    step, snap, ts = _restore_on(run, nodes, "n2", wire, 64)
+    assert step == 6 and snap.restored_from == ("storage", 6)
+    assert 0 < snap.store.stats.range_reads
+    assert set(read) == {f for f, holders in coord.ram_locations(6).items()
+                         if holders == ["n1"]}
+    for key, value in reference.items():
+        assert torch.equal(full_state(ts)[key], value), key
+
