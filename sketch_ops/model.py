@@ -41,23 +41,13 @@ from .function import check_estimator, check_rank
 from .layer import SketchedLinear
 from .policy import AUTO, Include, ranks_for_budget, selector
 from .probe import AutoPlan, LossFn, plan_sketch
+from .rms_norm import fuse_rms_norms
+from .swiglu import fuse_swiglu_mlps
 
 
 def fuse_structures(model: nn.Module) -> list[str]:
     """Apply the structural fusions "auto" relies on; returns the patched module names."""
-    import importlib
-
-    patched: list[str] = []
-    # TODO(integration): plain imports once sketch_ops/swiglu.py and rms_norm.py are in.
-    for module, function in (("swiglu", "fuse_swiglu_mlps"), ("rms_norm", "fuse_rms_norms")):
-        try:
-            fuse = getattr(importlib.import_module(f"{__package__}.{module}"), function)
-        except ModuleNotFoundError as err:
-            if err.name != f"{__package__}.{module}":
-                raise
-            continue
-        patched += fuse(model)
-    return patched
+    return [*fuse_swiglu_mlps(model), *fuse_rms_norms(model)]
 
 
 def auto_plan(
