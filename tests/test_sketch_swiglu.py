@@ -6,6 +6,8 @@ inside a Hugging Face LlamaForCausalLM."""
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 from torch import nn
@@ -24,7 +26,7 @@ from sketch_ops.memory import saved_bytes
 
 transformers = pytest.importorskip("transformers")
 from transformers.activations import ACT2FN  # noqa: E402
-from transformers.models.gemma.modeling_gemma import GemmaRMSNorm  # noqa: E402
+from transformers.models.gemma.modeling_gemma import GemmaMLP, GemmaRMSNorm  # noqa: E402
 from transformers.models.llama.modeling_llama import LlamaMLP, LlamaRMSNorm  # noqa: E402
 
 F32 = 4  # bytes
@@ -154,23 +156,28 @@ def test_fuse_swiglu_mlps_matches_by_structure_and_verifies_by_probe() -> None:
     config = transformers.LlamaConfig(
         hidden_size=12, intermediate_size=20, num_attention_heads=2, hidden_act="silu"
     )
+    gemma_config = transformers.GemmaConfig(
+        hidden_size=12, intermediate_size=20, num_attention_heads=2, head_dim=6,
+        hidden_act="gelu_pytorch_tanh",
+    )
     torch.manual_seed(0)
     model = nn.ModuleDict(
         {
             "llama": LlamaMLP(config),
+            "gemma": GemmaMLP(gemma_config),  # another family, a tanh-GELU gate
             "renamed": _RenamedSwiglu(12, 20),
             "additive": _AdditiveGlu(12, 20),
             "gelu": _GeluMlp(12),
         }
     )
     rng_before = torch.get_rng_state()
-    assert fuse_swiglu_mlps(model) == ["llama", "renamed"]
+    assert fuse_swiglu_mlps(model) == ["llama", "gemma", "renamed"]
     assert torch.equal(torch.get_rng_state(), rng_before)  # the probe drew nothing globally
     assert model["renamed"]._swiglu_parts == ("w1", "w3", "w2", "nonlinearity")
     assert "forward" not in vars(model["additive"]) and "forward" not in vars(model["gelu"])
     assert type(model["llama"]) is LlamaMLP  # the instance's forward, not its class
     # Fused modules compute the same values and gradients as their own forward.
-    for name in ("llama", "renamed"):
+    for name in ("llama", "gemma", "renamed"):
         module = model[name]
         x = torch.randn(3, 5, 12, requires_grad=True)
         tensors = [x, *module.parameters()]
@@ -179,8 +186,11 @@ def test_fuse_swiglu_mlps_matches_by_structure_and_verifies_by_probe() -> None:
         torch.testing.assert_close(got[0], want[0], rtol=0, atol=0)
         for g, w in zip(got[1], want[1], strict=True):
             torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-6)
+    # A deep copy's forward is bound to the copy (its own children).
+    copied = copy.deepcopy(model["llama"])
+    assert copied.forward.__self__ is copied
     # Idempotent; sketching down afterwards switches the default recompute on.
-    assert fuse_swiglu_mlps(model) == ["llama", "renamed"]
+    assert fuse_swiglu_mlps(model) == ["llama", "gemma", "renamed"]
     sketch_model(model, rank=4, include=["llama.down_proj"])
     x = torch.randn(64, 12, requires_grad=True)
     assert saved_bytes(lambda: model["llama"](x), model["llama"]) == (
