@@ -126,7 +126,7 @@ class Variant:
     include: str | tuple[str, ...] | None = None  # sketch_model's include; None = every linear
     fuse: bool = False  # apply the SwiGLU MLP and RMSNorm fusions ("auto" applies them itself)
     recompute: bool | None = None  # the fused MLP's mode: True recomputes around a plain down
-    train: bool = True  # False: probed only (its gradients are exact backprop's)
+    train: bool = True  # False: probed only (exact gradients, or a contrast not worth the time)
 
 
 VARIANTS = [
@@ -141,7 +141,7 @@ VARIANTS = [
     Variant("auto", 'BASIS R=n/16, include="auto" (fusions + probe)', sketched=True,
             include="auto"),
     Variant("down-proj", "BASIS R=n/16, down_proj only, no fusion", sketched=True,
-            include=("*down_proj",)),
+            include=("*down_proj",), train=False),
     Variant("all-linears", "BASIS R=n/16, every nn.Linear (old default)", sketched=True),
 ]
 
