@@ -3,7 +3,8 @@
 Import rule (kept true by ``tests/test_storage_io.py``)
 -------------------------------------------------------
 This module is a *leaf*: it imports the standard library, fsspec, and from Baton only
-``elastic.errors`` and ``elastic.retry``, which import nothing but the standard library.
+``elastic.errors``, ``elastic.retry`` and ``elastic.s3_multipart``, which import nothing but the
+standard library.
 ``elastic/__init__`` loads its submodules lazily, so ``import elastic.storage_io`` pulls in
 neither torch nor Ray. That is what lets ``data_state`` use it without depending on the rest of
 ``elastic`` (and ``elastic`` never imports ``data_state``). No other Baton module imports fsspec
@@ -44,14 +45,19 @@ and ``path(*parts)`` joins under it; every method takes such a path (URIs stay `
 * **Atomic writes.** ``write_file(path, data)``: local bytes go to ``NAME.tmp-*`` in the same
   directory, are fsync'ed, renamed over ``NAME``, and the directory is fsync'ed
   (``durable=False`` skips both fsyncs, for probes); a crash leaves at most a temporary file,
-  never a partial ``NAME``. S3: one ``PUT`` (s3fs completes a multipart upload in one call),
-  atomic per object. ``mid_write`` is a fault-injection hook (called after half the bytes went
-  to the temporary file, or before the PUT).
+  never a partial ``NAME``. S3: an object smaller than ``multipart_threshold`` is one ``PUT``
+  (one ``bytes`` copy of it); a larger one is a multipart upload (``elastic.s3_multipart``:
+  parts of ``part_bytes`` sent by ``part_concurrency`` threads, each part retried on its
+  own, no copy of the whole object; the object appears at completion, and any failure
+  aborts the upload, so it never appears partial). ``mid_write`` is a fault-injection hook
+  (called after half the bytes went to the temporary file or up as parts, or before the
+  PUT).
 * **Create-only writes** (``exclusive=True``) raise ``FileExistsError`` if the name exists.
   Local: ``os.link(tmp, NAME)`` (atomic; the existing file is untouched), or ``O_EXCL`` on a
   filesystem without hard links (there a reader may briefly see a partial file). S3: a HEAD
   check, then a conditional ``PUT`` with ``If-None-Match: *`` (AWS S3 and moto refuse it
-  atomically with 412). A lost answer makes the outcome ambiguous (a retry, or aiohttp's
+  atomically with 412; a multipart upload's completion carries the same condition). A lost
+  answer makes the outcome ambiguous (a retry, or aiohttp's
   silent resend of a PUT on a dropped keep-alive connection, then meets our own object), so
   when the conditional PUT is refused, or a retry's HEAD finds the object, its bytes are
   compared with ours: equal counts as our create, different raises ``FileExistsError``. So a
@@ -72,13 +78,15 @@ and ``path(*parts)`` joins under it; every method takes such a path (URIs stay `
   local ``preadv`` straight into them; S3 spans merged as above, copied in, except that a
   span's holes stay at most ``READ_INTO_MAX_WASTE`` (1/16) of the bytes it wants.
 * **Buffer writes.** ``write_file`` takes ``bytes`` or any buffer (a ``memoryview`` of a
-  tensor's memory): locally it is written as is, without a copy; S3 gets one ``bytes`` copy.
+  tensor's memory): locally it is written as is, without a copy; an S3 ``PUT`` gets one
+  ``bytes`` copy, a multipart upload one copy per part in flight.
 * ``stats`` counts reads and writes, so tests can show that a restore touched no storage.
 """
 
 from __future__ import annotations
 
 import errno
+import functools
 import os
 import threading
 import uuid
@@ -91,6 +99,7 @@ import fsspec.asyn
 
 from elastic.errors import SnapshotIntegrityError
 from elastic.retry import RetryPolicy, ShortReadError, call_with_retries, http_error
+from elastic.s3_multipart import MIN_PART_BYTES, multipart_upload
 
 T = TypeVar("T")
 
@@ -111,6 +120,12 @@ MAX_SPAN_BYTES = 64 << 20
 # A transfer is allowed timeout_s plus its bytes at this rate: a 1 GiB shard must not be killed
 # by a deadline meant to catch a silent endpoint.
 MIN_BYTES_PER_S = 8 << 20
+# S3 objects at least this large go up as multipart uploads, in parts of PART_BYTES sent by
+# PART_CONCURRENCY threads: one S3 connection streams ~50-100 MB/s, so a multi-GB shard needs
+# several, and a failed part is re-sent alone. Memory: PART_CONCURRENCY x PART_BYTES.
+MULTIPART_THRESHOLD_BYTES = 128 << 20
+PART_BYTES = 64 << 20
+PART_CONCURRENCY = 4
 
 _ENDPOINT_ENV = ("AWS_ENDPOINT_URL_S3", "AWS_ENDPOINT_URL")  # the first one set wins
 _NO_HARD_LINKS = (errno.EPERM, errno.ENOTSUP, errno.EOPNOTSUPP)
@@ -160,10 +175,22 @@ class Storage:
     """One filesystem root (local or ``s3://``); see the module contract."""
 
     def __init__(self, uri: str, storage_options: dict[str, Any] | None = None, *,
-                 timeout_s: float = 30.0, retry_deadline_s: float = 60.0) -> None:
+                 timeout_s: float = 30.0, retry_deadline_s: float = 60.0,
+                 multipart_threshold: int | None = None, part_bytes: int | None = None,
+                 part_concurrency: int | None = None) -> None:
         if timeout_s <= 0 or retry_deadline_s <= 0:
             raise ValueError(f"timeout_s ({timeout_s}) and retry_deadline_s "
                              f"({retry_deadline_s}) must be positive")
+        # Read at construction (not as default values) so a test can lower the module's.
+        self.multipart_threshold = MULTIPART_THRESHOLD_BYTES if multipart_threshold is None \
+            else multipart_threshold
+        self.part_bytes = PART_BYTES if part_bytes is None else part_bytes
+        self.part_concurrency = PART_CONCURRENCY if part_concurrency is None \
+            else part_concurrency
+        if self.part_bytes < MIN_PART_BYTES or self.part_concurrency < 1:
+            raise ValueError(f"part_bytes ({self.part_bytes}) must be at least "
+                             f"{MIN_PART_BYTES} (S3's minimum part) and "
+                             f"part_concurrency ({self.part_concurrency}) at least 1")
         self.is_local, self.root = _locate(uri)
         self.uri = uri.rstrip("/") or "/"
         self.timeout_s = float(timeout_s)
@@ -385,6 +412,11 @@ class Storage:
         view = memoryview(data).cast("B")
         if self.is_local:
             _write_local(path, view, durable=durable, mid_write=mid_write, exclusive=exclusive)
+        elif len(view) >= self.multipart_threshold:
+            request = functools.partial(self.s3_request, "write", path)
+            multipart_upload(request, view, part_bytes=self.part_bytes,
+                             concurrency=self.part_concurrency, exclusive=exclusive,
+                             mid_write=mid_write)
         else:
             if mid_write is not None:
                 mid_write()
