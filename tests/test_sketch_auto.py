@@ -87,6 +87,10 @@ def test_auto_plan_on_a_llama_sketches_exactly_what_frees_memory() -> None:
     # The fused SwiGLU MLP recomputes from its input once down_proj is sketched: gate and up
     # are exact for free.
     assert kinds["mlp.gate_proj"] == kinds["mlp.up_proj"] == {"recomputed"}
+    # The fused RMSNorm keeps its own input; its output is kept only for q/k/v's weight
+    # gradients (and the final norm's for the LM head's): sketching them frees it.
+    for leaf in ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "lm_head"):
+        assert kinds[leaf] == {"sketch"}, leaf
     assert plan.fused  # the SwiGLU MLPs and RMSNorms were fused before the probe
 
     chosen = plan.sketched
