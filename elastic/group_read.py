@@ -39,7 +39,7 @@ each byte of the snapshot that it needs once in all:
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -48,7 +48,16 @@ from elastic.collectives import agree_max, all_gather_ints, group_device
 from elastic.errors import SnapshotIntegrityError, StorageUnavailableError
 from elastic.format import ChunkRecord, Manifest
 from elastic.layout import Target
-from elastic.read_batches import Placed, ReadOp, memory, place, read_placed, snapshot_label, verify
+from elastic.read_batches import (
+    Placed,
+    ReadOp,
+    memory,
+    narrow_direct,
+    place,
+    read_placed,
+    snapshot_label,
+    verify,
+)
 from elastic.restore import ByteSource, allocate, check_coverage, check_headers, plan_reads
 
 # Shared spans are cut into pieces of at most this many bytes (whole checksum blocks), the unit
@@ -128,7 +137,7 @@ def group_read_tensors(manifest: Manifest, targets: dict[str, Target],
 
     err = None
     try:
-        mine = [_narrow(direct[i], start, end) for i, start, end in private.get(rank, [])]
+        mine = [narrow_direct(direct[i], start, end) for i, start, end in private.get(rank, [])]
         owned = [p for p in pieces if p.owner == rank]
         check_headers(manifest, [(p.op.key, p.op.chunk) for p in mine + alone]
                       + [chunks[p.chunk] for p in owned], source)
@@ -179,16 +188,6 @@ def _plan(wants: list[list[int]], block: int
             load[owner] += end - start
             pieces.append(_Piece(chunk, start, end, owner, needers))
     return private, pieces
-
-
-def _narrow(p: Placed, start: int, end: int) -> Placed:
-    """The part of direct op ``p`` that reads bytes ``[start, end)`` (whole blocks)."""
-    op = p.op
-    need0, need1 = max(op.need0, start), min(op.need1, end)
-    flat = p.dst.reshape(-1).view(torch.uint8)
-    dst = flat[need0 - op.need0: max(need0, need1) - op.need0]
-    return Placed(replace(op, start=start, end=end, need0=need0, need1=max(need0, need1)),
-                  dst, tuple(dst.shape), True)
 
 
 def _rounds(pieces: list[_Piece]) -> list[list[_Piece]]:

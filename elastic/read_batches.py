@@ -165,16 +165,19 @@ def split_direct(p: Placed, max_bytes: int, block: int) -> list[Placed]:
     step = max(block, max_bytes // block * block)
     if not p.direct or op.end - op.start <= step:
         return [p]
+    return [narrow_direct(p, s, min(op.end, s + step)) for s in range(op.start, op.end, step)]
+
+
+def narrow_direct(p: Placed, start: int, end: int) -> Placed:
+    """The part of direct op ``p`` that reads bytes ``[start, end)`` (whole checksum blocks
+    inside ``[p.op.start, p.op.end)``); its ``dst`` is the flat bytes of its part of
+    ``p.dst``, and the partial blocks at the op's edges stay staged."""
+    op = p.op
+    a = min(max(start, op.need0), end)
+    b = max(min(end, op.need1), a)
     flat = p.dst.reshape(-1).view(torch.uint8)
-    out: list[Placed] = []
-    for s in range(op.start, op.end, step):
-        e = min(op.end, s + step)
-        # The needed bytes of this piece; the partial blocks at the op's edges stay staged.
-        a = min(max(s, op.need0), e)
-        b = max(min(e, op.need1), a)
-        piece = replace(op, start=s, end=e, need0=a, need1=b)
-        out.append(Placed(piece, flat[a - op.need0: b - op.need0], (b - a,), True))
-    return out
+    piece = replace(op, start=start, end=end, need0=a, need1=b)
+    return Placed(piece, flat[a - op.need0: b - op.need0], (b - a,), True)
 
 
 def _read_batch(batch: list[Placed], source: ByteSource, staging: bytearray

@@ -35,7 +35,10 @@ Busy policy (``on_busy``): when the previous snapshot is still being persisted, 
 (default) skips this snapshot so a slow or dead storage never blocks training, ``"wait"``
 waits for it. ``force=True`` (preemption) always waits. Restore agreement: when
 torch.distributed is initialised, ranks agree (all-reduce MAX of a verdict) that every rank
-read and verified the same snapshot before any rank loads it. A definitely corrupt snapshot
+read and verified the same snapshot before any rank loads it. With a process group of this
+world size the ranks read together (``elastic.group_read``): each byte the group needs is
+read and verified by one rank and sent to the others, so a DDP restore reads the state once
+in all, not W times; a failure on any rank fails the read on all. A definitely corrupt snapshot
 is reported by name (``restore_errors``), quarantined by the coordinator, and the previous
 committed one is tried; storage that does not answer fails the restore and touches nothing.
 
@@ -48,17 +51,19 @@ from __future__ import annotations
 
 import functools
 import logging
-from typing import Any
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
 
 from elastic.capture import CaptureHandle, Capturer
-from elastic.collectives import agree_max, broadcast_int
+from elastic.collectives import agree_max, broadcast_int, grouped
 from elastic.errors import SnapshotIntegrityError, StorageUnavailableError
 from elastic.faults import FaultInjector
 from elastic.format import DEFAULT_BLOCK_BYTES, FORMAT_VERSION, LAYOUTS, Manifest
-from elastic.layout import DEFAULT_SPLIT_MIN_BYTES
+from elastic.group_read import group_read_tensors
+from elastic.layout import DEFAULT_SPLIT_MIN_BYTES, Target
 from elastic.local_coordinator import LocalCoordinator
 from elastic.manifest_check import parse_manifest
 from elastic.persist import Persister
@@ -78,6 +83,7 @@ from elastic.store_coordinator import StoreCoordinator
 from elastic.version import code_version
 
 log = logging.getLogger("baton.elastic")
+T = TypeVar("T")
 
 
 
@@ -91,6 +97,22 @@ def library_versions() -> dict[str, str]:
 # A restore verdict per snapshot, agreed across ranks by taking the maximum: one rank's doubt
 # (storage unreachable) outranks another's integrity failure, which outranks success.
 _OK, _CORRUPT, _UNREACHABLE = 0, 1, 2
+
+
+def _attempt(read: Callable[[], T]) -> tuple[T | None, int, str]:
+    """``read()`` and the restore verdict on it: a definite integrity failure (checksum,
+    malformed manifest, missing file on a store that answered) is corrupt, storage that did
+    not answer unreachable; a snapshot of another model is raised as is."""
+    try:
+        return read(), _OK, ""
+    except SnapshotMismatchError:
+        raise
+    except FileNotFoundError as err:  # the store answered: the file is not there
+        return None, _CORRUPT, f"missing file: {err}"
+    except (SnapshotIntegrityError, ValueError) as err:
+        return None, _CORRUPT, str(err)
+    except (StorageUnavailableError, OSError) as err:
+        return None, _UNREACHABLE, str(err)
 
 
 class Snapshotter:
@@ -168,24 +190,19 @@ class Snapshotter:
         ``StorageUnavailableError`` and changes nothing: restarting later restores it."""
         self.join_generation()
         steps = sorted(self.coordinator.committed_steps(), reverse=True)
+        # A group (torch.distributed of this world size) reads each byte once between its
+        # ranks (elastic.group_read); the ranks first agree that every one of them can.
+        group = grouped() and dist.get_world_size() == self.world_size
         for step in steps:
-            loaded: tuple[Any, dict[str, torch.Tensor], ByteSource] | None = None
-            verdict, reason = _OK, ""
-            try:
-                manifest = self._manifest(step)
-                templates = self.registry.flatten().tensors
-                check_compatible(self.registry, manifest, templates)
-                source = ByteSource(self.store, step, ram=self._ram_reader(step))
-                tensors = read_tensors(manifest, plan_targets(manifest, templates), source)
-                loaded = (manifest, tensors, source)
-            except SnapshotMismatchError:
-                raise
-            except FileNotFoundError as err:  # the store answered: the file is not there
-                verdict, reason = _CORRUPT, f"missing file: {err}"
-            except (SnapshotIntegrityError, ValueError) as err:
-                verdict, reason = _CORRUPT, str(err)
-            except (StorageUnavailableError, OSError) as err:
-                verdict, reason = _UNREACHABLE, str(err)
+            prepared, verdict, reason = _attempt(functools.partial(self._prepare, step))
+            tensors: dict[str, torch.Tensor] | None = None
+            if group:
+                if agree_max(verdict) == _OK:
+                    assert prepared is not None
+                    tensors, verdict, reason = _attempt(
+                        functools.partial(group_read_tensors, *prepared))
+            elif prepared is not None:
+                tensors, verdict, reason = _attempt(functools.partial(read_tensors, *prepared))
             verdict = agree_max(verdict)
             if verdict == _UNREACHABLE:
                 raise StorageUnavailableError(
@@ -199,11 +216,12 @@ class Snapshotter:
                 log.warning("%s; quarantined, trying the previous committed snapshot", msg)
                 self.coordinator.reject(step, msg)
                 continue
-            assert loaded is not None
-            manifest, tensors, source = loaded
+            assert prepared is not None and tensors is not None
+            manifest, _, source = prepared
+            # "ram" when no rank of the group read storage and some rank read RAM.
+            tier = agree_max(2 if source.used_storage else 1 if source.used_ram else 0)
             self.registry.load(tensors, manifest.state)
-            self.restored_from = ("ram" if source.used_ram and not source.used_storage
-                                  else "storage", step)
+            self.restored_from = ("ram" if tier == 1 else "storage", step)
             self.restored_world_size = manifest.world_size
             self.coordinator.rewind(step)
             return step
@@ -212,6 +230,14 @@ class Snapshotter:
                 f"no committed snapshot of {self.store.run_uri} could be restored (each was "
                 "moved to quarantine/): " + "; ".join(self.restore_errors))
         return 0
+
+    def _prepare(self, step: int) -> tuple[Manifest, dict[str, Target], ByteSource]:
+        """Snapshot ``step``'s manifest, checked against the registry, and what to read."""
+        manifest = self._manifest(step)
+        templates = self.registry.flatten().tensors
+        check_compatible(self.registry, manifest, templates)
+        source = ByteSource(self.store, step, ram=self._ram_reader(step))
+        return manifest, plan_targets(manifest, templates), source
 
     def _ram_reader(self, step: int) -> ReadMany | None:
         """Reads of ``step`` from the RAM stores the coordinator says hold its files."""

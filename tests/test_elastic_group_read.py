@@ -1,0 +1,212 @@
+"""A group restores reading each byte once between its ranks (issue 14, point 4), on real
+gloo process groups: a DDP restore at W=3 reads the state once in all, not three times; a
+corrupt block in one rank's part sends every rank back to the previous snapshot together;
+an FSDP2 restore from W=2 to W'=4 reads no more than 1.1x the bytes its ranks need.
+
+Bytes are counted per rank with a counting ``ByteSource`` (what it delivered, minus the
+safetensors headers it read: the headers of the files a rank reads from, at most W x all
+headers in the group) and cross-checked with ``SnapshotStore.stats``."""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from safetensors.torch import load_file, save_file
+
+import elastic.snapshotter as snapshotter_module
+from elastic.format import Manifest
+from elastic.group_read import group_read_tensors
+from elastic.restore import ByteSource, plan_targets, read_tensors
+from elastic.snapshotter import Snapshotter
+from elastic.storage_io import MERGE_HOLE_BYTES, READ_INTO_MAX_WASTE, merge_ranges
+from elastic.store import SnapshotStore
+from elastic.testing import build, full_state, run_group, train_step
+
+BLOCK = 256  # small checksum blocks: TinyNet's tensors span several, as real ones do
+
+
+def _header_bytes(manifest: Manifest, files: set[str]) -> int:
+    """What ``check_headers`` reads of each file: its bytes up to its first chunk."""
+    first: dict[str, int] = {}
+    for rec in manifest.tensors.values():
+        for c in rec.chunks:
+            first[c.file] = min(first.get(c.file, c.byte_range[0]), c.byte_range[0])
+    return sum(first[f] for f in files)
+
+
+def _save(rank: int, world_size: int, run: str, layout: str, steps: tuple[int, ...],
+          block_bytes: int) -> None:
+    ts = build(seed=7, layout=layout, world_size=world_size)
+    snap = Snapshotter(run, ts.registry, rank, world_size, layout=layout, snapshot_every=10**6,
+                       split_min_bytes=64, durable=False, block_bytes=block_bytes,
+                       keep_last=len(steps))
+    for step in range(1, max(steps) + 1):
+        train_step(ts, step)
+        if step in steps:
+            snap.after_step(step, force=True)
+            snap.persister.wait()
+            ref = full_state(ts)
+            if rank == 0:
+                save_file(ref, os.path.join(run, f"ref-{step}.safetensors"))
+    snap.close()
+
+
+def _restore_ddp(rank: int, world_size: int, run: str, out: str) -> None:
+    """Restore through ``Snapshotter.restore`` with a ByteSource that keeps count."""
+    sources: list[ByteSource] = []
+
+    class Counting(ByteSource):
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            super().__init__(*args, **kwargs)
+            sources.append(self)
+
+    snapshotter_module.ByteSource = Counting  # type: ignore[misc]  # this process only
+    ts = build(seed=99, layout="ddp", world_size=world_size)
+    snap = Snapshotter(run, ts.registry, rank, world_size, layout="ddp", snapshot_every=10**6)
+    before = snap.store.stats.bytes_read
+    step = snap.restore()
+    store_bytes = snap.store.stats.bytes_read - before
+    got = full_state(ts)
+    source = sources[-1]
+    manifest = snap.store.load_manifest(step)
+    headers = _header_bytes(manifest, set(source.headers))
+    result = {"step": step, "errors": snap.restore_errors,
+              "tensor_bytes": source.bytes_into - headers, "headers": headers,
+              "store_bytes": store_bytes,
+              "state_bytes": manifest.nbytes(), "restored_from": snap.restored_from}
+    snap.close()
+    if rank == 0:
+        save_file(got, os.path.join(out, "got.safetensors"))
+    with open(os.path.join(out, f"rank{rank}.json"), "w") as fh:
+        json.dump(result, fh)
+
+
+def _results(out: str, world_size: int) -> list[dict]:
+    results = []
+    for r in range(world_size):
+        with open(os.path.join(out, f"rank{r}.json")) as fh:
+            results.append(json.load(fh))
+    return results
+
+
+def _assert_bitwise(got_file: str, ref_file: str) -> None:
+    got, ref = load_file(got_file), load_file(ref_file)
+    assert sorted(got) == sorted(ref)
+    for key, value in ref.items():
+        assert got[key].dtype == value.dtype and torch.equal(got[key], value), key
+
+
+def test_ddp_restore_at_three_reads_each_byte_once(tmp_path) -> None:
+    run, out = str(tmp_path / "run"), str(tmp_path / "out")
+    os.makedirs(out)
+    run_group(_save, 2, run, "ddp", (3,), BLOCK, tmp_dir=str(tmp_path))
+    run_group(_restore_ddp, 3, run, out, tmp_dir=str(tmp_path))
+    results = _results(out, 3)
+    state = results[0]["state_bytes"]
+    read = [r["tensor_bytes"] for r in results]
+    print(f"DDP W=3 restore: tensor bytes read per rank {read}, sum {sum(read)}, "
+          f"state {state} (reading alone: {3 * state})")
+    assert all(r["step"] == 3 and not r["errors"] for r in results)
+    assert sum(read) == state  # every byte once: nothing twice, nothing left out
+    assert all(0 < n < 0.6 * state for n in read)  # shared out (state / 3, within a chunk)
+    # The store saw the same bytes, plus the headers, each rank's manifest and the store
+    # coordinator's small JSON records (under 1 KiB): no tensor bytes the count missed.
+    manifest_bytes = os.path.getsize(os.path.join(run, "snapshots", "000000003",
+                                                  "manifest.json"))
+    for r in results:
+        extra = r["store_bytes"] - (r["tensor_bytes"] + r["headers"] + manifest_bytes)
+        assert 0 <= extra < 1024, r
+    _assert_bitwise(os.path.join(out, "got.safetensors"),
+                    os.path.join(run, "ref-3.safetensors"))
+
+
+def test_corrupt_block_in_one_ranks_part_falls_back_on_every_rank(tmp_path) -> None:
+    run, out = str(tmp_path / "run"), str(tmp_path / "out")
+    os.makedirs(out)
+    run_group(_save, 2, run, "ddp", (2, 4), BLOCK, tmp_dir=str(tmp_path))
+    store = SnapshotStore(run)
+    manifest = store.load_manifest(4)
+    chunk = manifest.tensors["model.inp.weight"].chunks[0]
+    path = store.step_path(4, chunk.file)
+    with open(path, "r+b") as fh:  # one flipped byte in one block: one rank reads it
+        fh.seek(chunk.byte_range[0] + BLOCK + 3)
+        byte = fh.read(1)
+        fh.seek(-1, os.SEEK_CUR)
+        fh.write(bytes([byte[0] ^ 0xFF]))
+    run_group(_restore_ddp, 3, run, out, tmp_dir=str(tmp_path))
+    results = _results(out, 3)
+    assert [r["step"] for r in results] == [2, 2, 2]
+    assert all(len(r["errors"]) == 1 for r in results)
+    found = [r for r in results if "checksum mismatch" in r["errors"][0]]
+    assert len(found) == 1 and "block 1" in found[0]["errors"][0]
+    assert all("another rank" in r["errors"][0] for r in results if r not in found)
+    assert SnapshotStore(run).committed_steps() == [2]  # 4 was quarantined
+    _assert_bitwise(os.path.join(out, "got.safetensors"),
+                    os.path.join(run, "ref-2.safetensors"))
+
+
+def _restore_fsdp(rank: int, world_size: int, run: str, out: str) -> None:
+    """Restore the FSDP2 snapshot twice: with the group, and each rank alone (the read
+    ``read_tensors`` does without a group), counting the bytes of both."""
+    ts = build(seed=99, layout="fsdp", world_size=world_size)
+    result = {}
+    for mode in ("alone", "group"):
+        store = SnapshotStore(run)
+        (step,) = store.committed_steps()
+        manifest = store.load_manifest(step)
+        targets = plan_targets(manifest, ts.registry.flatten().tensors)
+        source = ByteSource(store, step)
+        before = store.stats.bytes_read
+        read = group_read_tensors if mode == "group" else read_tensors
+        tensors = read(manifest, targets, source)
+        headers = _header_bytes(manifest, set(source.headers))
+        assert store.stats.bytes_read - before == source.bytes_into
+        result[mode] = source.bytes_into - headers
+        result["needed"] = sum(t.piece.nbytes for t in targets.values())
+        if mode == "group":
+            ts.registry.load(tensors, manifest.state)
+    got = full_state(ts)
+    dist.barrier()
+    if rank == 0:
+        save_file(got, os.path.join(out, "got.safetensors"))
+    with open(os.path.join(out, f"rank{rank}.json"), "w") as fh:
+        json.dump(result, fh)
+
+
+def test_fsdp_restore_from_two_to_four_reads_at_most_1_1x_what_it_needs(tmp_path) -> None:
+    """With the default 4 MiB checksum blocks every TinyNet chunk is one block, the worst
+    case: a rank needing half a chunk alone reads all of it (2x). The group reads each
+    block once."""
+    run, out = str(tmp_path / "run"), str(tmp_path / "out")
+    os.makedirs(out)
+    run_group(_save, 2, run, "fsdp", (3,), 4 << 20, tmp_dir=str(tmp_path))
+    run_group(_restore_fsdp, 4, run, out, tmp_dir=str(tmp_path))
+    results = _results(out, 4)
+    needed = sum(r["needed"] for r in results)
+    group = sum(r["group"] for r in results)
+    alone = sum(r["alone"] for r in results)
+    print(f"FSDP2 W=2 -> W'=4: needed {needed} B; read by the group {group} B "
+          f"({group / needed:.2f}x), by each rank alone {alone} B ({alone / needed:.2f}x)")
+    assert group <= 1.1 * needed
+    assert alone > 1.5 * needed  # what the group saves here (the issue measured 1.9x)
+    _assert_bitwise(os.path.join(out, "got.safetensors"),
+                    os.path.join(run, "ref-3.safetensors"))
+
+
+def test_s3_restore_reads_merge_holes_only_up_to_a_sixteenth() -> None:
+    """On S3 a restore's ranges are merged into few requests, but the holes read with them
+    stay within 1/16 of what is wanted: a rank that needs every other half-chunk of a file
+    does not read the other halves (the data loader's merge, without the bound, would)."""
+    halves = [(i * 2000, i * 2000 + 1000) for i in range(8)]
+    assert len(merge_ranges(halves, hole_limit=MERGE_HOLE_BYTES)) == 1
+    spans = merge_ranges(halves, hole_limit=MERGE_HOLE_BYTES, max_waste=READ_INTO_MAX_WASTE)
+    assert [members for _, _, members in spans] == [[i] for i in range(8)]
+    close = [(0, 1000), (1010, 2000), (2030, 3000), (3100, 4000)]  # holes 10, 30, 100
+    spans = merge_ranges(close, hole_limit=MERGE_HOLE_BYTES, max_waste=READ_INTO_MAX_WASTE)
+    assert [members for _, _, members in spans] == [[0, 1, 2, 3]]  # 140 <= 3860 / 16
+    spans = merge_ranges(close, hole_limit=MERGE_HOLE_BYTES, max_waste=1 / 100)
+    assert [members for _, _, members in spans] == [[0, 1], [2], [3]]  # 10 <= 1990 / 100
