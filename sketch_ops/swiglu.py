@@ -174,7 +174,7 @@ class _SwigluMlpFn(torch.autograd.Function):
                 down_exact.add(start, end, dy_rows, (gated.detach() * up).to(w_down.dtype))
             dhidden = dy_rows @ w_down
             dup = (dhidden * gated.detach()).to(up.dtype)
-            (dgate,) = torch.autograd.grad(gated, gate_pre, dhidden * up)
+            (dgate,) = torch.autograd.grad(gated, gate_pre, (dhidden * up).to(gated.dtype))
             del gated, gate_pre, dhidden, up
             if dx is not None:
                 dx[start:end] = dgate @ w_gate + dup @ w_up
