@@ -176,3 +176,7 @@ class SnapshotWorker:
 
     def state(self) -> dict[str, torch.Tensor]:
         return full_state(self.ts)
+
+    def node_id(self) -> str | None:
+        """The Ray node this worker runs on (where its RAM tier's ring starts)."""
+        return self.node
