@@ -6,7 +6,9 @@ Public API (see each module's docstring for its contract):
 - ``Snapshotter`` (snapshotter.py): capture at step boundaries, persist in the background,
   restore the newest committed snapshot resharded to this rank's layout.
 - ``PreemptionWatcher`` (preemption.py): SIGTERM / Ray preemption notice -> forced snapshot.
-- ``elastic.coordinator`` (the only Ray module): the run's coordinator actor and its client.
+- ``elastic.coordinator`` (the only Ray module): the run's coordinator actor and its client,
+  and the RAM tier's per-node store actors.
+- ``elastic.ram_store``: the RAM tier (peers' stores of shard copies, ring placement).
 - ``FaultInjector`` (faults.py): fault injection keyed by (rank, step, phase) for tests.
 - ``elastic.storage_io``: Baton's one storage layer (local and ``s3://``), a leaf module.
 

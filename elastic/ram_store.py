@@ -10,7 +10,8 @@ outlives the worker that created it; it dies with its node).
 
 * ``put(step, generation, file, data)`` keeps ``data`` (a copy the store owns) and returns
   True, or refuses (False): a generation older than one it has seen, a step at or before
-  the newest committed one, an in-flight step older than the one it holds, or more than
+  the newest committed one (unless from a newer generation: a group that restarted from an
+  older commit), an in-flight step older than the one it holds, or more than
   ``cap_bytes`` held in all (``snapshots.ram_copy_mib`` per node: that shard is then
   storage-only). It holds the newest committed snapshot plus at most one in flight: a put
   for a newer step drops any other uncommitted step first. Before it has heard which step
@@ -104,16 +105,23 @@ class RamStore:
         view = data.reshape(-1).view(np.uint8) if isinstance(data, np.ndarray) \
             else np.frombuffer(data, dtype=np.uint8)
         with self._lock:
-            if (generation < self.generation
-                    or (self.committed is not None and step <= self.committed)
+            if generation < self.generation:
+                self.refused += 1
+                return False
+            if generation > self.generation:  # what older groups left in flight is void
+                for s in self._uncommitted_locked():
+                    if self.step_generation[s] < generation:
+                        self._drop_locked(s)
+                self.generation = generation
+            if ((self.committed is not None and step <= self.committed
+                 and generation <= self.step_generation.get(self.committed, -1))
                     or any(s > step for s in self._uncommitted_locked())):
                 self.refused += 1
                 return False
-            self.generation = generation
-            for s in self._uncommitted_locked():
-                if s != step and (self.step_generation[s] < generation
-                                  or self.committed is not None):
-                    self._drop_locked(s)
+            if self.committed is not None:  # at most one step in flight: this one
+                for s in self._uncommitted_locked():
+                    if s != step:
+                        self._drop_locked(s)
             # Not told of a commit yet: the older step may be the committed one; keep it
             # and this one, never a third.
             others = sorted(s for s in self.files if s not in (step, self.committed))
@@ -146,7 +154,11 @@ class RamStore:
 
     def keep(self, committed: int | None, in_flight: list[int]) -> None:
         with self._lock:
-            if committed is not None and (self.committed is None or committed > self.committed):
+            # The coordinator's word is final: after an unusable snapshot its newest commit
+            # may be older than the one it told of before. (Notices overtaking each other
+            # can cost a copy, never serve a wrong byte: files are named by generation and
+            # every block is checksummed on restore.)
+            if committed is not None:
                 self.committed = committed
             wanted = set(in_flight) | ({committed} if committed is not None else set())
             # A step newer than all the coordinator knew of is a put whose receipt it has

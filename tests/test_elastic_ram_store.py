@@ -86,6 +86,15 @@ def test_store_keeps_the_newest_commit_and_at_most_one_step_in_flight() -> None:
     assert store.stats()["steps"] == [10]
     assert [bytes(x) for x in store.read(10, [("f", 0, 2)])] == [b"\x0a\x0a"]
     assert store.read(4, [("f", 0, 2)]) is None
+    # Snapshot 10 proved unusable: a new generation restarted from 8 and redoes step 10.
+    assert store.put(12, 3, "f", _data(8, 12))
+    assert not store.put(10, 3, "g", _data(8))  # still older than its own step in flight
+    assert store.put(10, 4, "g", _data(8, 11))  # the next group's redone step 10 is taken
+    assert store.stats()["steps"] == [10]
+    store.keep(8, [10])  # the coordinator's newest commit is 8 now
+    assert store.stats()["committed"] == 8
+    assert store.put(12, 4, "g", _data(8, 13))
+    assert store.stats()["steps"] == [12]
 
 
 def test_store_owns_a_copy_of_what_it_is_given() -> None:
