@@ -154,8 +154,8 @@ def _trace(model: nn.Module, batch: Any, loss_fn: LossFn, *, backward: bool) -> 
         return t
 
     def before(name: str) -> Callable[..., None]:
-        def hook(module: nn.Module, args: tuple[Any, ...]) -> None:
-            x = args[0]
+        def hook(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+            x = args[0] if args else kwargs["input"]  # nn.Linear.forward(input)
             keep_alive.append(x)
             storage = x.untyped_storage()
             call = _Call(name, storage.data_ptr(), storage.nbytes(),
@@ -169,7 +169,8 @@ def _trace(model: nn.Module, batch: Any, loss_fn: LossFn, *, backward: bool) -> 
 
     with ExitStack() as stack:
         for name, module in linears.items():
-            stack.callback(module.register_forward_pre_hook(before(name)).remove)
+            stack.callback(
+                module.register_forward_pre_hook(before(name), with_kwargs=True).remove)
             stack.callback(module.register_forward_hook(after).remove)
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
             loss = loss_fn(model, batch)
