@@ -148,7 +148,8 @@ def print_report(report: PlanReport) -> None:
     word = {"sketch": "sketched", "keep": "kept", "recomputed": "recomputed"}
     rows = [(layer.name, f"{layer.in_features}->{layer.out_features}", word[layer.decision],
              f"{report.ranks[layer.name]}" if layer.name in report.ranks else "-",
-             _size(layer.input_bytes), _size(layer.freed_bytes) if layer.freed_bytes else "-",
+             _size(layer.input_bytes) if layer.input_bytes else "-",
+             _size(layer.freed_bytes) if layer.freed_bytes else "-",
              layer.reason) for layer in plan.layers]
     header = ("layer", "in->out", "decision", "R", "input", "freed", "why")
     widths = [max(len(h), *(len(r[i]) for r in rows)) if rows else len(h)
