@@ -29,8 +29,14 @@ fresh pages and slow the memory-heavy configurations). When the machine is heavi
 `--clock cpu` times single-threaded steps by process CPU time instead, which measures the
 work of a step and hardly depends on the load.
 
+`--device cuda` runs the same configurations on the GPU (the Triton kernels on the sketched
+layers): peak memory is then `torch.cuda.max_memory_allocated()` during the step minus the
+memory allocated just before it (after the warm-up step), and steps are timed between
+`torch.cuda.synchronize()` calls. `benchmarks/gpu_check.sh` runs it so.
+
     python benchmarks/sketch_memory.py            # full run, writes benchmarks/results/...
     python benchmarks/sketch_memory.py --quick    # smoke run (seq 128, one rank, 1 round)
+    python benchmarks/sketch_memory.py --device cuda --out OUT.json  # on a GPU
 """
 
 from __future__ import annotations
@@ -90,11 +96,13 @@ class Trainee:
             mlp_recompute=spec.get("mlp_recompute", "auto"),
             fuse_norms=spec.get("fuse_norms", True),
         )
-        self.model = GPT(cfg, seq_len=spec["seq_len"])
+        self.device = torch.device(spec.get("device", "cpu"))
+        self.model = GPT(cfg, seq_len=spec["seq_len"]).to(self.device)
         if spec["rank"]:
             sketch_model(self.model, rank=spec["rank"], include=spec.get("include"))
         self.opt = torch.optim.AdamW(self.model.parameters(), lr=1e-4)
-        self.tokens = torch.randint(0, cfg.vocab_size, (spec["batch"], spec["seq_len"] + 1))
+        self.tokens = torch.randint(0, cfg.vocab_size, (spec["batch"], spec["seq_len"] + 1),
+                                    device=self.device)
         self.num_steps = 0
 
     def step(self, saved: dict[int, int] | None = None, clock: str = "wall") -> float:
@@ -113,6 +121,7 @@ class Trainee:
 
         census = torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t)
         timer = time.process_time if clock == "cpu" else time.perf_counter
+        self.synchronize()
         start = timer()
         with sketch_seed(0, self.num_steps):
             with census if saved is not None else contextlib.nullcontext():
@@ -121,13 +130,29 @@ class Trainee:
         self.opt.step()
         self.opt.zero_grad(set_to_none=True)
         self.num_steps += 1
+        self.synchronize()
         return timer() - start
+
+    def synchronize(self) -> None:
+        """Wait for the GPU's queued work (a CUDA step is timed to its end, not its launch)."""
+        if self.device.type == "cuda":
+            import torch
+
+            torch.cuda.synchronize(self.device)
 
 
 def measure_memory(spec: dict[str, Any]) -> dict[str, Any]:
     trainee = Trainee(spec)
     saved: dict[int, int] = {}
     trainee.step(saved)  # warm-up, and the saved-bytes census
+    if trainee.device.type == "cuda":
+        import torch
+
+        baseline = torch.cuda.memory_allocated(trainee.device)
+        torch.cuda.reset_peak_memory_stats(trainee.device)
+        trainee.step()
+        peak = torch.cuda.max_memory_allocated(trainee.device) - baseline
+        return {"saved_bytes": sum(saved.values()), "peak_bytes": peak}
     baseline = _rss_bytes("VmRSS")
     _reset_peak()
     trainee.step()
@@ -222,7 +247,7 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
     rows = []
     for seq_len in args.seq_lens:
         specs = [
-            {**config, "seq_len": seq_len, "batch": args.batch}
+            {**config, "seq_len": seq_len, "batch": args.batch, "device": args.device}
             for config in configurations(args.ranks, args.combined_ranks)
         ]
         memory = [spawn("--child-memory", spec) for spec in specs]
@@ -258,6 +283,8 @@ def main(argv: list[str] | None = None) -> int:
         help="wall: wall-clock with torch's default threads; cpu: process CPU time of "
         "single-threaded steps (stable when other processes load the machine)",
     )
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                        help="where the steps run (cuda: GPU memory and synchronized timing)")
     parser.add_argument("--quick", action="store_true", help="smoke run: seq 128, R 16, 1 round")
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT)
     parser.add_argument("--child-memory", help=argparse.SUPPRESS)
@@ -270,6 +297,8 @@ def main(argv: list[str] | None = None) -> int:
         payload = json.loads(args.child_time)
         print(json.dumps(measure_time(payload["specs"], payload["rounds"], payload["clock"])))
         return 0
+    if args.device == "cuda" and args.clock == "cpu":
+        parser.error("--clock cpu measures CPU work; with --device cuda use the wall clock")
     if args.quick:
         args.seq_lens, args.ranks, args.combined_ranks, args.rounds = [128], [16], [16], 1
     rows = run(args)
@@ -284,6 +313,8 @@ def main(argv: list[str] | None = None) -> int:
         "cpus": os.cpu_count(),
         "argv": sys.argv[1:] if argv is None else argv,
         "clock": args.clock,
+        "device": args.device,
+        **({"gpu": torch.cuda.get_device_name(0)} if args.device == "cuda" else {}),
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps({"meta": meta, "results": rows}, indent=2) + "\n")

@@ -1,0 +1,195 @@
+"""The CUDA paths (issue 16, point 7): what `pytest -m gpu` checks on a machine with a GPU.
+
+Every test here is marked `gpu` (tests/conftest.py skips them where CUDA is absent);
+`benchmarks/gpu_check.sh` runs them, the `triton` ones as a step of their own:
+- the Triton kernels on CUDA tensors, compiled (no `TRITON_INTERPRET`), against the torch
+  reference, and a Llama sketched with `include="auto"` (fused SwiGLU MLPs and RMSNorms,
+  sketched linears) whose gradients through the kernels equal the reference backend's;
+- bf16 autocast on CUDA (`trainer.precision.autocast`): bf16 compute, fp32 master weights
+  and gradients;
+- AdamW on CUDA is torch's fused kernel (`trainer.optim.build_optimizer`) and updates like
+  the per-parameter loop on the same gradients;
+- a bf16 Llama (`recipes/llama-tiny.toml`) trained on the GPU by the worker loop, stopped at
+  step 3 and continued: it ends where the uninterrupted run ends, its snapshots fp32.
+
+The kernel checks are written for any device (`_kernel_checks(device)`): on a CPU under
+Triton's interpreter they are the same code tests/test_sketch_triton.py runs there.
+"""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+
+import pytest
+import torch
+from snapshot_compare import final_state
+from torch import nn
+
+from trainer.config import OptimConfig, load_recipe
+
+ROOT = Path(__file__).resolve().parents[1]
+TINY = ROOT / "recipes" / "tiny.toml"
+LLAMA = ROOT / "recipes" / "llama-tiny.toml"
+CUDA = torch.device("cuda")
+# A bf16 run stopped and continued against the uninterrupted one, relative over the whole
+# model (as test_trainer_precision's BF16_P1: 10x below what bf16 itself changes).
+BF16_RESUME = 1e-4
+
+
+def _kernel_checks(device: torch.device) -> None:
+    """`kernels.bucket_sum` and `kernels.weight_grad` against `reference` on `device`."""
+    from sketch_ops import kernels, reference
+    from sketch_ops.seeds import make_plan
+
+    torch.manual_seed(0)
+    # (rows, columns, rank, balanced hash); the last is a real microbatch (8 x 1024 tokens).
+    cases = [(37, 24, 5, True), (40, 70, 40, True), (64, 130, 1, True), (300, 16, 16, True),
+             (90, 40, 7, False), (0, 8, 3, True), (8192, 256, 512, True)]
+    for n, n_in, rank, balanced in cases:
+        plan = make_plan(n, rank, seed=n + rank, balanced=balanced, device=device)
+        for dtype in (torch.float32, torch.bfloat16, torch.float16):
+            x = torch.randn(n, n_in, device=device).to(dtype)
+            got, got_sq = kernels.bucket_sum(x, plan)
+            want, want_sq = reference.bucket_sum(x, plan)
+            assert got.dtype == torch.float32 and got.shape == want.shape, (n, n_in, dtype)
+            torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+            torch.testing.assert_close(got_sq, want_sq, rtol=2e-4, atol=1e-5)  # 2M-term sums
+        wide = torch.randn(n, n_in + 9, device=device)[:, 3 : 3 + n_in]  # a strided view
+        torch.testing.assert_close(kernels.bucket_sum(wide, plan)[0],
+                                   reference.bucket_sum(wide, plan)[0], rtol=1e-4, atol=1e-4)
+    for rank, n_out, n_in in ((5, 24, 37), (33, 70, 20), (1, 16, 16), (512, 704, 256)):
+        dy_s, x_s = torch.randn(rank, n_out, device=device), torch.randn(rank, n_in,
+                                                                         device=device)
+        scale = torch.tensor(0.37)
+        for dtype, tol in ((torch.float32, 1e-4), (torch.bfloat16, 2e-2)):
+            got = kernels.weight_grad(dy_s, x_s.to(dtype), scale, dtype)
+            want = reference.weight_grad(dy_s, x_s.to(dtype), scale, dtype)
+            assert got.dtype == dtype
+            # fp32 sums in another order may round to the neighbouring bf16 value.
+            torch.testing.assert_close(got, want, rtol=tol, atol=tol)
+
+
+def _sketched_llama_grads(device: torch.device, backend: str,
+                          monkeypatch: pytest.MonkeyPatch) -> list[torch.Tensor]:
+    """The gradients of recipes/llama-tiny.toml's model, sketched with include="auto" (its
+    SwiGLU MLPs and RMSNorms fused), for one microbatch, through `backend`."""
+    from sketch_ops import dispatch, sketch_seed
+    from trainer.loop import build_model, loss_function
+
+    monkeypatch.setenv(dispatch.BACKEND_ENV, backend)
+    cfg = load_recipe(LLAMA, ["snapshots.run_uri=unused", "sketch.rank=16"])
+    model = build_model(cfg, device)
+    tokens = torch.randint(0, cfg.model.vocab_size, (4, cfg.data.seq_len),
+                           generator=torch.Generator().manual_seed(1)).to(device)
+    with sketch_seed(3, 0):
+        loss_function(cfg)(model, tokens).backward()
+    return [p.grad.detach().cpu() for p in model.parameters() if p.grad is not None]
+
+
+@pytest.mark.gpu
+def test_triton_kernels_match_the_reference_on_cuda() -> None:
+    pytest.importorskip("triton")
+    _kernel_checks(CUDA)
+
+
+@pytest.mark.gpu
+def test_triton_sketched_llama_matches_the_reference_backend_on_cuda(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    pytest.importorskip("triton")
+    pytest.importorskip("transformers")
+    through_kernels = _sketched_llama_grads(CUDA, "auto", monkeypatch)  # auto: kernels on CUDA
+    reference = _sketched_llama_grads(CUDA, "torch", monkeypatch)
+    assert len(through_kernels) == len(reference) > 0
+    for got, want in zip(through_kernels, reference, strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.gpu
+def test_bf16_autocast_on_cuda_computes_in_bf16_with_fp32_weights_and_gradients() -> None:
+    from trainer.loop import build_model, loss_function
+    from trainer.precision import autocast
+
+    losses = {}
+    for dtype in ("fp32", "bf16"):
+        cfg = load_recipe(TINY, ["snapshots.run_uri=unused", f'precision.dtype="{dtype}"',
+                                 "model.vocab_size=256"])
+        model = build_model(cfg, CUDA)
+        tokens = torch.randint(0, 256, (4, cfg.data.seq_len),
+                               generator=torch.Generator().manual_seed(0)).to(CUDA)
+        saved: list[torch.dtype] = []
+
+        def pack(t: torch.Tensor, saved: list[torch.dtype] = saved) -> torch.Tensor:
+            saved.append(t.dtype)
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), \
+                autocast(model, dtype, CUDA):
+            loss = loss_function(cfg)(model, tokens)
+        loss.backward()
+        assert loss.dtype == torch.float32
+        assert (torch.bfloat16 in saved) == (dtype == "bf16"), (dtype, set(saved))
+        for name, p in model.named_parameters():
+            assert p.dtype == torch.float32 and p.grad is not None, name
+            assert p.grad.dtype == torch.float32, name
+        losses[dtype] = loss.item()
+    assert losses["bf16"] != losses["fp32"]
+    assert abs(losses["bf16"] - losses["fp32"]) < 0.02 * losses["fp32"], losses
+
+
+@pytest.mark.gpu
+def test_adamw_is_fused_on_cuda_and_updates_like_the_per_parameter_loop() -> None:
+    from trainer.optim import build_optimizer
+
+    torch.manual_seed(0)
+    on_cpu = nn.Sequential(nn.Linear(32, 64), nn.GELU(), nn.Linear(64, 8))
+    on_cuda = copy.deepcopy(on_cpu).to(CUDA)
+    cfg = OptimConfig(lr=1e-2)
+    fused, loop = build_optimizer(on_cuda, cfg), build_optimizer(on_cpu, cfg)
+    assert all(group["fused"] for group in fused.param_groups)
+    assert not any(group["fused"] for group in loop.param_groups)
+    for _ in range(3):  # the same gradients into both: only the update kernels differ
+        on_cpu(torch.randn(16, 32)).square().mean().backward()
+        for mine, theirs in zip(on_cuda.parameters(), on_cpu.parameters(), strict=True):
+            mine.grad = theirs.grad.to(CUDA)
+        fused.step()
+        loop.step()
+        fused.zero_grad(set_to_none=True)
+        loop.zero_grad(set_to_none=True)
+    for mine, theirs in zip(on_cuda.parameters(), on_cpu.parameters(), strict=True):
+        torch.testing.assert_close(mine.detach().cpu(), theirs.detach(), rtol=1e-5, atol=1e-6)
+        for key in ("exp_avg", "exp_avg_sq"):
+            torch.testing.assert_close(fused.state[mine][key].cpu(), loop.state[theirs][key],
+                                       rtol=1e-5, atol=1e-7)
+
+
+@pytest.mark.gpu
+def test_a_bf16_llama_trained_on_cuda_resumes_where_the_whole_run_ends(
+    tmp_path: Path, tiny_dataset: str,
+) -> None:
+    pytest.importorskip("transformers")
+    from elastic.store import SnapshotStore
+    from trainer.loop import WorkerEnv, run_worker
+
+    steps = 8
+
+    def train(run: Path, stop_after: int | None) -> None:
+        cfg = load_recipe(LLAMA, [f'snapshots.run_uri="{run}"', f'data.uri="{tiny_dataset}"',
+                                  f"steps={steps}", "eval.every=0", 'precision.dtype="bf16"'])
+        run_worker(cfg, WorkerEnv(device=CUDA, stop_after=stop_after))
+
+    whole, resumed = tmp_path / "whole", tmp_path / "resumed"
+    train(whole, None)
+    train(resumed, 3)
+    train(resumed, None)
+    a, b = final_state(whole, tmp_path, steps), final_state(resumed, tmp_path, steps)
+    assert a.keys() == b.keys()
+    for component in ("model.", "optim."):
+        keys = [k for k in a if k.startswith(component) and a[k].is_floating_point()]
+        x = torch.cat([a[k].double().flatten() for k in keys])
+        y = torch.cat([b[k].double().flatten() for k in keys])
+        assert ((x - y).norm() / x.norm()).item() <= BF16_RESUME, component
+    manifest = SnapshotStore(str(resumed)).load_manifest(steps)
+    floats = {r.dtype for r in manifest.tensors.values() if r.dtype in ("F32", "BF16", "F16")}
+    assert floats == {"F32"}, "snapshots keep fp32 master weights and optimizer state"
