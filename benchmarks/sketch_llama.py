@@ -400,11 +400,13 @@ def _load(path: Path) -> dict[str, Any]:
     return json.loads(path.read_text()) if path.exists() else {}
 
 
-def run_probes(plan: Plan, variants: list[Variant]) -> dict[str, Any]:
-    """Memory probes of variants not probed yet; then, if any was new, the time probe of all
-    of them together (ratios come from one process)."""
+def run_probes(plan: Plan, variants: list[Variant], *, retime: bool = False) -> dict[str, Any]:
+    """Memory probes of variants not probed yet; then, if any was new (or `retime`), the time
+    probe of all of them together (ratios come from one process)."""
     path = plan.runs / "probe.json"
     probes = _load(path)
+    if retime:
+        probes.pop("time", None)
     memory = probes.setdefault("memory", {})
     todo = [v for v in variants if v.name not in memory]
     with plan.lock():
@@ -417,6 +419,7 @@ def run_probes(plan: Plan, variants: list[Variant]) -> dict[str, Any]:
         if todo or set(probes.get("time", {})) != {v.name for v in variants}:
             payload = plan.payload(variants=[dataclasses.asdict(v) for v in variants])
             probes["time"] = plan.child("--child-time", payload, exact_rss=False)
+            probes["time_rounds"] = plan.size.time_rounds
             print(f"time: {probes['time']}", flush=True)
             path.write_text(json.dumps(probes, indent=1))
     return probes
@@ -530,6 +533,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seeds", default="", help="comma-separated; default 0,1,2")
     parser.add_argument("--report", action="store_true", help="only aggregate saved runs")
     parser.add_argument("--no-train", action="store_true", help="probes only")
+    parser.add_argument("--retime", action="store_true",
+                        help="redo the step-time probe (e.g. on a quieter machine)")
+    parser.add_argument("--rounds", type=int, help=f"timed rounds (default {FULL.time_rounds})")
     parser.add_argument("--quick", action="store_true",
                         help="smoke run: tiny model, 4 steps, 1 seed, in this process")
     parser.add_argument("--data", help="prepared dataset (default: sketch_quality's corpus)")
@@ -559,9 +565,11 @@ def main(argv: list[str] | None = None) -> int:
         else:
             if not args.data and not args.report:
                 ensure_corpus()
-            plan = Plan(FULL, args.data or str(DATA), runs, in_process=False)
+            rounds = FULL.time_rounds if args.rounds is None else args.rounds
+            size = dataclasses.replace(FULL, time_rounds=rounds)
+            plan = Plan(size, args.data or str(DATA), runs, in_process=False)
         if not args.report:
-            run_probes(plan, chosen)
+            run_probes(plan, chosen, retime=args.retime)
             if not args.no_train:
                 run_training(plan, [v for v in chosen if v.train], seeds)
         probes = _load(runs / "probe.json")
@@ -571,6 +579,7 @@ def main(argv: list[str] | None = None) -> int:
     result = {
         "setup": {
             **dataclasses.asdict(plan.size),
+            "time_rounds": probes.get("time_rounds", plan.size.time_rounds),
             "rank_divisor": RANK_DIVISOR,
             "data": plan.data,
             "quick": args.quick,
