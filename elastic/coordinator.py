@@ -41,7 +41,14 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 from elastic.format import DEFAULT_BLOCK_BYTES
 from elastic.local_coordinator import LocalCoordinator
 from elastic.protocol import PROTOCOL_METHODS
-from elastic.ram_store import RamStore, RamStoreClient, RamTier, Requests, StoreLost
+from elastic.ram_store import (
+    PutWaiter,
+    RamStore,
+    RamStoreClient,
+    RamTier,
+    Requests,
+    StoreLost,
+)
 from elastic.store import SnapshotStore
 
 NAMESPACE = "baton"
@@ -224,9 +231,18 @@ class RayRamStoreClient:
     def __init__(self, handle: ray.actor.ActorHandle) -> None:
         self.handle = handle
 
-    def put(self, step: int, generation: int, file: str, data: Any) -> bool:
-        # A numpy array goes to the object store in one copy, without an interim bytes.
-        return bool(self._get(self.handle.put.remote(step, generation, file, data)))
+    def start_put(self, step: int, generation: int, file: str, data: Any) -> PutWaiter:
+        # A numpy array goes to the object store in one copy, without an interim bytes,
+        # during .remote(): the caller may reuse its memory as soon as this returns.
+        ref: Any = self.handle.put.remote(step, generation, file, data)
+
+        def took(timeout_s: float | None) -> bool:
+            try:
+                return bool(self._get(ref, timeout_s))
+            except ray.exceptions.GetTimeoutError:
+                return False  # still on its way: not counted as held
+
+        return took
 
     def read(self, step: int, requests: Requests) -> list[Any] | None:
         got = self._get(self.handle.read.remote(step, requests))
@@ -239,9 +255,9 @@ class RayRamStoreClient:
         return dict(self._get(self.handle.stats.remote()))
 
     @staticmethod
-    def _get(ref: Any) -> Any:
+    def _get(ref: Any, timeout_s: float | None = None) -> Any:
         try:
-            return ray.get(ref)
+            return ray.get(ref, timeout=timeout_s)
         except (ray.exceptions.RayActorError, ray.exceptions.ActorUnschedulableError,
                 ray.exceptions.ObjectLostError) as err:
             raise StoreLost(f"RAM store lost: {type(err).__name__}") from err
@@ -263,4 +279,6 @@ def ray_ram_tier(run_uri: str, *, cap_bytes: int | None, replicas: int = 1,
         return handles[node]
 
     node = ray.get_runtime_context().get_node_id()
-    return RamTier(node, live_nodes, store_on, replicas=replicas)
+    tier = RamTier(node, live_nodes, store_on, replicas=replicas)
+    tier.prepare()  # the stores start while this worker restores and trains its first steps
+    return tier

@@ -8,7 +8,9 @@ the stores of the next nodes on the ring, never the coordinator; a store may ref
 over its cap, and that shard is then storage-only), (2) writes the image as the shard file
 through the store (temp name + rename locally, one PUT on S3), while a second thread
 computes the crc32 of every checksum block, once, from the image, and (3) reports the
-receipt to the coordinator, naming the nodes that took a RAM copy (``"ram"``). Nothing
+receipt to the coordinator, naming the nodes that took a RAM copy (``"ram"``; a copy not
+acknowledged within as long again as the write took, at least ``RAM_GRACE_MIN_S``, is left
+out: the RAM tier never holds up a commit). Nothing
 state-sized is allocated per snapshot: the file is written from the image's memory as is
 (local stores), and the RAM tier is sent a view of the image (a Ray store actor's call
 copies it into the object store; a store copies what it keeps into a buffer it recycles).
@@ -31,6 +33,7 @@ import logging
 import os
 import socket
 import threading
+import time
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from typing import Any
 
@@ -98,8 +101,9 @@ class Persister:
             # hides behind the disk.
             checksums = self._crc_pool.submit(cap.image.chunk_records, file, self.block_bytes)
             # The image's memory itself: a store keeps a copy of its own (module docstring).
-            ram_holders = ([] if self.ram_tier is None else
-                           self.ram_tier.put(cap.step, generation, file, cap.image.buffer.numpy()))
+            ram_copies = (None if self.ram_tier is None else
+                          self.ram_tier.put(cap.step, generation, file, cap.image.buffer.numpy()))
+            started = time.monotonic()
             # Create-only: a shard name (rank, world, generation, step) is written once; if
             # it exists, something else wrote it and this snapshot must not claim it. The
             # image's memory goes to the file as is (no copy on a local store).
@@ -108,6 +112,10 @@ class Persister:
                 durable=self.durable, exclusive=True,
                 mid_write=lambda: self.faults.hit(cap.rank, cap.step, "persist_mid"))
             chunks = checksums.result()
+            # The RAM copies may take as long again as the durable write, no longer: they
+            # speed up a restore, they must not hold up the commit.
+            ram_holders = [] if ram_copies is None else ram_copies(
+                max(RAM_GRACE_MIN_S, time.monotonic() - started))
             self.faults.hit(cap.rank, cap.step, "persist_end")
             receipt: dict[str, Any] = {
                 "step": cap.step, "rank": cap.rank, "world_size": cap.world_size,
@@ -136,6 +144,9 @@ class Persister:
             if checksums is not None:  # the image is free only once nothing reads it
                 wait([checksums])
 
+
+# The least a worker waits for its shard's RAM copies once the shard is durable (seconds).
+RAM_GRACE_MIN_S = 1.0
 
 # Background persistence competes with training for cores; on a small machine the training's
 # intra-op threads then wait for each other at every parallel region (measured on 2 cores: a

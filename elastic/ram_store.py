@@ -60,6 +60,7 @@ from __future__ import annotations
 
 import sys
 import threading
+import time
 from collections.abc import Callable, Iterable
 from typing import Any, Protocol
 
@@ -74,11 +75,17 @@ class StoreLost(OSError):
     """The store actor (and so its node) is gone: its copies are lost, read storage."""
 
 
+# Waits up to the given seconds (None: for good) for a put; True once the store took it.
+PutWaiter = Callable[[float | None], bool]
+
+
 class RamStoreClient(Protocol):
     """What a worker and the coordinator call on a store (a ``RamStore`` in-process, or
-    the Ray actor through ``elastic.coordinator.RayRamStoreClient``)."""
+    the Ray actor through ``elastic.coordinator.RayRamStoreClient``). ``start_put`` has
+    taken what it needs of ``data`` when it returns (a Ray call serialises its arguments
+    then); the store's answer may come later."""
 
-    def put(self, step: int, generation: int, file: str, data: Any) -> bool: ...
+    def start_put(self, step: int, generation: int, file: str, data: Any) -> PutWaiter: ...
 
     def read(self, step: int, requests: Requests) -> list[Any] | None: ...
 
@@ -142,6 +149,11 @@ class RamStore:
             self.step_generation[step] = generation
             self.bytes_in += view.nbytes
             return True
+
+    def start_put(self, step: int, generation: int, file: str, data: Any) -> PutWaiter:
+        """In-process: the put is done when this returns."""
+        took = self.put(step, generation, file, data)
+        return lambda _timeout_s: took
 
     def read(self, step: int, requests: Requests) -> list[np.ndarray] | None:
         with self._lock:
@@ -238,16 +250,43 @@ class RamTier:
         self.store_on = store_on
         self.replicas = replicas
 
-    def put(self, step: int, generation: int, file: str, data: Any) -> list[str]:
-        """Copy a shard file to the stores of its ring; returns the nodes that took it."""
-        took = []
+    def put(self, step: int, generation: int, file: str, data: Any
+            ) -> Callable[[float | None], list[str]]:
+        """Start copying a shard file to the stores of its ring; ``data`` may be reused
+        once this returns. The returned function waits up to its argument in seconds (None:
+        for good) and returns the nodes that took the copy by then: a copy still on its way
+        (a store just starting, a slow link) is not waited for beyond that, so the RAM tier
+        never holds up a commit; the store drops it with the next snapshot."""
+        waiters: list[tuple[str, PutWaiter]] = []
         for node in ring_holders(self.node, self.live_nodes(), self.replicas):
             try:
-                if self.store_on(node).put(step, generation, file, data):
-                    took.append(node)
+                waiters.append((node, self.store_on(node).start_put(step, generation, file,
+                                                                    data)))
             except StoreLost:
                 continue
-        return took
+
+        def holders(timeout_s: float | None) -> list[str]:
+            deadline = None if timeout_s is None else time.monotonic() + timeout_s
+            took = []
+            for node, waiter in waiters:
+                left = None if deadline is None else max(0.0, deadline - time.monotonic())
+                try:
+                    if waiter(left):
+                        took.append(node)
+                except StoreLost:
+                    continue
+            return took
+
+        return holders
+
+    def prepare(self) -> None:
+        """Reach (on Ray: start) the stores this node's shards go to, ahead of the first
+        snapshot, so that a store starting up does not cost that snapshot its copy."""
+        for node in ring_holders(self.node, self.live_nodes(), self.replicas):
+            try:
+                self.store_on(node)
+            except StoreLost:
+                continue
 
     def read(self, step: int, locations: dict[str, list[str]],
              requests: Requests) -> list[Any | None]:

@@ -16,6 +16,7 @@ from torch import nn
 
 from elastic.format import DEFAULT_BLOCK_BYTES
 from elastic.local_coordinator import LocalCoordinator
+from elastic.persist import RAM_GRACE_MIN_S
 from elastic.protocol import CoordinatorClient
 from elastic.ram_store import RamStore, RamStoreClient, RamTier, StoreLost, ring_holders
 from elastic.snapshotter import Snapshotter
@@ -256,3 +257,34 @@ def test_node_loss_restores_from_the_peer_copy_and_falls_back_for_lost_copies(
     for key, value in reference.items():
         assert torch.equal(full_state(ts)[key], value), key
 
+
+
+def test_a_copy_still_on_its_way_does_not_hold_up_the_commit(tmp_path) -> None:
+    """A store that has not answered by the time the shard is durable (one starting up, a
+    slow link) is waited for a bounded time, then left out of the receipt."""
+    nodes = _Nodes(["n0", "n1", "n2"])
+    waited: list[float | None] = []
+    slow = nodes.stores["n2"]
+
+    class Starting:  # n2's store never answers in time
+        def start_put(self, step: int, generation: int, file: str, data: Any):
+            slow.put(step, generation, file, data)  # it does arrive, later
+
+            def took(timeout_s: float | None) -> bool:
+                waited.append(timeout_s)
+                return False
+
+            return took
+
+        def read(self, step, requests):
+            return slow.read(step, requests)
+
+        def keep(self, committed, in_flight):
+            slow.keep(committed, in_flight)
+
+    real_store_on = nodes.store_on
+    nodes.store_on = lambda node: Starting() if node == "n2" else real_store_on(node)  # type: ignore[method-assign]
+    coord, wire, states, snaps = _two_ranks(str(tmp_path / "run"), nodes, 64, steps=4)
+    assert coord.committed_steps() == [2, 4]
+    assert sorted(coord.ram_locations(4).values()) == [["n1"]]  # n1's shard: storage-only
+    assert waited and all(t is not None and t > 0.9 * RAM_GRACE_MIN_S for t in waited)
