@@ -17,12 +17,17 @@ each byte of the snapshot that it needs once in all:
   rank reads about ``state / W`` and receives the rest. A sharded (FSDP2) state shares only
   the blocks at the boundaries between two ranks' rows, so the group reads the union of
   what the ranks need — nothing twice, however small the chunks are against the blocks.
-* Each rank reads its private blocks straight into its tensors (``read_placed``), then the
-  shared pieces are exchanged in rounds of at most ``ROUND_BYTES``: the owners read and
-  verify their pieces of the round into one round buffer (on ``group_device``: CPU for gloo,
-  CUDA for NCCL), each owner broadcasts its part, and every rank that needs a piece copies
-  its bytes into its tensor. Memory beyond the state: one round buffer (and, for NCCL, a CPU
-  staging buffer of the same size) besides ``read_placed``'s staging buffers.
+* Each rank reads its private blocks straight into its tensors (``read_placed``), and so
+  does the owner of a shared piece of at least ``IN_PLACE_MIN_BYTES`` that every needing
+  rank uses whole (a replicated tensor's): once all agree that these reads succeeded, each
+  such piece is broadcast from the owner's tensor straight into the others' (gloo; NCCL
+  through a device buffer of the piece's size). The other shared pieces (small ones, and
+  the partly used blocks at the edges of sharded rows) are exchanged in rounds of at most
+  ``ROUND_BYTES``: the owners read and verify their pieces of the round into one round
+  buffer (on ``group_device``: CPU for gloo, CUDA for NCCL), each owner broadcasts its part,
+  and every rank that needs a piece copies its bytes into its tensor. Memory beyond the
+  state: a round buffer or one piece (and, for NCCL, a CPU staging buffer of the same
+  size) besides ``read_placed``'s staging buffers.
 * Ops whose bytes do not land contiguously in the target (a resharded rectangle that needs
   a non-contiguous part of a chunk) are read by their rank alone, as ``read_tensors`` does.
 * Headers: each rank checks the safetensors headers of the chunks it reads itself, so the
@@ -63,6 +68,11 @@ from elastic.restore import ByteSource, allocate, check_coverage, check_headers,
 # Shared spans are cut into pieces of at most this many bytes (whole checksum blocks), the unit
 # of balancing the reads between ranks.
 SHARE_PIECE_BYTES = 32 << 20
+# Shared pieces at least this large that every rank needing them uses whole (a replicated
+# tensor's) are read by their owner straight into its tensor and broadcast from there into the
+# others' tensors; smaller ones, and the partly used blocks at the edges of sharded rows, are
+# exchanged in rounds through one buffer (few collectives for many small pieces).
+IN_PLACE_MIN_BYTES = 1 << 20
 # Shared pieces are exchanged in rounds of at most this many bytes (one piece larger than it,
 # when a checksum block is, is a round of its own): it bounds the exchange buffer.
 ROUND_BYTES = 64 << 20
@@ -80,6 +90,7 @@ class _Piece:
     end: int
     owner: int
     needers: tuple[int, ...]
+    whole: bool  # every needer uses all of its bytes (a replicated tensor's)
 
 
 def _chunks(manifest: Manifest) -> list[tuple[str, ChunkRecord]]:
@@ -131,13 +142,19 @@ def group_read_tensors(manifest: Manifest, targets: dict[str, Target],
     direct = {index[(p.op.chunk.file, p.op.chunk.byte_range[0])]: p for p in placed if p.direct}
     alone = [p for p in placed if not p.direct]
     wants = all_gather_ints([x for i, p in sorted(direct.items())
-                             for x in (i, p.op.start, p.op.end)])
+                             for x in (i, p.op.start, p.op.end, p.op.need0, p.op.need1)])
     rank = dist.get_rank()
     private, pieces = _plan(wants, manifest.block_bytes)
+    # Large pieces every needer uses whole go straight into the owner's tensor and from there
+    # into the others' (no round buffer, no copy); the rest go through rounds.
+    in_place = [p for p in pieces if p.whole and p.end - p.start >= IN_PLACE_MIN_BYTES]
+    rounds = _rounds([p for p in pieces if not (p.whole and p.end - p.start >= IN_PLACE_MIN_BYTES)])
 
     err = None
     try:
         mine = [narrow_direct(direct[i], start, end) for i, start, end in private.get(rank, [])]
+        mine += [narrow_direct(direct[p.chunk], p.start, p.end)
+                 for p in in_place if p.owner == rank]
         owned = [p for p in pieces if p.owner == rank]
         check_headers(manifest, [(p.op.key, p.op.chunk) for p in mine + alone]
                       + [chunks[p.chunk] for p in owned], source)
@@ -146,21 +163,25 @@ def group_read_tensors(manifest: Manifest, targets: dict[str, Target],
         err = caught
     _settle(err, step, "reading its own blocks")
 
-    for batch in _rounds(pieces):
+    _broadcast_in_place(in_place, direct, rank)
+    for batch in rounds:
         _exchange(batch, chunks, direct, rank, source, manifest)
     return {k: t.wrap(local[k].to(t.device)) for k, t in targets.items()}
 
 
 def _plan(wants: list[list[int]], block: int
           ) -> tuple[dict[int, list[tuple[int, int, int]]], list[_Piece]]:
-    """From every rank's ``(chunk, start, end)`` triples: each rank's private ranges
+    """From every rank's ``(chunk, start, end, need0, need1)`` entries (the block-aligned
+    range it reads of a chunk, and the bytes of it that it uses): each rank's private ranges
     ``{rank: [(chunk, start, end)]}`` and the shared pieces with their owners."""
     by_chunk: dict[int, list[tuple[int, int, int]]] = {}
+    uses: dict[tuple[int, int], tuple[int, int]] = {}  # (chunk, rank) -> bytes it uses
     for rank, flat in enumerate(wants):
-        for i in range(0, len(flat), 3):
-            chunk, start, end = flat[i: i + 3]
+        for i in range(0, len(flat), 5):
+            chunk, start, end, need0, need1 = flat[i: i + 5]
             if end > start:
                 by_chunk.setdefault(chunk, []).append((rank, start, end))
+                uses[(chunk, rank)] = (need0, need1)
     private: dict[int, list[tuple[int, int, int]]] = {}
     shared: list[tuple[int, int, int, tuple[int, ...]]] = []
     for chunk in sorted(by_chunk):
@@ -186,8 +207,32 @@ def _plan(wants: list[list[int]], block: int
             end = min(b, start + step)
             owner = min(needers, key=lambda r: (load[r], r))
             load[owner] += end - start
-            pieces.append(_Piece(chunk, start, end, owner, needers))
+            whole = all(uses[(chunk, r)][0] <= start and end <= uses[(chunk, r)][1]
+                        for r in needers)
+            pieces.append(_Piece(chunk, start, end, owner, needers, whole))
     return private, pieces
+
+
+def _broadcast_in_place(pieces: list[_Piece], direct: dict[int, Placed], rank: int) -> None:
+    """Each piece from its owner's tensor into the tensors of the ranks that need it (a
+    rank that does not gets it into a scratch buffer; NCCL through a device buffer)."""
+    device = group_device()
+    for piece in pieces:
+        size = piece.end - piece.start
+        if rank in piece.needers:
+            p = direct[piece.chunk]
+            flat = p.dst.reshape(-1).view(torch.uint8)
+            mine = flat[piece.start - p.op.need0: piece.end - p.op.need0]
+        else:
+            mine = torch.empty(size, dtype=torch.uint8)
+        if device.type == "cpu":
+            dist.broadcast(mine, src=piece.owner)
+            continue
+        wire = mine.to(device) if rank == piece.owner else torch.empty(
+            size, dtype=torch.uint8, device=device)
+        dist.broadcast(wire, src=piece.owner)
+        if rank != piece.owner:
+            mine.copy_(wire)
 
 
 def _rounds(pieces: list[_Piece]) -> list[list[_Piece]]:

@@ -13,10 +13,12 @@ import json
 import os
 from typing import Any
 
+import pytest
 import torch
 import torch.distributed as dist
 from safetensors.torch import load_file, save_file
 
+import elastic.group_read as group_read_module
 import elastic.snapshotter as snapshotter_module
 from elastic.format import Manifest
 from elastic.group_read import group_read_tensors
@@ -55,9 +57,13 @@ def _save(rank: int, world_size: int, run: str, layout: str, steps: tuple[int, .
     snap.close()
 
 
-def _restore_ddp(rank: int, world_size: int, run: str, out: str) -> None:
-    """Restore through ``Snapshotter.restore`` with a ByteSource that keeps count."""
+def _restore_ddp(rank: int, world_size: int, run: str, out: str,
+                 in_place_min_bytes: int | None = None) -> None:
+    """Restore through ``Snapshotter.restore`` with a ByteSource that keeps count;
+    ``in_place_min_bytes`` sets ``group_read.IN_PLACE_MIN_BYTES`` in this process."""
     sources: list[ByteSource] = []
+    if in_place_min_bytes is not None:
+        group_read_module.IN_PLACE_MIN_BYTES = in_place_min_bytes
 
     class Counting(ByteSource):
         def __init__(self, *args: Any, **kwargs: Any) -> None:
@@ -100,11 +106,14 @@ def _assert_bitwise(got_file: str, ref_file: str) -> None:
         assert got[key].dtype == value.dtype and torch.equal(got[key], value), key
 
 
-def test_ddp_restore_at_three_reads_each_byte_once(tmp_path) -> None:
+@pytest.mark.parametrize("in_place_min_bytes", [None, 0], ids=["rounds", "in-place"])
+def test_ddp_restore_at_three_reads_each_byte_once(tmp_path, in_place_min_bytes) -> None:
+    """TinyNet's pieces are smaller than IN_PLACE_MIN_BYTES: they are exchanged in rounds;
+    with the threshold at 0 they go from the owner's tensors into the others' instead."""
     run, out = str(tmp_path / "run"), str(tmp_path / "out")
     os.makedirs(out)
     run_group(_save, 2, run, "ddp", (3,), BLOCK, tmp_dir=str(tmp_path))
-    run_group(_restore_ddp, 3, run, out, tmp_dir=str(tmp_path))
+    run_group(_restore_ddp, 3, run, out, in_place_min_bytes, tmp_dir=str(tmp_path))
     results = _results(out, 3)
     state = results[0]["state_bytes"]
     read = [r["tensor_bytes"] for r in results]
