@@ -1,0 +1,255 @@
+#!/usr/bin/env bash
+# GPU readiness check (issue 16, point 7): the CUDA paths of Baton on one machine with an
+# NVIDIA GPU, in under 10 minutes. Run it from anywhere after `make install TORCH_SPEC=torch`
+# (a CUDA build of torch; the default TORCH_SPEC is the CPU build):
+#
+#   bash benchmarks/gpu_check.sh [--out PATH]   # default PATH: benchmarks/results/gpu_check.json
+#   bash benchmarks/gpu_check.sh --dry-run      # print the steps, run nothing (no GPU needed)
+#
+# Steps, each under its own `timeout` (the limits add up to 600 s):
+#   cuda            torch sees a CUDA device (name, memory, capability, bf16, triton version);
+#                   if not, the other steps are not run
+#   pytest_gpu      `pytest -m gpu` without the Triton tests: bf16 autocast and fused AdamW on
+#                   CUDA, a bf16 Llama resumed on CUDA, snapshots saved on CUDA restored on CPU
+#   triton_kernels  `pytest -m gpu -k triton`: the Triton kernels compiled for the GPU (no
+#                   TRITON_INTERPRET) against the torch reference, and the sketched layer and a
+#                   Llama sketched with include="auto" through them against the reference
+#   sketch_memory   benchmarks/sketch_memory.py --device cuda (seq 2048): activation bytes, peak
+#                   GPU memory and step time of BASIS vs exact backprop and checkpointing
+#   bf16_fit        `baton fit recipes/llama-tiny.toml` in bf16 on the GPU (local Ray, 1 worker,
+#                   16 steps), uninterrupted, and a second run stopped at step 8 (--until 8) and
+#                   continued (restore from its snapshot); the two must end at the same model and
+#                   AdamW moments (relative difference <= 1e-3), with fp32 snapshots and a loss
+#                   that went down
+#
+# It writes a JSON summary (per step: ok, exit code, seconds, limit, timed_out, log file and
+# the step's figures) to PATH, each step's output to PATH without .json plus _logs/ (default
+# benchmarks/results/gpu_check_logs/) and sketch_memory's table to sketch_memory_cuda.json
+# beside PATH, and exits 1 if any step failed (2 for a bad argument).
+set -uo pipefail
+
+ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+OUT="$ROOT/benchmarks/results/gpu_check.json"
+DRY_RUN=0
+usage() { echo "usage: bash benchmarks/gpu_check.sh [--dry-run] [--out PATH]"; }
+while [ $# -gt 0 ]; do
+    case "$1" in
+        --dry-run) DRY_RUN=1 ;;
+        --out) [ $# -ge 2 ] || { usage >&2; exit 2; }; OUT=$2; shift ;;
+        -h|--help) usage; exit 0 ;;
+        *) echo "gpu_check.sh: unknown argument $1" >&2; usage >&2; exit 2 ;;
+    esac
+    shift
+done
+case "$OUT" in /*) ;; *) OUT="$PWD/$OUT" ;; esac
+cd "$ROOT" || exit 2
+
+PY=${PYTHON:-$ROOT/.venv/bin/python}
+[ -x "$PY" ] || PY=$(command -v python3)
+
+# name, time limit (s): run in this order.
+STEPS=("cuda 20" "pytest_gpu 150" "triton_kernels 120" "sketch_memory 110" "bf16_fit 200")
+
+step_cuda() {
+    "$PY" - <<'EOF'
+import json, os
+import torch
+assert torch.cuda.is_available(), ("torch.cuda.is_available() is False: no CUDA device, or a "
+                                   "CPU build of torch (make install TORCH_SPEC=torch)")
+props = torch.cuda.get_device_properties(0)
+figures = {"device": props.name, "devices": torch.cuda.device_count(),
+           "memory_gib": round(props.total_memory / 2**30, 1),
+           "capability": f"{props.major}.{props.minor}", "torch": torch.__version__,
+           "cuda": torch.version.cuda, "bf16": torch.cuda.is_bf16_supported()}
+try:
+    import triton
+    figures["triton"] = triton.__version__
+except ImportError:
+    figures["triton"] = None
+print(figures)
+json.dump(figures, open(os.environ["FIGURES"], "w"))
+EOF
+}
+
+# pytest's counts from its JUnit XML into $FIGURES; fails when nothing ran or a test skipped
+# (on a GPU machine a skipped gpu test is a CUDA path that was not checked).
+pytest_figures() {
+    "$PY" - "$1" <<'EOF'
+import json, os, sys
+import xml.etree.ElementTree as ET
+root = ET.parse(sys.argv[1]).getroot()
+suite = root if root.tag == "testsuite" else root.find("testsuite")
+counts = {k: int(suite.get(k, 0)) for k in ("tests", "failures", "errors", "skipped")}
+counts["seconds"] = float(suite.get("time", 0))
+json.dump(counts, open(os.environ["FIGURES"], "w"))
+print(counts)
+sys.exit(0 if counts["tests"] > 0 and counts["skipped"] == 0 else 1)
+EOF
+}
+
+step_pytest_gpu() {
+    env -u TRITON_INTERPRET -u BATON_SKETCH_BACKEND "$PY" -m pytest -q -rs -p no:cacheprovider \
+        -m gpu -k "not triton" --junitxml="$WORK/pytest_gpu.xml" tests
+    local rc=$?
+    pytest_figures "$WORK/pytest_gpu.xml" && return $rc
+}
+
+step_triton_kernels() {
+    env -u TRITON_INTERPRET -u BATON_SKETCH_BACKEND "$PY" -m pytest -q -rs -p no:cacheprovider \
+        -m gpu -k triton --junitxml="$WORK/triton.xml" tests/test_sketch_triton.py \
+        tests/test_gpu_paths.py
+    local rc=$?
+    pytest_figures "$WORK/triton.xml" && return $rc
+}
+
+step_sketch_memory() {
+    local out="$RESULTS/sketch_memory_cuda.json"
+    "$PY" benchmarks/sketch_memory.py --device cuda --seq-lens 2048 --ranks 64 256 \
+        --combined-ranks 64 --rounds 3 --out "$out" || return 1
+    "$PY" - "$out" <<'EOF'
+import json, os, sys
+rows = json.load(open(sys.argv[1]))["results"]
+keys = ("saved_ratio", "peak_ratio", "time_ratio", "step_s", "saved_bytes", "peak_bytes")
+figures = {f"{r['name']}@{r['seq_len']}": {k: r[k] for k in keys} for r in rows}
+json.dump({"results": sys.argv[1], **figures}, open(os.environ["FIGURES"], "w"))
+EOF
+}
+
+step_bf16_fit() {
+    local sets=(--set 'precision.dtype="bf16"' --set scaling.use_gpu=true
+                --set scaling.min_workers=1 --set scaling.max_workers=1
+                --set scaling.cpus_per_worker=2 --set steps=16 --set snapshots.snapshot_every=4
+                --set eval.every=8)
+    local fit=("$PY" -m trainer.cli fit recipes/llama-tiny.toml)
+    "${fit[@]}" --run-dir "$WORK/fit/whole" "${sets[@]}" || return 1
+    "${fit[@]}" --run-dir "$WORK/fit/resumed" "${sets[@]}" --until 8 || return 1
+    "${fit[@]}" --run-dir "$WORK/fit/resumed" "${sets[@]}" || return 1
+    "$PY" - "$WORK/fit" <<'EOF'
+import json, math, os, statistics, sys
+import torch
+from safetensors.torch import load_file
+from elastic.catalog import export_model
+from elastic.store import SnapshotStore
+from trainer.metrics import read_records
+
+work, steps = sys.argv[1], 16
+def final(run):
+    store = SnapshotStore(os.path.join(work, run))
+    assert max(store.committed_steps()) == steps, store.committed_steps()
+    manifest, state = store.load_manifest(steps), {}
+    for component in ("model", "optim"):
+        path = os.path.join(work, f"{run}-{component}.safetensors")
+        export_model(store, steps, path, component=component)
+        state.update({f"{component}.{k}": v for k, v in load_file(path).items()})
+    return state, manifest
+(a, whole), (b, resumed) = final("whole"), final("resumed")
+figures, ok = {}, True
+for component in ("model", "optim"):
+    keys = [k for k in a if k.startswith(component + ".") and a[k].is_floating_point()]
+    x = torch.cat([a[k].double().flatten() for k in keys])
+    y = torch.cat([b[k].double().flatten() for k in keys])
+    figures[f"{component}_relative_difference"] = rel = ((x - y).norm() / x.norm()).item()
+    ok &= rel <= 1e-3
+floats = sorted({r.dtype for m in (whole, resumed) for r in m.tensors.values()
+                 if r.dtype in ("F64", "F32", "BF16", "F16")})
+figures["snapshot_float_dtypes"] = floats
+ok &= floats == ["F32"]
+records = read_records(os.path.join(work, "whole"))
+losses = [r["loss"] for r in records if r["kind"] == "step"]
+rates = [r["tokens_per_s"] for r in records if r["kind"] == "step"][1:]
+starts = [r["step"] for r in read_records(os.path.join(work, "resumed")) if r["kind"] == "start"]
+figures.update(first_loss=losses[0], last_loss=losses[-1], steps=len(losses),
+               tokens_per_s_median=statistics.median(rates) if rates else None,
+               resumed_sessions_started_at=starts,
+               val_loss=[r["val_loss"] for r in records
+                         if r["kind"] == "step" and r.get("val_loss") is not None])
+ok &= all(math.isfinite(v) for v in losses) and losses[-1] < losses[0]
+ok &= starts == [0, 8]
+figures["ok"] = bool(ok)
+print(figures)
+json.dump(figures, open(os.environ["FIGURES"], "w"))
+sys.exit(0 if ok else 1)
+EOF
+}
+
+if [ "$DRY_RUN" = 1 ]; then
+    total=0
+    echo "gpu_check.sh --dry-run: would run ${#STEPS[@]} steps from $ROOT with $PY, summary to $OUT"
+    for entry in "${STEPS[@]}"; do
+        read -r name limit <<<"$entry"
+        total=$((total + limit))
+        echo "step $name (timeout ${limit}s):"
+        declare -f "step_$name" | sed -e '1,2d' -e '$d' -e 's/^/    /'
+    done
+    echo "total time limit: ${total}s"
+    exit 0
+fi
+
+WORK=$(mktemp -d "${TMPDIR:-/tmp}/gpu_check.XXXXXX")
+RESULTS=$(dirname "$OUT")
+LOGS="${OUT%.json}_logs"
+mkdir -p "$LOGS" "$RESULTS"
+export PY WORK ROOT RESULTS PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"
+export -f pytest_figures
+: >"$WORK/steps.tsv"
+have_cuda=1
+for entry in "${STEPS[@]}"; do
+    read -r name limit <<<"$entry"
+    log="$LOGS/$name.log"
+    figures="$WORK/$name.figures.json"
+    if [ "$have_cuda" = 0 ]; then
+        printf '%s\t%s\t%s\t%s\t%s\n' "$name" "not run" 0 "$limit" "$log" >>"$WORK/steps.tsv"
+        echo "[gpu_check] $name: not run (no CUDA)"
+        continue
+    fi
+    echo "[gpu_check] $name (timeout ${limit}s) ..."
+    export -f "step_$name"
+    start_ns=$(date +%s%N)
+    # timeout signals the step's whole process group; --kill-after ends what ignores TERM.
+    FIGURES="$figures" timeout --kill-after=15 "$limit" bash -c "step_$name" >"$log" 2>&1
+    rc=$?
+    ms=$((($(date +%s%N) - start_ns) / 1000000))
+    seconds="$((ms / 1000)).$(printf '%03d' $((ms % 1000)))"
+    printf '%s\t%s\t%s\t%s\t%s\n' "$name" "$rc" "$seconds" "$limit" "$log" >>"$WORK/steps.tsv"
+    if [ "$rc" = 0 ]; then
+        echo "[gpu_check] $name: ok (${seconds%.*}s)"
+    else
+        echo "[gpu_check] $name: FAILED (exit $rc); last lines of $log:"
+        tail -n 15 "$log" | sed 's/^/    /'
+        [ "$name" = cuda ] && have_cuda=0
+    fi
+done
+
+"$PY" - "$WORK" "$OUT" <<'EOF'
+import json, os, socket, subprocess, sys, time
+work, out = sys.argv[1], sys.argv[2]
+steps = []
+for line in open(os.path.join(work, "steps.tsv")):
+    name, rc, seconds, limit, log = line.rstrip("\n").split("\t")
+    path = os.path.join(work, f"{name}.figures.json")
+    try:
+        figures = json.load(open(path))
+    except (OSError, ValueError):
+        figures = {}
+    ran = rc != "not run"
+    steps.append({"name": name, "ok": ran and rc == "0", "ran": ran,
+                  "exit_code": int(rc) if ran else None,
+                  "timed_out": rc in ("124", "137"), "seconds": round(float(seconds or 0), 1),
+                  "limit_s": int(limit), "log": log, "figures": figures})
+try:
+    commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
+                            check=False).stdout.strip() or None
+except OSError:
+    commit = None
+summary = {"ok": all(s["ok"] for s in steps), "date_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ",
+           time.gmtime()), "host": socket.gethostname(), "commit": commit,
+           "seconds": round(sum(s["seconds"] for s in steps), 1), "steps": steps}
+with open(out, "w") as f:
+    json.dump(summary, f, indent=2)
+    f.write("\n")
+print(f"[gpu_check] {'all steps ok' if summary['ok'] else 'FAILED'}; summary: {out}")
+sys.exit(0 if summary["ok"] else 1)
+EOF
+status=$?
+rm -rf "$WORK"
+exit $status
