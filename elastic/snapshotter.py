@@ -40,7 +40,9 @@ world size the ranks read together (``elastic.group_read``): each byte the group
 read and verified by one rank and sent to the others, so a DDP restore reads the state once
 in all, not W times; a failure on any rank fails the read on all. A definitely corrupt snapshot
 is reported by name (``restore_errors``), quarantined by the coordinator, and the previous
-committed one is tried; storage that does not answer fails the restore and touches nothing.
+committed one is tried (a RAM copy that fails its checks is no verdict on the snapshot: its
+files are read from storage first); storage that does not answer fails the restore and
+touches nothing.
 
 Generations: every worker-group attempt writes under its own generation number (rank 0
 starts it at the coordinator in ``restore()``, the others receive it by broadcast), so a
@@ -194,16 +196,14 @@ class Snapshotter:
         # ranks (elastic.group_read); the ranks first agree that every one of them can.
         group = grouped() and dist.get_world_size() == self.world_size
         for step in steps:
-            prepared, verdict, reason = _attempt(functools.partial(self._prepare, step))
-            tensors: dict[str, torch.Tensor] | None = None
-            if group:
-                if agree_max(verdict) == _OK:
-                    assert prepared is not None
-                    tensors, verdict, reason = _attempt(
-                        functools.partial(group_read_tensors, *prepared))
-            elif prepared is not None:
-                tensors, verdict, reason = _attempt(functools.partial(read_tensors, *prepared))
-            verdict = agree_max(verdict)
+            prepared, tensors, verdict, reason = self._read(step, group, ram=True)
+            ram_used = prepared is not None and prepared[2].used_ram
+            if verdict == _CORRUPT and agree_max(int(ram_used)):
+                # A RAM copy is not the snapshot: a bad one (a store's fault) is no verdict
+                # on the files. Read them from storage before judging the snapshot.
+                log.warning("snapshot %d: the RAM copy failed its checks (%s); reading "
+                            "storage", step, reason or "on another rank")
+                prepared, tensors, verdict, reason = self._read(step, group, ram=False)
             if verdict == _UNREACHABLE:
                 raise StorageUnavailableError(
                     f"snapshot {step} of {self.store.run_uri} could not be read"
@@ -231,12 +231,30 @@ class Snapshotter:
                 "moved to quarantine/): " + "; ".join(self.restore_errors))
         return 0
 
-    def _prepare(self, step: int) -> tuple[Manifest, dict[str, Target], ByteSource]:
-        """Snapshot ``step``'s manifest, checked against the registry, and what to read."""
+    def _read(self, step: int, group: bool, *, ram: bool
+              ) -> tuple[tuple[Manifest, dict[str, Target], ByteSource] | None,
+                         dict[str, torch.Tensor] | None, int, str]:
+        """Read and verify ``step`` (with the group when ``group``): what was prepared, the
+        tensors, and the verdict agreed by every rank with this rank's reason."""
+        prepared, verdict, reason = _attempt(functools.partial(self._prepare, step, ram))
+        tensors: dict[str, torch.Tensor] | None = None
+        if group:
+            if agree_max(verdict) == _OK:
+                assert prepared is not None
+                tensors, verdict, reason = _attempt(
+                    functools.partial(group_read_tensors, *prepared))
+        elif prepared is not None:
+            tensors, verdict, reason = _attempt(functools.partial(read_tensors, *prepared))
+        return prepared, tensors, agree_max(verdict), reason
+
+    def _prepare(self, step: int, ram: bool = True
+                 ) -> tuple[Manifest, dict[str, Target], ByteSource]:
+        """Snapshot ``step``'s manifest, checked against the registry, and what to read
+        (from the RAM tier first when ``ram``)."""
         manifest = self._manifest(step)
         templates = self.registry.flatten().tensors
         check_compatible(self.registry, manifest, templates)
-        source = ByteSource(self.store, step, ram=self._ram_reader(step))
+        source = ByteSource(self.store, step, ram=self._ram_reader(step) if ram else None)
         return manifest, plan_targets(manifest, templates), source
 
     def _ram_reader(self, step: int) -> ReadMany | None:

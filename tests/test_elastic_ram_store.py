@@ -288,3 +288,25 @@ def test_a_copy_still_on_its_way_does_not_hold_up_the_commit(tmp_path) -> None:
     assert coord.committed_steps() == [2, 4]
     assert sorted(coord.ram_locations(4).values()) == [["n1"]]  # n1's shard: storage-only
     assert waited and all(t is not None and t > 0.9 * RAM_GRACE_MIN_S for t in waited)
+
+
+def test_a_bad_ram_copy_is_read_again_from_storage_not_quarantined(tmp_path) -> None:
+    run = str(tmp_path / "run")
+    ts = build(seed=5)
+    snap = Snapshotter(run, ts.registry, snapshot_every=2, durable=False)
+    for step in (1, 2):
+        train_step(ts, step)
+        snap.after_step(step)
+        snap.persister.wait()
+    reference = full_state(ts)
+    assert snap.ram_tier is not None
+    store = snap.ram_tier.store_on("local")
+    assert isinstance(store, RamStore)
+    (copy,) = store.files[2].values()
+    copy[-1] ^= 0xFF  # the store's copy goes bad; the file in storage is fine
+    train_step(ts, 3)  # move on, so that the restore has something to undo
+    assert snap.restore() == 2 and snap.restored_from == ("storage", 2)
+    assert snap.restore_errors == [] and SnapshotStore(run).committed_steps() == [2]
+    for key, value in reference.items():
+        assert torch.equal(full_state(ts)[key], value), key
+    snap.close()
