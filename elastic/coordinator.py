@@ -30,6 +30,7 @@ actor; type checkers see it as a ``CoordinatorClient`` through its ``__getattr__
 from __future__ import annotations
 
 import hashlib
+import logging
 import re
 from collections.abc import Callable
 from typing import Any
@@ -50,6 +51,8 @@ from elastic.ram_store import (
     StoreLost,
 )
 from elastic.store import SnapshotStore
+
+log = logging.getLogger("baton.elastic")
 
 NAMESPACE = "baton"
 _HEAD_RESOURCE = "node:__internal_head__"
@@ -211,16 +214,22 @@ def find_ram_store(run_uri: str, node_id: str,
 
 
 def release_ram_stores(run_uri: str, lease_token: str | None = None) -> int:
-    """End this run's stores (their copies are of no use once the fit is over)."""
+    """End this run's stores (their copies are of no use once the fit is over). Cleanup:
+    it never raises (a cluster that is going away takes the stores with it)."""
     prefix = f"{_RAM_PREFIX}{_run_key(run_uri, lease_token)}-"
     ended = 0
-    for actor in ray.util.list_named_actors(all_namespaces=True):
+    try:
+        actors = ray.util.list_named_actors(all_namespaces=True)
+    except Exception as err:  # noqa: BLE001 - housekeeping must not mask the fit's outcome
+        log.warning("could not list the run's RAM stores to end them: %r", err)
+        return 0
+    for actor in actors:
         if actor["namespace"] == NAMESPACE and actor["name"].startswith(prefix):
             try:
                 ray.kill(ray.get_actor(actor["name"], namespace=NAMESPACE))
                 ended += 1
-            except ValueError:
-                continue  # gone meanwhile
+            except Exception:  # noqa: BLE001 - gone meanwhile, or the cluster is going
+                continue
     return ended
 
 
