@@ -43,6 +43,7 @@ def test_overrides_parse_toml_values_and_bare_strings() -> None:
         ("sketch.memory_budget_mib=-1", "sketch.memory_budget_mib"),
         ("sketch.memory_budget_mib=2", "sketch.memory_budget_mib"),  # and sketch.rank > 0
         ("snapshots.snapshot_every=0", "snapshots.snapshot_every"),
+        ("snapshots.ram_replicas=-1", "snapshots.ram_replicas"),
         ("steps=0", "steps"),
     ],
 )
