@@ -27,11 +27,14 @@ outlives the worker that created it; it dies with its node).
 on node ``i`` of the sorted live nodes sends its shard to the stores of nodes ``i+1 ..
 i+replicas`` (never its own node while another exists; on a one-node cluster its own node,
 which does not survive that node's loss). ``RamTier`` is a worker's view of the stores: it
-puts a shard where the ring says (returning the nodes that took it: they go in the receipt,
-and the coordinator keeps only that metadata) and reads ranges from whichever node the
-coordinator says holds a file; a store that is gone (``StoreLost``) or refuses reads as
-"not held", so the reader falls back to storage, never fails. ``in_process_tier`` is the
-tier of a run without Ray: one store, node ``"local"``.
+starts putting a shard where the ring says (``start_put``: the data is taken when the call
+returns, the answer may come later) and tells, within a bounded wait, which nodes took it
+(they go in the receipt, and the coordinator keeps only that metadata; the persister waits
+at most as long again as the durable write took, so the RAM tier never holds up a commit),
+and reads ranges from whichever node the coordinator says holds a file; a store that is
+gone (``StoreLost``) or refuses reads as "not held", so the reader falls back to storage,
+never fails. ``in_process_tier`` is the tier of a run without Ray: one store, node
+``"local"``.
 
 How the bytes travel. Measured on this 2-core machine, a 256 MiB shard from a worker on
 one raylet of a ``ray.cluster_utils.Cluster`` to a store actor on another (best of two;
