@@ -7,11 +7,13 @@ the prepared corpus (the byte-level embedded corpus `benchmarks/sketch_quality.p
 `data_state.prepare_corpus`, 12 MB of Python's standard library, sequences of 256 predicted
 tokens). Its loss is the model's own causal-LM loss (`trainer.hf.causal_lm_loss`).
 
-Variants (`VARIANTS`): exact backprop (the model as `transformers` builds it); exact with
-the SwiGLU MLP recomputed and the RMSNorms fused (exact gradients: the selective-recompute
-baseline at BASIS's memory); BASIS with `include="auto"` and the fusions at R = n/16; BASIS in
-every `nn.Linear` at R = n/16 (the old default, for contrast). Variants whose library pieces
-are missing (the fusions, the auto probe) are skipped with a note.
+Variants (`VARIANTS`), BASIS ones at R = n/16: exact backprop (the model as `transformers`
+builds it); exact with the SwiGLU MLP recomputed and the RMSNorms fused (exact gradients: the
+selective-recompute baseline at BASIS's memory); `include="auto"` (fusions, then the probe's
+choice); the fusions with only the down-projections sketched (the built-in GPT's policy);
+down_proj only without fusions; every `nn.Linear` without fusions (the old default). The
+last two are probed only (memory, time), not trained. Variants whose library pieces are
+missing (the fusions, the auto probe) are skipped with a note.
 
 Measured, the same way as `benchmarks/sketch_memory.py` and `benchmarks/sketch_quality.py`
 (their helpers are imported, not copied):
@@ -140,9 +142,14 @@ VARIANTS = [
     ),
     Variant("auto", 'BASIS R=n/16, include="auto" (fusions + probe)', sketched=True,
             include="auto"),
+    # The built-in GPT's policy carried over: the fusions, and only the down-projections
+    # sketched (the MLP recomputes around them); q/k/v and the LM head stay exact.
+    Variant("fused-down", "BASIS R=n/16, down_proj only + fusions", sketched=True,
+            include=("*down_proj",), fuse=True),
     Variant("down-proj", "BASIS R=n/16, down_proj only, no fusion", sketched=True,
             include=("*down_proj",), train=False),
-    Variant("all-linears", "BASIS R=n/16, every nn.Linear (old default)", sketched=True),
+    Variant("all-linears", "BASIS R=n/16, every nn.Linear, no fusion (old default)",
+            sketched=True, train=False),
 ]
 
 
@@ -401,13 +408,13 @@ def _load(path: Path) -> dict[str, Any]:
 
 
 def run_probes(plan: Plan, variants: list[Variant], *, retime: bool = False) -> dict[str, Any]:
-    """Memory probes of variants not probed yet; then, if any was new (or `retime`), the time
-    probe of all of them together (ratios come from one process)."""
+    """Memory probes of variants not probed yet; then, if any has no step time yet (or
+    `retime`), the time probe of all of them together (ratios come from one process), merged
+    into the saved times of other variants."""
     path = plan.runs / "probe.json"
     probes = _load(path)
-    if retime:
-        probes.pop("time", None)
     memory = probes.setdefault("memory", {})
+    timing = probes.setdefault("time", {})
     todo = [v for v in variants if v.name not in memory]
     with plan.lock():
         for v in todo:
@@ -416,11 +423,11 @@ def run_probes(plan: Plan, variants: list[Variant], *, retime: bool = False) -> 
                                         exact_rss=True)
             print(f"memory {v.name}: {memory[v.name]}", flush=True)
             path.write_text(json.dumps(probes, indent=1))
-        if todo or set(probes.get("time", {})) != {v.name for v in variants}:
+        if retime or any(v.name not in timing for v in variants):
             payload = plan.payload(variants=[dataclasses.asdict(v) for v in variants])
-            probes["time"] = plan.child("--child-time", payload, exact_rss=False)
+            timing.update(plan.child("--child-time", payload, exact_rss=False))
             probes["time_rounds"] = plan.size.time_rounds
-            print(f"time: {probes['time']}", flush=True)
+            print(f"time: {timing}", flush=True)
             path.write_text(json.dumps(probes, indent=1))
     return probes
 
