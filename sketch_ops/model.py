@@ -21,7 +21,8 @@ Contract:
   `nn.MultiheadAttention.out_proj`) are left alone.
 - `auto_plan(model, probe_batch, *, rank, loss_fn=None, estimator="centered")` patches the
   model's structures in place (`fuse_swiglu_mlps`: a Llama-style gate/up/down MLP becomes one
-  recomputing function; `fuse_rms_norms`: an RMSNorm fused into the linears it feeds; both
+  recomputing function; `fuse_rms_norms`: an RMSNorm that keeps only its input and the per-row 1/rms, so
+  once the linears it feeds are sketched its output is kept by nobody; both
   matched by structure, values and gradients unchanged), then returns `probe.plan_sketch`'s
   `AutoPlan` with the patched module names in `plan.fused`.
 
