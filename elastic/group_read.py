@@ -35,8 +35,9 @@ each byte of the snapshot that it needs once in all:
   reads from that file (at most W × the headers).
 * Agreement: a failure (checksum, missing file, storage) on one rank fails the read on every
   rank at the same point — before the exchange, and before each round — with the failing
-  rank's own error there and a ``SnapshotIntegrityError`` / ``StorageUnavailableError`` /
-  ``RuntimeError`` saying another rank failed elsewhere; nothing is loaded, so the caller
+  rank's own error there and, on the others, a ``SnapshotIntegrityError`` /
+  ``StorageUnavailableError`` / ``RuntimeError`` naming the failing rank and repeating its
+  message (as UTF-8 bytes sent as integers); nothing is loaded, so the caller
   (``Snapshotter.restore``) moves on to the previous snapshot on every rank together.
   Everything is verified before it is sent: a rank only receives bytes whose owner checked
   their crc32. Only integers and raw tensor bytes cross the process group; nothing is pickled.
@@ -77,6 +78,8 @@ IN_PLACE_MIN_BYTES = 1 << 20
 # when a checksum block is, is a round of its own): it bounds the exchange buffer.
 ROUND_BYTES = 64 << 20
 
+# A failing rank's message, as far as the others repeat it.
+_MESSAGE_BYTES = 500
 # Failure codes agreed across ranks (the maximum wins), as Snapshotter.restore ranks them.
 _OK, _CORRUPT, _UNREACHABLE, _OTHER = 0, 1, 2, 3
 
@@ -109,17 +112,22 @@ def _failure_code(err: BaseException) -> int:
 
 
 def _settle(err: Exception | None, step: int, what: str) -> None:
-    """Every rank learns whether any rank failed ``what``; all raise together if one did."""
+    """Every rank learns whether any rank failed ``what``; all raise together if one did,
+    the others naming the first failing rank and its message (so whichever rank reports
+    the snapshot as unusable gives the real reason)."""
     worst = agree_max(_OK if err is None else _failure_code(err))
+    if worst == _OK:
+        return
+    said = all_gather_ints(list(str(err).encode()[:_MESSAGE_BYTES]) if err is not None else [])
     if err is not None:
         raise err
-    where = f"{snapshot_label(step)}: another rank failed while {what}"
+    rank, message = next((r, bytes(m).decode(errors="replace")) for r, m in enumerate(said) if m)
+    where = f"{snapshot_label(step)}: rank {rank} failed while {what}: {message}"
     if worst == _CORRUPT:
-        raise SnapshotIntegrityError(f"{where} (corrupt or missing data)")
+        raise SnapshotIntegrityError(where)
     if worst == _UNREACHABLE:
-        raise StorageUnavailableError(f"{where} (storage did not answer)")
-    if worst == _OTHER:
-        raise RuntimeError(f"{where}; see that rank's log")
+        raise StorageUnavailableError(where)
+    raise RuntimeError(where)
 
 
 def group_read_tensors(manifest: Manifest, targets: dict[str, Target],
@@ -138,8 +146,8 @@ def group_read_tensors(manifest: Manifest, targets: dict[str, Target],
     _settle(err, step, "planning its reads")
 
     chunks = _chunks(manifest)
-    index = {(c.file, c.byte_range[0]): i for i, (_, c) in enumerate(chunks)}
-    direct = {index[(p.op.chunk.file, p.op.chunk.byte_range[0])]: p for p in placed if p.direct}
+    index = {id(c): i for i, (_, c) in enumerate(chunks)}  # the manifest's own records
+    direct = {index[id(p.op.chunk)]: p for p in placed if p.direct}
     alone = [p for p in placed if not p.direct]
     wants = all_gather_ints([x for i, p in sorted(direct.items())
                              for x in (i, p.op.start, p.op.end, p.op.need0, p.op.need1)])
