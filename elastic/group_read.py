@@ -24,8 +24,9 @@ each byte of the snapshot that it needs once in all:
   through a device buffer of the piece's size). The other shared pieces (small ones, and
   the partly used blocks at the edges of sharded rows) are exchanged in rounds of at most
   ``ROUND_BYTES``: the owners read and verify their pieces of the round into one round
-  buffer (on ``group_device``: CPU for gloo, CUDA for NCCL), each owner broadcasts its part,
-  and every rank that needs a piece copies its bytes into its tensor. Memory beyond the
+  buffer (on ``group_device``: CPU for gloo, CUDA for NCCL), each owner broadcasts the
+  pieces every rank needs and sends the others (point to point) to the ranks that need
+  them, and every rank that needs a piece copies its bytes into its tensor. Memory beyond the
   state: a round buffer or one piece (and, for NCCL, a CPU staging buffer of the same
   size) besides ``read_placed``'s staging buffers.
 * Ops whose bytes do not land contiguously in the target (a resharded rectangle that needs
@@ -259,8 +260,11 @@ def _exchange(batch: list[_Piece], chunks: list[tuple[str, ChunkRecord]],
               direct: dict[int, Placed], rank: int, source: ByteSource,
               manifest: Manifest) -> None:
     """One round: owners read and verify their pieces, all agree, each owner broadcasts its
-    part of the round buffer, and every rank that needs a piece copies it into its tensor."""
-    batch = sorted(batch, key=lambda p: p.owner)  # each owner's pieces are one broadcast
+    pieces that every rank needs and sends the others to the ranks that need them, and every
+    rank that needs a piece copies it into its tensor."""
+    # Pieces every rank needs first, by owner (each owner's are one broadcast); then the rest.
+    world = dist.get_world_size()
+    batch = sorted(batch, key=lambda p: (len(p.needers) != world, p.owner))
     offsets, total = [], 0
     for piece in batch:
         offsets.append(total)
@@ -285,14 +289,26 @@ def _exchange(batch: list[_Piece], chunks: list[tuple[str, ChunkRecord]],
         err = caught
     _settle(err, manifest.step, "reading the blocks it shares")
     buffer = host if device.type == "cpu" else host.to(device)
+    everyone = sum(1 for piece in batch if len(piece.needers) == world)
     i = 0
-    while i < len(batch):  # one broadcast per owner, of its consecutive pieces
+    while i < everyone:  # one broadcast per owner, of its consecutive pieces
         j = i
-        while j < len(batch) and batch[j].owner == batch[i].owner:
+        while j < everyone and batch[j].owner == batch[i].owner:
             j += 1
         end = offsets[j - 1] + batch[j - 1].end - batch[j - 1].start
         dist.broadcast(buffer[offsets[i]: end], src=batch[i].owner)
         i = j
+    # Pieces only some ranks need (the edges of sharded rows) go from owner to needers only.
+    p2p = []
+    for tag in range(everyone, len(batch)):
+        piece, off = batch[tag], offsets[tag]
+        part = buffer[off: off + piece.end - piece.start]
+        if rank == piece.owner:
+            p2p += [dist.P2POp(dist.isend, part, r, tag=tag) for r in piece.needers if r != rank]
+        elif rank in piece.needers:
+            p2p.append(dist.P2POp(dist.irecv, part, piece.owner, tag=tag))
+    for work in dist.batch_isend_irecv(p2p) if p2p else []:
+        work.wait()
     if buffer is not host:
         host.copy_(buffer)
     for piece, off in zip(batch, offsets, strict=True):
