@@ -58,9 +58,10 @@ import tempfile
 import time
 import uuid
 from collections.abc import Callable, Iterator
+from concurrent.futures import Future
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.distributed.checkpoint as dcp
@@ -137,7 +138,8 @@ def dcp_save(model: GPT, optim: torch.optim.Optimizer, directory: str,
     until its future is done (written and fsynced)."""
     start = time.perf_counter()
     msd, osd = get_state_dict(model, optim)
-    future = dcp.async_save({"model": msd, "optim": osd}, checkpoint_id=directory)
+    future = cast("Future[Any]", dcp.async_save({"model": msd, "optim": osd},
+                                               checkpoint_id=directory))
     rows["dcp_return"].append(time.perf_counter() - start)
     future.result()
     rows["dcp_done"].append(time.perf_counter() - start)
@@ -309,8 +311,10 @@ def measure_s3(size: float, rounds: int) -> dict[str, Any]:
             key = f"torch/state-{step}.pt"
 
             def baton_save(step: int = step) -> float:
-                return timed(lambda: (snap.after_step(step, force=True),
-                                      snap.persister.wait()))
+                def save() -> None:
+                    snap.after_step(step, force=True)
+                    snap.persister.wait()
+                return timed(save)
 
             def baseline_save(key: str = key) -> float:
                 def save() -> None:
