@@ -17,18 +17,19 @@ missing (the fusions, the auto probe) are skipped with a note.
 
 Measured, the same way as `benchmarks/sketch_memory.py` and `benchmarks/sketch_quality.py`
 (their helpers are imported, not copied):
-- memory, one microbatch of 16 × 256 = 4 096 predicted tokens (n = 4 096, R = 256), each
-  variant in a fresh single-thread process with glibc returning freed memory at once: bytes
-  autograd saves for backward (`sketch_ops.memory.saved_bytes`, parameters excluded) and the
-  step's peak resident set (VmHWM after resetting it) above the resting process, both as
-  ratios to exact backprop;
+- memory, one microbatch of 16 × 256 = 4 096 predicted tokens (n = 4 112 rows with the
+  last position, R = n/16 = 257), each variant in a fresh single-thread process with glibc
+  returning freed memory at once: bytes autograd saves for backward
+  (`sketch_ops.memory.saved_bytes`, parameters excluded) and the step's peak resident set
+  (VmHWM after resetting it) above the resting process, both as ratios to exact backprop;
 - step time: every variant built in one single-thread process, one step of each per round in
   rotating order, CPU time of the compute thread; the ratio to exact in the same round, median
   and range over the rounds;
 - quality: equal steps, 3 seeds (model init, data order and sketches follow the seed), final
   validation loss over a fixed held-out set, mean ± std, difference to exact. On this 2-core
-  machine a 4 096-token step takes ~2 s on one thread, so the training runs use microbatches
-  of 4 × 256 = 1 024 tokens (n = 1 024, R = n/16 = 64); memory and time stay at 4 096.
+  machine a 4 096-token step takes ~1.3 s of CPU on one thread, so the training runs use
+  microbatches of 4 × 256 = 1 024 tokens (n = 1 028, R = n/16 = 64); memory and time stay
+  at 4 096.
 
 Resumable: probes and each (variant, seed) run are JSON files under
 benchmarks/results/sketch_llama/ and are not redone; runs hold `/tmp/baton_cpu.lock`
