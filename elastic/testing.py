@@ -136,8 +136,17 @@ def run_group(fn: Callable[..., None], world_size: int, *args: Any, tmp_dir: str
     import torch.multiprocessing as mp
 
     init_file = os.path.join(tmp_dir, f"pg-{uuid.uuid4().hex}")
+    # The children inherit the environment; set one thread for them only and put the
+    # caller's value back, so later tests in this process compute as they would alone.
+    previous = os.environ.get("OMP_NUM_THREADS")
     os.environ.setdefault("OMP_NUM_THREADS", "1")
-    mp.spawn(_entry, args=(world_size, init_file, fn, args), nprocs=world_size, join=True)
+    try:
+        mp.spawn(_entry, args=(world_size, init_file, fn, args), nprocs=world_size, join=True)
+    finally:
+        if previous is None:
+            os.environ.pop("OMP_NUM_THREADS", None)
+        else:
+            os.environ["OMP_NUM_THREADS"] = previous
 
 
 class SnapshotWorker:

@@ -21,9 +21,9 @@ Contract:
   `nn.MultiheadAttention.out_proj`) are left alone.
 - `auto_plan(model, probe_batch, *, rank, loss_fn=None, estimator="centered")` patches the
   model's structures in place (`fuse_swiglu_mlps`: a Llama-style gate/up/down MLP becomes one
-  recomputing function; `fuse_rms_norms`: an RMSNorm that keeps only its input and the per-row 1/rms, so
-  once the linears it feeds are sketched its output is kept by nobody; both
-  matched by structure, values and gradients unchanged), then returns `probe.plan_sketch`'s
+  recomputing function; `fuse_rms_norms`: an RMSNorm that keeps only its input and the
+  per-row 1/rms, so once the linears it feeds are sketched its output is kept by nobody;
+  both matched by structure, values and gradients unchanged), then returns `probe.plan_sketch`'s
   `AutoPlan` with the patched module names in `plan.fused`.
 
 Call `sketch_model` before wrapping the model in DDP/FSDP, so names have no wrapper prefix.
