@@ -28,13 +28,19 @@ from __future__ import annotations
 import json
 import re
 import struct
-import zlib
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import torch
 
 from elastic.errors import ManifestError, SnapshotIntegrityError
+
+try:  # zlib-ng's crc32 is zlib's CRC-32, bit for bit, ~6x faster (carry-less multiply SIMD):
+    # restore verifies every byte it reads, and at zlib's ~4 GB/s that alone is a third of
+    # torch.load's time for the same state. Same values either way: the format does not change.
+    from zlib_ng.zlib_ng import crc32
+except ImportError:  # pragma: no cover - a platform without a zlib-ng wheel
+    from zlib import crc32
 
 FORMAT_NAME = "baton-snapshot"
 FORMAT_VERSION = 1
@@ -121,7 +127,7 @@ def crc32_blocks(data: memoryview | bytes, block_bytes: int) -> list[int]:
     view = memoryview(data)
     if len(view) == 0:
         return [0]
-    return [zlib.crc32(view[i : i + block_bytes]) for i in range(0, len(view), block_bytes)]
+    return [crc32(view[i : i + block_bytes]) for i in range(0, len(view), block_bytes)]
 
 
 def block_count(nbytes: int, block_bytes: int) -> int:

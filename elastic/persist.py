@@ -97,7 +97,7 @@ class Persister:
         try:
             self.faults.hit(cap.rank, cap.step, "persist_begin")
             # The checksums are computed once, from the image, on a second thread while this
-            # one sends and writes it (zlib and file writes release the GIL): the crc work
+            # one sends and writes it (crc32 and file writes release the GIL): the crc work
             # hides behind the disk.
             checksums = self._crc_pool.submit(cap.image.chunk_records, file, self.block_bytes)
             # The image's memory itself: a store keeps a copy of its own (module docstring).
