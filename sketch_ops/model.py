@@ -16,15 +16,18 @@ Contract:
   callable `(name, module) -> bool`; or `"auto"`, which needs `probe_batch=` (one microbatch
   of the model's input; `loss_fn=(model, batch) -> loss`, default the sum of the output):
   `auto_plan` applies the structural fusions and probes one step, and only the layers whose
-  sketch frees memory are swapped. Only modules whose type is exactly `nn.Linear` are
-  candidates: already-sketched layers and subclasses (which may not call `forward`, e.g.
-  `nn.MultiheadAttention.out_proj`) are left alone.
-- `auto_plan(model, probe_batch, *, rank, loss_fn=None, estimator="centered")` patches the
-  model's structures in place (`fuse_swiglu_mlps`: a Llama-style gate/up/down MLP becomes one
-  recomputing function; `fuse_rms_norms`: an RMSNorm that keeps only its input and the
-  per-row 1/rms, so once the linears it feeds are sketched its output is kept by nobody;
-  both matched by structure, values and gradients unchanged), then returns `probe.plan_sketch`'s
-  `AutoPlan` with the patched module names in `plan.fused`.
+  sketch frees memory — at least `min_saving` (default `probe.MIN_SAVING`, 0.10) of the
+  step's activation bytes per class of layers, e.g. every block's q/k/v — are swapped. Only
+  modules whose type is exactly `nn.Linear` are candidates: already-sketched layers and
+  subclasses (which may not call `forward`, e.g. `nn.MultiheadAttention.out_proj`) are left
+  alone.
+- `auto_plan(model, probe_batch, *, rank, loss_fn=None, estimator="centered",
+  min_saving=MIN_SAVING)` patches the model's structures in place (`fuse_swiglu_mlps`: a
+  Llama-style gate/up/down MLP becomes one recomputing function; `fuse_rms_norms`: an RMSNorm
+  that keeps only its input and the per-row 1/rms, so once the linears it feeds are sketched
+  its output is kept by nobody; both matched by structure, values and gradients unchanged),
+  then returns `probe.plan_sketch`'s `AutoPlan` with the patched module names in
+  `plan.fused`.
 
 Call `sketch_model` before wrapping the model in DDP/FSDP, so names have no wrapper prefix.
 Why this is not in `layer.py`: the fusions build on `SketchedLinear`, and "auto" builds on
@@ -41,7 +44,7 @@ from torch import nn
 from .function import check_estimator, check_rank
 from .layer import SketchedLinear
 from .policy import AUTO, Include, ranks_for_budget, selector
-from .probe import AutoPlan, LossFn, plan_sketch
+from .probe import MIN_SAVING, AutoPlan, LossFn, plan_sketch
 from .rms_norm import fuse_rms_norms
 from .swiglu import fuse_swiglu_mlps
 
@@ -58,10 +61,12 @@ def auto_plan(
     rank: int | Mapping[str, int],
     loss_fn: LossFn | None = None,
     estimator: str = "centered",
+    min_saving: float = MIN_SAVING,
 ) -> AutoPlan:
     """Fuse the model's structures in place, then probe which layers to sketch."""
     fused = fuse_structures(model)
-    plan = plan_sketch(model, probe_batch, rank=rank, loss_fn=loss_fn, estimator=estimator)
+    plan = plan_sketch(model, probe_batch, rank=rank, loss_fn=loss_fn, estimator=estimator,
+                       min_saving=min_saving)
     plan.fused = fused
     return plan
 
@@ -76,11 +81,13 @@ def sketch_model(
     rows: int | None = None,
     probe_batch: Any = None,
     loss_fn: LossFn | None = None,
+    min_saving: float = MIN_SAVING,
 ) -> list[str]:
     """Swap the selected `nn.Linear`s of `model` for `SketchedLinear`s; return their names.
 
     Give either `rank` or `memory_budget` (bytes of sketches per microbatch of `rows` rows,
-    shared out by `policy.ranks_for_budget`). `include="auto"` needs `probe_batch`."""
+    shared out by `policy.ranks_for_budget`). `include="auto"` needs `probe_batch`;
+    `min_saving` is its threshold (read only by "auto")."""
     check_estimator(estimator)
     if (rank is None) == (memory_budget is None):
         raise ValueError("sketch_model: give exactly one of rank= and memory_budget=")
@@ -92,7 +99,8 @@ def sketch_model(
             )
         # Under a memory budget the ranks come after the choice: price each sketch at R = 1.
         include = auto_plan(model, probe_batch, rank=1 if rank is None else rank,
-                            loss_fn=loss_fn, estimator=estimator).include
+                            loss_fn=loss_fn, estimator=estimator,
+                            min_saving=min_saving).include
     if memory_budget is not None:
         if rows is None:
             raise ValueError(

@@ -16,7 +16,7 @@ from sketch_ops import SketchedLinear, sketch_model, sketch_seed
 from sketch_ops.memory import saved_bytes
 from sketch_ops.model import auto_plan
 from sketch_ops.policy import selector
-from sketch_ops.probe import plan_sketch
+from sketch_ops.probe import MIN_SAVING, plan_sketch
 from tests.inprocess_fit import baton
 from trainer.config import ConfigError, ModelConfig, SketchConfig, load_recipe
 from trainer.loop import build_model
@@ -77,7 +77,7 @@ def _by_leaf(plan) -> dict[str, set[str]]:
     return kinds
 
 
-def test_auto_plan_on_a_llama_sketches_exactly_what_frees_memory() -> None:
+def test_auto_plan_on_a_llama_sketches_the_down_projections_and_what_pays() -> None:
     model, tokens = _llama(), _tokens()
     exact = _measure(model, tokens)
     plan = auto_plan(model, tokens, rank=RANK, loss_fn=_llama_loss)
@@ -87,15 +87,40 @@ def test_auto_plan_on_a_llama_sketches_exactly_what_frees_memory() -> None:
     # The fused SwiGLU MLP recomputes from its input once down_proj is sketched: gate and up
     # are exact for free.
     assert kinds["mlp.gate_proj"] == kinds["mlp.up_proj"] == {"recomputed"}
+    # q/k/v's and the LM head's inputs (the fused norms' outputs) are kept for their weight
+    # gradients alone, but each class frees a few % of the step's bytes: under MIN_SAVING.
+    for leaf in ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "lm_head"):
+        assert kinds[leaf] == {"keep"}, leaf
+    reasons = {layer.reason for layer in plan.layers if layer.name.endswith(("q_proj", "lm_head"))}
+    assert all("under min_saving 0.1" in reason for reason in reasons), reasons
+    assert plan.fused  # the SwiGLU MLPs and RMSNorms were fused before the probe
+    down = [layer for layer in plan.layers if layer.decision == "sketch"]
+    assert sum(layer.freed_bytes for layer in down) >= MIN_SAVING * plan.exact_bytes
+
+    planned = _measure(_sketched(model, plan.sketched), tokens)
+    assert planned < 0.55 * exact
+    assert abs(planned / plan.predicted_bytes - 1) < 0.02  # the prediction holds
+
+
+def test_auto_plan_without_threshold_sketches_exactly_what_frees_memory() -> None:
+    model, tokens = _llama(), _tokens()
+    plan = auto_plan(model, tokens, rank=RANK, loss_fn=_llama_loss, min_saving=0.0)
+    kinds = _by_leaf(plan)
     # The fused RMSNorm keeps its own input; its output is kept only for q/k/v's weight
     # gradients (and the final norm's for the LM head's): sketching them frees it.
-    for leaf in ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "lm_head"):
+    for leaf in ("mlp.down_proj", "self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj",
+                 "lm_head"):
         assert kinds[leaf] == {"sketch"}, leaf
-    assert plan.fused  # the SwiGLU MLPs and RMSNorms were fused before the probe
+    assert kinds["mlp.gate_proj"] == kinds["mlp.up_proj"] == {"recomputed"}
+    # Each kind's share is what the default threshold compares: q/k/v and the LM head under it.
+    share = {kind: sum(layer.freed_bytes for layer in plan.layers if layer.name.endswith(kind))
+             / plan.exact_bytes for kind in ("down_proj", "q_proj", "k_proj", "v_proj", "lm_head")}
+    assert share["down_proj"] > MIN_SAVING, share
+    assert 0 < share["q_proj"] + share["k_proj"] + share["v_proj"] < MIN_SAVING, share
+    assert 0 < share["lm_head"] < MIN_SAVING, share
 
     chosen = plan.sketched
     planned = _measure(_sketched(model, chosen), tokens)
-    assert planned < 0.55 * exact
     assert abs(planned / plan.predicted_bytes - 1) < 0.02  # the prediction holds
     # Each chosen kind really frees memory: leaving it exact costs more bytes ...
     for kind in {re.sub(r"\.\d+\.", ".#.", n) for n in chosen}:
@@ -105,6 +130,12 @@ def test_auto_plan_on_a_llama_sketches_exactly_what_frees_memory() -> None:
     for leaf in ("self_attn.o_proj", "mlp.gate_proj"):
         more = chosen + [n for n in (layer.name for layer in plan.layers) if n.endswith(leaf)]
         assert _measure(_sketched(model, more), tokens) >= planned, leaf
+
+
+def test_min_saving_out_of_range_is_one_value_error() -> None:
+    for bad in (-0.1, 1.0, True, "0.1"):
+        with pytest.raises(ValueError, match=r"min_saving must be a share .* in \[0, 1\)"):
+            plan_sketch(nn.Linear(2, 2), torch.zeros(1, 2), rank=1, min_saving=bad)
 
 
 def test_auto_plan_on_the_builtin_gpt_is_its_default_policy() -> None:
