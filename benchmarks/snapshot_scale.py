@@ -71,7 +71,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from elastic.registry import StateRegistry  # noqa: E402
-from elastic.restore import ByteSource, plan_targets, read_tensors  # noqa: E402
+from elastic.restore import ByteSource, check_compatible, plan_targets, read_tensors  # noqa: E402
 from elastic.snapshotter import Snapshotter  # noqa: E402
 from elastic.store import SnapshotStore  # noqa: E402
 from trainer.config import ModelConfig  # noqa: E402
@@ -150,9 +150,11 @@ def baton_restore(registry: StateRegistry, store: SnapshotStore, step: int,
     """Snapshotter.restore's data path, without its coordinator bookkeeping; True if every
     byte came from RAM."""
     manifest = store.load_manifest(step)
+    live = registry.flatten()
+    check_compatible(registry, manifest, live.tensors, live.skeletons)
     source = ByteSource(store, step, ram=ram)
-    tensors = read_tensors(manifest, plan_targets(manifest, registry.flatten().tensors), source)
-    registry.load(tensors, manifest.state)
+    tensors = read_tensors(manifest, plan_targets(manifest, live.tensors), source)
+    registry.load(tensors, manifest.state, checked=True)
     return source.used_ram and not source.used_storage
 
 

@@ -202,10 +202,13 @@ class StateRegistry:
         return FlatState(tensors=tensors, skeletons=skeletons)
 
     def load(self, tensors: Mapping[str, torch.Tensor], skeletons: Mapping[str, Any],
-             where: str = "snapshot") -> None:
+             where: str = "snapshot", *, checked: bool = False) -> None:
         """Load every component from ``skeletons`` (tensors resolved from ``tensors``), after
-        checking all of them: nothing is loaded unless everything fits."""
-        self.check_state(skeletons, where)
+        checking all of them: nothing is loaded unless everything fits. ``checked``: the
+        caller ran ``check_state(skeletons)`` itself and nothing changed the registry since
+        (a restore checks before it reads; checking again would flatten the state again)."""
+        if not checked:
+            self.check_state(skeletons, where)
         present = [key for key in self._components if key in skeletons]  # optional: absent
         for key in present:
             for path, name in _tensor_refs(skeletons[key], key):
@@ -215,16 +218,20 @@ class StateRegistry:
         for key in present:
             self._components[key].load_state_dict(decode_tree(skeletons[key], tensors))
 
-    def check_state(self, skeletons: Mapping[str, Any], where: str = "snapshot") -> None:
+    def check_state(self, skeletons: Mapping[str, Any], where: str = "snapshot",
+                    live: Mapping[str, Any] | None = None) -> None:
         """Raise unless each component's snapshot skeleton fits its live state (see the
-        module contract); ``where`` names the snapshot in the message."""
+        module contract); ``where`` names the snapshot in the message. ``live``: the
+        registry's own skeletons when the caller has just flattened it (``flatten()``
+        calls every component's state_dict, DCP's included: tens of ms per call)."""
         missing = [k for k in self._components if k not in skeletons and k not in self._optional]
         if missing:
             raise SnapshotMismatchError(
                 f"{where} has no state for registered component(s) {missing}; it was saved "
                 f"with components {sorted(skeletons)}"
             )
-        live = self.flatten().skeletons
+        if live is None:
+            live = self.flatten().skeletons
         for key, comp in self._components.items():
             if key not in skeletons:
                 continue  # optional, and not in this snapshot

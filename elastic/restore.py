@@ -163,9 +163,11 @@ class ByteSource:
 
 
 def check_compatible(registry: StateRegistry, manifest: Manifest,
-                     templates: dict[str, torch.Tensor]) -> None:
+                     templates: dict[str, torch.Tensor],
+                     live_skeletons: dict[str, Any] | None = None) -> None:
     """The snapshot holds the registered model (``SnapshotMismatchError``) and its JSON state
-    fits every live component (``ManifestError``); nothing is read or loaded."""
+    fits every live component (``ManifestError``); nothing is read or loaded. ``templates``
+    (and ``live_skeletons``, when given) are the registry's ``flatten()``."""
     model_keys = registry.module_keys()
     missing = sorted(k for k in templates if k not in manifest.tensors)
     unexpected = sorted(k for k in manifest.tensors if k not in templates
@@ -179,7 +181,7 @@ def check_compatible(registry: StateRegistry, manifest: Manifest,
             f"missing {missing}, unexpected {unexpected}, "
             f"shape-mismatched (saved, expected) {mismatched}"
         )
-    registry.check_state(manifest.state, _snap(manifest.step))
+    registry.check_state(manifest.state, _snap(manifest.step), live=live_skeletons)
 
 
 def plan_targets(manifest: Manifest, templates: dict[str, torch.Tensor]) -> dict[str, Target]:

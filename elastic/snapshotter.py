@@ -220,7 +220,8 @@ class Snapshotter:
             manifest, _, source = prepared
             # "ram" when no rank of the group read storage and some rank read RAM.
             tier = agree_max(2 if source.used_storage else 1 if source.used_ram else 0)
-            self.registry.load(tensors, manifest.state)
+            # _prepare checked the state against the registry, which nothing has changed.
+            self.registry.load(tensors, manifest.state, checked=True)
             self.restored_from = ("ram" if tier == 1 else "storage", step)
             self.restored_world_size = manifest.world_size
             self.coordinator.rewind(step)
@@ -252,10 +253,10 @@ class Snapshotter:
         """Snapshot ``step``'s manifest, checked against the registry, and what to read
         (from the RAM tier first when ``ram``)."""
         manifest = self._manifest(step)
-        templates = self.registry.flatten().tensors
-        check_compatible(self.registry, manifest, templates)
+        live = self.registry.flatten()
+        check_compatible(self.registry, manifest, live.tensors, live.skeletons)
         source = ByteSource(self.store, step, ram=self._ram_reader(step) if ram else None)
-        return manifest, plan_targets(manifest, templates), source
+        return manifest, plan_targets(manifest, live.tensors), source
 
     def _ram_reader(self, step: int) -> ReadMany | None:
         """Reads of ``step`` from the RAM stores the coordinator says hold its files."""
