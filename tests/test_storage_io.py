@@ -31,6 +31,8 @@ from elastic.storage_io import (
 from elastic.store import SnapshotStore
 
 ROOT = Path(__file__).resolve().parents[1]
+# The storage layer: the only modules that import fsspec (see elastic/storage_io.py).
+LAYER_FILES = {"elastic/storage_io.py", "elastic/s3_files.py", "elastic/local_files.py"}
 DATA = bytes(range(256)) * 64  # 16 KiB, every byte value
 
 
@@ -144,13 +146,13 @@ def test_a_crash_before_the_rename_leaves_the_old_file_whole(tmp_path: Path, pha
 
 def test_write_is_fsynced_before_the_rename(tmp_path: Path,
                                             monkeypatch: pytest.MonkeyPatch) -> None:
-    import elastic.storage_io as storage_io
+    import elastic.local_files as local_files
 
     events: list[str] = []
     real_fsync, real_replace = os.fsync, os.replace
-    monkeypatch.setattr(storage_io.os, "fsync",
+    monkeypatch.setattr(local_files.os, "fsync",
                         lambda fd: (events.append("fsync"), real_fsync(fd))[1])
-    monkeypatch.setattr(storage_io.os, "replace",
+    monkeypatch.setattr(local_files.os, "replace",
                         lambda a, b: (events.append("rename"), real_replace(a, b))[1])
     Storage(str(tmp_path)).write_file(str(tmp_path / "f"), b"x")
     assert events == ["fsync", "rename", "fsync"]  # file, rename, then its directory
@@ -263,7 +265,7 @@ def test_only_the_storage_layer_imports_fsspec_or_s3fs() -> None:
     offenders = []
     for package in ("trainer", "elastic", "sketch_ops", "data_state"):
         for path in sorted((ROOT / package).rglob("*.py")):
-            if path == ROOT / "elastic" / "storage_io.py":
+            if path.relative_to(ROOT).as_posix() in LAYER_FILES:
                 continue
             bare = {n for n in _imported_modules(path) if n.split(".")[0] in ("fsspec", "s3fs")}
             if bare:
@@ -272,18 +274,23 @@ def test_only_the_storage_layer_imports_fsspec_or_s3fs() -> None:
 
 
 def test_the_storage_layer_is_a_leaf() -> None:
-    """storage_io imports from Baton only elastic.errors, elastic.retry and
-    elastic.s3_multipart, which import no other Baton module but elastic.errors; data_state
-    imports nothing from elastic but the layer; importing the layer loads neither torch nor
-    Ray."""
+    """The layer's modules import from Baton only each other, elastic.errors, elastic.retry
+    and elastic.s3_multipart, which import no other Baton module but elastic.errors;
+    data_state imports nothing from elastic but the layer's interface (storage_io);
+    importing the layer loads neither torch nor Ray."""
     baton = ("trainer", "elastic", "sketch_ops", "data_state")
 
     def baton_imports(path: Path) -> set[str]:
         return {n for n in _imported_modules(path) if n.split(".")[0] in baton}
 
     leaf = ROOT / "elastic"
-    assert baton_imports(leaf / "storage_io.py") == {"elastic.errors", "elastic.retry",
-                                                     "elastic.s3_multipart"}
+    assert baton_imports(leaf / "storage_io.py") == {
+        "elastic.byte_ranges", "elastic.local_files", "elastic.s3_files",
+        "elastic.s3_multipart"}
+    assert baton_imports(leaf / "s3_files.py") == {"elastic.byte_ranges", "elastic.retry",
+                                                   "elastic.s3_multipart"}
+    assert baton_imports(leaf / "local_files.py") == {"elastic.byte_ranges"}
+    assert baton_imports(leaf / "byte_ranges.py") == {"elastic.errors", "elastic.retry"}
     assert baton_imports(leaf / "s3_multipart.py") == set()
     assert baton_imports(leaf / "retry.py") == {"elastic.errors"}
     assert baton_imports(leaf / "errors.py") == set()

@@ -1,0 +1,191 @@
+"""Local files for the storage layer (``elastic.storage_io``): plain calls, atomic writes.
+
+Contract
+--------
+``LocalFiles`` does for paths of the local filesystem what ``elastic.s3_files.S3Files`` does
+for S3 objects (same method names; ``Storage`` picks one by its URI and counts the bytes).
+Local calls run once: no deadline, no retries.
+
+* Exact reads: ``read_range`` returns exactly ``end - start`` bytes or raises
+  (``elastic.byte_ranges.short_read``: truncated, definite). ``read_into`` fills caller-owned
+  buffers with ``preadv``, straight into them (no intermediate copy).
+* Atomic writes: ``write`` puts the bytes in ``NAME.tmp-*`` in the same directory, fsyncs
+  it, renames it over ``NAME`` and fsyncs the directory (``durable=False`` skips both fsyncs);
+  a crash leaves at most a temporary file, never a partial ``NAME``. ``mid_write`` (fault
+  injection) runs after half the bytes went to the temporary file. ``exclusive`` creates
+  only: ``os.link(tmp, NAME)`` (atomic, an existing file untouched: ``FileExistsError``), or
+  ``O_EXCL`` on a filesystem without hard links (there a reader may briefly see a partial
+  file). The memory given is written as is (a tensor's memoryview: no copy).
+* ``fsync_dir(directory)`` makes a rename durable (filesystems that refuse are ignored).
+
+Imports: the standard library, fsspec's local filesystem (recursive listing, removal, copy)
+and ``elastic.byte_ranges``.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import uuid
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import fsspec
+
+from elastic.byte_ranges import short_read
+
+_NO_HARD_LINKS = (errno.EPERM, errno.ENOTSUP, errno.EOPNOTSUPP)
+
+
+class LocalFiles:
+    """Paths of the local filesystem; see the module contract."""
+
+    def __init__(self, options: dict[str, Any]) -> None:
+        self.fs: Any = fsspec.filesystem("file", **options)
+
+    # ------------------------------------------------------------------ reads
+
+    def read_file(self, path: str) -> bytes:
+        with open(path, "rb") as fh:
+            return fh.read()
+
+    def read_range(self, path: str, start: int, end: int) -> bytes:
+        with open(path, "rb") as fh:
+            fh.seek(start)
+            data = fh.read(end - start)
+        if len(data) != end - start:
+            short_read(path, start, end, len(data), os.path.getsize(path))
+        return data
+
+    def read_into(self, path: str, reads: Sequence[tuple[int, Sequence[memoryview]]],
+                  counted: Callable[[int], None]) -> None:
+        """Each read's buffers filled from its offset on (``counted(nbytes)`` after each)."""
+        with open(path, "rb") as fh:
+            for offset, bufs in reads:
+                want = sum(len(b) for b in bufs)
+                got = preadv_exact(fh, list(bufs), offset)
+                if got != want:
+                    short_read(path, offset, offset + want, got, os.path.getsize(path))
+                counted(got)
+
+    def kind(self, path: str) -> str | None:
+        """"file", "directory" or None (nothing there)."""
+        return ("directory" if os.path.isdir(path) else
+                "file" if os.path.exists(path) else None)
+
+    def size(self, path: str) -> int:
+        return os.path.getsize(path)
+
+    def listdir(self, directory: str) -> list[str]:
+        try:
+            return sorted(os.listdir(directory))
+        except (FileNotFoundError, NotADirectoryError):
+            return []
+
+    def find(self, directory: str) -> dict[str, Any]:
+        """Every entry below ``directory``: full path -> fsspec's details."""
+        found: dict[str, Any] = self.fs.find(directory, detail=True)
+        return found
+
+    # ------------------------------------------------------------------ writes
+
+    def write(self, path: str, data: bytes | memoryview, *, durable: bool,
+              mid_write: Callable[[], None] | None, exclusive: bool) -> None:
+        view = memoryview(data).cast("B")
+        directory = os.path.dirname(path)
+        os.makedirs(directory, exist_ok=True)
+        tmp = f"{path}.tmp-{uuid.uuid4().hex[:8]}"
+        try:
+            with open(tmp, "wb") as fh:
+                half = len(view) // 2
+                fh.write(view[:half])
+                if mid_write is not None:
+                    fh.flush()
+                    mid_write()
+                fh.write(view[half:])
+                if durable:
+                    fh.flush()
+                    os.fsync(fh.fileno())
+            if exclusive:
+                _link_exclusive(tmp, path, view, durable=durable)
+            else:
+                os.replace(tmp, path)
+        finally:
+            # No temp file stays behind a completed, refused or failed write; a crash still
+            # may.
+            if os.path.exists(tmp):
+                os.unlink(tmp)
+        if durable:
+            fsync_dir(directory)
+
+    def makedirs(self, directory: str) -> None:
+        os.makedirs(directory, exist_ok=True)
+
+    def remove(self, path: str) -> None:
+        try:
+            os.remove(path)
+        except FileNotFoundError:
+            pass
+
+    def remove_many(self, paths: Sequence[str]) -> None:
+        for path in paths:
+            self.remove(path)
+
+    def remove_tree(self, directory: str) -> None:
+        if os.path.isdir(directory):
+            self.fs.rm(directory, recursive=True)
+
+    def copy(self, source: str, target: str, *, nbytes: int = 0) -> None:
+        self.fs.copy(source, target)
+
+
+def preadv_exact(fh: Any, bufs: list[memoryview], offset: int) -> int:
+    """Read into ``bufs`` from ``offset`` until they are full or the file ends; the bytes
+    read. One ``preadv`` fills several buffers; the loop covers short reads."""
+    bufs = [b.cast("B") if b.format != "B" else b for b in bufs if len(b)]
+    total = 0
+    while bufs:
+        if hasattr(os, "preadv"):
+            n = os.preadv(fh.fileno(), bufs, offset)
+        else:  # no preadv on this platform: one buffer at a time
+            fh.seek(offset)
+            n = fh.readinto(bufs[0]) or 0
+        if n <= 0:
+            break
+        total, offset = total + n, offset + n
+        while bufs and n >= len(bufs[0]):
+            n -= len(bufs.pop(0))
+        if n:
+            bufs[0] = bufs[0][n:]
+    return total
+
+
+def _link_exclusive(tmp: str, path: str, view: memoryview, *, durable: bool) -> None:
+    try:
+        os.link(tmp, path)  # atomic; EEXIST -> FileExistsError, the old file untouched
+    except OSError as err:
+        if isinstance(err, FileExistsError) or err.errno not in _NO_HARD_LINKS:
+            raise
+        # A filesystem without hard links: O_EXCL is atomic too, but a reader can see the
+        # file before its bytes are all there.
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        try:
+            os.write(fd, view)
+            if durable:
+                os.fsync(fd)
+        finally:
+            os.close(fd)
+
+
+def fsync_dir(directory: str) -> None:
+    """Make a rename in ``directory`` durable; filesystems that refuse are ignored."""
+    try:
+        fd = os.open(directory, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
