@@ -9,7 +9,7 @@ node (the ``node:__internal_head__`` resource, as Ray's own state actor does) wi
 slow store never blocks a poll): all protocol logic (generations, receipts, commit,
 fencing, GC, abort, quarantine, rebuild-from-store) lives in ``elastic.commit`` and is
 tested without Ray. When the actor restarts it rebuilds its view from the store (no
-committed snapshot is lost; the in-memory copy is, so restores fall back to storage).
+committed snapshot is lost) and its RAM index from the run's live stores (below).
 
 The RAM copies of the newest snapshot live on peers, not on the head: one ``RamStore``
 actor per node and run (``get_or_create_ram_store``: ``baton-ram-<run>-<node>``, the very
@@ -19,8 +19,11 @@ detached so that it outlives the worker that created it, gone with its node). A 
 (``snapshots.ram_replicas``) and reads ranges from whichever store the coordinator names.
 The coordinator keeps only that metadata (and tells the stores what to keep); no shard byte
 passes through it. ``release_ram_stores`` ends a run's stores (the driver, at the end of a
-fit). After a coordinator restart its index is empty: restores read storage until the next
-commit.
+fit). A coordinator that starts (after a restart: Ray reruns its constructor) asks the
+stores of its run on the live nodes what they hold (``ram_holdings``: metadata only, all at
+once, at most ``RAM_RECOVERY_TIMEOUT_S``) and rebuilds its index of the newest commit from
+the answers (``LocalCoordinator.recover_ram_index``), so restores after the restart still
+read peer copies; a store that is gone or silent is left out (its files: storage).
 
 ``RayCoordinatorClient(handle)`` is what a worker passes to ``Snapshotter(coordinator=...)``:
 a proxy that forwards the protocol's methods (``elastic.protocol.PROTOCOL_METHODS``) to the
@@ -55,6 +58,8 @@ from elastic.store import SnapshotStore
 log = logging.getLogger("baton.elastic")
 
 NAMESPACE = "baton"
+# How long a starting coordinator waits for the stores' answers about what they hold.
+RAM_RECOVERY_TIMEOUT_S = 10.0
 _HEAD_RESOURCE = "node:__internal_head__"
 # Ask for this to place an actor on the head node (which outlives any worker node).
 HEAD_NODE_RESOURCES = {_HEAD_RESOURCE: 0.001}
@@ -77,6 +82,10 @@ class _StoreBackedCoordinator(LocalCoordinator):
 
         super().__init__(SnapshotStore(run_uri, storage_options, **deadlines),
                          lease_token=lease_token, ram_stores=ram_stores, **kwargs)
+        try:
+            self.recover_ram_index(ram_holdings(run_uri, lease_token))
+        except Exception as err:  # noqa: BLE001 - only an optimisation: storage still serves
+            log.warning("could not recover the RAM index from the run's stores: %r", err)
 
 
 # The actor *is* the local coordinator, made remote (its options: get_or_create_coordinator).
@@ -213,6 +222,35 @@ def find_ram_store(run_uri: str, node_id: str,
         raise StoreLost(f"no RAM store on node {node_id}") from err
 
 
+def ram_holdings(run_uri: str, lease_token: str | None = None, *,
+                 timeout_s: float = RAM_RECOVERY_TIMEOUT_S) -> dict[str, dict[str, Any]]:
+    """What the run's stores on the live nodes hold (``RamStore.holdings()``: metadata,
+    never bytes), by node id; asked all at once. A store that is gone, or has not answered
+    within ``timeout_s``, is absent."""
+    named = {a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
+             if a["namespace"] == NAMESPACE}
+    asked: dict[str, Any] = {}
+    for node in (n["NodeID"] for n in ray.nodes() if n.get("Alive")):
+        name = ram_store_name(run_uri, node, lease_token)
+        if name in named:
+            try:
+                asked[node] = ray.get_actor(name, namespace=NAMESPACE).holdings.remote()
+            except ValueError:  # gone since the listing
+                continue
+    if not asked:
+        return {}
+    ready, _ = ray.wait(list(asked.values()), num_returns=len(asked), timeout=timeout_s)
+    answered = set(ready)
+    held: dict[str, dict[str, Any]] = {}
+    for node, ref in asked.items():
+        if ref in answered:
+            try:
+                held[node] = dict(RayRamStoreClient._get(ref))
+            except StoreLost:
+                continue
+    return held
+
+
 def release_ram_stores(run_uri: str, lease_token: str | None = None) -> int:
     """End this run's stores (their copies are of no use once the fit is over). Cleanup:
     it never raises (a cluster that is going away takes the stores with it)."""
@@ -259,6 +297,9 @@ class RayRamStoreClient:
 
     def keep(self, committed: int | None, in_flight: list[int]) -> None:
         self.handle.keep.remote(committed, in_flight)  # a notice: nothing to wait for
+
+    def holdings(self) -> dict[str, Any]:
+        return dict(self._get(self.handle.holdings.remote()))
 
     def stats(self) -> dict[str, Any]:
         return dict(self._get(self.handle.stats.remote()))

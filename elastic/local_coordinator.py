@@ -12,7 +12,10 @@ or as the Ray actor (``elastic.coordinator`` makes this very class remote). It a
   aborted the stores concerned are told what to keep (``RamStore.keep``: the newest commit
   plus the steps in flight). The coordinator never receives shard bytes: what it handles
   per snapshot (``health()["handled_bytes"]``: receipts in, manifests out) is
-  O(number of chunks), whatever the state's size.
+  O(number of chunks), whatever the state's size. A restarted coordinator has lost the
+  receipts: ``recover_ram_index(holdings)`` rebuilds the index of its newest commit from
+  what the live stores say they hold (``RamStore.holdings()``, node -> metadata; a store
+  that is gone is simply absent, its files are read from storage).
 * On-demand snapshots before a planned resize: ``request_snapshot`` / ``snapshot_requested``
   / ``answer_request`` / ``request_met`` / ``cancel_request``.
 * Stop requests (Ctrl-C or a time limit on the driver): ``request_stop`` (driver) /
@@ -32,7 +35,7 @@ import json
 import logging
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from elastic.commit import CommitCore
@@ -152,6 +155,30 @@ class LocalCoordinator:
     def ram_locations(self, step: int) -> dict[str, list[str]]:
         with self.lock:
             return {f: list(nodes) for f, nodes in self.ram_index.get(step, {}).items()}
+
+    def recover_ram_index(self, holdings: Mapping[str, Mapping[str, Any]]) -> int:
+        """Index the copies of the newest committed snapshot that the stores hold
+        (``holdings``: node -> ``RamStore.holdings()``), as their receipts would have; the
+        number of (file, node) copies added. Only the newest commit: the index keeps
+        nothing else once no step is in flight, and a restore checks every block it reads
+        (a copy that fails is read again from storage)."""
+        with self.core._lock:
+            newest = self.core.committed[-1] if self.core.committed else None
+        if newest is None:
+            return 0
+        added = 0
+        with self.lock:
+            for node in sorted(holdings):
+                held = (holdings[node].get("steps") or {}).get(newest) or {}
+                for file in sorted(held.get("files") or {}):
+                    nodes = self.ram_index.setdefault(newest, {}).setdefault(str(file), [])
+                    if node not in nodes:
+                        nodes.append(node)
+                        added += 1
+        if added:
+            log.info("RAM index recovered: %d copies of step %d's files on %d store(s)",
+                     added, newest, len(holdings))
+        return added
 
     def read_manifest(self, step: int) -> bytes | None:
         with self.core._lock:

@@ -22,6 +22,10 @@ outlives the worker that created it; it dies with its node).
   had not seen when it sent this).
 * ``read(step, requests)`` returns the byte ranges ``(file, start, end)`` of ``step``, or
   None when it does not hold every file asked for (then the reader goes to storage).
+* ``holdings()`` says what it holds, metadata only (never the bytes): ``{"committed": step
+  or None, "steps": {step: {"generation": g, "files": {file: nbytes}}}}``. A restarted
+  coordinator rebuilds its index of the RAM tier from the answers of the live stores
+  (``LocalCoordinator.recover_ram_index``).
 
 ``ring_holders(node, live_nodes, replicas)`` is the placement (Gemini-style ring): a worker
 on node ``i`` of the sorted live nodes sends its shard to the stores of nodes ``i+1 ..
@@ -93,6 +97,8 @@ class RamStoreClient(Protocol):
     def read(self, step: int, requests: Requests) -> list[Any] | None: ...
 
     def keep(self, committed: int | None, in_flight: list[int]) -> None: ...
+
+    def holdings(self) -> dict[str, Any]: ...
 
 
 class RamStore:
@@ -182,6 +188,14 @@ class RamStore:
             for s in list(self.files):
                 if s not in wanted and s <= horizon:
                     self._drop_locked(s)
+
+    def holdings(self) -> dict[str, Any]:
+        """What this store holds, metadata only (see the module docstring)."""
+        with self._lock:
+            return {"committed": self.committed,
+                    "steps": {s: {"generation": self.step_generation.get(s, -1),
+                                  "files": {f: int(b.nbytes) for f, b in files.items()}}
+                              for s, files in self.files.items()}}
 
     def held_bytes(self) -> int:
         with self._lock:

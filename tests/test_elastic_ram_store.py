@@ -14,7 +14,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from elastic.format import DEFAULT_BLOCK_BYTES
+from elastic.format import DEFAULT_BLOCK_BYTES, MANIFEST_NAME
 from elastic.local_coordinator import LocalCoordinator
 from elastic.persist import RAM_GRACE_MIN_S
 from elastic.protocol import CoordinatorClient
@@ -257,6 +257,53 @@ def test_node_loss_restores_from_the_peer_copy_and_falls_back_for_lost_copies(
     for key, value in reference.items():
         assert torch.equal(full_state(ts)[key], value), key
 
+
+
+def test_a_restarted_coordinator_rebuilds_its_ram_index_from_the_live_stores(tmp_path) -> None:
+    """The receipts die with the coordinator; the stores' metadata (never their bytes)
+    rebuilds the index of the newest commit, so a restore after the restart still reads the
+    peer copies. A store that is gone is absent: its files come from storage."""
+    run = str(tmp_path / "run")
+    nodes = _Nodes(["n0", "n1", "n2"])
+    ballast = 1 << 16
+    coord, wire, states, snaps = _two_ranks(run, nodes, ballast, steps=6)
+    reference, before = full_state(states[0]), coord.ram_locations(6)
+    assert sorted(before.values()) == [["n1"], ["n2"]]
+    # A step in flight when the coordinator died (never committed) is not indexed.
+    nodes.stores["n1"].put(8, coord.current_generation(), "in-flight", _data(16, 1))
+
+    restarted = LocalCoordinator(SnapshotStore(run), keep_last=2,
+                                 block_bytes=DEFAULT_BLOCK_BYTES, ram_stores=nodes.store_on)
+    assert restarted.committed_steps() == [4, 6] and restarted.ram_locations(6) == {}
+    holdings = {n: nodes.store_on(n).holdings() for n in nodes.live()}
+    held = sum(s.held_bytes() for s in nodes.stores.values())
+    assert len(repr(holdings)) < held / 100  # metadata: names and sizes, not the bytes
+    assert restarted.recover_ram_index(holdings) == 2
+    assert restarted.ram_locations(6) == before and restarted.ram_locations(8) == {}
+    assert restarted.recover_ram_index(holdings) == 0  # asking again adds nothing
+
+    step, snap, ts = _restore_on(run, nodes, "n0", _Wire(restarted), ballast)
+    assert step == 6 and snap.restored_from == ("ram", 6)
+    # From storage only the manifest (the new coordinator did not commit it, so it does not
+    # hold it in memory); every shard byte from the peers' RAM.
+    manifest = snap.store.size(snap.store.step_path(6, MANIFEST_NAME))
+    assert (snap.store.stats.range_reads, snap.store.stats.bytes_read) == (1, manifest)
+    for key, value in reference.items():
+        assert torch.equal(full_state(ts)[key], value), key
+
+    # n2's store is gone when the coordinator restarts again: the index names n1 only, and
+    # the shard whose copy was on n2 is read from storage.
+    nodes.lose("n2")
+    again = LocalCoordinator(SnapshotStore(run), keep_last=2, block_bytes=DEFAULT_BLOCK_BYTES,
+                             ram_stores=nodes.store_on)
+    assert again.recover_ram_index({n: nodes.store_on(n).holdings()
+                                    for n in nodes.live()}) == 1
+    assert again.ram_locations(6) == {f: h for f, h in before.items() if h == ["n1"]}
+    step, snap, ts = _restore_on(run, nodes, "n0", _Wire(again), ballast)
+    assert step == 6 and snap.restored_from == ("storage", 6)
+    assert 0 < snap.store.stats.range_reads
+    for key, value in reference.items():
+        assert torch.equal(full_state(ts)[key], value), key
 
 
 def test_a_copy_still_on_its_way_does_not_hold_up_the_commit(tmp_path) -> None:

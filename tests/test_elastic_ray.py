@@ -4,12 +4,13 @@
 One cluster (head + two 'worker nodes' with logical resources) runs the whole story:
 two ranks snapshot through the actor, each shard's RAM copy going to the store of the next
 node on the ring; the actor is killed and restarts from the store without losing a committed
-snapshot; a snapshot in flight when a node is removed is aborted; after that node loss, a
-worker of a smaller world restores the newest snapshot with zero storage reads, the lost
-node's shard from its peer copy, while the coordinator handled receipts only (a small
-fraction of the state). Then the node holding the lost node's copy is removed too: the
-restore falls back to storage for that shard only, loses nothing, and training on to step
-10 ends where an uninterrupted run ends.
+snapshot and rebuilds its RAM index from the live stores (a restore right after the
+restart reads every shard from the peer copies); a snapshot in flight when a node is removed
+is aborted; after that node loss, a worker of a smaller world restores the newest snapshot
+with zero storage reads, the lost node's shard from its peer copy, while the coordinator
+handled receipts only (a small fraction of the state). Then the node holding the lost node's
+copy is removed too: the restore falls back to storage for that shard only, loses nothing,
+and training on to step 10 ends where an uninterrupted run ends.
 """
 
 from __future__ import annotations
@@ -53,6 +54,9 @@ def test_coordinator_restart_node_loss_and_ram_restore(tmp_path) -> None:
                  for rank, r in enumerate(nodes)]
         ray.get([w.train.remote(1, 4) for w in ranks])
         assert ray.get(coord.committed_steps.remote()) == [2, 4]
+        at_4, copies_of_4 = ray.get(ranks[0].state.remote()), ray.get(
+            coord.ram_locations.remote(4))
+        assert len(copies_of_4) == 2
 
         # The coordinator dies and Ray restarts it: it rebuilds its view from the store.
         # (ray.kill returns at once: wait for a new process, not an answer of the old one.)
@@ -72,6 +76,16 @@ def test_coordinator_restart_node_loss_and_ram_restore(tmp_path) -> None:
                 if time.monotonic() > deadline:
                     raise
                 time.sleep(0.5)
+        # It rebuilt its RAM index from the live stores: a restore right after the restart
+        # (a worker of the same generation, so the ranks are not fenced) reads every shard
+        # from the peer copies; from storage only the manifest, which it no longer holds.
+        assert ray.get(coord.ram_locations.remote(4)) == copies_of_4
+        result = ray.get(on["node_a"].remote(run, 0, 1, name, NAMESPACE, 76, generation,
+                                             BALLAST).restore.remote())
+        assert result["step"] == 4 and result["restored_from"] == ("ram", 4)
+        assert result["storage_reads"] == 1
+        for key, value in at_4.items():
+            assert torch.equal(result["state"][key], value), key
         ray.get([w.train.remote(5, 6) for w in ranks])
         assert ray.get(coord.committed_steps.remote()) == [4, 6], (  # keep_last=2
             ray.get(coord.events.remote()))
