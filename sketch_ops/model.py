@@ -22,8 +22,9 @@ Contract:
   subclasses (which may not call `forward`, e.g. `nn.MultiheadAttention.out_proj`) are left
   alone.
 - `auto_plan(model, probe_batch, *, rank, loss_fn=None, estimator="centered",
-  min_saving=MIN_SAVING)` patches the model's structures in place (`fuse_swiglu_mlps`: a
-  Llama-style gate/up/down MLP becomes one recomputing function; `fuse_rms_norms`: an RMSNorm
+  min_saving=MIN_SAVING, keep_gate=False)` patches the model's structures in place
+  (`fuse_swiglu_mlps`: a Llama-style gate/up/down MLP becomes one recomputing function, which
+  with `keep_gate` keeps gate's output and recomputes only up; `fuse_rms_norms`: an RMSNorm
   that keeps only its input and the per-row 1/rms, so once the linears it feeds are sketched
   its output is kept by nobody; both matched by structure, values and gradients unchanged),
   then returns `probe.plan_sketch`'s `AutoPlan` with the patched module names in
@@ -49,9 +50,9 @@ from .rms_norm import fuse_rms_norms
 from .swiglu import fuse_swiglu_mlps
 
 
-def fuse_structures(model: nn.Module) -> list[str]:
+def fuse_structures(model: nn.Module, *, keep_gate: bool = False) -> list[str]:
     """Apply the structural fusions "auto" relies on; returns the patched module names."""
-    return [*fuse_swiglu_mlps(model), *fuse_rms_norms(model)]
+    return [*fuse_swiglu_mlps(model, keep_gate=keep_gate), *fuse_rms_norms(model)]
 
 
 def auto_plan(
@@ -62,9 +63,10 @@ def auto_plan(
     loss_fn: LossFn | None = None,
     estimator: str = "centered",
     min_saving: float = MIN_SAVING,
+    keep_gate: bool = False,
 ) -> AutoPlan:
     """Fuse the model's structures in place, then probe which layers to sketch."""
-    fused = fuse_structures(model)
+    fused = fuse_structures(model, keep_gate=keep_gate)
     plan = plan_sketch(model, probe_batch, rank=rank, loss_fn=loss_fn, estimator=estimator,
                        min_saving=min_saving)
     plan.fused = fused
@@ -82,12 +84,13 @@ def sketch_model(
     probe_batch: Any = None,
     loss_fn: LossFn | None = None,
     min_saving: float = MIN_SAVING,
+    keep_gate: bool = False,
 ) -> list[str]:
     """Swap the selected `nn.Linear`s of `model` for `SketchedLinear`s; return their names.
 
     Give either `rank` or `memory_budget` (bytes of sketches per microbatch of `rows` rows,
     shared out by `policy.ranks_for_budget`). `include="auto"` needs `probe_batch`;
-    `min_saving` is its threshold (read only by "auto")."""
+    `min_saving` is its threshold and `keep_gate` its SwiGLU mode (read only by "auto")."""
     check_estimator(estimator)
     if (rank is None) == (memory_budget is None):
         raise ValueError("sketch_model: give exactly one of rank= and memory_budget=")
@@ -100,7 +103,7 @@ def sketch_model(
         # Under a memory budget the ranks come after the choice: price each sketch at R = 1.
         include = auto_plan(model, probe_batch, rank=1 if rank is None else rank,
                             loss_fn=loss_fn, estimator=estimator,
-                            min_saving=min_saving).include
+                            min_saving=min_saving, keep_gate=keep_gate).include
     if memory_budget is not None:
         if rows is None:
             raise ValueError(

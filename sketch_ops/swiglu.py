@@ -2,30 +2,32 @@
 and `fuse_swiglu_mlps`, which finds such MLPs in any model by their structure.
 
 Contract:
-- `swiglu_mlp(gate, up, down, act, x, *, recompute=None)` returns `down(act(gate(x)) * up(x))`.
-  When gate, up and down are each an `nn.Linear` or a `SketchedLinear` (biases optional), act is
-  a parameter-free module acting on each row on its own (SiLU, any GELU; in practice
-  elementwise), a backward will run, and `recompute` is True — or None (the default) and down
-  is sketched — it is one row-blocked autograd function. Saved: x (n × d), down's R × I input
-  sketch (plus the I-vector row mean for the centred estimator) when down is sketched, and the
-  three seeds (one int64 tensor); no n × I tensor. Backward recomputes, per block of
-  `blocked.BLOCK_ROWS` rows, gate's and up's outputs and the activation, and from them dX, the
-  biases, each plain layer's exact dW (down's from the recomputed hidden rows) and each
-  sketched layer's BASIS estimate (gate's and up's from block sketches of x and their output
-  gradients). Its gradients equal the unfused composition's — the same sketches from the same
-  per-layer seeds, dX and plain layers' dW exact — up to fp32 summation order; its output is
-  the composition's up to the row blocking of the matmuls (bitwise for n ≤ BLOCK_ROWS).
-  Otherwise it is the plain composition.
-- `fuse_swiglu_mlps(model, *, recompute=None) -> list[str]` patches, in place, the `forward`
-  of every module of `model` that has this structure: exactly four children, three linear
-  layers (`nn.Linear` or `SketchedLinear`) of which two ("gate" and "up") map d → I and the
-  third ("down") I → d, and one parameter-free module (the activation). The match is verified
-  before patching: the module's own forward and `swiglu_mlp` must agree (1e-6) on a small
-  random input; otherwise the module is left alone. Which of the two d → I layers is the gate
-  is taken from their names ("gate" in the attribute name) when that agrees with the probe,
-  else from the probe alone. Only the instance's `forward` changes (not its class, parameters
-  or state_dict); the children are looked up at each call, so `sketch_model` may run before
-  or after. Returns the qualified names of the fused modules (already fused ones included),
+- `swiglu_mlp(gate, up, down, act, x, *, recompute=None, keep_gate=False)` returns
+  `down(act(gate(x)) * up(x))`. When gate, up and down are each an `nn.Linear` or a
+  `SketchedLinear` (biases optional), act is a parameter-free module acting on each row on its
+  own (SiLU, any GELU; in practice elementwise), a backward will run, and `recompute` is True
+  — or None (the default) and down is sketched — it is one row-blocked autograd function.
+  Saved: x (n × d), down's R × I input sketch (plus the I-vector row mean for the centred
+  estimator) when down is sketched, and the three seeds (one int64 tensor); no n × I tensor —
+  with `keep_gate`, one: gate's output (its pre-activation), computed for all rows at once.
+  Backward recomputes, per block of `blocked.BLOCK_ROWS` rows, up's output, gate's (unless
+  kept) and the activation, and from them dX, the biases, each plain layer's exact dW (down's
+  from the recomputed hidden rows) and each sketched layer's BASIS estimate (gate's and up's
+  from block sketches of x and their output gradients). Its gradients equal the unfused
+  composition's — the same sketches from the same per-layer seeds, dX and plain layers' dW
+  exact — up to fp32 summation order; its output is the composition's up to the row blocking
+  of the matmuls (bitwise for n ≤ BLOCK_ROWS). Otherwise it is the plain composition.
+- `fuse_swiglu_mlps(model, *, recompute=None, keep_gate=False) -> list[str]` patches, in
+  place, the `forward` of every module of `model` that has this structure: exactly four
+  children, three linear layers (`nn.Linear` or `SketchedLinear`) of which two ("gate" and
+  "up") map d → I and the third ("down") I → d, and one parameter-free module (the
+  activation). The match is verified before patching: the module's own forward and
+  `swiglu_mlp` must agree (1e-6) on a small random input; otherwise the module is left alone.
+  Which of the two d → I layers is the gate is taken from their names ("gate" in the
+  attribute name) when that agrees with the probe, else from the probe alone. Only the
+  instance's `forward` changes (not its class, parameters or state_dict); the children are
+  looked up at each call, so `sketch_model` may run before or after; fusing again sets the
+  modes anew. Returns the qualified names of the fused modules (already fused ones included),
   in `named_modules` order. The probe runs under `no_grad` for the module's own forward and
   inside `sketch_seed`, so it draws nothing from torch's global generator; the model's
   parameters must be materialised (modules on the meta device are left alone).
@@ -36,6 +38,13 @@ gradient), I ≈ 2.7 d. Sketch down and only the activation's and product's inpu
 needed, which backward recomputes from x: the MLP keeps x and an R × I sketch. When an RMSNorm
 feeds the MLP (`rms_norm.py`), the norm keeps its own input and the MLP keeps the norm's output
 (its x); the two stay separate functions, each keeping one n × d tensor.
+
+The time it costs (per MLP, n·d·I multiply-adds per matmul): exact backprop runs 9 matmuls
+(3 forward; backward: dHidden, down's dW, dX through gate and up, gate's and up's dW).
+Recomputing around a sketched down runs 10 (the sketch replaces down's dW, backward adds gate
+and up again) plus the sketches (O(n·I) each): ~10 % more MLP time on a CPU, where matmuls
+are the step. `keep_gate` keeps gate's output (one n × I tensor more, 4 n·I bytes in fp32)
+and recomputes only up: 9 matmuls, as exact — the saved dW pays for the recompute.
 
 Under autocast x and the weights are cast to the autocast dtype (as the linear layers would),
 the activation runs under the caller's autocast state and the product is cast to down's dtype
@@ -96,6 +105,7 @@ class _SwigluMlpFn(torch.autograd.Function):
         ranks: tuple[int, int, int],
         seeds: tuple[int, int, int],
         estimators: tuple[str, str, str],
+        keep_gate: bool,
     ) -> torch.Tensor:
         n = x2d.shape[0]
         out = torch.empty(n, w_down.shape[0], dtype=x2d.dtype, device=x2d.device)
@@ -105,9 +115,13 @@ class _SwigluMlpFn(torch.autograd.Function):
             if ranks[2] > 0
             else None
         )
+        # keep_gate: gate's pre-activation for all rows at once; it is saved for backward.
+        gate_all = F.linear(x2d, w_gate, b_gate) if keep_gate else None
         for start, end in row_blocks(n):
             rows = x2d[start:end]
-            gated = _activate(act, F.linear(rows, w_gate, b_gate), autocast)
+            gate_pre = gate_all[start:end] if gate_all is not None else F.linear(
+                rows, w_gate, b_gate)
+            gated = _activate(act, gate_pre, autocast)
             hidden = (gated * F.linear(rows, w_up, b_up)).to(w_down.dtype)
             del gated
             out[start:end] = F.linear(hidden, w_down, b_down)
@@ -120,14 +134,14 @@ class _SwigluMlpFn(torch.autograd.Function):
         # recompute together with the sketch (see function.py).
         seeds_t = torch.tensor(seeds, dtype=torch.int64)
         ctx.save_for_backward(
-            x2d, w_gate, b_gate, w_up, b_up, w_down, hidden_hat, hidden_mean, seeds_t
+            x2d, w_gate, b_gate, w_up, b_up, w_down, hidden_hat, hidden_mean, seeds_t, gate_all
         )
         ctx.act, ctx.autocast, ctx.ranks, ctx.estimators = act, autocast, ranks, estimators
         return out
 
     @staticmethod
     def backward(ctx: Any, dy: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
-        x2d, w_gate, b_gate, w_up, b_up, w_down, hidden_hat, hidden_mean, seeds_t = (
+        x2d, w_gate, b_gate, w_up, b_up, w_down, hidden_hat, hidden_mean, seeds_t, gate_all = (
             ctx.saved_tensors
         )
         need_dx, need_dwg, need_dbg, need_dwu, need_dbu, need_dwd, need_dbd = (
@@ -161,13 +175,24 @@ class _SwigluMlpFn(torch.autograd.Function):
             if need_dwu
             else None
         )
-        dgate_sum = torch.zeros(w_gate.shape[0], dtype=acc, device=device)
-        dup_sum = torch.zeros(w_up.shape[0], dtype=acc, device=device)
+        # Column sums of gate's and up's output gradients: their biases, and μdy for a centred
+        # sketch; skipped when neither needs them (a Llama's plain, bias-free gate and up).
+        dgate_sum = (
+            torch.zeros(w_gate.shape[0], dtype=acc, device=device)
+            if need_dbg or (need_dwg and rank_gate > 0 and estimators[0] == "centered")
+            else None
+        )
+        dup_sum = (
+            torch.zeros(w_up.shape[0], dtype=acc, device=device)
+            if need_dbu or (need_dwu and rank_up > 0 and estimators[1] == "centered")
+            else None
+        )
         dx = torch.empty(x2d.shape, dtype=dy.dtype, device=device) if need_dx else None
         for start, end in row_blocks(n):
             rows, dy_rows = x2d[start:end], dy[start:end]
             up = F.linear(rows, w_up, b_up)
-            gate_pre = F.linear(rows, w_gate, b_gate).requires_grad_()  # a leaf: no graph above
+            gate_pre = (gate_all[start:end].detach() if gate_all is not None
+                        else F.linear(rows, w_gate, b_gate)).requires_grad_()  # a leaf
             with torch.enable_grad():  # the activation's derivative, whatever the activation
                 gated = _activate(ctx.act, gate_pre, ctx.autocast)
             if down_exact is not None:
@@ -176,10 +201,13 @@ class _SwigluMlpFn(torch.autograd.Function):
             dup = (dhidden * gated.detach()).to(up.dtype)
             (dgate,) = torch.autograd.grad(gated, gate_pre, (dhidden * up).to(gated.dtype))
             del gated, gate_pre, dhidden, up
-            if dx is not None:
-                dx[start:end] = dgate @ w_gate + dup @ w_up
-            dgate_sum += dgate.sum(0, dtype=acc)
-            dup_sum += dup.sum(0, dtype=acc)
+            if dx is not None:  # dgate Wg + dup Wu, written in place (no temporary, no copy)
+                torch.mm(dgate, w_gate, out=dx[start:end])
+                dx[start:end].addmm_(dup, w_up)
+            if dgate_sum is not None:
+                dgate_sum += dgate.sum(0, dtype=acc)
+            if dup_sum is not None:
+                dup_sum += dup.sum(0, dtype=acc)
             if gate_grad is not None:
                 gate_grad.add(start, end, dgate, rows)
             if up_grad is not None:
@@ -189,11 +217,12 @@ class _SwigluMlpFn(torch.autograd.Function):
         return (
             dx,
             None if gate_grad is None else gate_grad.finish(dgate_sum).to(w_gate.dtype),
-            dgate_sum.to(dy.dtype) if need_dbg else None,
+            dgate_sum.to(dy.dtype) if dgate_sum is not None and need_dbg else None,
             None if up_grad is None else up_grad.finish(dup_sum).to(w_up.dtype),
-            dup_sum.to(dy.dtype) if need_dbu else None,
+            dup_sum.to(dy.dtype) if dup_sum is not None and need_dbu else None,
             None if dw_down is None else dw_down.to(w_down.dtype),
             None if dy_sum is None or not need_dbd else dy_sum.to(dy.dtype),
+            None,
             None,
             None,
             None,
@@ -210,9 +239,11 @@ def swiglu_mlp(
     x: torch.Tensor,
     *,
     recompute: bool | None = None,
+    keep_gate: bool = False,
 ) -> torch.Tensor:
-    """`down(act(gate(x)) * up(x))`, fused and row-blocked (keeping only x) when `recompute` is
-    True, or None and down is a SketchedLinear (module docstring)."""
+    """`down(act(gate(x)) * up(x))`, fused and row-blocked (keeping only x, and gate's output
+    when `keep_gate`) when `recompute` is True, or None and down is a SketchedLinear (module
+    docstring)."""
     layers = (gate, up, down)
     fusable = all(type(layer) in LAYER_TYPES for layer in layers) and not any(
         p.requires_grad for p in act.parameters()
@@ -249,7 +280,7 @@ def swiglu_mlp(
     with torch.autocast(device_type, enabled=False):
         out = _SwigluMlpFn.apply(
             x2d, w_gate, b_gate, w_up, b_up, w_down, b_down, act, autocast,
-            ranks, seeds, estimators,
+            ranks, seeds, estimators, keep_gate,
         )
     return out.reshape(*lead, w_down.shape[0])
 
@@ -258,11 +289,13 @@ def swiglu_mlp(
 
 _PARTS_ATTR = "_swiglu_parts"  # the (gate, up, down, act) child names of a fused module
 _RECOMPUTE_ATTR = "_swiglu_recompute"
+_KEEP_GATE_ATTR = "_swiglu_keep_gate"
 
 
 def _fused_forward(self: nn.Module, x: torch.Tensor) -> torch.Tensor:
     gate, up, down, act = (getattr(self, name) for name in getattr(self, _PARTS_ATTR))
-    return swiglu_mlp(gate, up, down, act, x, recompute=getattr(self, _RECOMPUTE_ATTR))
+    return swiglu_mlp(gate, up, down, act, x, recompute=getattr(self, _RECOMPUTE_ATTR),
+                      keep_gate=getattr(self, _KEEP_GATE_ATTR))
 
 
 def _candidate_parts(module: nn.Module) -> list[tuple[str, str, str, str]]:
@@ -315,19 +348,23 @@ def _probe_agrees(module: nn.Module, parts: tuple[str, str, str, str]) -> bool:
     return torch.allclose(got.detach(), want, rtol=PROBE_TOLERANCE, atol=PROBE_TOLERANCE)
 
 
-def fuse_swiglu_mlps(model: nn.Module, *, recompute: bool | None = None) -> list[str]:
+def fuse_swiglu_mlps(
+    model: nn.Module, *, recompute: bool | None = None, keep_gate: bool = False
+) -> list[str]:
     """Patch the forward of every SwiGLU MLP of `model` (found by structure, verified by a
     probe) to `swiglu_mlp`; return their qualified names (module docstring)."""
     fused = []
     for name, module in model.named_modules():
         if _PARTS_ATTR in vars(module):  # fused before: only the recompute mode changes
             setattr(module, _RECOMPUTE_ATTR, recompute)
+            setattr(module, _KEEP_GATE_ATTR, keep_gate)
             fused.append(name)
             continue
         for parts in _candidate_parts(module):
             if _probe_agrees(module, parts):
                 setattr(module, _PARTS_ATTR, parts)
                 setattr(module, _RECOMPUTE_ATTR, recompute)
+                setattr(module, _KEEP_GATE_ATTR, keep_gate)
                 module.forward = types.MethodType(_fused_forward, module)
                 fused.append(name)
                 break

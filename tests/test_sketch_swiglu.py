@@ -62,8 +62,9 @@ ACTIVATIONS = {
 @pytest.mark.parametrize("act_name", sorted(ACTIVATIONS))
 @pytest.mark.parametrize("sketched", ["none", "down", "all"])
 @pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("keep_gate", [False, True])
 def test_swiglu_mlp_equals_the_composition(
-    act_name: str, sketched: str, bias: bool, monkeypatch: pytest.MonkeyPatch
+    act_name: str, sketched: str, bias: bool, keep_gate: bool, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setattr(blocked, "BLOCK_ROWS", 7)  # several row blocks, one partial
     d, hidden, n = 6, 10, 30
@@ -77,7 +78,8 @@ def test_swiglu_mlp_equals_the_composition(
     x = torch.randn(2, n // 2, d, dtype=torch.float64, requires_grad=True)
     tensors = [x, *gate.parameters(), *up.parameters(), *down.parameters()]
     with sketch_seed(0, 0):  # the same sketches both times
-        got = _grads(lambda: swiglu_mlp(gate, up, down, act, x, recompute=True), tensors)
+        got = _grads(lambda: swiglu_mlp(gate, up, down, act, x, recompute=True,
+                                        keep_gate=keep_gate), tensors)
         want = _grads(lambda: down(act(gate(x)) * up(x)), tensors)
     torch.testing.assert_close(got[0], want[0], rtol=1e-15, atol=1e-15)
     for g, w in zip(got[1], want[1], strict=True):
@@ -101,6 +103,9 @@ def test_swiglu_mlp_keeps_only_its_input_and_the_down_sketch() -> None:
     # recompute=True with an exact down: x and the seeds only.
     exact = saved_bytes(lambda: swiglu_mlp(gate, up, down, act, x, recompute=True), every)
     assert exact == n * d * F32 + SEEDS
+    # keep_gate: gate's n × I output besides, and backward recomputes only up.
+    keep = saved_bytes(lambda: swiglu_mlp(gate, up, sketched_down, act, x, keep_gate=True), every)
+    assert keep == fused + n * hidden * F32
     # recompute=False never fuses.
     never = saved_bytes(
         lambda: swiglu_mlp(gate, up, sketched_down, act, x, recompute=False), every
@@ -108,13 +113,15 @@ def test_swiglu_mlp_keeps_only_its_input_and_the_down_sketch() -> None:
     assert never == n * d * F32 + 3 * n * hidden * F32 + (rank + 1) * hidden * F32 + 8
 
 
-def test_swiglu_mlp_under_autocast_matches_the_composition() -> None:
+@pytest.mark.parametrize("keep_gate", [False, True])
+def test_swiglu_mlp_under_autocast_matches_the_composition(keep_gate: bool) -> None:
     gate, up, down = (layer.float() for layer in _layers(8, 12, bias=True))
     act = nn.SiLU()
     x = torch.randn(20, 8, requires_grad=True)
     tensors = [x, *gate.parameters(), *up.parameters(), *down.parameters()]
     with torch.autocast("cpu", dtype=torch.bfloat16):
-        got = _grads(lambda: swiglu_mlp(gate, up, down, act, x, recompute=True), tensors)
+        got = _grads(lambda: swiglu_mlp(gate, up, down, act, x, recompute=True,
+                                        keep_gate=keep_gate), tensors)
         want = _grads(lambda: down(act(gate(x)) * up(x)), tensors)
     assert got[0].dtype == torch.bfloat16
     torch.testing.assert_close(got[0], want[0], rtol=0, atol=0)
@@ -263,16 +270,51 @@ def _loss(model: nn.Module, tokens: torch.Tensor) -> torch.Tensor:
     return model(input_ids=tokens, labels=tokens).loss
 
 
-def test_fused_llama_gradients_equal_the_unfused_model() -> None:
+@pytest.mark.parametrize("keep_gate", [False, True])
+def test_fused_llama_gradients_equal_the_unfused_model(keep_gate: bool) -> None:
     tokens = torch.randint(0, 64, (2, 48), generator=torch.Generator().manual_seed(0))
     plain, fused = _llama(2, 32, 88, 64), _llama(2, 32, 88, 64)
-    assert len(fuse_swiglu_mlps(fused, recompute=True)) == 2
+    assert len(fuse_swiglu_mlps(fused, recompute=True, keep_gate=keep_gate)) == 2
     assert len(fuse_rms_norms(fused)) == 5
     for model in (plain, fused):
         _loss(model, tokens).backward()
     grads = dict(plain.named_parameters())
     for name, param in fused.named_parameters():
         torch.testing.assert_close(param.grad, grads[name].grad, rtol=1e-5, atol=1e-6, msg=name)
+
+
+def test_keep_gate_gives_the_sketched_llama_the_same_gradients_for_one_more_tensor() -> None:
+    """keep_gate trades one n × I tensor per MLP for the recompute of gate's matmul: the
+    sketched model's gradients (the same sketches) and loss are the recomputing one's."""
+    tokens = torch.randint(0, 64, (2, 48), generator=torch.Generator().manual_seed(0))
+    n, hidden = tokens.numel(), 88
+    models = []
+    for keep_gate in (False, True):
+        model = _llama(2, 32, hidden, 64)
+        fuse_swiglu_mlps(model, keep_gate=keep_gate)
+        fuse_rms_norms(model)
+        sketch_model(model, rank=8, include=["*.mlp.down_proj"])
+        models.append(model)
+    recomputing, keeping = models
+    with sketch_seed(0, 0):
+        lean = saved_bytes(lambda: _loss(recomputing, tokens), recomputing)
+    with sketch_seed(0, 0):
+        kept = saved_bytes(lambda: _loss(keeping, tokens), keeping)
+    assert kept - lean == 2 * n * hidden * F32  # one gate output per MLP, two MLPs
+    losses = []
+    for model in models:
+        with sketch_seed(0, 0):
+            loss = _loss(model, tokens)
+            loss.backward()
+        losses.append(loss.detach())
+    assert torch.equal(losses[0], losses[1])
+    grads = dict(recomputing.named_parameters())
+    for name, param in keeping.named_parameters():
+        torch.testing.assert_close(param.grad, grads[name].grad, rtol=1e-5, atol=1e-6, msg=name)
+    # Fusing again sets the mode anew: back to recomputing both, the lean bytes.
+    fuse_swiglu_mlps(keeping)
+    with sketch_seed(0, 0):
+        assert saved_bytes(lambda: _loss(keeping, tokens), keeping) == lean
 
 
 @pytest.mark.slow
