@@ -10,10 +10,13 @@ tokens). Its loss is the model's own causal-LM loss (`trainer.hf.causal_lm_loss`
 Variants (`VARIANTS`), BASIS ones at R = n/16: exact backprop (the model as `transformers`
 builds it); exact with the SwiGLU MLP recomputed and the RMSNorms fused (exact gradients: the
 selective-recompute baseline at BASIS's memory); `include="auto"` (fusions, then the probe's
-choice); the fusions with only the down-projections sketched (the built-in GPT's policy);
-down_proj only without fusions; every `nn.Linear` without fusions (the old default). The
-last two are probed only (memory, time), not trained. Variants whose library pieces are
-missing (the fusions, the auto probe) are skipped with a note.
+choice, with its default `min_saving`); the same with the fused MLP keeping gate's output
+(`keep_gate`); the fusions with only the down-projections sketched, chosen by name (what
+"auto" should pick here); "auto" with `min_saving=0` (q/k/v and the LM head sketched too);
+down_proj only without fusions; every `nn.Linear` without fusions (the old default).
+Trained: exact, auto, auto with min_saving=0; the others are probed only (memory, time).
+Variants whose library pieces are missing (the fusions, the auto probe) are skipped with a
+note.
 
 Measured, the same way as `benchmarks/sketch_memory.py` and `benchmarks/sketch_quality.py`
 (their helpers are imported, not copied):
@@ -129,6 +132,8 @@ class Variant:
     include: str | tuple[str, ...] | None = None  # sketch_model's include; None = every linear
     fuse: bool = False  # apply the SwiGLU MLP and RMSNorm fusions ("auto" applies them itself)
     recompute: bool | None = None  # the fused MLP's mode: True recomputes around a plain down
+    keep_gate: bool = False  # the fused MLP keeps gate's output, recomputes only up
+    min_saving: float | None = None  # "auto"'s threshold; None = its default (probe.MIN_SAVING)
     train: bool = True  # False: probed only (exact gradients, or a contrast not worth the time)
 
 
@@ -143,10 +148,17 @@ VARIANTS = [
     ),
     Variant("auto", 'BASIS R=n/16, include="auto" (fusions + probe)', sketched=True,
             include="auto"),
-    # The built-in GPT's policy carried over: the fusions, and only the down-projections
-    # sketched (the MLP recomputes around them); q/k/v and the LM head stay exact.
-    Variant("fused-down", "BASIS R=n/16, down_proj only + fusions", sketched=True,
-            include=("*down_proj",), fuse=True),
+    # The same, the fused MLP keeping gate's output: one n x I tensor more per MLP, one matmul
+    # less (its gradients are "auto"'s up to rounding: tests/test_sketch_swiglu.py).
+    Variant("auto-keep-gate", 'BASIS R=n/16, include="auto", keep_gate', sketched=True,
+            include="auto", keep_gate=True, train=False),
+    # What "auto" should choose on this Llama, by name: the built-in GPT's policy carried over
+    # (the fusions, and only the down-projections sketched; the MLP recomputes around them).
+    Variant("fused-down", "BASIS R=n/16, down_proj only + fusions (by name)", sketched=True,
+            include=("*down_proj",), fuse=True, train=False),
+    # "auto" without its threshold: every class that frees anything (q/k/v, the LM head too).
+    Variant("auto-all", 'BASIS R=n/16, include="auto", min_saving=0', sketched=True,
+            include="auto", min_saving=0.0),
     Variant("down-proj", "BASIS R=n/16, down_proj only, no fusion", sketched=True,
             include=("*down_proj",), train=False),
     Variant("all-linears", "BASIS R=n/16, every nn.Linear, no fusion (old default)",
@@ -232,12 +244,17 @@ def build(v: Variant, size: Size, vocab: int, seq: int, microbatch: int, seed: i
         from sketch_ops.rms_norm import fuse_rms_norms
         from sketch_ops.swiglu import fuse_swiglu_mlps
 
-        fuse_swiglu_mlps(hf, recompute=v.recompute)
+        fuse_swiglu_mlps(hf, recompute=v.recompute, keep_gate=v.keep_gate)
         fuse_rms_norms(hf)
     if v.sketched:
         rank = microbatch * (seq + 1) // RANK_DIVISOR  # n = rows of every linear layer
         include = list(v.include) if isinstance(v.include, tuple) else v.include
-        auto = {"probe_batch": probe_tokens, "loss_fn": causal_lm_loss} if include == "auto" else {}
+        auto: dict[str, Any] = {}
+        if include == "auto":
+            auto = {"probe_batch": probe_tokens, "loss_fn": causal_lm_loss,
+                    "keep_gate": v.keep_gate}
+            if v.min_saving is not None:
+                auto["min_saving"] = v.min_saving
         sketched = sketch_model(hf, rank=rank, include=include, **auto)
         if os.environ.get("SKETCH_LLAMA_VERBOSE"):
             print(f"{v.name}: R={rank}, sketched {sketched}", file=sys.stderr)

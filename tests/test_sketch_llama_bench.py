@@ -27,22 +27,25 @@ def test_quick_run_writes_memory_time_and_quality_ratios(tmp_path: Path,
                                                          tiny_dataset: str) -> None:
     bench = _benchmark()
     out = tmp_path / "llama.json"
-    argv = ["--quick", "--data", tiny_dataset, "--out", str(out), "--only", "exact,auto,down-proj"]
+    argv = ["--quick", "--data", tiny_dataset, "--out", str(out), "--only",
+            "exact,auto,auto-all,down-proj"]
     assert bench.main(argv) == 0
     result = json.loads(out.read_text())
     rows = {r["variant"]: r for r in result["rows"]}
-    assert set(rows) == {"exact", "auto", "down-proj"} and not result["skipped"]
+    assert set(rows) == {"exact", "auto", "auto-all", "down-proj"} and not result["skipped"]
     assert rows["exact"]["saved_ratio"] == 1.0 and rows["exact"]["time_ratio"] == 1.0
     # Unfused, down_proj's input (the gated product) is kept for its weight gradient alone:
     # its R x I sketch replaces it.
     # include="auto" (fusions + probe) keeps less than that.
     assert 0 < rows["auto"]["saved_ratio"] < rows["down-proj"]["saved_ratio"] < 1
-    for name in ("auto", "down-proj"):
+    # Without its threshold "auto" sketches whatever frees anything: no more bytes.
+    assert rows["auto-all"]["saved_ratio"] <= rows["auto"]["saved_ratio"]
+    for name in ("auto", "auto-all", "down-proj"):
         low, high = rows[name]["time_ratio_range"]
         assert 0 < low <= rows[name]["time_ratio"] <= high
-    # Trained: exact and auto (down-proj is probed only), one seed in the smoke run.
+    # Trained: exact, auto and auto-all (down-proj is probed only), one seed in the smoke run.
     assert "final_val" not in rows["down-proj"]
-    for name in ("exact", "auto"):
+    for name in ("exact", "auto", "auto-all"):
         assert len(rows[name]["final_val"]) == 1 and math.isfinite(rows[name]["val_mean"])
     assert math.isfinite(rows["auto"]["delta_pct"])
     assert set(result["targets"]) == {"saved_ratio<=0.55", "time_ratio<=1.0", "val_within_2pct"}
