@@ -279,8 +279,10 @@ class RayRamStoreClient:
         self.handle = handle
 
     def start_put(self, step: int, generation: int, file: str, data: Any) -> PutWaiter:
-        # A numpy array goes to the object store in one copy, without an interim bytes,
-        # during .remote(): the caller may reuse its memory as soon as this returns.
+        # ``data``: the reference the tier's ``ray.put`` made (one copy in the object store
+        # for all the ring's stores; Ray hands the actor the array), or a numpy array, which
+        # goes to the object store during .remote(). Either way the caller may reuse its
+        # memory as soon as this returns.
         ref: Any = self.handle.put.remote(step, generation, file, data)
 
         def took(timeout_s: float | None) -> bool:
@@ -329,6 +331,8 @@ def ray_ram_tier(run_uri: str, *, cap_bytes: int | None, replicas: int = 1,
         return handles[node]
 
     node = ray.get_runtime_context().get_node_id()
-    tier = RamTier(node, live_nodes, store_on, replicas=replicas)
+    # One copy into the object store per shard, whatever ``replicas``: every store of the
+    # ring is sent its reference (elastic.ram_store: how the bytes travel).
+    tier = RamTier(node, live_nodes, store_on, replicas=replicas, share=ray.put)
     tier.prepare()  # the stores start while this worker restores and trains its first steps
     return tier

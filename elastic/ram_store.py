@@ -53,8 +53,14 @@ read 64 MiB ranges returned as numpy views           861 ms  0.31 GB/s
 read 64 MiB ranges returned as ``bytes``            1151 ms  0.23 GB/s
 =================================================  =======  ========
 
-So the worker passes the capture image as a numpy array (Ray writes it to the object store
-once, with no intermediate ``bytes``, the one copy a remote node needs anyway). The store
+With ``snapshots.ram_replicas`` stores per shard, each numpy argument is serialised again,
+one after the other, before the shard's write starts. Measured the same way (128 MiB, two
+stores on other raylets, medians of four alternating rounds; the call's stall, then until
+both stores took it): two numpy arguments 341 ms, 486 ms; one ``ray.put`` whose reference
+both stores get 17 ms, 327 ms (one store: numpy 19 ms, 221 ms; ``ray.put`` 17 ms, 194 ms; the
+907 ms above was not reproduced). So the worker puts the capture image into the object store
+once (``RamTier(share=ray.put)``: one copy, no intermediate ``bytes``, the one copy a remote
+node needs anyway) and sends every store of its ring the reference, concurrently. The store
 copies it into a buffer it owns (one more memcpy, +0.16 s here) rather than keeping the
 argument: a kept argument pins the object store's shared memory, which is sized and
 spilled by Ray, not by ``snapshots.ram_copy_mib``. Dropped buffers are reused by later puts
@@ -261,11 +267,15 @@ class RamTier:
     may be given a view of memory the caller reuses (the capture image)."""
 
     def __init__(self, node: str, live_nodes: Callable[[], list[str]],
-                 store_on: Callable[[str], RamStoreClient], *, replicas: int = 1) -> None:
+                 store_on: Callable[[str], RamStoreClient], *, replicas: int = 1,
+                 share: Callable[[Any], Any] | None = None) -> None:
         self.node = node
         self.live_nodes = live_nodes
         self.store_on = store_on
         self.replicas = replicas
+        # Makes the one copy of a shard that all its stores are sent (on Ray: ``ray.put``,
+        # the object store; the stores get the reference). None: each store gets ``data``.
+        self.share = share
 
     def put(self, step: int, generation: int, file: str, data: Any
             ) -> Callable[[float | None], list[str]]:
@@ -273,12 +283,18 @@ class RamTier:
         once this returns. The returned function waits up to its argument in seconds (None:
         for good) and returns the nodes that took the copy by then: a copy still on its way
         (a store just starting, a slow link) is not waited for beyond that, so the RAM tier
-        never holds up a commit; the store drops it with the next snapshot."""
+        never holds up a commit; the store drops it with the next snapshot.
+
+        The copies travel concurrently: ``share`` (if given) copies ``data`` once, and every
+        store is sent that one copy, each call returning at once; only then are the answers
+        awaited, all under the one deadline."""
+        ring = ring_holders(self.node, self.live_nodes(), self.replicas)
+        payload = data if self.share is None or not ring else self.share(data)
         waiters: list[tuple[str, PutWaiter]] = []
-        for node in ring_holders(self.node, self.live_nodes(), self.replicas):
+        for node in ring:
             try:
                 waiters.append((node, self.store_on(node).start_put(step, generation, file,
-                                                                    data)))
+                                                                    payload)))
             except StoreLost:
                 continue
 

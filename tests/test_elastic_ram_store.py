@@ -131,6 +131,47 @@ class _Nodes:
         self.lost.add(node)
 
 
+def test_replicas_are_sent_one_shared_copy_concurrently() -> None:
+    """With ram_replicas = 2 the image is copied once (``share``: ray.put on a cluster) and
+    both stores are sent that copy before either answer is awaited; the caller may reuse the
+    image as soon as ``put`` returns."""
+    nodes = _Nodes(["n0", "n1", "n2"])
+    events: list[str] = []
+    shared: list[np.ndarray] = []
+
+    def share(data: np.ndarray) -> np.ndarray:  # the object store's copy
+        shared.append(data.copy())
+        return shared[-1]
+
+    class Recording:
+        def __init__(self, node: str) -> None:
+            self.node, self.store = node, nodes.stores[node]
+
+        def start_put(self, step: int, generation: int, file: str, data: Any):
+            assert data is shared[-1], "each store must be sent the one shared copy"
+            events.append(f"send {self.node}")
+            took = self.store.put(step, generation, file, data)
+
+            def waiter(timeout_s: float | None) -> bool:
+                events.append(f"wait {self.node}")
+                return took
+
+            return waiter
+
+    tier = RamTier("n0", nodes.live, Recording, replicas=2, share=share)
+    image = _data(64, 7)
+    holders = tier.put(2, 0, "shard", image)
+    image[:] = 0  # the capture image is reused by the next capture
+    assert holders(1.0) == ["n1", "n2"]
+    assert len(shared) == 1  # one copy for both replicas
+    assert events == ["send n1", "send n2", "wait n1", "wait n2"]
+    for node in ("n1", "n2"):
+        assert bytes(nodes.stores[node].read(2, [("shard", 0, 64)])[0]) == bytes([7] * 64)
+    # No store to send to: nothing is copied.
+    alone = RamTier("n0", nodes.live, Recording, replicas=0, share=share)
+    assert alone.put(4, 0, "shard", image)(1.0) == [] and len(shared) == 1
+
+
 _JSON_SCALARS = (str, int, float, bool, type(None))
 
 
