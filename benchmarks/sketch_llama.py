@@ -305,8 +305,9 @@ def time_probe(variants: list[Variant], size: Size, vocab: int, seq: int) -> dic
     for step in range(2 + size.time_rounds):
         shift = step % len(variants)
         for i in [*range(shift, len(variants)), *range(shift)]:
+            model, optimizer, schedule = runs[i]
             start = time.thread_time()
-            train_step(*runs[i], tokens, 0, step)
+            train_step(model, optimizer, schedule, tokens, 0, step)
             if step >= 2:
                 times[i].append(time.thread_time() - start)
     result = {}
