@@ -61,6 +61,8 @@ def test_string_where_a_recipe_wants_an_integer(
         ("scaling.use_gpu=1", "scaling.use_gpu", "true or false"),
         ("sketch.include='blocks.*'", "sketch.include", "list of strings"),
         ("sketch.include=['a', 1]", "sketch.include", "list of strings"),
+        ("sketch.min_saving='0.1'", "sketch.min_saving", "remove the quotes"),
+        ("sketch.keep_gate=1", "sketch.keep_gate", "true or false"),
         ("optim.lr=nan", "optim.lr", "finite"),
         ("model.mlp_recompute=3", "model.mlp_recompute", "must be a string"),
     ],

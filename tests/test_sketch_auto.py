@@ -190,6 +190,27 @@ def test_recipe_include_auto_and_the_trainer_default(tmp_path: Path) -> None:
         n for n, m in gpt.named_modules() if n and default(n, m)}
 
 
+def test_recipe_min_saving_and_keep_gate_reach_the_model(tmp_path: Path) -> None:
+    """`[sketch] min_saving` and `keep_gate` are auto's threshold and SwiGLU mode in a run."""
+    pytest.importorskip("transformers")
+    run = f'snapshots.run_uri="{tmp_path / "run"}"'
+    assert SketchConfig().min_saving == MIN_SAVING and SketchConfig().keep_gate is False
+
+    def built(*overrides: str) -> tuple[set[str], set[bool]]:
+        model = build_model(load_recipe(LLAMA_RECIPE, [run, *overrides]))
+        return ({n for n, m in model.named_modules() if isinstance(m, SketchedLinear)},
+                {m._swiglu_keep_gate for m in model.modules() if hasattr(m, "_swiglu_keep_gate")})
+
+    default, default_modes = built()
+    assert default == {f"model.layers.{i}.mlp.down_proj" for i in range(2)}
+    assert default_modes == {False}
+    everything, _ = built("sketch.min_saving=0")  # q/k/v and the LM head free a little too
+    assert everything > default and "lm_head" in everything
+    assert {n for n in everything if n.endswith("q_proj")}, everything
+    kept_gate, modes = built("sketch.keep_gate=true")
+    assert kept_gate == default and modes == {True}
+
+
 def test_bad_include_is_one_config_error() -> None:
     with pytest.raises(ConfigError, match=r'^sketch\.include: must be "auto" or a list'):
         SketchConfig(rank=4, include="Auto")
@@ -207,8 +228,37 @@ def test_sketch_plan_prints_the_table_and_the_measured_ratio(
     assert ratio is not None and 0 < float(ratio.group(1)) < 1, out
 
 
+def test_sketch_plan_follows_the_recipes_min_saving_and_keep_gate(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    pytest.importorskip("transformers")
+
+    def plan(*overrides: str) -> tuple[int, float, str]:
+        argv = ["sketch-plan", LLAMA_RECIPE]
+        for override in overrides:
+            argv += ["--set", override]
+        code, out = baton(capsys, argv)
+        assert code == 0, out
+        sketched = re.search(r"(\d+) sketched, \d+ kept", out)
+        predicted = re.search(r"planned: predicted ([\d.]+) MiB", out)
+        assert sketched is not None and predicted is not None, out
+        return int(sketched.group(1)), float(predicted.group(1)), out
+
+    count, predicted, out = plan()
+    assert count == 2 and "min_saving 0.1)" in out, out  # the two down_proj
+    more, fewer_bytes, out = plan("sketch.min_saving=0")
+    assert more > count and fewer_bytes < predicted and "min_saving 0)" in out, out
+    same, more_bytes, out = plan("sketch.keep_gate=true")
+    assert same == count and more_bytes > predicted and "keep_gate" in out, out
+
+
 @pytest.mark.parametrize(("argv", "needle"), [
     (["--set", 'sketch.include="autox"'], 'sketch.include: must be "auto"'),
+    (["--set", "sketch.min_saving=1"], "sketch.min_saving: must be a share"),
+    (["--set", "sketch.min_saving=-0.1"], "sketch.min_saving: must be a share"),
+    (["--set", "sketch.keep_gate=1"], "sketch.keep_gate: must be true or false"),
+    # tiny.toml's built-in GPT picks its layers by name: auto's options would be ignored.
+    (["--set", "sketch.keep_gate=true"], 'sketch.keep_gate: applies to sketch.include = "auto"'),
+    (["--set", "sketch.min_saving=0"], 'sketch.min_saving: applies to sketch.include = "auto"'),
     (["--rows", "33"], "--rows 33"),
     (["--set", "sketch.rank=0"], "--rank R"),
 ])

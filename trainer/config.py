@@ -350,6 +350,9 @@ def _default(obj: Any, name: str) -> Any:
     return next(f.default for f in dataclasses.fields(obj) if f.name == name)
 
 
+_AUTO_ONLY_FIELDS = ("min_saving", "keep_gate")  # SketchConfig fields read by "auto" only
+
+
 @dataclass
 class SketchConfig:
     """BASIS sketched linear layers: one `rank` for every selected layer, or per-layer ranks
@@ -362,6 +365,13 @@ class SketchConfig:
     # for any other model.
     include: list[str] | str = field(default_factory=list)
     estimator: str = "centered"  # or "basis" (sketch_ops.function)
+    # Read by "auto" only (refused for a recipe whose layers are chosen by name): the least
+    # share of the probed step's activation bytes a kind of layers (e.g. every block's q/k/v)
+    # must free to be sketched, in [0, 1) (`sketch_ops.probe.MIN_SAVING`; 0 sketches whatever
+    # frees anything), and whether a fused SwiGLU MLP also keeps gate's output and recomputes
+    # only up in backward (one n x I tensor more per MLP, one matmul less: `sketch_ops.swiglu`).
+    min_saving: float = 0.10
+    keep_gate: bool = False
 
     def __post_init__(self) -> None:
         _check_types(self, "sketch")
@@ -385,6 +395,13 @@ class SketchConfig:
             "sketch.estimator",
             f"must be one of {', '.join(ESTIMATORS)}, got {self.estimator!r}",
         )
+        _require(0 <= self.min_saving < 1, "sketch.min_saving",
+                 f"must be a share of the step's activation bytes in [0, 1), got "
+                 f"{self.min_saving!r} (e.g. 0.1; 0 sketches whatever frees anything)")
+
+    def auto_only_fields(self) -> list[str]:
+        """The fields only include = "auto" reads that are set away from their defaults."""
+        return [n for n in _AUTO_ONLY_FIELDS if getattr(self, n) != _default(self, n)]
 
     @property
     def enabled(self) -> bool:
@@ -598,10 +615,22 @@ class FitConfig:
             "adafactor does not run on FSDP2 sharded parameters in this torch (its factored "
             'moments need whole rows and columns); use parallelism = "ddp" or another optimizer',
         )
+        auto_only = [] if self.sketch_is_auto else self.sketch.auto_only_fields()
+        _require(not auto_only, f"sketch.{auto_only[0] if auto_only else ''}",
+                 'applies to sketch.include = "auto" only (this recipe picks layers by name: '
+                 f"{self.sketch.include or 'the built-in GPT default'}); remove it, or set "
+                 'sketch.include = "auto"')
         custom = self.optim.custom_fields() if self.optimizer_factory is not None else []
         _require(not custom, f"optim.{custom[0] if custom else ''}",
                  "does not apply with optimizer_factory (the factory builds the optimizer); "
                  "remove it")
+
+    @property
+    def sketch_is_auto(self) -> bool:
+        """Whether a probe picks the sketched layers: `sketch.include = "auto"`, or unset for a
+        Hugging Face or `model_factory` model (the built-in GPT's default is by name)."""
+        return self.sketch.include == "auto" or (
+            not self.sketch.include and (self.model.is_hf or self.model_factory is not None))
 
     @property
     def run_name(self) -> str:

@@ -116,7 +116,8 @@ def build_model(cfg: FitConfig, device: torch.device | None = None) -> nn.Module
 
 def probe_args(cfg: FitConfig, model: nn.Module) -> dict[str, Any]:
     """`sketch_model`'s probe for `include="auto"`: one microbatch of token id 0 (what is saved
-    for backward depends on shapes, not values) through the run's loss, under its autocast."""
+    for backward depends on shapes, not values) through the run's loss, under its autocast,
+    and the recipe's `sketch.min_saving` / `sketch.keep_gate`."""
     device = next(model.parameters()).device
     tokens = torch.zeros(cfg.data.microbatch_size, cfg.data.seq_len, dtype=torch.long,
                          device=device)
@@ -126,7 +127,8 @@ def probe_args(cfg: FitConfig, model: nn.Module) -> dict[str, Any]:
         with autocast(model, cfg.precision.dtype, device):
             return run_loss(model, batch)
 
-    return {"probe_batch": tokens, "loss_fn": probe_loss}
+    return {"probe_batch": tokens, "loss_fn": probe_loss,
+            "min_saving": cfg.sketch.min_saving, "keep_gate": cfg.sketch.keep_gate}
 
 
 @dataclass

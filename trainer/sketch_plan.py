@@ -11,8 +11,9 @@ bytes, the bytes its sketch frees, why) and the activation bytes of exact backpr
 prediction for the plan and the plan as measured (`sketch_ops.memory.saved_bytes` on one step
 of the sketched model), with their ratios. R is `sketch.rank`, else `--rank`; a recipe with
 `sketch.memory_budget_mib` gets its per-layer ranks from the budget (the probe prices each
-sketch at R = 1). `--set KEY=VALUE` overrides the recipe as in `baton fit`. A bad recipe, a
-missing extra or a bad flag is one line on stderr, exit 2.
+sketch at R = 1); the recipe's `sketch.min_saving` and `sketch.keep_gate` are auto's
+threshold and SwiGLU mode, as in a run. `--set KEY=VALUE` overrides the recipe as in `baton
+fit`. A bad recipe, a missing extra or a bad flag is one line on stderr, exit 2.
 """
 
 from __future__ import annotations
@@ -103,6 +104,8 @@ class PlanReport:
     exact_bytes: int  # the model as built (no fusions, no sketches), measured
     measured_bytes: int  # the model with the plan applied, measured
     recipe_layers: list[str] | None  # what the recipe's own include selects, when not auto
+    min_saving: float  # the recipe's sketch.min_saving and sketch.keep_gate
+    keep_gate: bool
 
 
 def plan_and_measure(cfg: FitConfig, batch: torch.Tensor, rank: int | None) -> PlanReport:
@@ -130,7 +133,8 @@ def plan_and_measure(cfg: FitConfig, batch: torch.Tensor, rank: int | None) -> P
                          if type(m) is nn.Linear and n and select(n, m)]
     exact = saved_bytes(lambda: step(model), model)
     plan = auto_plan(model, batch, rank=1 if rank is None else rank, loss_fn=loss,
-                     estimator=cfg.sketch.estimator)
+                     estimator=cfg.sketch.estimator, min_saving=cfg.sketch.min_saving,
+                     keep_gate=cfg.sketch.keep_gate)
     if rank is not None:
         sketch_model(model, rank=rank, include=plan.include, estimator=cfg.sketch.estimator)
     elif plan.sketched:
@@ -140,7 +144,8 @@ def plan_and_measure(cfg: FitConfig, batch: torch.Tensor, rank: int | None) -> P
              if isinstance(module, SketchedLinear)}
     with sketch_seed(cfg.seed, 0):
         measured = saved_bytes(lambda: step(model), model)
-    return PlanReport(plan, int(batch.numel()), ranks, exact, measured, recipe_layers)
+    return PlanReport(plan, int(batch.numel()), ranks, exact, measured, recipe_layers,
+                      cfg.sketch.min_saving, cfg.sketch.keep_gate)
 
 
 def print_report(report: PlanReport) -> None:
@@ -154,7 +159,8 @@ def print_report(report: PlanReport) -> None:
     header = ("layer", "in->out", "decision", "R", "input", "freed", "why")
     widths = [max(len(h), *(len(r[i]) for r in rows)) if rows else len(h)
               for i, h in enumerate(header)]
-    print(f"sketch plan (include = \"auto\"), {report.rows} tokens per microbatch")
+    print(f"sketch plan (include = \"auto\", min_saving {report.min_saving:g}"
+          f"{', keep_gate' if report.keep_gate else ''}), {report.rows} tokens per microbatch")
     if plan.fused:
         print(f"fused first: {len(plan.fused)} modules ({_summarise(plan.fused)})")
     for row in (header, *rows):
