@@ -365,11 +365,12 @@ class SketchConfig:
     # for any other model.
     include: list[str] | str = field(default_factory=list)
     estimator: str = "centered"  # or "basis" (sketch_ops.function)
-    # Read by "auto" only (refused for a recipe whose layers are chosen by name): the least
-    # share of the probed step's activation bytes a kind of layers (e.g. every block's q/k/v)
-    # must free to be sketched, in [0, 1) (`sketch_ops.probe.MIN_SAVING`; 0 sketches whatever
-    # frees anything), and whether a fused SwiGLU MLP also keeps gate's output and recomputes
-    # only up in backward (one n x I tensor more per MLP, one matmul less: `sketch_ops.swiglu`).
+    # Read by "auto" only (a value other than the default is refused where layers are chosen
+    # by name): the least share of the probed step's activation bytes a kind of layers (e.g.
+    # every block's q/k/v) must free to be sketched, in [0, 1) (`sketch_ops.probe.MIN_SAVING`;
+    # 0 sketches whatever frees anything), and whether a fused SwiGLU MLP also keeps gate's
+    # output and recomputes only up in backward (one n x I tensor more per MLP, one matmul
+    # less: `sketch_ops.swiglu`).
     min_saving: float = 0.10
     keep_gate: bool = False
 
