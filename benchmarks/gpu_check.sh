@@ -5,12 +5,13 @@
 #
 #   bash benchmarks/gpu_check.sh [--out PATH]   # default PATH: benchmarks/results/gpu_check.json
 #   bash benchmarks/gpu_check.sh --dry-run      # print the steps, run nothing (no GPU needed)
+#   bash benchmarks/gpu_check.sh --only bf16_fit,sketch_memory   # these steps (and cuda) only
 #
 # Steps, each under its own `timeout` (the limits add up to 600 s):
 #   cuda            torch sees a CUDA device (name, memory, capability, bf16, triton version);
 #                   if not, the other steps are not run
-#   pytest_gpu      `pytest -m gpu` without the Triton tests: bf16 autocast and fused AdamW on
-#                   CUDA, a bf16 Llama resumed on CUDA, snapshots saved on CUDA restored on CPU
+#   pytest_gpu      `pytest -m gpu` (on the files holding gpu tests) without the Triton tests:
+#                   bf16 autocast and fused AdamW on CUDA, a bf16 Llama resumed on CUDA, snapshots saved on CUDA restored on CPU
 #   triton_kernels  `pytest -m gpu -k triton`: the Triton kernels compiled for the GPU (no
 #                   TRITON_INTERPRET) against the torch reference, and the sketched layer and a
 #                   Llama sketched with include="auto" through them against the reference
@@ -31,11 +32,13 @@ set -uo pipefail
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 OUT="$ROOT/benchmarks/results/gpu_check.json"
 DRY_RUN=0
-usage() { echo "usage: bash benchmarks/gpu_check.sh [--dry-run] [--out PATH]"; }
+ONLY=""
+usage() { echo "usage: bash benchmarks/gpu_check.sh [--dry-run] [--out PATH] [--only STEP,...]"; }
 while [ $# -gt 0 ]; do
     case "$1" in
         --dry-run) DRY_RUN=1 ;;
         --out) [ $# -ge 2 ] || { usage >&2; exit 2; }; OUT=$2; shift ;;
+        --only) [ $# -ge 2 ] || { usage >&2; exit 2; }; ONLY=$2; shift ;;
         -h|--help) usage; exit 0 ;;
         *) echo "gpu_check.sh: unknown argument $1" >&2; usage >&2; exit 2 ;;
     esac
@@ -48,7 +51,19 @@ PY=${PYTHON:-$ROOT/.venv/bin/python}
 [ -x "$PY" ] || PY=$(command -v python3)
 
 # name, time limit (s): run in this order.
-STEPS=("cuda 20" "pytest_gpu 150" "triton_kernels 120" "sketch_memory 110" "bf16_fit 200")
+STEPS=("cuda 20" "pytest_gpu 90" "triton_kernels 90" "sketch_memory 120" "bf16_fit 280")
+if [ -n "$ONLY" ]; then  # --only: the named steps, after cuda (which gates the others)
+    selected=("cuda 20")
+    for entry in "${STEPS[@]:1}"; do
+        if [[ ",$ONLY," == *",${entry%% *},"* ]]; then selected+=("$entry"); fi
+    done
+    for name in ${ONLY//,/ }; do
+        printf '%s\n' "${STEPS[@]}" | grep -q "^$name " || {
+            echo "gpu_check.sh: --only: no step named $name (steps: cuda pytest_gpu" \
+                "triton_kernels sketch_memory bf16_fit)" >&2; exit 2; }
+    done
+    STEPS=("${selected[@]}")
+fi
 
 step_cuda() {
     "$PY" - <<'EOF'
@@ -87,9 +102,13 @@ sys.exit(0 if counts["tests"] > 0 and counts["skipped"] == 0 else 1)
 EOF
 }
 
+# The test files holding `gpu` tests: collecting only these keeps the step independent of the
+# test-only extras (moto, boto3, mlflow) that other test modules import.
+gpu_test_files() { grep -l "pytest.mark.gpu" tests/test_*.py; }
+
 step_pytest_gpu() {
     env -u TRITON_INTERPRET -u BATON_SKETCH_BACKEND "$PY" -m pytest -q -rs -p no:cacheprovider \
-        -m gpu -k "not triton" --junitxml="$WORK/pytest_gpu.xml" tests
+        -m gpu -k "not triton" --junitxml="$WORK/pytest_gpu.xml" $(gpu_test_files)
     local rc=$?
     pytest_figures "$WORK/pytest_gpu.xml" && return $rc
 }
@@ -190,7 +209,7 @@ RESULTS=$(dirname "$OUT")
 LOGS="${OUT%.json}_logs"
 mkdir -p "$LOGS" "$RESULTS"
 export PY WORK ROOT RESULTS PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"
-export -f pytest_figures
+export -f pytest_figures gpu_test_files
 : >"$WORK/steps.tsv"
 have_cuda=1
 for entry in "${STEPS[@]}"; do

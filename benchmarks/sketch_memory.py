@@ -8,7 +8,7 @@ BASIS with the default policy (`trainer.model.SKETCH_LAYERS`) at each rank; BASI
 linear layer (DESIGN.md §4 as written); the speed mode (every block linear sketched, nothing
 recomputed); BASIS with checkpointing.
 
-Memory: each configuration runs in a fresh subprocess, which reports
+Memory: each configuration runs in a fresh subprocess (on CUDA, all in one), which reports
 - saved bytes: distinct storages packed for backward during one forward
   (`torch.autograd.graph.saved_tensors_hooks`), parameters excluded;
 - peak memory: the process's peak resident set (VmHWM) during one step minus its resident set
@@ -141,6 +141,20 @@ class Trainee:
             torch.cuda.synchronize(self.device)
 
 
+def measure_memory_each(specs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """`measure_memory` of each spec in turn, in this process: for CUDA only, where the
+    allocator's own counters measure one step's peak whatever ran before (a CPU measurement
+    reads the process's resident set, which needs a fresh process per configuration)."""
+    import torch
+
+    results = []
+    for spec in specs:
+        print(f"  memory: {spec['name']}", file=sys.stderr, flush=True)
+        results.append(measure_memory(spec))
+        torch.cuda.empty_cache()  # the last trainee is gone: give its blocks back
+    return results
+
+
 def measure_memory(spec: dict[str, Any]) -> dict[str, Any]:
     trainee = Trainee(spec)
     saved: dict[int, int] = {}
@@ -223,9 +237,10 @@ def spawn(mode: str, payload: Any) -> Any:
         env["MALLOC_MMAP_THRESHOLD_"] = _MMAP_THRESHOLD
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
     cmd = [sys.executable, __file__, mode, json.dumps(payload)]
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, check=False)
+    # The child's stderr (progress, errors) goes straight to ours.
+    proc = subprocess.run(cmd, env=env, stdout=subprocess.PIPE, text=True, check=False)
     if proc.returncode != 0:
-        raise RuntimeError(f"{mode} {payload} failed:\n{proc.stderr[-4000:]}")
+        raise RuntimeError(f"{mode} failed (exit {proc.returncode}); its errors are above")
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
@@ -250,8 +265,13 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
             {**config, "seq_len": seq_len, "batch": args.batch, "device": args.device}
             for config in configurations(args.ranks, args.combined_ranks)
         ]
-        memory = [spawn("--child-memory", spec) for spec in specs]
+        print(f"seq {seq_len}: {len(specs)} configurations", flush=True)
+        if args.device == "cuda":  # one process: CUDA start-up and Triton's JIT once
+            memory = spawn("--child-memory", specs)
+        else:
+            memory = [spawn("--child-memory", [spec])[0] for spec in specs]
         payload = {"specs": specs, "rounds": args.rounds, "clock": args.clock}
+        print(f"seq {seq_len}: timing, {args.rounds} rounds", flush=True)
         timing = spawn("--child-time", payload)
         exact = memory[0]
         for spec, mem, tim in zip(specs, memory, timing, strict=True):
@@ -291,7 +311,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--child-time", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.child_memory:
-        print(json.dumps(measure_memory(json.loads(args.child_memory))))
+        specs = json.loads(args.child_memory)
+        if len(specs) == 1:
+            print(json.dumps([measure_memory(specs[0])]))
+        else:
+            print(json.dumps(measure_memory_each(specs)))
         return 0
     if args.child_time:
         payload = json.loads(args.child_time)

@@ -26,12 +26,11 @@ import time
 import uuid
 from typing import Any
 
-from botocore.exceptions import BotoCoreError
-
 from data_state import storage
 from data_state.corpus import prepare_corpus
 from data_state.dataset import TokenDataset, read_manifest
 from data_state.manifest import DatasetManifest
+from elastic.retry import storage_errors
 
 
 def register(subparsers: Any) -> None:
@@ -154,7 +153,7 @@ def _prepare(args: argparse.Namespace) -> int:
         _check_writable(args.out)
     except ValueError as err:  # empty or unsupported URI
         return _fail("prepare", f"--out: {err}")
-    except (OSError, BotoCoreError) as err:  # BotoCoreError: S3 credentials, endpoint
+    except storage_errors() as err:  # S3 credentials, endpoint
         return _fail("prepare", f"--out {args.out!r} is not writable "
                                 f"({type(err).__name__}: {getattr(err, 'strerror', None) or err}); "
                                 "choose a directory you can write (or s3://bucket/prefix)")
@@ -234,7 +233,7 @@ def _inspect(args: argparse.Namespace) -> int:
                 }
     except ValueError as err:  # DatasetError: absent, malformed, checksum mismatch
         return _fail("inspect", err)
-    except (OSError, BotoCoreError) as err:  # not a directory, permissions, S3 credentials
+    except storage_errors() as err:  # not a directory, permissions, S3 credentials
         reason = getattr(err, "strerror", None) or err
         return _fail("inspect", f"cannot read {args.uri!r} ({type(err).__name__}: "
                                 f"{reason}); is it a prepared dataset?")

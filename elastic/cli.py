@@ -20,10 +20,10 @@ import os
 import sys
 from collections.abc import Callable
 
-from botocore.exceptions import BotoCoreError
 from safetensors import SafetensorError
 
 from elastic.catalog import describe, export_model, resolve_step, snapshot_rows, verify
+from elastic.retry import storage_errors
 from elastic.store import SnapshotStore
 
 
@@ -95,14 +95,16 @@ def _guarded(command: Callable[[argparse.Namespace], int]) -> Callable[..., int]
     def run(args: argparse.Namespace) -> int:
         try:
             problem = _bad_input(args)
-        except (OSError, BotoCoreError) as err:  # S3 credentials, endpoint, permissions
+        except storage_errors() as err:  # S3 credentials, endpoint, permissions
             return _fail(f"{args.run_uri}: cannot read the run directory "
                          f"({type(err).__name__}: {err})", 2)
         if problem:
             return _fail(problem, 2)
+        failures: tuple[type[Exception], ...] = (ValueError, SafetensorError,
+                                                 *storage_errors())
         try:
             return command(args)
-        except (ValueError, OSError, BotoCoreError, SafetensorError) as err:
+        except failures as err:
             return _fail(err)
 
     return run

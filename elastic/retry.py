@@ -124,6 +124,18 @@ def _transport_errors() -> tuple[type[BaseException], ...]:
             ResponseParserError, IncompleteRead)
 
 
+@functools.cache
+def storage_errors() -> tuple[type[Exception], ...]:
+    """The errors a storage call answers with when the place cannot be read or written:
+    OSError, and botocore's base error (S3 credentials, endpoint) where the S3 stack is
+    installed. For the CLIs' one-line messages: `except storage_errors() as err`."""
+    try:
+        from botocore.exceptions import BotoCoreError
+    except ImportError:  # a local-only install
+        return (OSError,)
+    return (OSError, BotoCoreError)
+
+
 def is_transient(err: BaseException) -> bool:
     """True for failures a retry may fix; False for definite answers and programming errors."""
     if isinstance(err, _DEFINITE):

@@ -129,7 +129,8 @@ def fake_fit(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> InProcessFit:
 def pytest_collection_finish(session: pytest.Session) -> None:
     """Under `--dist loadgroup` every slow test must carry xdist's group suffix: without it
     two Ray clusters run at once on the two xdist workers, and node-loss tests time out."""
-    if not session.config.getvalue("loadgroup"):
+    # xdist's workers set option.loadgroup; a plain (one-process) run has no such option.
+    if not getattr(session.config.option, "loadgroup", False):
         return
     ungrouped = [i.nodeid for i in session.items
                  if i.get_closest_marker("slow") is not None and not i.nodeid.endswith("@slow")]

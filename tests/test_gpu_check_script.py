@@ -71,10 +71,14 @@ def test_what_the_steps_select_exists(tmp_path: Path) -> None:
         proc = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q",
                                "-p", "no:cacheprovider", "-m", "gpu", *args],
                               capture_output=True, text=True, cwd=ROOT, timeout=300)
+        # A plain (not xdist) run, as the check's: conftest's hooks must work there too.
+        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
         return {line for line in proc.stdout.splitlines() if "::" in line}
 
-    gpu_files = ["tests/test_gpu_paths.py", "tests/test_sketch_triton.py",
-                 "tests/test_elastic_format.py"]
+    gpu_files = ["tests/test_elastic_format.py", "tests/test_gpu_paths.py",
+                 "tests/test_sketch_triton.py"]
+    listed = _bash("-c", f"source <(sed -n '/^gpu_test_files()/p' {SCRIPT}); gpu_test_files")
+    assert listed.stdout.split() == gpu_files, listed.stdout + listed.stderr
     triton = collected("-k", "triton", *gpu_files)
     others = collected("-k", "not triton", *gpu_files)
     assert triton and others and not triton & others
@@ -97,3 +101,12 @@ def test_without_cuda_it_fails_at_the_first_step_with_a_summary(tmp_path: Path) 
     assert "torch.cuda.is_available() is False" in Path(first["log"]).read_text()
     assert all(not s["ran"] and not s["ok"] for s in rest)
     assert "cuda: FAILED" in proc.stdout and "bf16_fit: not run (no CUDA)" in proc.stdout
+
+
+def test_only_runs_the_named_steps_after_cuda(tmp_path: Path) -> None:
+    proc = _bash(str(SCRIPT), "--dry-run", "--only", "bf16_fit,sketch_memory")
+    assert proc.returncode == 0, proc.stderr
+    steps = re.findall(r"^step (\w+) \(timeout", proc.stdout, flags=re.M)
+    assert steps == ["cuda", "sketch_memory", "bf16_fit"]  # the script's order, cuda first
+    bad = _bash(str(SCRIPT), "--dry-run", "--only", "bf16,sketch_memory")
+    assert bad.returncode == 2 and "--only: no step named bf16" in bad.stderr

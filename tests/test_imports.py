@@ -3,6 +3,8 @@
 * Every module of ``trainer``, ``elastic``, ``sketch_ops`` and ``data_state`` imports in a
   fresh interpreter (so no module depends on another having been imported first, and no
   optional extra is needed at import time).
+* The command modules import without the S3 stack (botocore, s3fs), an install for local
+  runs only.
 * The import graph among those modules, built with ``ast``, is acyclic. Imports inside
   functions count too: a deferred import hides a cycle from the interpreter, not from the
   reader (``sketch_ops/layer.py`` <-> ``policy.py`` and ``trainer/on_ray/demo.py`` <->
@@ -143,4 +145,18 @@ def test_every_module_imports_in_a_fresh_interpreter() -> None:
             "    importlib.import_module(name)\n")
     done = subprocess.run([sys.executable, "-c", code, *names], cwd=ROOT,
                           capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+
+
+def test_the_command_line_needs_no_s3_stack() -> None:
+    """A local-only install (no botocore/s3fs/boto3, as on the GPU machine of the GPU check)
+    still runs every command module: the S3 stack is imported only where S3 is used."""
+    code = ("import sys\n"
+            "for name in ('botocore', 's3fs', 'boto3', 'aiobotocore'):\n"
+            "    sys.modules[name] = None  # importing it now raises ImportError\n"
+            "import trainer.cli, elastic.cli, data_state.cli, trainer.report\n"
+            "from elastic.retry import storage_errors\n"
+            "assert storage_errors() == (OSError,), storage_errors()\n")
+    done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True,
+                          text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]

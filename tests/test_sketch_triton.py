@@ -121,7 +121,8 @@ def test_cuda_layer_matches_cpu_and_kernels_match_reference() -> None:
         layer.to(device).zero_grad(set_to_none=True)
         with sketch_seed(1, 2):
             layer(xs.to(device)).square().sum().backward()
-        grads.append(layer.weight.grad.cpu())
+        # A copy: .cpu() of a CPU tensor is itself, and the next .to() moves it to the GPU.
+        grads.append(layer.weight.grad.detach().to("cpu", copy=True))
     torch.testing.assert_close(grads[1], grads[0], rtol=1e-3, atol=1e-3)
     with torch.autocast("cuda", dtype=torch.bfloat16):
         assert layer(xs.cuda()).dtype == torch.bfloat16

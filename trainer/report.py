@@ -15,11 +15,11 @@ from __future__ import annotations
 from pathlib import Path
 
 import matplotlib
-from botocore.exceptions import BotoCoreError
 
 matplotlib.use("Agg")  # files only; never needs a display
 import matplotlib.pyplot as plt  # noqa: E402
 
+from elastic.retry import storage_errors  # noqa: E402
 from elastic.storage_io import Storage  # noqa: E402
 from trainer.metrics import RunSummary, read_records, summarize  # noqa: E402
 from trainer.terminal import summary_rows  # noqa: E402
@@ -38,7 +38,7 @@ def _check_run_uri(run_uri: str) -> None:
         io = Storage(run_uri)
         is_dir = io.isdir(io.root)
         is_file = not is_dir and io.isfile(io.root)
-    except (OSError, BotoCoreError) as err:  # S3 bucket, credentials, endpoint
+    except storage_errors() as err:  # S3 bucket, credentials, endpoint
         raise OSError(f"run {run_uri!r} cannot be read ({type(err).__name__}: {err})") from err
     if not is_dir:
         what = "is a file, not a run directory" if is_file else "does not exist"
