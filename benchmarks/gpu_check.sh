@@ -16,7 +16,8 @@
 #                   TRITON_INTERPRET) against the torch reference, and the sketched layer and a
 #                   Llama sketched with include="auto" through them against the reference
 #   sketch_memory   benchmarks/sketch_memory.py --device cuda (seq 2048): activation bytes, peak
-#                   GPU memory and step time of BASIS vs exact backprop and checkpointing
+#                   GPU memory and step time of BASIS vs exact backprop and checkpointing, and
+#                   a profile of one step of each (top ops, launches, synchronisations)
 #   bf16_fit        `baton fit recipes/llama-tiny.toml` in bf16 on the GPU (local Ray, 1 worker,
 #                   16 steps), uninterrupted, and a second run stopped at step 8 (--until 8) and
 #                   continued (restore from its snapshot); the two must end at the same model and
@@ -124,7 +125,7 @@ step_triton_kernels() {
 step_sketch_memory() {
     local out="$RESULTS/sketch_memory_cuda.json"
     "$PY" benchmarks/sketch_memory.py --device cuda --seq-lens 2048 --ranks 64 256 \
-        --combined-ranks 64 --rounds 3 --out "$out" || return 1
+        --combined-ranks 64 --rounds 3 --profile 12 --out "$out" || return 1
     "$PY" - "$out" <<'EOF'
 import json, os, sys
 rows = json.load(open(sys.argv[1]))["results"]

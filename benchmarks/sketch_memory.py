@@ -173,7 +173,9 @@ def measure_memory(spec: dict[str, Any]) -> dict[str, Any]:
     return {"saved_bytes": sum(saved.values()), "peak_bytes": _rss_bytes("VmHWM") - baseline}
 
 
-def measure_time(specs: list[dict[str, Any]], rounds: int, clock: str) -> list[dict[str, Any]]:
+def measure_time(
+    specs: list[dict[str, Any]], rounds: int, clock: str, profile_top: int = 0
+) -> list[dict[str, Any]]:
     if clock == "cpu":
         import torch
 
@@ -182,6 +184,8 @@ def measure_time(specs: list[dict[str, Any]], rounds: int, clock: str) -> list[d
     for trainee in trainees:
         trainee.step()  # warm-up round
     times = [[trainee.step(clock=clock) for trainee in trainees] for _ in range(rounds)]
+    # After the timed rounds: the profiler's own overhead must not touch the timings.
+    profiles = [profile_step(t, profile_top) if profile_top else None for t in trainees]
     results = []
     for i in range(len(specs)):
         ratios = [row[i] / row[0] for row in times]  # specs[0] is exact backprop
@@ -190,9 +194,42 @@ def measure_time(specs: list[dict[str, Any]], rounds: int, clock: str) -> list[d
                 "step_s": statistics.median(row[i] for row in times),
                 "time_ratio": statistics.median(ratios),
                 "time_ratio_range": [min(ratios), max(ratios)],
+                **({"profile": profiles[i]} if profiles[i] else {}),
             }
         )
     return results
+
+
+def profile_step(trainee: Trainee, top: int) -> dict[str, Any]:
+    """One step of `trainee` under torch.profiler: the `top` ops by self time on the device
+    (CUDA) or the CPU, and how many device synchronisations and host-device copies the step
+    made (each one stalls the host until the GPU's queue drains: on a launch-bound model
+    the step then costs launch time plus GPU time instead of the larger of the two)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU]
+    if trainee.device.type == "cuda":
+        activities.append(ProfilerActivity.CUDA)
+    trainee.synchronize()
+    with profile(activities=activities) as prof:
+        trainee.step()
+    events = prof.key_averages()
+    on_device = trainee.device.type == "cuda"
+
+    def self_us(e: Any) -> float:
+        return float(e.self_device_time_total if on_device else e.self_cpu_time_total)
+
+    ranked = sorted((e for e in events if self_us(e) > 0), key=self_us, reverse=True)
+    counts = {e.key: e.count for e in events}
+    syncs = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "aten::_local_scalar_dense",
+             "aten::nonzero", "cudaMemcpy", "cudaMemcpyAsync")
+    return {
+        "clock": "device" if on_device else "cpu",
+        "top_self_us": [[e.key, round(self_us(e), 1), e.count] for e in ranked[:top]],
+        "sync_and_copy_calls": {k: counts[k] for k in syncs if k in counts},
+        "op_calls": sum(e.count for e in events if e.key.startswith("aten::")),
+        "kernel_launches": counts.get("cudaLaunchKernel", 0) + counts.get("cuLaunchKernel", 0),
+    }
 
 
 def configurations(ranks: list[int], combined_ranks: list[int]) -> list[dict[str, Any]]:
@@ -258,6 +295,18 @@ def print_table(rows: list[dict[str, Any]]) -> None:
         )
 
 
+def print_profiles(rows: list[dict[str, Any]]) -> None:
+    """Per configuration: op calls, kernel launches, synchronisations, the top three ops."""
+    for r in rows:
+        prof = r.get("profile")
+        if not prof:
+            continue
+        top = ", ".join(f"{name} {us / 1e3:.1f} ms" for name, us, _ in prof["top_self_us"][:3])
+        syncs = " ".join(f"{k}={v}" for k, v in prof["sync_and_copy_calls"].items()) or "none"
+        print(f"{r['seq_len']:>5} {r['name']:<16} ops {prof['op_calls']}, launches "
+              f"{prof['kernel_launches']}, syncs/copies: {syncs}; top ({prof['clock']}): {top}")
+
+
 def run(args: argparse.Namespace) -> list[dict[str, Any]]:
     rows = []
     for seq_len in args.seq_lens:
@@ -270,7 +319,8 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
             memory = spawn("--child-memory", specs)
         else:
             memory = [spawn("--child-memory", [spec])[0] for spec in specs]
-        payload = {"specs": specs, "rounds": args.rounds, "clock": args.clock}
+        payload = {"specs": specs, "rounds": args.rounds, "clock": args.clock,
+                   "profile_top": args.profile}
         print(f"seq {seq_len}: timing, {args.rounds} rounds", flush=True)
         timing = spawn("--child-time", payload)
         exact = memory[0]
@@ -305,6 +355,9 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
                         help="where the steps run (cuda: GPU memory and synchronized timing)")
+    parser.add_argument("--profile", type=int, default=0, metavar="TOP",
+                        help="after timing, profile one step of each configuration: its TOP "
+                        "ops by self time, synchronisations and copies (into the JSON)")
     parser.add_argument("--quick", action="store_true", help="smoke run: seq 128, R 16, 1 round")
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT)
     parser.add_argument("--child-memory", help=argparse.SUPPRESS)
@@ -319,7 +372,8 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if args.child_time:
         payload = json.loads(args.child_time)
-        print(json.dumps(measure_time(payload["specs"], payload["rounds"], payload["clock"])))
+        print(json.dumps(measure_time(payload["specs"], payload["rounds"], payload["clock"],
+                                      payload.get("profile_top", 0))))
         return 0
     if args.device == "cuda" and args.clock == "cpu":
         parser.error("--clock cpu measures CPU work; with --device cuda use the wall clock")
@@ -327,6 +381,7 @@ def main(argv: list[str] | None = None) -> int:
         args.seq_lens, args.ranks, args.combined_ranks, args.rounds = [128], [16], [16], 1
     rows = run(args)
     print_table(rows)
+    print_profiles(rows)
     import torch
 
     meta = {

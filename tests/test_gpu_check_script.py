@@ -64,7 +64,8 @@ def test_what_the_steps_select_exists(tmp_path: Path) -> None:
 
     help_text = subprocess.run([sys.executable, "benchmarks/sketch_memory.py", "--help"],
                                capture_output=True, text=True, cwd=ROOT, timeout=60).stdout
-    for flag in ("--device", "--seq-lens", "--ranks", "--combined-ranks", "--rounds", "--out"):
+    for flag in ("--device", "--seq-lens", "--ranks", "--combined-ranks", "--rounds", "--profile",
+                 "--out"):
         assert flag in help_text, flag
 
     def collected(*args: str) -> set[str]:

@@ -60,7 +60,7 @@ def test_gelu_mlp_keeps_only_its_input_and_the_proj_sketch() -> None:
     assert unfused == n * 4 * d * 4 + (rank + 1) * (d + 4 * d) * 4 + 2 * SEED_BYTES
 
 
-def test_memory_benchmark_imports_and_lists_its_configurations() -> None:
+def _benchmark_module():
     import importlib.util
     from pathlib import Path
 
@@ -68,6 +68,11 @@ def test_memory_benchmark_imports_and_lists_its_configurations() -> None:
     spec = importlib.util.spec_from_file_location("sketch_memory_benchmark", path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
+    return module
+
+
+def test_memory_benchmark_imports_and_lists_its_configurations() -> None:
+    module = _benchmark_module()
     names = [c["name"] for c in module.configurations([16, 64], [64])]
     assert names == [
         "exact",
@@ -80,3 +85,22 @@ def test_memory_benchmark_imports_and_lists_its_configurations() -> None:
         "speed-R64",
         "basis-R64+ckpt",
     ]
+
+
+def test_the_benchmark_profile_counts_a_sketched_steps_extra_work() -> None:
+    """`--profile`'s record of one step: ranked ops, op calls, and the host-side plan work a
+    sketched step adds (the sketch plan is drawn per step: its row selection is a nonzero)."""
+    module = _benchmark_module()
+    base = {"checkpoint": False, "seq_len": 32, "batch": 1, "device": "cpu"}
+    exact = module.profile_step(module.Trainee({"name": "exact", "rank": 0, **base}), top=4)
+    sketched = module.profile_step(module.Trainee(
+        {"name": "basis", "rank": 8, "include": ["blocks.*.mlp.proj"], **base}), top=4)
+    for prof in (exact, sketched):
+        assert prof["clock"] == "cpu" and len(prof["top_self_us"]) == 4
+        names = [row[0] for row in prof["top_self_us"]]
+        assert all(name.startswith("aten::") for name in names), names
+        times = [row[1] for row in prof["top_self_us"]]
+        assert times == sorted(times, reverse=True) and times[0] > 0
+    assert "aten::nonzero" not in exact["sync_and_copy_calls"]
+    assert sketched["sync_and_copy_calls"]["aten::nonzero"] >= 1
+    assert sketched["op_calls"] > exact["op_calls"]
