@@ -114,9 +114,16 @@ class SketchPlan:
         return int(self.hash.shape[0])
 
     def to(self, device: torch.device) -> SketchPlan:
+        """The plan on `device`. From the CPU to a GPU the tensors go through pinned memory:
+        a copy from pageable memory waits for the GPU's whole queue first (a stream sync per
+        tensor, twice per sketched layer and step), one from pinned memory is queued like a
+        kernel (torch's caching host allocator keeps the pinned block until it has run)."""
         if self.hash.device == device:
             return self
-        hash_, signs, rows, offsets = (t.to(device, non_blocking=True) for t in self.tensors())
+        pin = device.type == "cuda" and self.hash.device.type == "cpu"
+        hash_, signs, rows, offsets = (
+            (t.pin_memory() if pin else t).to(device, non_blocking=True) for t in self.tensors()
+        )
         return SketchPlan(self.rank, hash_, signs, rows, offsets, self.max_bucket)
 
     def tensors(self) -> tuple[torch.Tensor, ...]:
