@@ -225,7 +225,7 @@ def run_baton(cluster: Any, plan: Plan, work: Path, dataset: str, tag: str) -> d
 
     def current_step() -> int:
         try:
-            return ray.get(get_monitor(cfg.run_name).latest.remote()).get("step", 0)
+            return ray.get(get_monitor(cfg).latest.remote()).get("step", 0)
         except ValueError:  # the monitor does not exist yet
             return 0
 

@@ -30,7 +30,7 @@ from data_state import storage
 from data_state.corpus import prepare_corpus
 from data_state.dataset import TokenDataset, read_manifest
 from data_state.manifest import DatasetManifest
-from elastic.retry import storage_errors
+from elastic.storage_io import storage_errors
 
 
 def register(subparsers: Any) -> None:

@@ -23,7 +23,7 @@ from collections.abc import Callable
 from safetensors import SafetensorError
 
 from elastic.catalog import describe, export_model, resolve_step, snapshot_rows, verify
-from elastic.retry import storage_errors
+from elastic.storage_io import storage_errors
 from elastic.store import SnapshotStore
 
 

@@ -62,7 +62,8 @@ and ``path(*parts)`` joins under it; every method takes such a path (URIs stay `
 * ``stats`` counts reads and writes, so tests can show that a restore touched no storage.
 
 Callers import the layer's names from here (``__all__``: ``TruncatedError``,
-``merge_ranges`` and its constants, ``fsync_dir`` too), whichever module defines them.
+``merge_ranges`` and its constants, ``fsync_dir``, ``storage_errors`` too), whichever module
+defines them.
 """
 
 from __future__ import annotations
@@ -81,12 +82,13 @@ from elastic.byte_ranges import (
     merge_ranges,
 )
 from elastic.local_files import LocalFiles, fsync_dir
+from elastic.retry import storage_errors
 from elastic.s3_files import S3Files
 from elastic.s3_multipart import MIN_PART_BYTES
 
 # The layer's public names: callers import them from here, whichever module defines them.
 __all__ = ["MAX_SPAN_BYTES", "MERGE_HOLE_BYTES", "READ_INTO_MAX_WASTE", "IOStats", "Storage",
-           "TruncatedError", "fsync_dir", "merge_ranges"]
+           "TruncatedError", "fsync_dir", "merge_ranges", "storage_errors"]
 
 # S3 objects at least this large go up as multipart uploads, in parts of PART_BYTES sent by
 # PART_CONCURRENCY threads: one S3 connection streams ~50-100 MB/s, so a multi-GB shard needs

@@ -97,8 +97,8 @@ def test_the_benchmark_profile_counts_a_sketched_steps_extra_work() -> None:
         {"name": "basis", "rank": 8, "include": ["blocks.*.mlp.proj"], **base}), top=4)
     for prof in (exact, sketched):
         assert prof["clock"] == "cpu" and len(prof["top_self_us"]) == 4
-        names = [row[0] for row in prof["top_self_us"]]
-        assert all(name.startswith("aten::") for name in names), names
+        # Ops and the profiler's own ranges (autograd nodes, Optimizer.step) alike.
+        assert all(isinstance(row[0], str) and row[2] >= 1 for row in prof["top_self_us"])
         times = [row[1] for row in prof["top_self_us"]]
         assert times == sorted(times, reverse=True) and times[0] > 0
     assert "aten::nonzero" not in exact["sync_and_copy_calls"]

@@ -285,7 +285,7 @@ def test_the_storage_layer_is_a_leaf() -> None:
 
     leaf = ROOT / "elastic"
     assert baton_imports(leaf / "storage_io.py") == {
-        "elastic.byte_ranges", "elastic.local_files", "elastic.s3_files",
+        "elastic.byte_ranges", "elastic.local_files", "elastic.retry", "elastic.s3_files",
         "elastic.s3_multipart"}
     assert baton_imports(leaf / "s3_files.py") == {"elastic.byte_ranges", "elastic.retry",
                                                    "elastic.s3_multipart"}

@@ -68,7 +68,7 @@ def _latest(monitor: Any) -> dict[str, Any]:
 
 def _monitor_step(cfg: Any) -> int:
     try:
-        return _latest(get_monitor(cfg.run_name)).get("step", 0)
+        return _latest(get_monitor(cfg)).get("step", 0)
     except ValueError:  # the monitor is not created yet
         return 0
 
@@ -94,7 +94,7 @@ def _fit_with_faults(cluster: LocalCluster, cfg: Any) -> tuple[FitResult, float]
     def monitor_ready() -> bool:
         nonlocal monitor
         try:
-            monitor = get_monitor(cfg.run_name)
+            monitor = get_monitor(cfg)
             return True
         except ValueError:
             return False
@@ -183,7 +183,7 @@ def test_preemption_notice_loses_no_steps(
     try:
         _wait(lambda: _monitor_step(cfg) >= LOSE_AT, 180, f"step {LOSE_AT}")
         cluster.drain_worker(deadline_s=60)
-        _wait(lambda: _latest(get_monitor(cfg.run_name)).get("world_size") == 1, 180,
+        _wait(lambda: _latest(get_monitor(cfg)).get("world_size") == 1, 180,
               "a restart without the drained node")
         cluster.remove_worker()  # the spot node goes away, as announced
         thread.join(timeout=400)

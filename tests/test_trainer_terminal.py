@@ -238,7 +238,7 @@ def test_run_feed_announces_a_node_loss_between_progress_lines(
     fake_ray = types.SimpleNamespace(is_initialized=lambda: True, nodes=lambda: alive,
                                      get=lambda value, timeout=None: value)
     monkeypatch.setattr(monitor_module, "ray", fake_ray)
-    monkeypatch.setattr(monitor_module, "get_monitor", lambda name: remote)
+    monkeypatch.setattr(monitor_module, "get_monitor", lambda cfg: remote)
     out = io.StringIO()
     cfg = FitConfig(snapshots=SnapshotConfig(run_uri=str(tmp_path)))
     feed = monitor_module.RunFeed(cfg, ProgressDisplay(cfg.steps, Console(file=out, width=60)))
@@ -263,3 +263,19 @@ def test_run_feed_announces_a_node_loss_between_progress_lines(
                         "step 10, optimizer warm, 2 steps redone")
     assert lines[4].startswith("step 11/100") and "workers 1" in lines[4]
     assert feed.events == [lines[0][4:], lines[3][4:]]
+
+
+def test_runs_whose_directories_share_a_name_get_their_own_monitor(tmp_path) -> None:
+    """The monitor actor is named per run URI: two runs called "b" (two fits in one driver,
+    two jobs on one cluster) must not share one (the second run's metrics would go to the
+    first run's directory, and its progress would read the first run's last record)."""
+    from trainer.config import FitConfig, SnapshotConfig
+    from trainer.on_ray.monitor import monitor_name
+
+    def name(run: str) -> str:
+        return monitor_name(FitConfig(snapshots=SnapshotConfig(run_uri=run)))
+
+    first, second = str(tmp_path / "x" / "b"), str(tmp_path / "y" / "b")
+    assert name(first) != name(second)
+    assert name(first) == name(first) and name(first).startswith("baton-monitor-b-")
+    assert name("s3://bucket/b") != name(first)

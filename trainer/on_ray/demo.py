@@ -29,12 +29,12 @@ DEMO_PACE_S = 0.1
 console = Console(stderr=True, soft_wrap=True)  # never wrap: logs are parsed
 
 
-def _wait_for_monitor(run_name: str, trainer: threading.Thread) -> Any:
+def _wait_for_monitor(cfg: FitConfig, trainer: threading.Thread) -> Any:
     from trainer.on_ray.monitor import get_monitor
 
     while trainer.is_alive():
         try:
-            return get_monitor(run_name)
+            return get_monitor(cfg)
         except ValueError:  # fit has not created it yet
             time.sleep(0.5)
     return None
@@ -109,7 +109,7 @@ def run_demo(recipe: str, run_dir: str) -> int:
         started = time.perf_counter()
         trainer.start()
         try:
-            monitor = _wait_for_monitor(cfg.run_name, trainer)
+            monitor = _wait_for_monitor(cfg, trainer)
             if monitor is not None and _wait_for_step(monitor, cfg.steps // 3, trainer):
                 cluster.remove_worker()
                 feed.event(f"demo: removed a worker node after step {cfg.steps // 3}")

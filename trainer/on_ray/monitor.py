@@ -27,6 +27,7 @@ Contract:
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import time
 from collections import deque
@@ -113,12 +114,18 @@ class MonitorState:
 RunMonitor: Any = ray.remote(num_cpus=0)(MonitorState)  # Any: Ray's actor stubs are partial
 
 
-def monitor_name(run_name: str) -> str:
-    return f"baton-monitor-{run_name}"
+def monitor_name(cfg: FitConfig) -> str:
+    """The run's monitor actor: its name and a hash of its run URI, so two runs whose
+    directories share a name (two fits in one driver, two jobs on one cluster) never share a
+    monitor, which would write one run's metrics into the other's directory."""
+    digest = hashlib.sha256(cfg.snapshots.run_uri.encode()).hexdigest()[:12]
+    return f"baton-monitor-{cfg.run_name}-{digest}"
 
 
-def get_monitor(run_name: str) -> ray.actor.ActorHandle:
-    return ray.get_actor(monitor_name(run_name), namespace=NAMESPACE)
+def get_monitor(cfg: FitConfig) -> ray.actor.ActorHandle:
+    """The monitor of `cfg`'s live fit; ValueError when there is none (not started yet, or
+    over: `trainer.on_ray.ray_fit` ends it with its fit)."""
+    return ray.get_actor(monitor_name(cfg), namespace=NAMESPACE)
 
 
 class NodeWatch:
@@ -142,6 +149,7 @@ class RunFeed:
     """`on_progress` for `trainer.fit`: restart events and the display (module docstring)."""
 
     def __init__(self, cfg: FitConfig, display: ProgressDisplay | None = None) -> None:
+        self.cfg = cfg
         self.run_uri = cfg.snapshots.run_uri
         self.run_name = cfg.run_name
         self.display = display
@@ -172,7 +180,7 @@ class RunFeed:
             return
         try:
             if self._monitor is None:
-                self._monitor = get_monitor(self.run_name)
+                self._monitor = get_monitor(self.cfg)
             records, self._cursor = ray.get(self._monitor.since.remote(self._cursor),
                                             timeout=5)
             lost, added = self.nodes.poll()

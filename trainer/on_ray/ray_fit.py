@@ -77,7 +77,7 @@ def _train_fn(loop_config: dict[str, Any]) -> None:
     context = ray.train.get_context()
     rank, world_size = context.get_world_rank(), context.get_world_size()
     device = ray.train.torch.get_device() if cfg.scaling.use_gpu else torch.device("cpu")
-    monitor = get_monitor(cfg.run_name)
+    monitor = get_monitor(cfg)
     on_metrics = (lambda record: monitor.add.remote(record)) if rank == 0 else None
     env = WorkerEnv(
         rank=rank,
@@ -216,7 +216,7 @@ def _fit_leased(
                           "this machine" if embedded else "the Ray cluster")
 
     monitor = RunMonitor.options(
-        name=monitor_name(config.run_name),
+        name=monitor_name(config),
         namespace=NAMESPACE,
         get_if_exists=True,
         resources=HEAD_NODE_RESOURCES,  # on the head: it must outlive any worker node
@@ -260,6 +260,9 @@ def _fit_leased(
     finally:
         polling.set()
         ray.get(monitor.flush.remote())
+        # One monitor per fit: a later fit of the same run in this driver starts from a
+        # fresh one (the records are on disk), not from this fit's last record.
+        ray.kill(monitor)
     stopped_at = trainer.stopped_at if (trainer.stopped_at or 0) < config.steps else None
     failed = final_commit_error(trainer.health, stopped_at or config.steps)
     if failed is not None:
