@@ -33,6 +33,7 @@ class FakeCluster:
         self.answers = {n: True for n in nodes}  # whether the raylet answers
         self.now = 0.0
         self.reservations = 0
+        self.draining: set[str] = set()  # nodes with a drain request (a preemption notice)
 
     def table(self) -> list[dict[str, Any]]:
         return [{"NodeID": n, "Alive": a, "NodeManagerAddress": n, "NodeManagerPort": 1}
@@ -57,6 +58,7 @@ def _policy(cluster: FakeCluster, **kwargs: Any) -> LiveNodesElasticPolicy:
     policy = LiveNodesElasticPolicy(
         ScalingConfig(num_workers=(1, 2), resources_per_worker=CPU),
         node_table=cluster.table, probe=cluster.probe, fresh_reservation=cluster.fresh,
+        draining_nodes=lambda: cluster.draining,
         clock=lambda: cluster.now, sleep=cluster.sleep, **kwargs,
     )
     policy._coordinator_client = SimpleNamespace(maybe_send_resource_request=lambda *a: None)
@@ -119,6 +121,19 @@ def test_a_failure_on_healthy_nodes_is_not_delayed() -> None:
     assert cluster.now == 0.0
 
 
+def test_after_a_preemption_notice_the_restart_leaves_the_drained_node_out() -> None:
+    """The group stopped on a spot notice for b: b still answers and GCS lists it alive (and
+    in the reservation), but Ray places nothing new on a draining node, so the restart must
+    be sized without it (else each try at 2 waits out the start timeout, forever)."""
+    cluster = FakeCluster(["a", "b"])
+    policy = _policy(cluster)
+    _run_group(policy, ["a", "b"])
+    cluster.draining = {"b"}
+    decision = policy.make_decision_for_non_running_worker_group()
+    assert decision == ResizeDecision(num_workers=1, resources_per_worker=CPU)
+    assert cluster.now == 0.0  # nothing to confirm: b is alive and answers
+
+
 def test_below_min_workers_waits_and_rereads_at_most_once_a_second() -> None:
     cluster = FakeCluster(["a"])
     policy = _policy(cluster)
@@ -168,3 +183,6 @@ def test_ray_train_internals_it_relies_on_are_there() -> None:
         assert name in source, name
     params = inspect.signature(_AutoscalingCoordinatorActor.get_reserved_resources).parameters
     assert "recompute" in params
+    # The draining nodes, as Ray Train's preemption watcher reads them.
+    from ray._private.state import GlobalState
+    assert callable(GlobalState.get_draining_nodes)

@@ -18,7 +18,9 @@ Contract:
      that verdict anyway: its calls to the dead workers fail only then, so little is added);
   3. it sizes the new group from a *fresh* reservation (`get_reserved_resources(...,
      recompute=True)`: the coordinator re-reads the node table first), minus any node that
-     did not answer. Then Ray Train's own counting and `min_workers` rule decide as usual.
+     did not answer and any node being drained (a preemption notice: Ray places nothing new
+     there, so a group sized to include it waits out the start timeout, again and again).
+     Then Ray Train's own counting and `min_workers` rule decide as usual.
   A failure on healthy nodes (every raylet answers) is not delayed. Decisions for a running
   group (scale-up) are Ray Train's own.
 - `FatalAwareFailurePolicy(failure_config)` is Ray Train's `DefaultFailurePolicy` with two
@@ -106,6 +108,7 @@ class LiveNodesElasticPolicy(ElasticScalingPolicy):
         node_table: NodeTable | None = None,
         probe: Probe = raylet_answers,
         fresh_reservation: Callable[[], Reservation | None] | None = None,
+        draining_nodes: Callable[[], Iterable[str]] | None = None,
         clock: Callable[[], float] = time.monotonic,
         sleep: Callable[[float], None] = time.sleep,
     ) -> None:
@@ -115,6 +118,7 @@ class LiveNodesElasticPolicy(ElasticScalingPolicy):
         self._node_table = node_table or ray.nodes
         self._probe = probe
         self._fresh_reservation = fresh_reservation or self._recomputed_reservation
+        self._draining_nodes = draining_nodes or _draining_in_gcs
         self._clock = clock
         self._sleep = sleep
         self._group_nodes: set[str] = set()  # nodes of the group that ran last
@@ -159,8 +163,8 @@ class LiveNodesElasticPolicy(ElasticScalingPolicy):
 
     def _get_reserved_resources(self) -> Reservation | None:
         """For a restart, a fresh view (at most once per Ray Train's query interval), less the
-        nodes that stopped answering (GCS may not know yet if `confirm_s` ran out); for a
-        running group, Ray Train's own cached view."""
+        nodes that stopped answering (GCS may not know yet if `confirm_s` ran out) and the
+        nodes being drained; for a running group, Ray Train's own cached view."""
         if not self._restarting:
             return super()._get_reserved_resources()
         now = self._clock()
@@ -169,8 +173,8 @@ class LiveNodesElasticPolicy(ElasticScalingPolicy):
         self._last_fresh = now
         reserved = self._fresh_reservation()
         if reserved is not None:
-            lost = self._lost or set()
-            reserved = {node: res for node, res in reserved.items() if node not in lost}
+            left_out = (self._lost or set()) | set(self._draining_nodes())
+            reserved = {node: res for node, res in reserved.items() if node not in left_out}
         self._latest_reserved_resources = reserved
         return reserved
 
@@ -205,6 +209,15 @@ class LiveNodesElasticPolicy(ElasticScalingPolicy):
                 )
                 lost |= {n["NodeID"] for n, ok in zip(alive, answers, strict=True) if not ok}
         return lost
+
+
+def _draining_in_gcs() -> set[str]:
+    """Nodes GCS lists as being drained (what Ray Train's own preemption watcher reads)."""
+    try:
+        return set(ray._private.state.state.get_draining_nodes() or {})
+    except Exception:  # noqa: BLE001 - no answer: leave nothing out, as before
+        logger.warning("Baton: could not read the draining nodes", exc_info=True)
+        return set()
 
 
 # -------------------------------------------------------------------------- failures
