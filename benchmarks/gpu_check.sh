@@ -11,7 +11,8 @@
 #   cuda            torch sees a CUDA device (name, memory, capability, bf16, triton version);
 #                   if not, the other steps are not run
 #   pytest_gpu      `pytest -m gpu` (on the files holding gpu tests) without the Triton tests:
-#                   bf16 autocast and fused AdamW on CUDA, a bf16 Llama resumed on CUDA, snapshots saved on CUDA restored on CPU
+#                   bf16 autocast and fused AdamW on CUDA, a bf16 Llama resumed on CUDA,
+#                   snapshots saved on CUDA restored on CPU
 #   triton_kernels  `pytest -m gpu -k triton`: the Triton kernels compiled for the GPU (no
 #                   TRITON_INTERPRET) against the torch reference, and the sketched layer and a
 #                   Llama sketched with include="auto" through them against the reference
@@ -60,8 +61,8 @@ if [ -n "$ONLY" ]; then  # --only: the named steps, after cuda (which gates the 
     done
     for name in ${ONLY//,/ }; do
         printf '%s\n' "${STEPS[@]}" | grep -q "^$name " || {
-            echo "gpu_check.sh: --only: no step named $name (steps: cuda pytest_gpu" \
-                "triton_kernels sketch_memory bf16_fit)" >&2; exit 2; }
+            echo "gpu_check.sh: --only: no step named $name (steps:" \
+                "$(printf '%s\n' "${STEPS[@]}" | cut -d' ' -f1 | paste -sd' '))" >&2; exit 2; }
     done
     STEPS=("${selected[@]}")
 fi

@@ -142,16 +142,17 @@ class Trainee:
 
 
 def measure_memory_each(specs: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """`measure_memory` of each spec in turn, in this process: for CUDA only, where the
-    allocator's own counters measure one step's peak whatever ran before (a CPU measurement
-    reads the process's resident set, which needs a fresh process per configuration)."""
+    """`measure_memory` of each spec in turn, in this process. Several specs only on CUDA,
+    where the allocator's own counters measure one step's peak whatever ran before; a CPU
+    measurement reads the process's resident set, so `run` sends one spec per process."""
     import torch
 
     results = []
     for spec in specs:
         print(f"  memory: {spec['name']}", file=sys.stderr, flush=True)
         results.append(measure_memory(spec))
-        torch.cuda.empty_cache()  # the last trainee is gone: give its blocks back
+        if torch.cuda.is_initialized():
+            torch.cuda.empty_cache()  # the last trainee is gone: give its blocks back
     return results
 
 
@@ -364,11 +365,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--child-time", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.child_memory:
-        specs = json.loads(args.child_memory)
-        if len(specs) == 1:
-            print(json.dumps([measure_memory(specs[0])]))
-        else:
-            print(json.dumps(measure_memory_each(specs)))
+        print(json.dumps(measure_memory_each(json.loads(args.child_memory))))
         return 0
     if args.child_time:
         payload = json.loads(args.child_time)

@@ -150,8 +150,6 @@ class RunFeed:
 
     def __init__(self, cfg: FitConfig, display: ProgressDisplay | None = None) -> None:
         self.cfg = cfg
-        self.run_uri = cfg.snapshots.run_uri
-        self.run_name = cfg.run_name
         self.display = display
         self.tracker = RestartTracker(optimizer_warm=self._optimizer_warm)
         self.nodes = NodeWatch()
@@ -201,7 +199,7 @@ class RunFeed:
         from elastic.store import SnapshotStore
 
         try:
-            manifest = SnapshotStore(self.run_uri).load_manifest(step)
+            manifest = SnapshotStore(self.cfg.snapshots.run_uri).load_manifest(step)
         except Exception:  # noqa: BLE001 - only a detail of an event line
             return None
         return snapshot_has_optimizer_state(manifest.state)

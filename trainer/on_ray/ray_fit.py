@@ -259,10 +259,12 @@ def _fit_leased(
         trainer.fit()
     finally:
         polling.set()
-        ray.get(monitor.flush.remote())
-        # One monitor per fit: a later fit of the same run in this driver starts from a
-        # fresh one (the records are on disk), not from this fit's last record.
-        ray.kill(monitor)
+        try:
+            ray.get(monitor.flush.remote())
+        finally:
+            # One monitor per fit: a later fit of the same run in this driver starts from a
+            # fresh one (the records are on disk), not from this fit's last record.
+            ray.kill(monitor)
     stopped_at = trainer.stopped_at if (trainer.stopped_at or 0) < config.steps else None
     failed = final_commit_error(trainer.health, stopped_at or config.steps)
     if failed is not None:
