@@ -134,6 +134,42 @@ def test_after_a_preemption_notice_the_restart_leaves_the_drained_node_out() -> 
     assert cluster.now == 0.0  # nothing to confirm: b is alive and answers
 
 
+def _check_running_group(policy: LiveNodesElasticPolicy, nodes: list[str]) -> Any:
+    """Ray Train's resize check of a group running on `nodes`, due now."""
+    import time
+
+    state = SimpleNamespace(
+        workers=[SimpleNamespace(metadata=SimpleNamespace(node_id=n)) for n in nodes],
+        start_time=time.monotonic() - 3600.0, num_workers=len(nodes),
+    )
+    policy._latest_monitor_time = float("-inf")
+    return policy.make_decision_for_running_worker_group(state, None)
+
+
+def test_a_running_group_grows_on_a_fresh_view_at_its_resize_check() -> None:
+    """A node that joins is seen at the next resize check, not when the coordinator's 20 s
+    tick refreshes Ray Train's cached view (which here still says only a)."""
+    cluster = FakeCluster(["a"])
+    policy = _policy(cluster)
+    policy._latest_reserved_resources = {"a": dict(CPU)}
+    assert isinstance(_check_running_group(policy, ["a"]), NoopDecision)
+    cluster.alive["b"], cluster.answers["b"] = True, True  # a node joins
+    cluster.now += 1.0
+    decision = _check_running_group(policy, ["a"])
+    assert decision == ResizeDecision(num_workers=2, resources_per_worker=CPU)
+    assert cluster.reservations == 2
+
+
+def test_a_running_group_does_not_grow_onto_a_draining_node() -> None:
+    cluster = FakeCluster(["a", "b"])
+    policy = _policy(cluster)
+    cluster.draining = {"b"}  # b is being preempted: Ray would place nothing there
+    assert isinstance(_check_running_group(policy, ["a"]), NoopDecision)
+    # A draining node the group runs on is the preemption path's: not a resize here.
+    cluster.now += 1.0
+    assert isinstance(_check_running_group(policy, ["a", "b"]), NoopDecision)
+
+
 def test_below_min_workers_waits_and_rereads_at_most_once_a_second() -> None:
     cluster = FakeCluster(["a"])
     policy = _policy(cluster)

@@ -21,8 +21,12 @@ Contract:
      did not answer and any node being drained (a preemption notice: Ray places nothing new
      there, so a group sized to include it waits out the start timeout, again and again).
      Then Ray Train's own counting and `min_workers` rule decide as usual.
-  A failure on healthy nodes (every raylet answers) is not delayed. Decisions for a running
-  group (scale-up) are Ray Train's own.
+  A failure on healthy nodes (every raylet answers) is not delayed. For a running group
+  (scale-up) Ray Train decides, on a fresh reservation too, read once per its resize check
+  (`scaling.resize_interval_s`), less draining nodes the group does not run on: with the
+  coordinator's cached view a node that joined was used only up to 20 s later (a run at 1
+  worker often ended before it grew), and a draining node would be grown onto and wait out
+  the start timeout. (Draining nodes the group runs on are the preemption path's: counted.)
 - `FatalAwareFailurePolicy(failure_config)` is Ray Train's `DefaultFailurePolicy` with two
   changes: a worker-group error in which any worker raised `elastic.errors.FatalRunError` (an
   error no restart can fix: a corrupt dataset, a recipe that disagrees with the run it
@@ -162,18 +166,21 @@ class LiveNodesElasticPolicy(ElasticScalingPolicy):
         return decision
 
     def _get_reserved_resources(self) -> Reservation | None:
-        """For a restart, a fresh view (at most once per Ray Train's query interval), less the
+        """A fresh view (at most once per Ray Train's query interval). For a restart, less the
         nodes that stopped answering (GCS may not know yet if `confirm_s` ran out) and the
-        nodes being drained; for a running group, Ray Train's own cached view."""
-        if not self._restarting:
-            return super()._get_reserved_resources()
+        nodes being drained; for a running group (reached once per resize check), less the
+        draining nodes it does not run on."""
         now = self._clock()
         if now - self._last_fresh < self.GET_RESERVED_RESOURCES_INTERVAL_S:
             return self._latest_reserved_resources
         self._last_fresh = now
         reserved = self._fresh_reservation()
         if reserved is not None:
-            left_out = (self._lost or set()) | set(self._draining_nodes())
+            draining = set(self._draining_nodes())
+            if self._restarting:
+                left_out = (self._lost or set()) | draining
+            else:
+                left_out = draining - self._group_nodes
             reserved = {node: res for node, res in reserved.items() if node not in left_out}
         self._latest_reserved_resources = reserved
         return reserved
