@@ -79,7 +79,15 @@ class Stateful(Protocol):
 
 
 class ModelState:
-    """A model seen through DCP's state-dict API (FQN keys; DTensor shards under FSDP2)."""
+    """A model seen through DCP's state-dict API (FQN keys; DTensor shards under FSDP2).
+
+    Loading adopts rather than copies where it can: a plain parameter or buffer (not a
+    DTensor or other subclass) whose loaded tensor has its dtype, device, shape and strides,
+    and whose storage no other live tensor shares, takes the loaded tensor's storage
+    (``tensor.data = loaded``: the Parameter object, its ``requires_grad`` and the optimizer's
+    references to it stay); the loaded tensor must not be written afterwards. Everything
+    else is copied by DCP. (A restore reads every byte into fresh tensors and verifies them
+    before loading anything, so this costs no atomicity; it saves a copy of the model.)"""
 
     def __init__(self, model: nn.Module) -> None:
         self.model = model
@@ -88,7 +96,31 @@ class ModelState:
         return get_model_state_dict(self.model)
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        set_model_state_dict(self.model, state_dict)
+        set_model_state_dict(self.model, self._adopt(dict(state_dict)))
+
+    def _adopt(self, state_dict: dict[str, Any]) -> dict[str, Any]:
+        """``state_dict`` with each adopted entry replaced by the live tensor itself (DCP's
+        ``copy_`` of a tensor onto itself does nothing)."""
+        live = [(name, tensor) for name, tensor in (
+            *self.model.named_parameters(remove_duplicate=False),
+            *self.model.named_buffers(remove_duplicate=False))
+            if type(tensor) in (torch.Tensor, nn.Parameter) and tensor.device.type != "meta"]
+        owners: dict[int, set[int]] = {}  # storage address -> ids of live tensors on it
+        for _, tensor in live:
+            owners.setdefault(tensor.untyped_storage().data_ptr(), set()).add(id(tensor))
+        for name, tensor in live:
+            fqns = _get_fqns(self.model, name)
+            if len(fqns) != 1:
+                continue
+            (fqn,) = fqns
+            loaded = state_dict.get(fqn)
+            if (type(loaded) is torch.Tensor
+                    and loaded.dtype == tensor.dtype and loaded.device == tensor.device
+                    and loaded.shape == tensor.shape and loaded.stride() == tensor.stride()
+                    and len(owners.get(tensor.untyped_storage().data_ptr(), ())) == 1):
+                tensor.data = loaded
+                state_dict[fqn] = tensor
+        return state_dict
 
 
 class OptimizerState:

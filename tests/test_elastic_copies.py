@@ -76,6 +76,67 @@ def test_restore_reads_each_byte_once_into_its_destination(tmp_path) -> None:
         assert torch.equal(got[key], value), key
 
 
+class _Tied(nn.Module):
+    """An embedding tied to the output layer, and a buffer that is a view of a parameter's
+    storage (which must be copied: adopting would cut it loose)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(16, 8)
+        self.out = nn.Linear(8, 16, bias=False)
+        self.out.weight = self.embed.weight
+        self.mid = nn.Linear(8, 8)
+        self.register_buffer("bias_view", self.mid.bias.data[:4])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.out(self.mid(self.embed(x)))
+
+
+def test_loaded_model_tensors_are_adopted_not_copied(tmp_path) -> None:
+    """The model's plain parameters take the storage of the tensors the restore read (no
+    copy), keep their identity (the optimizer still steps them) and their ties; a tensor
+    whose storage another live tensor shares is copied."""
+    def state(seed: int) -> tuple[nn.Module, torch.optim.Optimizer, StateRegistry]:
+        torch.manual_seed(seed)
+        model = _Tied()
+        optim = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        registry = StateRegistry()
+        registry.register("model", model)
+        registry.register("optim", optim)
+        return model, optim, registry
+
+    def step(model: nn.Module, optim: torch.optim.Optimizer) -> None:
+        optim.zero_grad()
+        model(torch.arange(16).view(2, 8)).square().mean().backward()
+        optim.step()
+
+    model, optim, registry = state(0)
+    step(model, optim)
+    snap = Snapshotter(str(tmp_path), registry, durable=False, ram=False)
+    snap.after_step(1, force=True)
+    snap.close()
+    step(model, optim)
+    expected = _flat(registry)
+
+    fresh, fresh_optim, fresh_registry = state(5)
+    params = list(fresh.parameters())
+    store = SnapshotStore(str(tmp_path))
+    manifest = store.load_manifest(1)
+    got = read_tensors(manifest, plan_targets(manifest, fresh_registry.flatten().tensors),
+                       ByteSource(store, 1))
+    fresh_registry.load(got, manifest.state)
+    assert list(fresh.parameters()) == params  # the same Parameter objects
+    for name in ("mid.weight", "embed.weight"):
+        assert fresh.get_parameter(name).data_ptr() == got[f"model.{name}"].data_ptr(), name
+    assert fresh.out.weight is fresh.embed.weight
+    # The view's owner was copied into, so the buffer still is its view.
+    assert fresh.mid.bias.data_ptr() != got["model.mid.bias"].data_ptr()
+    assert fresh.bias_view.data_ptr() == fresh.mid.bias.data_ptr()
+    step(fresh, fresh_optim)
+    for key, value in _flat(fresh_registry).items():
+        assert torch.equal(value, expected[key]), key
+
+
 def test_resharded_restore_stages_only_what_it_must(tmp_path) -> None:
     """A rank of another world size reads only its rows; only the partial checksum blocks
     at the edges of its range pass through the staging buffer."""
