@@ -27,6 +27,9 @@ and range over the rounds are printed. Peak memory of a restore is measured in f
 processes (one per case), which build the model and optimizer, materialise the optimizer's
 state (a process that holds its training state), then restore: ``growth`` is the peak RSS
 above the RSS before the restore, ``peak`` the peak RSS, both divided by the state's size.
+The restore's time in such fresh processes (``--fresh-rounds`` per side, alternating) is
+the restarted worker's case, where every page the restore fills is new; in the long-lived
+process above, freed memory is partly recycled by the allocator.
 
 From the measured rates of the largest size, ``project`` estimates 7B and 70B models (AdamW
 fp32: 16 bytes per parameter) on 16 and 128 workers (8 per node, FSDP-sharded state): the
@@ -376,12 +379,30 @@ def rss_child(mode: str, size: float, workdir: str) -> dict[str, float]:
     before = rss_now()
     store = SnapshotStore(os.path.join(workdir, "run"))
     step = max(store.committed_steps())
+    start = time.perf_counter()
     if mode == "baton":
         baton_restore(registry, store, step)
     else:
         torch_restore(model, optim, os.path.join(workdir, f"state-{step}.pt"))
+    seconds = time.perf_counter() - start
     peak = peak_rss()
-    return {"growth": (peak - before) / nbytes, "peak": peak / nbytes}
+    return {"growth": (peak - before) / nbytes, "peak": peak / nbytes, "seconds": seconds}
+
+
+def fresh_children(size: float, workdir: str, rounds: int) -> dict[str, Any]:
+    """Restore in fresh processes (a restarted worker's case: all its memory is new), each
+    side ``rounds`` times, alternating: peak RSS of the first, seconds of every one."""
+    got: dict[str, list[dict[str, float]]] = {"baton": [], "torch": []}
+    for r in range(rounds):
+        for mode in ("baton", "torch") if r % 2 == 0 else ("torch", "baton"):
+            child = subprocess.run([sys.executable, __file__, "--child", mode, str(size),
+                                    workdir], capture_output=True, text=True, check=True)
+            got[mode].append(json.loads(child.stdout.strip().splitlines()[-1]))
+    rss = {mode: {"growth": runs[0]["growth"], "peak": runs[0]["peak"]}
+           for mode, runs in got.items()}
+    rss["fresh_restore_s"] = {mode: [run["seconds"] for run in runs]
+                              for mode, runs in got.items()}
+    return rss
 
 
 # ---------------------------------------------------------------------- summary
@@ -406,6 +427,8 @@ def summarise(got: dict[str, Any], rss: dict[str, Any],
         "persist_vs_dcp_done": ratio(t["persist"], t["dcp_done"]),
         "restore_disk_vs_load": ratio(t["restore_disk"], t["load"]),
         "restore_ram_vs_load": ratio(t["restore_ram"], t["load"]),
+        "fresh_restore_vs_load": ratio(rss["fresh_restore_s"]["baton"],
+                                       rss["fresh_restore_s"]["torch"]),
         "gb_per_s": {k: gb / v for k, v in med.items()},
     }
     if s3:
@@ -461,6 +484,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--sizes", default="0.3,1.2", help="state sizes in GB: 0.3, 1.2, 3")
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--fresh-rounds", type=int, default=4,
+                        help="restores in fresh processes per side (alternating)")
     parser.add_argument("--s3-rounds", type=int, default=2)
     parser.add_argument("--s3-max", type=float, default=1.2,
                         help="measure S3 (moto) for sizes up to this (0: never)")
@@ -480,11 +505,7 @@ def main() -> None:
         size = min(SHAPES, key=lambda s: abs(s - size))
         with tempfile.TemporaryDirectory(dir=os.environ.get("BATON_BENCH_DIR")) as workdir:
             got = measure(size, args.rounds, workdir)
-            rss = {}
-            for mode in ("baton", "torch"):
-                child = subprocess.run([sys.executable, __file__, "--child", mode, str(size),
-                                        workdir], capture_output=True, text=True, check=True)
-                rss[mode] = json.loads(child.stdout.strip().splitlines()[-1])
+            rss = fresh_children(size, workdir, args.fresh_rounds)
         s3 = measure_s3(size, args.s3_rounds) if size <= args.s3_max else None
         results[f"{size:g}"] = summarise(got, rss, s3)
         print(f"[{size:g} GB done]", file=sys.stderr, flush=True)
@@ -509,6 +530,8 @@ def print_tables(results: dict[str, Any]) -> None:
             ("background persist / dcp.async_save done", "persist_vs_dcp_done"),
             ("restore, local disk / torch.load+load_state_dict", "restore_disk_vs_load"),
             ("restore, RAM tier / torch.load+load_state_dict", "restore_ram_vs_load"),
+            ("restore in a fresh process, local disk / the same with torch.load",
+             "fresh_restore_vs_load"),
             ("S3 persist / torch.save+boto3 upload", "s3_persist_vs_save"),
             ("S3 restore / boto3 download+torch.load", "s3_restore_vs_load")):
         print(f"| {label} | " + " | ".join(cell(results[s].get(key)) for s in sizes) + " |")

@@ -134,6 +134,13 @@ class _ManifestParser:
             self.fail(path, f"has {len(items)} entries, expected {length}")
         if len(items) > MAX_DIMS:
             self.fail(path, f"has {len(items)} dimensions; at most {MAX_DIMS} are supported")
+        return self.int_items(items, path, hi)
+
+    def int_items(self, items: list[Any], path: str, hi: int) -> tuple[int, ...]:
+        """Every item an int in [0, hi] (``int_``'s checks; the per-item paths and messages
+        are built only for a bad list: a manifest holds one crc32 per MiB of state)."""
+        if all(type(x) is int and 0 <= x <= hi for x in items):
+            return tuple(items)
         return tuple(self.int_(x, f"{path}[{i}]", 0, hi) for i, x in enumerate(items))
 
     # ------------------------------------------------------------------ the manifest
@@ -228,8 +235,7 @@ class _ManifestParser:
         if len(crcs) != blocks:
             self.fail(f"{path}.crc32", f"has {len(crcs)} checksums; {nbytes} bytes in blocks "
                                        f"of {block_bytes} need {blocks}")
-        crc32 = tuple(self.int_(x, f"{path}.crc32[{i}]", 0, 0xFFFFFFFF)
-                      for i, x in enumerate(crcs))
+        crc32 = self.int_items(crcs, f"{path}.crc32", 0xFFFFFFFF)
         return ChunkRecord(file=file, name=name, offsets=offsets, shape=shape,
                            byte_range=(span[0], span[1]), crc32=crc32)
 
