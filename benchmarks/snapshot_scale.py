@@ -405,6 +405,27 @@ def fresh_children(size: float, workdir: str, rounds: int) -> dict[str, Any]:
     return rss
 
 
+def fresh_only(size: float, rounds: int) -> None:
+    """One snapshot and one torch.save of the same state, then ``fresh_children``: the
+    restarted worker's restore alone, with more rounds than the full run affords."""
+    model, optim, registry = build(size)
+    train_step(model, optim, 1)
+    with tempfile.TemporaryDirectory(dir=os.environ.get("BATON_BENCH_DIR")) as workdir:
+        snap = Snapshotter(os.path.join(workdir, "run"), registry, keep_last=2)
+        snap.after_step(2, force=True)
+        snap.persister.wait()
+        snap.close()
+        torch_save(model, optim, os.path.join(workdir, "state-2.pt"))
+        seconds = fresh_children(size, workdir, rounds)["fresh_restore_s"]
+    r = ratio(seconds["baton"], seconds["torch"])
+    below = sum(a < b for a, b in zip(seconds["baton"], seconds["torch"], strict=True))
+    print(f"{state_bytes(registry) / 1e9:.2f} GB, restore in a fresh process / torch.load + "
+          f"load_state_dict in one: {r['median']:.2f}x ({r['min']:.2f}-{r['max']:.2f}), "
+          f"Baton faster in {below} of {rounds} rounds; medians "
+          f"{statistics.median(seconds['baton']):.3f} s / "
+          f"{statistics.median(seconds['torch']):.3f} s")
+
+
 # ---------------------------------------------------------------------- summary
 
 
@@ -490,12 +511,19 @@ def main() -> None:
     parser.add_argument("--s3-max", type=float, default=1.2,
                         help="measure S3 (moto) for sizes up to this (0: never)")
     parser.add_argument("--out", default=str(ROOT / "benchmarks/results/snapshot_scale.json"))
+    parser.add_argument("--fresh-only", action="store_true",
+                        help="only the restores in fresh processes (--fresh-rounds per side); "
+                        "prints the ratios, writes nothing")
     parser.add_argument("--child", nargs=3, metavar=("MODE", "SIZE", "DIR"),
                         help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
         mode, size, workdir = args.child
         print(json.dumps(rss_child(mode, float(size), workdir)))
+        return
+    if args.fresh_only:
+        for size in (float(s) for s in args.sizes.split(",")):
+            fresh_only(min(SHAPES, key=lambda s: abs(s - size)), args.fresh_rounds)
         return
     out = Path(args.out)
     results: dict[str, Any] = json.loads(out.read_text()) if out.exists() else {}
