@@ -47,6 +47,27 @@ def test_commit_watch_warns_once_per_stale_episode() -> None:
     assert fenced is not None and "fenced: lease lost" in fenced and "none yet" in fenced
 
 
+def test_a_warning_without_a_cause_is_followed_by_one_with_it() -> None:
+    """Persists run behind training: the stale point can come before the failing write has
+    reported. The watch says so, then once more when the cause is known, then nothing."""
+    watch = CommitWatch(snapshot_every=4)
+    quiet = {"latest": 8, "failures": [
+        {"step": 4, "rank": 0, "reason": "an old failure, before the newest commit"}]}
+    first = watch.check(20, quiet)
+    assert first is not None and "no worker reported an error" not in first  # old failure named
+    assert watch.check(21, quiet) is None
+    watch = CommitWatch(snapshot_every=4)
+    unknown = {"latest": 8, "failures": []}
+    first = watch.check(20, unknown)
+    assert first is not None and "no worker reported an error" in first
+    assert watch.check(21, unknown) is None
+    known = {"latest": 8, "failures": [
+        {"step": 16, "rank": 0, "reason": "ENOSPC: No space left on device"}]}
+    second = watch.check(21, known)
+    assert second is not None and "ENOSPC" in second and "step 16" in second
+    assert watch.check(22, known) is None
+
+
 def test_disk_full_run_is_not_reported_finished(tmp_path: Path, tiny_dataset: str,
                                                 monkeypatch: pytest.MonkeyPatch) -> None:
     run = tmp_path / "run"
@@ -72,6 +93,10 @@ def test_disk_full_run_is_not_reported_finished(tmp_path: Path, tiny_dataset: st
     result = run_worker(cfg, WorkerEnv(coordinator=coord, on_metrics=on_metrics))
     assert result.step == STEPS  # training itself went on
     health = coord.health()
+    # The driver's next poll: the persists are done, so a warning given before the failing
+    # write reported (a loaded machine) is followed by one that names it.
+    last = watch.check(STEPS, health)
+    warnings += [last] if last else []
     latest = health["latest"]  # a due snapshot is skipped while the previous one persists
     assert latest is not None and latest <= 8
     error = final_commit_error(health, STEPS)

@@ -6,7 +6,9 @@ clock, so they test on plain data):
   episode: when training is `STALE_INTERVALS` snapshot intervals past the newest committed
   snapshot (or past the step it started from), naming the newest commit and the workers'
   most recent failure reason (ENOSPC, permission, storage unreachable, a fenced driver).
-  It returns None otherwise, and re-arms once a new snapshot commits.
+  If no cause was known when it warned (the failing write had not reported yet: persists
+  run behind training), it warns once more when one is. It returns None otherwise, and
+  re-arms once a new snapshot commits.
 - `final_commit_error(health, steps)` returns why a run that trained to `steps` has no
   committed snapshot of that step (the driver then exits non-zero), or None when it has.
 """
@@ -21,6 +23,12 @@ STALE_INTERVALS = 3
 
 class FinalCommitError(RuntimeError):
     """The run trained to its last step but could not commit a snapshot of it."""
+
+
+def cause_known(health: dict[str, Any], since: int | None) -> bool:
+    """A fenced driver, or a worker failure after the newest commit `since`."""
+    return bool(health.get("fenced")) or any(
+        since is None or f.get("step", 0) > since for f in health.get("failures") or [])
 
 
 def last_reason(health: dict[str, Any]) -> str:
@@ -40,15 +48,17 @@ class CommitWatch:
         self.snapshot_every = snapshot_every
         self.start_step = start_step
         self._warned_since: int | None = None  # the newest commit when we last warned
+        self._warned_cause = False  # whether that warning could name a cause
 
     def check(self, step: int, health: dict[str, Any]) -> str | None:
         latest = health.get("latest")
         since = latest if latest is not None else self.start_step
         if step - since < STALE_INTERVALS * self.snapshot_every:
             return None
-        if self._warned_since == since:
+        cause = cause_known(health, latest)
+        if self._warned_since == since and (self._warned_cause or not cause):
             return None
-        self._warned_since = since
+        self._warned_since, self._warned_cause = since, cause
         newest = f"step {latest}" if latest is not None else "none yet"
         return (f"no snapshot has committed for {step - since} steps (newest commit: {newest}; "
                 f"snapshots.snapshot_every = {self.snapshot_every}); {last_reason(health)}")

@@ -290,10 +290,14 @@ def _poll_progress(monitor: Any, trainer: ElasticTorchTrainer, watch: CommitWatc
             health = ray.get(coordinator.health.remote(), timeout=5)
         except Exception:  # noqa: BLE001 - progress display must never break a fit
             continue
-        if not record or record.get("step") == last_step:
+        if not record:
+            continue
+        # Every poll, not only on a new step: a stalled run's warning gains its cause when
+        # the failing write reports it (`CommitWatch.check` says each thing once).
+        warning = watch.check(int(record["step"]), health)
+        if record.get("step") == last_step and warning is None:
             continue
         last_step = record.get("step")
-        warning = watch.check(int(record["step"]), health)
         if on_progress is not None:
             on_progress({**record, "last_commit": health.get("latest"), "warning": warning})
         elif warning is not None:
