@@ -7,7 +7,8 @@ Contract
 which pages are (``mincore``, ~0.3 ms per 370 MB) and, unless all of them are, zeroes the
 tensor. Elsewhere, for smaller tensors, or when the kernel does not answer, it does nothing
 (or zeroes, when ``mincore`` fails: then it cannot tell). The values it leaves are
-unspecified (the read overwrites them).
+unspecified (the read overwrites them). ``resident_pages(tensor)`` is the question it asks:
+one bool per page, or None when the kernel cannot tell.
 
 Why: a page fault taken inside ``preadv`` (the kernel faulting each destination page in
 while it copies from the page cache) costs about twice what the same fault costs when a
@@ -44,17 +45,26 @@ def _mincore() -> ctypes._CFuncPtr | None:  # type: ignore[name-defined]
     return mincore
 
 
+def resident_pages(tensor: torch.Tensor) -> torch.Tensor | None:
+    """One bool per page the CPU tensor's bytes touch: whether it is resident; None when
+    the kernel cannot tell (not Linux, or ``mincore`` failed)."""
+    mincore = _mincore()
+    if mincore is None:
+        return None
+    page = os.sysconf("SC_PAGE_SIZE")
+    start = tensor.data_ptr() // page * page
+    end = -(-(tensor.data_ptr() + tensor.numel() * tensor.element_size()) // page) * page
+    residency = torch.empty((end - start) // page, dtype=torch.uint8)
+    if mincore(start, end - start, residency.data_ptr()) != 0:
+        return None
+    return residency.bitwise_and_(1).bool()  # bit 0: resident; the others are undefined
+
+
 def prefault(tensor: torch.Tensor) -> None:
     """See the module contract."""
     nbytes = tensor.numel() * tensor.element_size()
-    mincore = _mincore()
-    if nbytes < MIN_BYTES or mincore is None or tensor.device.type != "cpu":
+    if nbytes < MIN_BYTES or _mincore() is None or tensor.device.type != "cpu":
         return
-    page = os.sysconf("SC_PAGE_SIZE")
-    start = tensor.data_ptr() // page * page
-    end = -(-(tensor.data_ptr() + nbytes) // page) * page
-    residency = torch.empty((end - start) // page, dtype=torch.uint8)
-    if mincore(start, end - start, residency.data_ptr()) != 0:
-        tensor.zero_()  # cannot tell: touch it
-    elif not bool(residency.bitwise_and_(1).all()):  # bit 0: resident; the others undefined
+    resident = resident_pages(tensor)
+    if resident is None or not bool(resident.all()):  # None: cannot tell, so touch it
         tensor.zero_()

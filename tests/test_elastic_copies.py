@@ -274,16 +274,12 @@ def test_restore_peak_memory_is_about_one_state(tmp_path) -> None:
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="mincore is Linux's")
 def test_prefault_touches_fresh_pages_and_leaves_resident_ones_alone() -> None:
-    from elastic.prefault import MIN_BYTES, _mincore, prefault
+    from elastic.prefault import MIN_BYTES, prefault, resident_pages
 
     def resident(t: torch.Tensor) -> float:
-        page = os.sysconf("SC_PAGE_SIZE")
-        start = t.data_ptr() // page * page
-        end = -(-(t.data_ptr() + t.numel() * t.element_size()) // page) * page
-        vec = torch.empty((end - start) // page, dtype=torch.uint8)
-        mincore = _mincore()
-        assert mincore is not None and mincore(start, end - start, vec.data_ptr()) == 0
-        return float(vec.bitwise_and(1).float().mean())
+        pages = resident_pages(t)
+        assert pages is not None, "the kernel did not say which pages are resident"
+        return float(pages.float().mean())
 
     # Big enough for the allocator to map fresh pages for it (above glibc's mmap threshold).
     fresh = torch.empty(64 << 20, dtype=torch.uint8)

@@ -9,6 +9,7 @@ fails here rather than silently restoring the slow restart.
 from __future__ import annotations
 
 import inspect
+import time
 from types import SimpleNamespace
 from typing import Any
 
@@ -68,14 +69,17 @@ def _policy(cluster: FakeCluster, **kwargs: Any) -> LiveNodesElasticPolicy:
     return policy
 
 
-def _run_group(policy: LiveNodesElasticPolicy, nodes: list[str]) -> None:
-    """One healthy poll of a running group with a worker on each of `nodes`."""
-    import time
-
-    state = SimpleNamespace(
+def _group_state(nodes: list[str], start_time: float) -> SimpleNamespace:
+    """Ray Train's state of a group running a worker on each of `nodes`."""
+    return SimpleNamespace(
         workers=[SimpleNamespace(metadata=SimpleNamespace(node_id=n)) for n in nodes],
-        start_time=time.monotonic(), num_workers=len(nodes),
+        start_time=start_time, num_workers=len(nodes),
     )
+
+
+def _run_group(policy: LiveNodesElasticPolicy, nodes: list[str]) -> None:
+    """One healthy poll of a group just started on `nodes` (too soon for a resize check)."""
+    state = _group_state(nodes, time.monotonic())
     assert isinstance(policy.make_decision_for_running_worker_group(state, None), NoopDecision)
 
 
@@ -136,14 +140,9 @@ def test_after_a_preemption_notice_the_restart_leaves_the_drained_node_out() -> 
 
 def _check_running_group(policy: LiveNodesElasticPolicy, nodes: list[str]) -> Any:
     """Ray Train's resize check of a group running on `nodes`, due now."""
-    import time
-
-    state = SimpleNamespace(
-        workers=[SimpleNamespace(metadata=SimpleNamespace(node_id=n)) for n in nodes],
-        start_time=time.monotonic() - 3600.0, num_workers=len(nodes),
-    )
     policy._latest_monitor_time = float("-inf")
-    return policy.make_decision_for_running_worker_group(state, None)
+    return policy.make_decision_for_running_worker_group(
+        _group_state(nodes, time.monotonic() - 3600.0), None)
 
 
 def test_a_running_group_grows_on_a_fresh_view_at_its_resize_check() -> None:
