@@ -89,9 +89,9 @@ class Trainee:
         torch.manual_seed(0)
         cfg = ModelConfig(
             vocab_size=256,
-            d_model=256,
-            n_layers=4,
-            n_heads=4,
+            d_model=spec.get("d_model", 256),
+            n_layers=spec.get("n_layers", 4),
+            n_heads=spec.get("n_heads", 4),
             checkpoint_blocks=spec["checkpoint"],
             mlp_recompute=spec.get("mlp_recompute", "auto"),
             fuse_norms=spec.get("fuse_norms", True),

@@ -1,27 +1,32 @@
 """Row-blocked pieces shared by the fused MLP functions (`fused.py`, `swiglu.py`).
 
 Contract:
-- `row_blocks(n)`: the `[start, end)` ranges of at most `BLOCK_ROWS` rows that a fused
-  function walks, so that no n × hidden tensor outlives a block.
+- `block_size(width, dtype, device)`: the rows per block of a fused function (BLOCK_ROWS on the
+  CPU, more on a GPU), and `row_blocks(n, size)` the `[start, end)` ranges it walks, so that
+  no n × hidden tensor outlives a block.
 - `layer_sketches(layers, n)`: per layer, `(rank, seed, estimator)`: its effective rank, its
   seed for this call (`layer_seed`, drawn in the order given) and estimator for a
   `SketchedLinear`, `(0, 0, "basis")` for a plain layer (rank 0 means an exact dW).
-- `BlockInputSketch(n, rank, seed, width, estimator, device, acc)`: `S M` and `||M||²` (and
-  M's column sums for the centred estimator) of an n × width matrix M that arrives a row block
-  at a time: `add(block_plan(start, end), rows)` per block. S is linear in the rows, so block
+- `BlockInputSketch(n, rank, seed, width, estimator, device, acc, block_rows)`: `S M` and
+  `||M||²` (and M's column sums for the centred estimator) of an n × width matrix M that
+  arrives in the blocks `row_blocks(n, block_rows)`: `add(block_plan(start, end), rows)` per
+  block. S is linear in the rows, so block
   sketches add up to the whole sketch. `finish(dtype)` returns what `function.input_sketch`
   returns: the scaled sketch M̂ (in `dtype`) and, centred, M's row mean.
 - `saved_sketch_weight_grad(dy, dy_sum, x_hat, x_mean, n, rank, seed)`: a sketched layer's
   dW estimate from its whole output gradient and the input sketch saved in forward (what
   `sketched_linear`'s backward computes).
-- `BlockWeightGrad(shape, rank, seed, estimator, n, device, acc)`: dW = dYᵀX of a layer whose
-  input X and output gradient dY are both at hand a row block at a time (a layer recomputed in
-  backward): exact (accumulated `dYᵀX`) for rank 0, else the BASIS estimate from the two block
-  sketches. `add(start, end, dy_rows, x_rows)` per block, then `finish(dy_sum)` with dY's
-  column sums (accumulation dtype; needed by the centred estimator only).
+- `BlockWeightGrad(shape, rank, seed, estimator, n, device, acc, block_rows)`: dW = dYᵀX of a
+  layer whose input X and output gradient dY are both at hand in the blocks
+  `row_blocks(n, block_rows)` (a layer recomputed in backward): exact (accumulated `dYᵀX`)
+  for rank 0, else the BASIS estimate from the two block sketches. `add(start, end, dy_rows,
+  x_rows)` per block, then `finish(dy_sum)` with dY's column sums (accumulation dtype; needed
+  by the centred estimator only).
 
 Every result equals what the unfused `sketched_linear` / `nn.Linear` computes from the same
-seed, up to fp32 summation order (sums are accumulated in `acc`, fp32 for low precision).
+seed, up to fp32 summation order (sums are accumulated in `acc`, fp32 for low precision; an
+exact dW's per-block products are rounded to the data's dtype first, as the unfused layer's
+whole product is).
 """
 
 from __future__ import annotations
@@ -36,12 +41,26 @@ from .function import input_sketch, weight_grad_estimate
 from .layer import SketchedLinear
 from .seeds import SketchPlan, effective_rank, layer_seed, make_plan
 
-BLOCK_ROWS = 2048  # rows per block: bounds the temporaries to BLOCK_ROWS × hidden width
+BLOCK_ROWS = 2048  # rows per block on the CPU, and the fewest on a GPU
+# On a GPU a block's widest temporary may take this much. Each block costs the host a fixed
+# few dozen launches; 2 048-row blocks left an H200 waiting on the host (the fused MLP of a
+# d-256 GPT at 16 384 rows ran 1.67x exact's step in 2 048-row blocks, 1.05x in one block).
+GPU_BLOCK_BYTES = 64 << 20
 
 
-def row_blocks(n: int) -> list[tuple[int, int]]:
-    """The row ranges `[start, end)` of at most BLOCK_ROWS rows covering n rows."""
-    return [(start, min(start + BLOCK_ROWS, n)) for start in range(0, n, BLOCK_ROWS)]
+def block_size(width: int, dtype: torch.dtype, device: torch.device) -> int:
+    """Rows per block for a fused function whose widest per-row temporary is `width` elements
+    of `dtype`: BLOCK_ROWS on the CPU; on a GPU as many as fit GPU_BLOCK_BYTES, at least
+    BLOCK_ROWS."""
+    if device.type == "cpu":
+        return BLOCK_ROWS
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    return max(BLOCK_ROWS, GPU_BLOCK_BYTES // max(width * itemsize, 1))
+
+
+def row_blocks(n: int, size: int) -> list[tuple[int, int]]:
+    """The row ranges `[start, end)` of at most `size` rows covering n rows."""
+    return [(start, min(start + size, n)) for start in range(0, n, size)]
 
 
 def layer_sketches(
@@ -71,10 +90,11 @@ class BlockInputSketch:
         estimator: str,
         device: torch.device,
         acc: torch.dtype,
+        block_rows: int,
     ) -> None:
-        self.n, self.device = n, device
-        # The plan stays on the CPU: row_block reads the bucket sizes on the host.
-        self.plan = make_plan(n, rank, seed)
+        self.n, self.device, self.block_rows = n, device, block_rows
+        self.plan = make_plan(n, rank, seed, device=device)
+        self._blocks: list[SketchPlan] | None = None  # the plan's row blocks, split once
         self.sketch = torch.zeros(self.plan.rank, width, dtype=acc, device=device)
         self.sq_norm = torch.zeros((), dtype=acc, device=device)
         self.row_sum = (
@@ -82,9 +102,14 @@ class BlockInputSketch:
         )
 
     def block_plan(self, start: int, end: int) -> SketchPlan:
-        """The sketch of rows [start, end), on the data's device (share it between matrices
-        sketched with the same seed)."""
-        return self.plan.row_block(start, end).to(self.device)
+        """The sketch of rows [start, end), one of `row_blocks(n, block_rows)` (share it between
+        matrices sketched with the same seed)."""
+        size = self.block_rows
+        if start % size or end != min(start + size, self.n):
+            raise ValueError(f"rows [{start}, {end}) are not one of row_blocks({self.n}, {size})")
+        if self._blocks is None:
+            self._blocks = self.plan.row_blocks(size)
+        return self._blocks[start // size]
 
     def add(self, block_plan: SketchPlan, rows: torch.Tensor) -> None:
         part, part_sq = dispatch.bucket_sum(rows, block_plan)
@@ -95,9 +120,7 @@ class BlockInputSketch:
 
     def finish(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor | None]:
         """`(M̂ in dtype, M's row mean or None)`, as `function.input_sketch` returns them."""
-        hat, mean = input_sketch(
-            self.sketch, self.sq_norm, self.row_sum, self.plan.to(self.device), self.n
-        )
+        hat, mean = input_sketch(self.sketch, self.sq_norm, self.row_sum, self.plan, self.n)
         return hat.to(dtype), mean
 
 
@@ -112,7 +135,7 @@ def saved_sketch_weight_grad(
 ) -> torch.Tensor:
     """A sketched layer's dW estimate (accumulation dtype) from its n-row output gradient and
     the input sketch `BlockInputSketch.finish` gave in forward."""
-    plan = make_plan(n, rank, seed).to(dy.device)
+    plan = make_plan(n, rank, seed, device=dy.device)
     dy_sketch, dy_sq = dispatch.bucket_sum(dy, plan)
     return weight_grad_estimate(dy_sketch, dy_sq, dy_sum, x_hat, x_mean, plan, n)
 
@@ -129,6 +152,7 @@ class BlockWeightGrad:
         n: int,
         device: torch.device,
         acc: torch.dtype,
+        block_rows: int,
     ) -> None:
         self.n, self.device = n, device
         self.exact = (
@@ -139,12 +163,19 @@ class BlockWeightGrad:
             out_features, in_features = shape
             # dY's centring uses the column sums the caller passes to finish (it needs them
             # for the bias anyway), so its block sketch skips them.
-            self.dy_sketch = BlockInputSketch(n, rank, seed, out_features, "basis", device, acc)
-            self.x_sketch = BlockInputSketch(n, rank, seed, in_features, estimator, device, acc)
+            self.dy_sketch = BlockInputSketch(
+                n, rank, seed, out_features, "basis", device, acc, block_rows
+            )
+            self.x_sketch = BlockInputSketch(
+                n, rank, seed, in_features, estimator, device, acc, block_rows
+            )
 
     def add(self, start: int, end: int, dy_rows: torch.Tensor, x_rows: torch.Tensor) -> None:
         if self.exact is not None:
-            self.exact.addmm_(dy_rows.t().to(self.exact.dtype), x_rows.to(self.exact.dtype))
+            # The block's product in the data's dtype (bf16 runs at the tensor cores' rate, with
+            # fp32 accumulation inside the GEMM, as nn.Linear's own backward does), summed over
+            # blocks in `acc`. Upcasting first made it an fp32 GEMM: 2x a bf16 step on an H200.
+            self.exact += (dy_rows.t() @ x_rows).to(self.exact.dtype)
             return
         assert self.dy_sketch is not None and self.x_sketch is not None  # rank > 0
         block_plan = self.x_sketch.block_plan(start, end)
@@ -164,6 +195,6 @@ class BlockWeightGrad:
             dy_sum,
             x_hat,
             x_mean,
-            self.x_sketch.plan.to(self.device),
+            self.x_sketch.plan,
             self.n,
         )

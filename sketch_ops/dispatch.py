@@ -1,8 +1,9 @@
 """The one place that chooses between the Triton kernels and the torch reference.
 
-Contract: `bucket_sum(mat, plan)` and `weight_grad(...)` have the semantics of `reference.py`.
-They use `kernels.py` when the data is on CUDA in fp32/bf16/fp16 and triton imports; otherwise
-the reference (which also covers fp64).
+Contract: `bucket_sum(mat, plan)` and `weight_grad(...)` have the semantics of `reference.py`,
+`row_keys(n, seed, device)` those of `plan_hash.hash_rows`. They use `kernels.py` when the data
+is on CUDA (in fp32/bf16/fp16) and triton imports; otherwise the torch versions (which also
+cover fp64).
 `BATON_SKETCH_BACKEND` overrides the choice:
 - `auto` (default): as above;
 - `torch`: always the reference (e.g. to rule the kernels out when debugging);
@@ -15,11 +16,14 @@ from __future__ import annotations
 import os
 from functools import cache
 from types import ModuleType
+from typing import TYPE_CHECKING
 
 import torch
 
-from . import reference
-from .seeds import SketchPlan
+from . import plan_hash, reference
+
+if TYPE_CHECKING:
+    from .seeds import SketchPlan
 
 BACKEND_ENV = "BATON_SKETCH_BACKEND"
 _BACKENDS = ("auto", "torch", "triton")
@@ -43,17 +47,29 @@ def _kernels() -> ModuleType | None:
     return kernels
 
 
-def _kernels_for(tensor: torch.Tensor) -> ModuleType | None:
-    """The Triton kernels module to run on `tensor`, or None for the torch reference."""
+def _kernels_on(device: torch.device, dtype: torch.dtype) -> ModuleType | None:
+    """The Triton kernels module to run on data of `dtype` on `device`, or None for torch."""
     choice = backend()
-    if choice == "torch" or tensor.dtype not in _KERNEL_DTYPES:
+    if choice == "torch" or dtype not in _KERNEL_DTYPES:
         return None
     kernels = _kernels()
     if choice == "triton":
         if kernels is None:
             raise ValueError(f"{BACKEND_ENV}=triton but triton cannot be imported; install it")
         return kernels
-    return kernels if tensor.is_cuda else None
+    return kernels if device.type == "cuda" else None
+
+
+def _kernels_for(tensor: torch.Tensor) -> ModuleType | None:
+    return _kernels_on(tensor.device, tensor.dtype)
+
+
+def row_keys(n: int, seed: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """`(keys, signs)` of rows 0..n-1 for `seed` on `device` (see `plan_hash`)."""
+    kernels = _kernels_on(device, torch.float32)
+    if kernels is not None:
+        return kernels.row_keys(n, seed, device)
+    return plan_hash.hash_rows(n, seed, device)
 
 
 def bucket_sum(mat: torch.Tensor, plan: SketchPlan) -> tuple[torch.Tensor, torch.Tensor]:

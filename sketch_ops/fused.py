@@ -12,10 +12,11 @@ fc is plain (`norm_linear`).
 
 Why: the MLP's largest activations are its 4d-wide hidden tensors: GELU saves its input, and
 proj keeps GELU's output for its weight gradient. Once proj is sketched, only GELU's input is
-still needed, and the fused function recomputes it instead: it walks the rows in blocks of
-`blocked.BLOCK_ROWS`. Forward, per block: norm, fc, GELU, proj, and the block's part of proj's input
-sketch (S is linear in the rows, so block sketches add up). Saved: x (n × d; the norm's input,
-which a LayerNorm keeps anyway), proj's R × 4d sketch (plus the hidden row mean for the centred
+still needed, and the fused function recomputes it instead: it walks the rows in blocks
+(`blocked.block_size`: 2 048 rows on the CPU, up to 64 MiB of hidden rows on a GPU). Forward,
+per block: norm, fc, GELU, proj, and the block's part of proj's input sketch (S is linear in
+the rows, so block sketches add up). Saved: x (n × d; the norm's input, which a LayerNorm keeps
+anyway), proj's R × 4d sketch (plus the hidden row mean for the centred
 estimator) and the two seeds. Backward, per block: recompute the norm and fc's output, the hidden
 gradient `dY W2`, GELU's derivative, the block's slice of dX and its part of `S dH` (or, for a
 plain fc, of the exact `dHᵀ x`). No n × 4d tensor outlives a block. The price is one extra fc
@@ -46,6 +47,7 @@ from . import reference
 from .blocked import (
     BlockInputSketch,
     BlockWeightGrad,
+    block_size,
     layer_sketches,
     row_blocks,
     saved_sketch_weight_grad,
@@ -76,12 +78,15 @@ class _GeluMlpFn(torch.autograd.Function):
         n = x2d.shape[0]
         out = torch.empty(n, w2.shape[0], dtype=x2d.dtype, device=x2d.device)
         acc = reference.acc_dtype(x2d.dtype)
+        size = block_size(w1.shape[0], x2d.dtype, x2d.device)
         proj_sketch = (
-            BlockInputSketch(n, ranks[1], seeds[1], w2.shape[1], estimators[1], x2d.device, acc)
+            BlockInputSketch(
+                n, ranks[1], seeds[1], w2.shape[1], estimators[1], x2d.device, acc, size
+            )
             if ranks[1] > 0
             else None
         )
-        for start, end in row_blocks(n):
+        for start, end in row_blocks(n, size):
             rows = x2d[start:end]
             if eps is not None:
                 rows = layer_norm_rows(rows, norm_w, norm_b, eps)[0]
@@ -109,6 +114,7 @@ class _GeluMlpFn(torch.autograd.Function):
             ctx.needs_input_grad[:7]
         )
         n, acc, eps, device = x2d.shape[0], reference.acc_dtype(dy.dtype), ctx.eps, dy.device
+        size = block_size(w1.shape[0], x2d.dtype, device)
         seed1, seed2 = (int(s) for s in seeds_t)
         (rank1, rank2), (estimator1, _) = ctx.ranks, ctx.estimators
         dw2 = db2 = None
@@ -120,7 +126,7 @@ class _GeluMlpFn(torch.autograd.Function):
             dw2 = saved_sketch_weight_grad(dy, dy_sum, hidden_hat, hidden_mean, n, rank2, seed2)
         # proj's exact dW from the recomputed hidden rows (recompute with a plain proj).
         proj_exact = (
-            BlockWeightGrad(w2.shape, 0, 0, "basis", n, device, acc)
+            BlockWeightGrad(w2.shape, 0, 0, "basis", n, device, acc, size)
             if need_dw2 and rank2 == 0
             else None
         )
@@ -134,12 +140,12 @@ class _GeluMlpFn(torch.autograd.Function):
         # fc's dW: exact when fc is plain — its input is recomputed anyway, so an exact dW costs
         # no memory, only the n-row matmul; otherwise its BASIS sketch, built block by block.
         fc_grad = (
-            BlockWeightGrad(w1.shape, rank1, seed1, estimator1, n, device, acc)
+            BlockWeightGrad(w1.shape, rank1, seed1, estimator1, n, device, acc, size)
             if need_dw1
             else None
         )
         dh_sum = torch.zeros(w1.shape[0], dtype=acc, device=dy.device)
-        for start, end in row_blocks(n):
+        for start, end in row_blocks(n, size):
             raw = x2d[start:end]
             rows, mean, rstd = (
                 (raw, raw, raw) if eps is None else layer_norm_rows(raw, norm_w, norm_b, eps)

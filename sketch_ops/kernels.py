@@ -7,6 +7,8 @@
   keep a GPU busy when R is small). The input norm is accumulated from the same loads.
 - `weight_grad(dy_sketch, x_sketch, scale, dtype)`: `scale · dy_sketchᵀ @ x_sketch`, fp32
   accumulation (IEEE fp32 dot, not TF32), written in the weight's dtype.
+- `row_keys(n, seed, device)`: the keys and signs of `plan_hash.hash_rows`, bitwise the same,
+  in one launch (uint32 arithmetic wraps mod 2**32 as the torch version's split products do).
 
 This module imports triton at import time; import it lazily (`dispatch.py` does), so the CPU
 path never needs triton. Under `TRITON_INTERPRET=1` (read when `@triton.jit` runs, i.e. when
@@ -20,11 +22,16 @@ import torch
 import triton
 import triton.language as tl
 
+from .plan_hash import MULTIPLIERS, SIGN_SALT, seed_words
 from .seeds import SketchPlan
 
 _BLOCK_J = 16  # rows gathered per loop iteration
 _BLOCK_N = 64  # columns per program
 _TARGET_PROGRAMS = 1024  # enough programs to fill a large GPU when R·N is small
+_KEYS_BLOCK = 1024  # rows per program of the key kernel
+MULTIPLIER_0 = tl.constexpr(MULTIPLIERS[0])
+MULTIPLIER_1 = tl.constexpr(MULTIPLIERS[1])
+SALT = tl.constexpr(SIGN_SALT)
 
 
 @triton.jit
@@ -38,7 +45,6 @@ def _bucket_sum_kernel(
     num_cols,
     stride_row,
     rank,
-    slots_per_split,
     BLOCK_J: tl.constexpr,
     BLOCK_N: tl.constexpr,
 ):
@@ -46,17 +52,21 @@ def _bucket_sum_kernel(
     pid_n = tl.program_id(1)
     split = tl.program_id(2)
     num_col_blocks = tl.num_programs(1)
+    splits = tl.num_programs(2)
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     col_ok = cols < num_cols
     start = tl.load(offsets_ptr + bucket)
     end = tl.load(offsets_ptr + bucket + 1)
-    first = start + split * slots_per_split  # this program's slice of the bucket's rows
+    # This program's slice of the bucket's rows, from the bucket's own size: no host read of
+    # the largest bucket, so a plan drawn on the GPU needs no synchronisation.
+    per_split = (end - start + splits - 1) // splits
+    first = start + split * per_split
+    last = tl.minimum(first + per_split, end)
     acc = tl.zeros([BLOCK_N], dtype=tl.float32)
     sq = tl.zeros([BLOCK_N], dtype=tl.float32)
-    for j0 in range(0, slots_per_split, BLOCK_J):
-        j = j0 + tl.arange(0, BLOCK_J)
-        idx = first + j
-        ok = (j < slots_per_split) & (idx < end)
+    for j0 in range(first, last, BLOCK_J):
+        idx = j0 + tl.arange(0, BLOCK_J)
+        ok = idx < last
         row = tl.load(rows_ptr + idx, mask=ok, other=0)
         sign = tl.load(signs_ptr + row, mask=ok, other=0.0)
         ptrs = mat_ptr + row[:, None] * stride_row + cols[None, :]
@@ -66,6 +76,28 @@ def _bucket_sum_kernel(
     tl.store(out_ptr + (split * rank + bucket) * num_cols + cols, acc, mask=col_ok)
     part = (split * rank + bucket) * num_col_blocks + pid_n
     tl.store(sq_ptr + part, tl.sum(sq, axis=0))
+
+
+@triton.jit
+def _mix32(x):
+    """One round of `plan_hash.mix32` on uint32 (products wrap mod 2**32)."""
+    x ^= x >> 16
+    x = (x * MULTIPLIER_0).to(tl.uint32)
+    x ^= x >> 15
+    x = (x * MULTIPLIER_1).to(tl.uint32)
+    return x ^ (x >> 16)
+
+
+@triton.jit(do_not_specialize=["word0", "word1", "word2"])  # any seed: one compilation
+def _row_keys_kernel(keys_ptr, signs_ptr, n, word0, word1, word2, BLOCK: tl.constexpr):
+    i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    ok = i < n
+    keys = _mix32(i.to(tl.uint32) ^ word0.to(tl.uint32))
+    keys = _mix32(keys ^ word1.to(tl.uint32))
+    keys = _mix32(keys ^ word2.to(tl.uint32))
+    bits = _mix32(keys ^ SALT) >> 31
+    tl.store(keys_ptr + i, keys.to(tl.int64), mask=ok)
+    tl.store(signs_ptr + i, 1.0 - 2.0 * bits.to(tl.float32), mask=ok)
 
 
 @triton.jit
@@ -106,11 +138,10 @@ def bucket_sum(mat: torch.Tensor, plan: SketchPlan) -> tuple[torch.Tensor, torch
         mat = mat.contiguous()
     num_cols = mat.shape[1]
     rank = plan.rank
-    slots = max(plan.max_bucket, 1)
+    mean_bucket = max(triton.cdiv(plan.num_rows, rank), 1)  # a balanced plan's bucket size
     col_blocks = triton.cdiv(num_cols, _BLOCK_N)
     wanted = triton.cdiv(_TARGET_PROGRAMS, rank * col_blocks)
-    splits = max(1, min(wanted, triton.cdiv(slots, _BLOCK_J)))
-    slots_per_split = triton.cdiv(slots, splits)
+    splits = max(1, min(wanted, triton.cdiv(mean_bucket, _BLOCK_J)))
     partial = torch.empty(splits, rank, num_cols, dtype=torch.float32, device=mat.device)
     sq_partial = torch.empty(splits, rank, col_blocks, dtype=torch.float32, device=mat.device)
     _bucket_sum_kernel[(rank, col_blocks, splits)](
@@ -123,7 +154,6 @@ def bucket_sum(mat: torch.Tensor, plan: SketchPlan) -> tuple[torch.Tensor, torch
         num_cols,
         mat.stride(0),
         rank,
-        slots_per_split,
         BLOCK_J=_BLOCK_J,
         BLOCK_N=_BLOCK_N,
     )
@@ -155,3 +185,14 @@ def weight_grad(
         BLOCK_N=block_n,
     )
     return out
+
+
+def row_keys(n: int, seed: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """`plan_hash.hash_rows(n, seed, device)`, bitwise, in one launch."""
+    keys = torch.empty(n, dtype=torch.int64, device=device)
+    signs = torch.empty(n, dtype=torch.float32, device=device)
+    if n:
+        _row_keys_kernel[(triton.cdiv(n, _KEYS_BLOCK),)](
+            keys, signs, n, *seed_words(seed), BLOCK=_KEYS_BLOCK
+        )
+    return keys, signs

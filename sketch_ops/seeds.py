@@ -3,11 +3,14 @@
 Contract:
 - `derive_seed(seed, step, microbatch, layer_name)` is a pure, platform-independent function
   (blake2b, never Python's salted `hash()`), returning a seed in [0, 2**63).
-- `make_plan(n, rank, seed)` expands a seed into the sketch of n rows: the effective rank
-  `min(rank, n)` (at least 1), the bucket `hash` of every row, its sign, and the same sketch in
-  bucket-major (CSR) form. It is drawn from a CPU `torch.Generator`, so the same seed gives
-  bitwise the same sketch on CPU and CUDA; the plan is then moved to the data's device (a few
-  n-long integer vectors, cheap next to the n × N data).
+- `make_plan(n, rank, seed, device=)` expands a seed into the sketch of n rows: the effective
+  rank `min(rank, n)` (at least 1), the bucket `hash` of every row, its sign, and the same
+  sketch in bucket-major (CSR) form. The balanced plan (the default) is drawn on `device` from
+  an integer hash of the row index (`plan_hash`): the same seed gives bitwise the same sketch
+  on CPU and CUDA, and on a GPU drawing it is a few launches with no host work that grows with
+  n and no synchronisation (drawing it on the CPU and copying it cost more host time than the
+  GPU step of the layer it sketches). The uniform hash (`balanced=False`, an analysis option)
+  is drawn from a CPU `torch.Generator` and copied.
 - `sketch_seed(seed, step, microbatch)` is a context manager; inside it every sketched layer's
   seed is `derive_seed(seed, step, microbatch, layer name)`. Outside it, `layer_seed` draws a
   fresh seed from torch's global CPU generator, which `torch.utils.checkpoint` saves and
@@ -31,6 +34,7 @@ import hashlib
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
+from functools import lru_cache
 
 import torch
 
@@ -107,7 +111,6 @@ class SketchPlan:
     signs: torch.Tensor  # (n,) float32, each +1 or -1
     rows: torch.Tensor  # (n,) int64, rows sorted by bucket
     offsets: torch.Tensor  # (rank + 1,) int64, bucket r = rows[offsets[r]:offsets[r + 1]]
-    max_bucket: int  # the size of the largest bucket
 
     @property
     def num_rows(self) -> int:
@@ -124,25 +127,39 @@ class SketchPlan:
         hash_, signs, rows, offsets = (
             (t.pin_memory() if pin else t).to(device, non_blocking=True) for t in self.tensors()
         )
-        return SketchPlan(self.rank, hash_, signs, rows, offsets, self.max_bucket)
+        return SketchPlan(self.rank, hash_, signs, rows, offsets)
 
     def tensors(self) -> tuple[torch.Tensor, ...]:
         return self.hash, self.signs, self.rows, self.offsets
 
-    def row_block(self, start: int, end: int) -> SketchPlan:
-        """The same sketch restricted to rows [start, end), renumbered from 0.
+    def row_blocks(self, size: int) -> list[SketchPlan]:
+        """The same sketch split into blocks of `size` rows (the last may be shorter): block b
+        covers rows [b·size, (b+1)·size), renumbered from 0.
 
-        S is linear in the rows, so `S @ mat` is the sum over blocks [a, b) of
-        `S_ab @ mat[a:b]` with `S_ab = row_block(a, b)`: a tall matrix can be sketched a block
-        at a time. Call it on a CPU plan (it reads the largest bucket size on the host).
+        S is linear in the rows, so `S @ mat` is the sum over blocks of `S_b @ mat_b`: a tall
+        matrix can be sketched a block at a time. All blocks come from one stable sort on the
+        plan's device (no host read): block b's entries are `rows[b·size:(b+1)·size]` of the
+        sorted order, since each block holds exactly its own rows.
         """
-        bucket, signs = self.hash[start:end], self.signs[start:end]
-        sizes = torch.bincount(bucket, minlength=self.rank)
-        offsets = torch.zeros(self.rank + 1, dtype=torch.int64, device=bucket.device)
-        torch.cumsum(sizes, 0, out=offsets[1:])
-        rows = torch.argsort(bucket, stable=True)
-        max_bucket = int(sizes.max()) if end > start else 0
-        return SketchPlan(self.rank, bucket, signs, rows, offsets, max_bucket)
+        n, rank, device = self.num_rows, self.rank, self.rows.device
+        if size >= n:
+            return [self]
+        num_blocks = -(-n // size)
+        block_of_entry = torch.div(self.rows, size, rounding_mode="floor")
+        # Stable: within a block the entries stay in bucket order, so each block is CSR too.
+        block_of_entry, order = torch.sort(block_of_entry, stable=True)
+        rows = self.rows[order]
+        group = block_of_entry * rank + self.hash[rows]  # (block, bucket), ascending
+        rows -= block_of_entry * size
+        bounds = torch.searchsorted(
+            group, torch.arange(num_blocks * rank + 1, dtype=torch.int64, device=device)
+        )
+        starts = torch.arange(num_blocks, dtype=torch.int64, device=device) * size
+        offsets = bounds.as_strided((num_blocks, rank + 1), (rank, 1)) - starts[:, None]
+        return [
+            SketchPlan(rank, self.hash[a:b], self.signs[a:b], rows[a:b], offsets[i])
+            for i, (a, b) in enumerate((a, min(a + size, n)) for a in range(0, n, size))
+        ]
 
 
 def effective_rank(rank: int, n: int) -> int:
@@ -150,30 +167,45 @@ def effective_rank(rank: int, n: int) -> int:
     return max(1, min(rank, n))
 
 
+@lru_cache(maxsize=8)  # a run has a few (rows, rank, device) shapes; each entry is ~16n bytes
+def _balanced_layout(n: int, rank: int, device: torch.device) -> tuple[torch.Tensor, ...]:
+    """What a balanced plan of n rows and `rank` buckets shares whatever its seed: the bucket of
+    each position in the scrambled order (position p goes to bucket p mod R, slot p // R), the
+    positions in bucket-major order, and the CSR offsets."""
+    slots = -(-n // rank)
+    positions = torch.arange(slots * rank).view(slots, rank).t().reshape(-1)
+    positions = positions[positions < n]  # bucket r holds positions r, r + R, r + 2R, ...
+    sizes = (n - torch.arange(rank) + rank - 1) // rank  # count of p < n with p % R == r
+    offsets = torch.zeros(rank + 1, dtype=torch.int64)
+    torch.cumsum(sizes, 0, out=offsets[1:])
+    bucket_of_position = torch.arange(n) % rank
+    return tuple(t.to(device) for t in (bucket_of_position, positions, offsets))
+
+
 def make_plan(
     n: int, rank: int, seed: int, *, balanced: bool = True, device: torch.device | None = None
 ) -> SketchPlan:
-    """Expand `seed` into the sketch of n rows (see the module docstring)."""
+    """Expand `seed` into the sketch of n rows on `device` (default CPU; module docstring)."""
+    from . import dispatch  # not at the top: dispatch's torch reference imports this module
+
     rank = effective_rank(rank, n)
+    device = torch.device("cpu") if device is None else torch.device(device)
+    if not balanced:
+        return _uniform_plan(n, rank, seed).to(device)
+    # Balanced hash (Algorithm 1 of BASIS): i mod R over a random order of the rows. Sorting
+    # the rows' hash keys gives that order: position p holds row order[p].
+    keys, signs = dispatch.row_keys(n, seed & _SEED_MASK, device)
+    order = torch.argsort(keys)  # the keys are distinct: every sort gives this order
+    bucket_of_position, positions, offsets = _balanced_layout(n, rank, device)
+    bucket = torch.empty_like(order).scatter_(0, order, bucket_of_position)
+    return SketchPlan(rank, bucket, signs, order[positions], offsets)
+
+
+def _uniform_plan(n: int, rank: int, seed: int) -> SketchPlan:
+    """The i.i.d. uniform hash (an analysis option), drawn on the CPU."""
     gen = torch.Generator(device="cpu").manual_seed(seed & _SEED_MASK)
-    if balanced:
-        # Balanced hash: i mod R, with the positions randomly permuted (Algorithm 1 of BASIS):
-        # row i takes slot perm[i] of the sequence 0, 1, .., R-1, 0, 1, ...
-        perm = torch.randperm(n, generator=gen)
-        bucket = perm % rank
-        slots = -(-n // rank)
-        # Sorting rows by (bucket, slot) is a scatter: the key below is unique per row.
-        key = bucket * slots + perm // rank
-        by_key = torch.full((rank * slots,), -1, dtype=torch.int64)
-        by_key[key] = torch.arange(n)
-        rows = by_key[by_key >= 0]
-        sizes = (n - torch.arange(rank) + rank - 1) // rank  # count of j < n with j % R == r
-    else:
-        bucket = torch.randint(0, rank, (n,), generator=gen)
-        rows = torch.argsort(bucket, stable=True)
-        sizes = torch.bincount(bucket, minlength=rank)
+    bucket = torch.randint(0, rank, (n,), generator=gen)
     signs = torch.randint(0, 2, (n,), generator=gen).to(torch.float32).mul_(2).sub_(1)
     offsets = torch.zeros(rank + 1, dtype=torch.int64)
-    torch.cumsum(sizes, 0, out=offsets[1:])
-    plan = SketchPlan(rank, bucket, signs, rows, offsets, int(sizes.max()) if n else 0)
-    return plan if device is None else plan.to(torch.device(device))
+    torch.cumsum(torch.bincount(bucket, minlength=rank), 0, out=offsets[1:])
+    return SketchPlan(rank, bucket, signs, torch.argsort(bucket, stable=True), offsets)

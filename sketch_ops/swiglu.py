@@ -10,13 +10,13 @@ Contract:
   Saved: x (n × d), down's R × I input sketch (plus the I-vector row mean for the centred
   estimator) when down is sketched, and the three seeds (one int64 tensor); no n × I tensor —
   with `keep_gate`, one: gate's output (its pre-activation), computed for all rows at once.
-  Backward recomputes, per block of `blocked.BLOCK_ROWS` rows, up's output, gate's (unless
+  Backward recomputes, per row block (`blocked.block_size`), up's output, gate's (unless
   kept) and the activation, and from them dX, the biases, each plain layer's exact dW (down's
   from the recomputed hidden rows) and each sketched layer's BASIS estimate (gate's and up's
   from block sketches of x and their output gradients). Its gradients equal the unfused
   composition's — the same sketches from the same per-layer seeds, dX and plain layers' dW
   exact — up to fp32 summation order; its output is the composition's up to the row blocking
-  of the matmuls (bitwise for n ≤ BLOCK_ROWS). Otherwise it is the plain composition.
+  of the matmuls (bitwise for a single block). Otherwise it is the plain composition.
 - `fuse_swiglu_mlps(model, *, recompute=None, keep_gate=False) -> list[str]` patches, in
   place, the `forward` of every module of `model` that has this structure: exactly four
   children, three linear layers (`nn.Linear` or `SketchedLinear`) of which two ("gate" and
@@ -65,6 +65,7 @@ from . import reference
 from .blocked import (
     BlockInputSketch,
     BlockWeightGrad,
+    block_size,
     layer_sketches,
     row_blocks,
     saved_sketch_weight_grad,
@@ -110,14 +111,17 @@ class _SwigluMlpFn(torch.autograd.Function):
         n = x2d.shape[0]
         out = torch.empty(n, w_down.shape[0], dtype=x2d.dtype, device=x2d.device)
         acc = reference.acc_dtype(x2d.dtype)
+        size = block_size(w_gate.shape[0], x2d.dtype, x2d.device)
         down_sketch = (
-            BlockInputSketch(n, ranks[2], seeds[2], w_down.shape[1], estimators[2], x2d.device, acc)
+            BlockInputSketch(
+                n, ranks[2], seeds[2], w_down.shape[1], estimators[2], x2d.device, acc, size
+            )
             if ranks[2] > 0
             else None
         )
         # keep_gate: gate's pre-activation for all rows at once; it is saved for backward.
         gate_all = F.linear(x2d, w_gate, b_gate) if keep_gate else None
-        for start, end in row_blocks(n):
+        for start, end in row_blocks(n, size):
             rows = x2d[start:end]
             gate_pre = gate_all[start:end] if gate_all is not None else F.linear(
                 rows, w_gate, b_gate)
@@ -148,6 +152,7 @@ class _SwigluMlpFn(torch.autograd.Function):
             ctx.needs_input_grad[:7]
         )
         n, acc, device = x2d.shape[0], reference.acc_dtype(dy.dtype), dy.device
+        size = block_size(w_gate.shape[0], x2d.dtype, device)
         seeds = [int(s) for s in seeds_t]
         (rank_gate, rank_up, rank_down), estimators = ctx.ranks, ctx.estimators
         dy_sum = None  # column sums of dY: down's bias, and μdy when centred; one pass for both
@@ -161,17 +166,21 @@ class _SwigluMlpFn(torch.autograd.Function):
             )
         # Down's exact dW from the recomputed hidden rows (recompute=True with a plain down).
         down_exact = (
-            BlockWeightGrad(w_down.shape, 0, 0, "basis", n, device, acc)
+            BlockWeightGrad(w_down.shape, 0, 0, "basis", n, device, acc, size)
             if need_dwd and rank_down == 0
             else None
         )
         gate_grad = (
-            BlockWeightGrad(w_gate.shape, rank_gate, seeds[0], estimators[0], n, device, acc)
+            BlockWeightGrad(
+                w_gate.shape, rank_gate, seeds[0], estimators[0], n, device, acc, size
+            )
             if need_dwg
             else None
         )
         up_grad = (
-            BlockWeightGrad(w_up.shape, rank_up, seeds[1], estimators[1], n, device, acc)
+            BlockWeightGrad(
+                w_up.shape, rank_up, seeds[1], estimators[1], n, device, acc, size
+            )
             if need_dwu
             else None
         )
@@ -188,7 +197,7 @@ class _SwigluMlpFn(torch.autograd.Function):
             else None
         )
         dx = torch.empty(x2d.shape, dtype=dy.dtype, device=device) if need_dx else None
-        for start, end in row_blocks(n):
+        for start, end in row_blocks(n, size):
             rows, dy_rows = x2d[start:end], dy[start:end]
             up = F.linear(rows, w_up, b_up)
             gate_pre = (gate_all[start:end].detach() if gate_all is not None

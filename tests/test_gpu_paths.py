@@ -38,10 +38,20 @@ BF16_RESUME = 1e-4
 
 
 def _kernel_checks(device: torch.device) -> None:
-    """`kernels.bucket_sum` and `kernels.weight_grad` against `reference` on `device`."""
-    from sketch_ops import kernels, reference
+    """`kernels.row_keys`, `kernels.bucket_sum` and `kernels.weight_grad` against the torch
+    versions on `device`; plans drawn on `device` equal those drawn on the CPU."""
+    from sketch_ops import kernels, plan_hash, reference
     from sketch_ops.seeds import make_plan
 
+    cpu = torch.device("cpu")
+    for n, seed in ((0, 1), (1, 0), (1000, 5), (1025, 2**62 + 12345), (70_000, 2**63 - 1)):
+        got_keys, got_signs = kernels.row_keys(n, seed, device)
+        want_keys, want_signs = plan_hash.hash_rows(n, seed, cpu)
+        assert torch.equal(got_keys.cpu(), want_keys) and torch.equal(got_signs.cpu(), want_signs)
+    for n, rank in ((100, 7), (16384, 256)):
+        on_device, on_cpu = make_plan(n, rank, seed=9, device=device), make_plan(n, rank, seed=9)
+        for got, want in zip(on_device.tensors(), on_cpu.tensors(), strict=True):
+            assert got.device.type == device.type and torch.equal(got.cpu(), want)
     torch.manual_seed(0)
     # (rows, columns, rank, balanced hash); the last is a real microbatch (8 x 1024 tokens).
     cases = [(37, 24, 5, True), (40, 70, 40, True), (64, 130, 1, True), (300, 16, 16, True),

@@ -3,12 +3,14 @@ step / microbatch, identical under activation-checkpoint recompute."""
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from sketch_ops import SketchedLinear, sketch_seed
+from sketch_ops import SketchedLinear, blocked, reference, sketch_seed
 from sketch_ops import function as sketch_function
 from sketch_ops.seeds import active_seed_state, derive_seed, layer_seed, make_plan
 
@@ -28,6 +30,47 @@ def test_buckets_and_signs(n: int, rank: int, balanced: bool) -> None:
     for r in range(plan.rank):
         bucket_rows = plan.rows[plan.offsets[r] : plan.offsets[r + 1]]
         assert torch.equal(plan.hash[bucket_rows], torch.full_like(bucket_rows, r))
+
+
+@pytest.mark.parametrize(("n", "rank", "size"), [(100, 7, 16), (64, 64, 64), (37, 5, 100),
+                                               (4096, 64, 2048), (10, 3, 1)])
+def test_row_blocks_sketch_the_plan_a_block_at_a_time(n: int, rank: int, size: int) -> None:
+    plan = make_plan(n, rank, seed=n * rank + size)
+    mat = torch.randn(n, 6, dtype=torch.float64)
+    blocks = plan.row_blocks(size)
+    starts = range(0, n, size)
+    assert len(blocks) == len(starts)
+    total = torch.zeros(plan.rank, 6, dtype=torch.float64)
+    for start, block in zip(starts, blocks, strict=True):
+        end = min(start + size, n)
+        assert torch.equal(block.hash, plan.hash[start:end])
+        assert sorted(block.rows.tolist()) == list(range(end - start))
+        for r in range(plan.rank):  # CSR: bucket r lists the block's rows in bucket r
+            bucket_rows = block.rows[block.offsets[r] : block.offsets[r + 1]]
+            assert torch.equal(block.hash[bucket_rows], torch.full_like(bucket_rows, r))
+        total += reference.bucket_sum(mat[start:end], block)[0]
+    torch.testing.assert_close(total, reference.bucket_sum(mat, plan)[0], rtol=0, atol=1e-12)
+
+
+def test_fused_functions_block_by_rows_on_cpu_and_by_bytes_on_a_gpu() -> None:
+    cpu, gpu = torch.device("cpu"), torch.device("cuda")  # only the device type is read
+    assert blocked.block_size(1024, torch.float32, cpu) == blocked.BLOCK_ROWS
+    # On a GPU: as many rows as fit GPU_BLOCK_BYTES of the widest temporary, at least BLOCK_ROWS.
+    assert blocked.block_size(1024, torch.float32, gpu) == blocked.GPU_BLOCK_BYTES // 4096
+    assert blocked.block_size(1024, torch.bfloat16, gpu) == blocked.GPU_BLOCK_BYTES // 2048
+    assert blocked.block_size(10**7, torch.float32, gpu) == blocked.BLOCK_ROWS
+    assert blocked.row_blocks(5, 2) == [(0, 2), (2, 4), (4, 5)] and blocked.row_blocks(0, 2) == []
+
+
+def test_seeds_differing_in_low_bits_give_unrelated_plans() -> None:
+    # Neighbouring seeds (the Monte Carlo tests draw seeds k, k + 1, ...) must not give
+    # relabelings of one permutation: their buckets agree on about 1/R of the rows.
+    n, rank = 4096, 16
+    plans = [make_plan(n, rank, seed=s) for s in range(8)]
+    for a, b in itertools.combinations(plans, 2):
+        agree = float((a.hash == b.hash).double().mean())
+        assert abs(agree - 1 / rank) < 0.03, agree
+        assert abs(float((a.signs == b.signs).double().mean()) - 0.5) < 0.05
 
 
 def test_plan_is_a_pure_function_of_the_seed() -> None:

@@ -27,6 +27,11 @@ CHECKS = textwrap.dedent(
     from sketch_ops.seeds import make_plan
 
     assert dispatch.backend() == "triton"
+    from sketch_ops import plan_hash
+    for n, seed in ((0, 1), (1, 0), (1000, 5), (1025, 2**62 + 12345), (3000, 2**63 - 1)):
+        keys, signs = kernels.row_keys(n, seed, torch.device("cpu"))
+        want_keys, want_signs = plan_hash.hash_rows(n, seed, torch.device("cpu"))
+        assert torch.equal(keys, want_keys) and torch.equal(signs, want_signs), (n, seed)
     torch.manual_seed(0)
     # (rows, columns, rank, balanced hash, low-precision dtypes too)
     cases = [(37, 24, 5, True, True), (40, 70, 40, True, False), (64, 130, 1, True, False),
