@@ -18,12 +18,16 @@ them against the reference.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 import triton
 import triton.language as tl
 
 from .plan_hash import MULTIPLIERS, SIGN_SALT, seed_words
-from .seeds import SketchPlan
+
+if TYPE_CHECKING:  # annotations only: seeds draws plans through dispatch, which imports this
+    from .seeds import SketchPlan
 
 _BLOCK_J = 16  # rows gathered per loop iteration
 _BLOCK_N = 64  # columns per program

@@ -24,10 +24,13 @@ The Triton kernels in `kernels.py` must match these functions up to fp32 summati
 from __future__ import annotations
 
 import warnings
+from typing import TYPE_CHECKING
 
 import torch
 
-from .seeds import SketchPlan
+if TYPE_CHECKING:  # annotations only: seeds draws plans through dispatch, which imports this
+    from .seeds import SketchPlan
+
 
 EPS = 1e-8
 

@@ -38,6 +38,8 @@ from functools import lru_cache
 
 import torch
 
+from . import dispatch
+
 _SEED_MASK = (1 << 63) - 1  # seeds live in int64 tensors, so keep them non-negative
 
 
@@ -186,8 +188,6 @@ def make_plan(
     n: int, rank: int, seed: int, *, balanced: bool = True, device: torch.device | None = None
 ) -> SketchPlan:
     """Expand `seed` into the sketch of n rows on `device` (default CPU; module docstring)."""
-    from . import dispatch  # not at the top: dispatch's torch reference imports this module
-
     rank = effective_rank(rank, n)
     device = torch.device("cpu") if device is None else torch.device(device)
     if not balanced:
