@@ -17,7 +17,12 @@ Contract
   still its own and, when it holds a run lease, the lease still names it), writes
   ``manifest.json`` with an exclusive create (the commit; a committed name is never
   rewritten), then garbage-collects: older in-flight steps are aborted, only the newest
-  ``keep_last`` committed snapshots are kept, and uncommitted leftovers are deleted.
+  ``keep_last`` committed snapshots are kept, and uncommitted leftovers are deleted. The
+  bookkeeping is done before ``report`` returns; the deletions run on one housekeeping
+  thread, in order, so the reply (and with it the worker's persist) never waits for them
+  (deleting a 0.37 GB snapshot took 60 ms, a fifth of its persist). ``settle()`` waits until
+  the deletions handed over so far are done; a deletion lost to a crash is redone by a later
+  commit's collection or the next coordinator's start.
 * ``fail(step, rank, reason, generation)`` / ``worker_lost(rank)`` abort the affected
   in-flight snapshots and delete the files their generation wrote (never another
   generation's). An in-flight snapshot older than ``pending_timeout_s``, or beyond the
@@ -51,6 +56,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -130,6 +136,9 @@ class CommitCore:
         self.manifests: dict[int, bytes] = {}  # committed in this process's lifetime
         self.fenced: str | None = None
         self.last_commit_time: float | None = None
+        # Deletions (garbage collection) run here, one at a time in order: never on a reply's
+        # path. Its thread exits with the interpreter after finishing what it was handed.
+        self._housekeeping = ThreadPoolExecutor(max_workers=1, thread_name_prefix="baton-gc")
         self.generation = read_generation(store)
         self.committed: list[int] = store.committed_steps()
         for step in store.all_steps():
@@ -425,7 +434,13 @@ class CommitCore:
                                          "a rank is not finishing its shards")
                 for step in excess]
 
+    def settle(self) -> None:
+        """Wait until every deletion handed to the housekeeping thread so far is done."""
+        self._housekeeping.submit(lambda: None).result()
+
     def gc(self) -> None:
+        """The collection after a commit: bookkeeping now, the deletions on the housekeeping
+        thread (module docstring)."""
         with self._lock:
             newest = self.committed[-1] if self.committed else None
             if newest is None:
@@ -437,8 +452,12 @@ class CommitCore:
             self.manifests = {s: m for s, m in self.manifests.items() if s in self.committed}
             for step in old:
                 self.events.append(f"removed old snapshot {step} (keep_last={self.keep_last})")
-        _run(actions)
+        self._housekeeping.submit(self._collect, actions, old, newest)
+
+    def _collect(self, actions: list[_Action], old: list[int], newest: int) -> None:
+        """The deletions of ``gc`` (on the housekeeping thread)."""
         try:
+            _run(actions)
             for step in old:
                 self.store.delete_step(step)
             for step in self.store.all_steps():
@@ -449,6 +468,8 @@ class CommitCore:
                     self.store.delete_step(step)
         except OSError as err:  # retention is housekeeping: a later commit retries it
             log.warning("garbage collection after step %d failed: %s", newest, describe(err))
+        except Exception:  # never lose the thread's report of a bug
+            log.exception("garbage collection after step %d failed", newest)
 
 
 def _run(actions: list[_Action]) -> None:

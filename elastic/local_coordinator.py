@@ -201,7 +201,9 @@ class LocalCoordinator:
         self.core.expire()
 
     def flush(self, timeout_s: float) -> None:
-        """Receipts arrive by call, so whatever can commit has committed."""
+        """Receipts arrive by call, so whatever can commit has committed; wait for the
+        deletions the commits handed to the housekeeping thread (``CommitCore.settle``)."""
+        self.core.settle()
 
     def health(self) -> dict[str, Any]:
         self.core.expire()

@@ -37,6 +37,8 @@ from elastic.byte_ranges import short_read
 _NO_HARD_LINKS = (errno.EPERM, errno.ENOTSUP, errno.EOPNOTSUPP)
 
 
+_REMOVE_TREE_ATTEMPTS = 3  # walks of a tree that others delete too (remove_tree)
+
 class LocalFiles:
     """Paths of the local filesystem; see the module contract."""
 
@@ -132,8 +134,18 @@ class LocalFiles:
             self.remove(path)
 
     def remove_tree(self, directory: str) -> None:
-        if os.path.isdir(directory):
-            self.fs.rm(directory, recursive=True)
+        # Another deleter may walk the same tree (a second coordinator's collection, its
+        # housekeeping thread): an entry that vanished under us is gone as wanted, so walk
+        # what is left again; only a tree that keeps failing is an error.
+        for attempt in range(_REMOVE_TREE_ATTEMPTS):
+            if not os.path.isdir(directory):
+                return
+            try:
+                self.fs.rm(directory, recursive=True)
+                return
+            except FileNotFoundError:
+                if attempt == _REMOVE_TREE_ATTEMPTS - 1:
+                    raise
 
     def copy(self, source: str, target: str, *, nbytes: int = 0) -> None:
         self.fs.copy(source, target)

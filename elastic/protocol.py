@@ -65,7 +65,8 @@ class CoordinatorClient(Protocol):
         ...
 
     def flush(self, timeout_s: float) -> None:
-        """At close: give in-flight snapshots up to ``timeout_s`` to commit (store groups)."""
+        """At close: give in-flight snapshots up to ``timeout_s`` to commit (store groups);
+        an in-process coordinator also finishes its pending deletions."""
         ...
 
     # ------------------------------------------------------------------ reading / restore

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import os
+import threading
+from pathlib import Path
 
 import pytest
 import torch
@@ -166,3 +168,33 @@ def test_hard_crash_mid_write(tmp_path, phase: str) -> None:
     store = SnapshotStore(run)
     assert store.all_steps() == store.committed_steps()
     assert not [f for _, _, files in os.walk(run) for f in files if ".tmp-" in f]
+
+
+def test_commit_replies_before_its_deletions_and_settle_waits_for_them(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Garbage collection runs on the housekeeping thread: a slow deletion of an old snapshot
+    # does not hold up the report that committed the new one, and settle() waits for it.
+    store = SnapshotStore(str(tmp_path / "run"))
+    coord = LocalCoordinator(store, keep_last=1, block_bytes=DEFAULT_BLOCK_BYTES)
+    release = threading.Event()
+    deleted: list[int] = []
+    real_delete = store.delete_step
+
+    def slow_delete(step: int) -> None:
+        assert release.wait(10), "the deletion was never released"
+        real_delete(step)
+        deleted.append(step)
+
+    monkeypatch.setattr(store, "delete_step", slow_delete)
+    state = build(seed=3)
+    snap = Snapshotter(str(tmp_path / "run"), state.registry, coordinator=coord, durable=False)
+    for step in (1, 2):
+        train_step(state, step)
+        snap.after_step(step, force=True)
+        snap.persister.wait()  # returns although step 1's deletion is blocked
+    assert coord.committed_steps() == [2] and store.all_steps() == [1, 2] and deleted == []
+    release.set()
+    coord.flush(0)  # settles
+    assert deleted == [1] and store.all_steps() == [2]
+    snap.close()

@@ -303,3 +303,29 @@ def test_the_storage_layer_is_a_leaf() -> None:
     out = subprocess.run([sys.executable, "-c", probe], cwd=ROOT, capture_output=True,
                          text=True, timeout=120, check=True).stdout.strip()
     assert out == "[]"
+
+
+def test_local_remove_tree_tolerates_another_deleter(tmp_path: Path,
+                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    # A second coordinator's collection may delete the same snapshot directory: entries that
+    # vanish mid-walk are not an error, and what is left is still removed.
+    from elastic.local_files import LocalFiles
+
+    files = LocalFiles({})
+    tree = tmp_path / "snap"
+    (tree / "sub").mkdir(parents=True)
+    (tree / "sub" / "a.bin").write_bytes(b"x")
+    real_rm, calls = files.fs.rm, []
+
+    def racing_rm(path: str, recursive: bool = False) -> None:
+        calls.append(path)
+        if len(calls) == 1:  # the other deleter took a file first; this walk trips on it
+            os.remove(tree / "sub" / "a.bin")
+            raise FileNotFoundError(str(tree / "sub" / "a.bin"))
+        real_rm(path, recursive=recursive)
+
+    monkeypatch.setattr(files.fs, "rm", racing_rm)
+    files.remove_tree(str(tree))
+    assert not tree.exists() and len(calls) == 2
+    files.remove_tree(str(tree))  # gone: nothing to do, not an error
+    assert len(calls) == 2
