@@ -312,6 +312,7 @@ def test_a_restarted_coordinator_rebuilds_its_ram_index_from_the_live_stores(tmp
     assert sorted(before.values()) == [["n1"], ["n2"]]
     # A step in flight when the coordinator died (never committed) is not indexed.
     nodes.stores["n1"].put(8, coord.current_generation(), "in-flight", _data(16, 1))
+    coord.flush(0)  # it died after its housekeeping thread deleted step 2 (keep_last=2)
 
     restarted = LocalCoordinator(SnapshotStore(run), keep_last=2,
                                  block_bytes=DEFAULT_BLOCK_BYTES, ram_stores=nodes.store_on)
