@@ -3,7 +3,8 @@
 Diagnostic for the GPU machine (not part of the suite). On the built-in GPT of
 `sketch_memory.py` (d 256, 4 layers, seq 2048, batch 8, fp32), in one process:
 
-1. CPU cost of the sketch plans (`make_plan`, `row_block`, `SketchPlan.to`) at n = 16 384.
+1. Host cost of the sketch plans (`make_plan` on the CPU and on the device, `row_blocks`,
+   `SketchPlan.to`) at n = 16 384.
 2. The Triton bucket sum alone (CUDA events) on the shapes a step uses, against F.linear.
 3. Steps of exact, exact-recompute and BASIS configurations in round-robin: wall time
    (synchronised) and host time (until the step's last call returns, before synchronising).
@@ -74,7 +75,7 @@ def cuda_ms(fn: Any, repeat: int = 30) -> float:
 
 @contextlib.contextmanager
 def plan_cache(plans: dict[Any, Any], blocks: dict[Any, Any]) -> Iterator[None]:
-    """Memoise make_plan and row_block+to in the dicts given (an ablation, not the product)."""
+    """Memoise make_plan and block_plan in the dicts given (an ablation, not the product)."""
     original_make = seeds.make_plan
     original_block = blocked.BlockInputSketch.block_plan
 
@@ -114,9 +115,7 @@ class Timed:
         t = self.trainee
         t.synchronize()
         step = 0 if self.mode == "nodraw" else t.num_steps
-        if self.mode == "cache":  # fresh each step: forward's plans reused by its backward
-            self.plans, self.blocks = {}, {}
-        cache = (plan_cache(self.plans, self.blocks) if self.mode in ("cache", "nodraw")
+        cache = (plan_cache(self.plans, self.blocks) if self.mode == "nodraw"
                  else contextlib.nullcontext())
         # block=K: the fused MLP in blocks of K rows whatever the device (default: block_size)
         blocked.GPU_BLOCK_BYTES = 0 if self.mode.startswith("block=") else (64 << 20)
