@@ -35,9 +35,8 @@ import fsspec
 from elastic.byte_ranges import short_read
 
 _NO_HARD_LINKS = (errno.EPERM, errno.ENOTSUP, errno.EOPNOTSUPP)
-
-
 _REMOVE_TREE_ATTEMPTS = 3  # walks of a tree that others delete too (remove_tree)
+
 
 class LocalFiles:
     """Paths of the local filesystem; see the module contract."""

@@ -92,7 +92,7 @@ class BlockInputSketch:
         acc: torch.dtype,
         block_rows: int,
     ) -> None:
-        self.n, self.device, self.block_rows = n, device, block_rows
+        self.n, self.block_rows = n, block_rows
         self.plan = make_plan(n, rank, seed, device=device)
         self._blocks: list[SketchPlan] | None = None  # the plan's row blocks, split once
         self.sketch = torch.zeros(self.plan.rank, width, dtype=acc, device=device)
@@ -154,7 +154,7 @@ class BlockWeightGrad:
         acc: torch.dtype,
         block_rows: int,
     ) -> None:
-        self.n, self.device = n, device
+        self.n = n
         self.exact = (
             torch.zeros(shape, dtype=acc, device=device) if rank == 0 else None
         )

@@ -8,7 +8,7 @@
 - `weight_grad(dy_sketch, x_sketch, scale, dtype)`: `scale · dy_sketchᵀ @ x_sketch`, fp32
   accumulation (IEEE fp32 dot, not TF32), written in the weight's dtype.
 - `row_keys(n, seed, device)`: the keys and signs of `plan_hash.hash_rows`, bitwise the same,
-  in one launch (uint32 arithmetic wraps mod 2**32 as the torch version's split products do).
+  in one launch (uint32 products wrap mod 2**32, as numpy's do there).
 
 This module imports triton at import time; import it lazily (`dispatch.py` does), so the CPU
 path never needs triton. Under `TRITON_INTERPRET=1` (read when `@triton.jit` runs, i.e. when

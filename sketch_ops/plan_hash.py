@@ -1,10 +1,10 @@
 """The integer hash that sketch plans are drawn from: the same bits on every device.
 
-Contract: `row_keys(n, seed, device)` returns `(keys, signs)` for rows 0..n-1:
+Contract: `hash_rows(n, seed, device)` returns `(keys, signs)` for rows 0..n-1:
 - `keys` (n,) int64 in [0, 2**32): a bijection of the row index for a fixed seed, so the keys
   are distinct and sorting them scrambles the rows (a random permutation, as `randperm` would);
 - `signs` (n,) float32, each +1 or -1.
-Both are pure functions of (n, seed), bitwise the same on the CPU (`hash_rows`, numpy uint32)
+Both are pure functions of (n, seed), bitwise the same on the CPU (here, numpy uint32)
 and on CUDA (one Triton kernel, `kernels.row_keys`; `dispatch.row_keys` chooses), so a
 plan costs a handful of launches on the GPU and no host work that grows with n.
 
