@@ -10,11 +10,13 @@ edges go to a staging buffer), the others are read whole into a staging buffer a
 (``copy_staged``: a resharded target needs a non-contiguous part of the chunk).
 
 ``read_placed(placed, source, manifest)`` reads every op in batches of about
-``BATCH_BYTES`` (local disk: ``preadv`` into the tensors' memory), verifies the crc32 of
+``BATCH_BYTES`` (local disk: ``preadv`` into the tensors' memory) and verifies the crc32 of
 every block it read against the manifest (a mismatch is ``SnapshotIntegrityError`` naming
-file, chunk and block) on ``VERIFY_THREADS`` pool threads while the next batches are read
-(a large direct op is cut into batch-sized pieces, ``split_direct``, so one tensor's blocks
-are verified in parallel), and returns only once nothing writes into the tensors any
+file, chunk and block) on ``VERIFY_THREADS`` pool threads: from a local store each pool
+thread reads and verifies whole batches (``ByteSource.parallel_reads``); from the RAM tier
+or S3 this thread reads the batches in order and the pool verifies them meanwhile. A large
+direct op is cut into batch-sized pieces (``split_direct``), so one tensor's blocks are read
+and verified in parallel. It returns only once nothing writes into the tensors any
 more. It reads each op once: callers that must not read a byte twice
 (``elastic.group_read``) plan ops that do not overlap. Values are copied bitwise; nothing
 is ever unpickled.
@@ -133,25 +135,29 @@ def read_placed(placed: list[Placed], source: ByteSource, manifest: Manifest) ->
             size = 0
         batches[-1].append(p)
         size += p.op.end - p.op.start
-    # This thread reads the batches in file order (one reader: the source is not shared
-    # between threads); each batch read is verified, and its staged chunks placed, on one of
-    # VERIFY_THREADS pool threads meanwhile (crc32 and preadv release the GIL; crc32 costs
-    # more CPU than the read, so it gets the threads). Each batch in flight holds its own
-    # staging buffer, recycled once its verification is done: at most VERIFY_THREADS + 1.
+    # Local store: every pool thread reads and verifies whole batches. preadv and crc32
+    # release the GIL, and the kernel's copy from the page cache costs more than the crc32,
+    # so one reader thread was the bottleneck (1.41 GB from the page cache: 188-197 ms with
+    # one reader, 135-155 ms with two threads reading). Other sources have one reader, this
+    # thread, in file order (the RAM tier's and S3's clients are not shared between
+    # threads), and the pool verifies what it read meanwhile. Each batch in flight holds its
+    # own staging buffer, recycled once it is verified: at most VERIFY_THREADS + 1.
     pool = _verify_pool()
     spare: list[bytearray] = []
-    checking: list[tuple[Future[None], bytearray]] = []
+    in_flight: list[Future[bytearray]] = []
     try:
         for batch in (b for b in batches if b):
-            if len(checking) > VERIFY_THREADS:
-                oldest, buffer = checking.pop(0)
-                oldest.result()
-                spare.append(buffer)
-            staging, parts_of = _read_batch(batch, source, spare.pop() if spare else bytearray())
-            checking.append((pool.submit(_check_batch, batch, parts_of, manifest), staging))
+            if len(in_flight) > VERIFY_THREADS:
+                spare.append(in_flight.pop(0).result())
+            staging = spare.pop() if spare else bytearray()
+            if source.parallel_reads:
+                in_flight.append(pool.submit(_read_and_check, batch, source, staging, manifest))
+            else:
+                staging, parts_of = _read_batch(batch, source, staging)
+                in_flight.append(pool.submit(_check_batch, batch, parts_of, manifest, staging))
     finally:
-        wait([f for f, _ in checking])  # nothing writes into the tensors once this returns
-    for f, _ in checking:
+        wait(in_flight)  # nothing writes into the tensors once this returns
+    for f in in_flight:
         f.result()
 
 
@@ -190,6 +196,7 @@ def _read_batch(batch: list[Placed], source: ByteSource, staging: bytearray
     free = memoryview(staging)
     reads: list[tuple[str, int, list[memoryview]]] = []
     parts_of: list[list[memoryview]] = []
+    staged = 0
     for p in batch:
         op = p.op
         if p.direct:
@@ -199,22 +206,31 @@ def _read_batch(batch: list[Placed], source: ByteSource, staging: bytearray
         else:
             whole, free = free[: op.end - op.start], free[op.end - op.start:]
             parts = [whole]
-        source.staged_bytes += sum(len(x) for x in parts) - (
-            op.need1 - op.need0 if p.direct else 0)
+        staged += sum(len(x) for x in parts) - (op.need1 - op.need0 if p.direct else 0)
         reads.append((op.chunk.file, op.start, parts))
         parts_of.append(parts)
+    source.count_staged(staged)
     source.read_into(reads)
     return staging, parts_of
 
 
 def _check_batch(batch: list[Placed], parts_of: list[list[memoryview]],
-                 manifest: Manifest) -> None:
-    """Verify every block of a batch that was read, then place its staged chunks."""
+                 manifest: Manifest, staging: bytearray) -> bytearray:
+    """Verify every block of a batch that was read, then place its staged chunks; returns
+    the batch's staging buffer (free again)."""
     for p, parts in zip(batch, parts_of, strict=True):
         verify(p.op, parts, manifest.block_bytes, manifest.step)
     for p, parts in zip(batch, parts_of, strict=True):
         if not p.direct:
             copy_staged(p, parts[0])
+    return staging
+
+
+def _read_and_check(batch: list[Placed], source: ByteSource, staging: bytearray,
+                    manifest: Manifest) -> bytearray:
+    """``_read_batch`` then ``_check_batch``, on one pool thread (``parallel_reads``)."""
+    staging, parts_of = _read_batch(batch, source, staging)
+    return _check_batch(batch, parts_of, manifest, staging)
 
 
 _POOL: list[ThreadPoolExecutor] = []

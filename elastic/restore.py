@@ -52,6 +52,7 @@ from __future__ import annotations
 
 import math
 import os
+import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -89,7 +90,9 @@ class ByteSource:
     whatever it does not hold comes from ``store``), else from ``store``.
     One per restore (or verify): it caches the files' headers and the symlink checks.
     ``bytes_into`` counts the bytes ``read_into`` delivered, ``staged_bytes`` those of them
-    that went to a staging buffer first (resharding reads whole chunks into one)."""
+    that went to a staging buffer first (resharding reads whole chunks into one).
+    ``read_into`` may be called from several threads at once when ``parallel_reads``
+    (a local store and no RAM tier: each call opens its own file handles)."""
 
     store: SnapshotStore
     step: int
@@ -100,6 +103,16 @@ class ByteSource:
     bytes_into: int = 0
     staged_bytes: int = 0
     _safe_files: set[str] = field(default_factory=set)
+    _counts: threading.Lock = field(default_factory=threading.Lock, repr=False)
+
+    @property
+    def parallel_reads(self) -> bool:
+        """Whether ``read_into`` may run on several threads at once (see the class)."""
+        return self.ram is None and self.store.is_local
+
+    def count_staged(self, nbytes: int) -> None:
+        with self._counts:
+            self.staged_bytes += nbytes
 
     def read_many(self, requests: list[tuple[str, int, int]]) -> list[bytes]:
         """Small reads (file headers) as ``bytes``."""
@@ -114,7 +127,8 @@ class ByteSource:
         holds; storage reads the rest, each file's ranges straight into the buffers."""
         if not reads:
             return
-        self.bytes_into += sum(len(b) for _, _, bufs in reads for b in bufs)
+        with self._counts:
+            self.bytes_into += sum(len(b) for _, _, bufs in reads for b in bufs)
         if self.ram is not None:
             got = self.ram([(f, start, start + sum(len(b) for b in bufs))
                             for f, start, bufs in reads])

@@ -1,10 +1,13 @@
 """Parallel verified reads (elastic/read_batches.py): a tensor larger than a batch is cut into
-block-aligned pieces verified on several threads; every byte still lands once, bitwise, and a
-corrupt block anywhere is found and named."""
+block-aligned pieces verified on several threads (and, from a local store, read by them);
+every byte still lands once, bitwise, counted once, and a corrupt block anywhere is found and
+named."""
 
 from __future__ import annotations
 
 import os
+import threading
+from typing import Any
 
 import pytest
 import torch
@@ -113,3 +116,42 @@ def test_place_of_a_split_piece_matches_its_op() -> None:
     pieces = split_direct(placed, 2 * BLOCK, BLOCK)
     assert len(pieces) == 4
     assert sum(p.dst.numel() for p in pieces) == local.numel() * 4
+
+
+@pytest.mark.usefixtures("small_batches")
+@pytest.mark.parametrize("with_ram", [False, True])
+def test_local_batches_are_read_on_the_pool_others_by_the_caller(
+        tmp_path, monkeypatch: pytest.MonkeyPatch, with_ram: bool) -> None:
+    """A local store's batches are read by the pool's threads (several readers: the kernel's
+    copy was the bottleneck); with a RAM tier in front (here one that holds nothing, so
+    storage serves every read) the calling thread reads them all. Either way every byte is
+    read and counted once and lands bitwise."""
+    saved = _snapshot(str(tmp_path))
+    store = SnapshotStore(str(tmp_path))
+    manifest = store.load_manifest(1)
+    (file,) = manifest.files
+    readers: list[str] = []
+    read_into = store.read_into
+
+    def recorded(path: str, reads: Any) -> None:
+        readers.append(threading.current_thread().name)
+        read_into(path, reads)
+
+    monkeypatch.setattr(store, "read_into", recorded)
+    source = ByteSource(store, 1, ram=(lambda requests: None) if with_ram else None)
+    assert source.parallel_reads is not with_ram
+    targets = plan_targets(manifest, {k: torch.empty_like(v) for k, v in saved.items()})
+    before = store.stats.bytes_read
+    got = read_tensors(manifest, targets, source)
+    for key, value in saved.items():
+        assert torch.equal(got[key], value), key
+    assert source.bytes_into == os.path.getsize(store.step_path(1, file))
+    assert store.stats.bytes_read - before == source.bytes_into
+    batch_reads = readers[1:]  # the first read is the file's header, before any batch
+    assert len(batch_reads) > read_batches.VERIFY_THREADS, readers
+    caller = threading.current_thread().name
+    if with_ram:
+        assert set(batch_reads) == {caller}, readers
+    else:
+        assert caller not in batch_reads and all(
+            name.startswith("baton-verify") for name in batch_reads), readers
