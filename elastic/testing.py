@@ -1,7 +1,8 @@
-"""Helpers for tests of elastic snapshots: a tiny model, deterministic steps, gloo groups.
+"""Helpers for tests of elastic snapshots: a tiny model, deterministic steps, process groups.
 
 Contract: everything here is deterministic given ``seed``; ``run_group`` runs a picklable
-function on ``world_size`` spawned gloo processes and re-raises the first child's error.
+function on ``world_size`` spawned processes (gloo, or NCCL with one GPU per rank) and
+re-raises the first child's error.
 Every rank trains on the same batch, so DDP/FSDP2 gradients equal the single-process ones
 up to the averaging's rounding (exact for world sizes that are powers of two).
 Not used by production code; lives in the package so spawned processes can import it.
@@ -120,9 +121,11 @@ def json_state(ts: TrainState) -> dict[str, Any]:
     return {"sched": ts.sched.state_dict(), "data": ts.cursor.state_dict()}
 
 
-def _entry(rank: int, world_size: int, init_file: str, fn: Callable[..., None],
-           args: tuple[Any, ...]) -> None:
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank,
+def _entry(rank: int, world_size: int, init_file: str, backend: str,
+           fn: Callable[..., None], args: tuple[Any, ...]) -> None:
+    if backend == "nccl":  # one GPU per rank
+        torch.cuda.set_device(rank)
+    dist.init_process_group(backend, init_method=f"file://{init_file}", rank=rank,
                             world_size=world_size)
     try:
         fn(rank, world_size, *args)
@@ -131,8 +134,10 @@ def _entry(rank: int, world_size: int, init_file: str, fn: Callable[..., None],
         dist.destroy_process_group()
 
 
-def run_group(fn: Callable[..., None], world_size: int, *args: Any, tmp_dir: str) -> None:
-    """Run ``fn(rank, world_size, *args)`` on ``world_size`` gloo processes."""
+def run_group(fn: Callable[..., None], world_size: int, *args: Any, tmp_dir: str,
+              backend: str = "gloo") -> None:
+    """Run ``fn(rank, world_size, *args)`` on ``world_size`` processes joined in a ``backend``
+    group (gloo; "nccl": rank r on GPU r)."""
     import torch.multiprocessing as mp
 
     init_file = os.path.join(tmp_dir, f"pg-{uuid.uuid4().hex}")
@@ -141,7 +146,8 @@ def run_group(fn: Callable[..., None], world_size: int, *args: Any, tmp_dir: str
     previous = os.environ.get("OMP_NUM_THREADS")
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     try:
-        mp.spawn(_entry, args=(world_size, init_file, fn, args), nprocs=world_size, join=True)
+        mp.spawn(_entry, args=(world_size, init_file, backend, fn, args), nprocs=world_size,
+                 join=True)
     finally:
         if previous is None:
             os.environ.pop("OMP_NUM_THREADS", None)

@@ -146,8 +146,8 @@ def pytest_collection_finish(session: pytest.Session) -> None:
 # each node id with the group); a mark added after it would not group anything.
 @pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Skip `gpu` tests where CUDA is absent, with the reason shown in the summary; put every
-    `slow` test in one xdist group.
+    """Skip `gpu` tests where CUDA is absent and `multigpu` tests where there are fewer than two
+    GPUs, with the reason shown in the summary; put every `slow` test in one xdist group.
 
     Why the group: `make test` runs pytest-xdist with two workers (`--dist loadgroup`). The
     slow tests (Ray clusters, node kills, failure detection on 1 s health checks) then run
@@ -160,12 +160,13 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     try:
         import torch
 
-        has_cuda = torch.cuda.is_available()
+        gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
     except ImportError:
-        has_cuda = False
-    if has_cuda:
-        return
+        gpus = 0
     skip_gpu = pytest.mark.skip(reason="needs a CUDA GPU")
+    skip_multigpu = pytest.mark.skip(reason=f"needs two CUDA GPUs or more ({gpus} here)")
     for item in items:
-        if item.get_closest_marker("gpu") is not None:
+        if gpus == 0 and item.get_closest_marker("gpu") is not None:
             item.add_marker(skip_gpu)
+        elif gpus < 2 and item.get_closest_marker("multigpu") is not None:
+            item.add_marker(skip_multigpu)

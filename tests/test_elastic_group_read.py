@@ -1,5 +1,6 @@
 """A group restores reading each byte once between its ranks (issue 14, point 4), on real
-gloo process groups: a DDP restore at W=3 reads the state once in all, not three times; a
+gloo process groups (and NCCL where a machine has two GPUs or more: `multigpu`): a DDP
+restore at W=3 reads the state once in all, not three times; a
 corrupt block in one rank's part sends every rank back to the previous snapshot together;
 an FSDP2 restore from W=2 to W'=4 reads no more than 1.1x the bytes its ranks need.
 
@@ -71,7 +72,9 @@ def _restore_ddp(rank: int, world_size: int, run: str, out: str,
             sources.append(self)
 
     snapshotter_module.ByteSource = Counting  # type: ignore[misc]  # this process only
-    ts = build(seed=99, layout="ddp", world_size=world_size)
+    # Over NCCL the model lives on this rank's GPU (as a real DDP worker's).
+    device = f"cuda:{torch.cuda.current_device()}" if dist.get_backend() == "nccl" else "cpu"
+    ts = build(seed=99, layout="ddp", world_size=world_size, device=device)
     snap = Snapshotter(run, ts.registry, rank, world_size, layout="ddp", snapshot_every=10**6)
     before = snap.store.stats.bytes_read
     step = snap.restore()
@@ -114,11 +117,29 @@ def test_ddp_restore_at_three_reads_each_byte_once(tmp_path, in_place_min_bytes)
     os.makedirs(out)
     run_group(_save, 2, run, "ddp", (3,), BLOCK, tmp_dir=str(tmp_path))
     run_group(_restore_ddp, 3, run, out, in_place_min_bytes, tmp_dir=str(tmp_path))
-    results = _results(out, 3)
+    _check_each_byte_read_once(run, out, 3)
+
+
+@pytest.mark.gpu
+@pytest.mark.multigpu
+def test_ddp_restore_over_nccl_reads_each_byte_once(tmp_path) -> None:
+    """The group read over NCCL (issue 14: its exchange then runs in CUDA buffers), on as many
+    GPUs as there are, up to 4, one rank per GPU, the model on its rank's GPU: every byte
+    read once in all, the state restored bitwise."""
+    world = min(4, torch.cuda.device_count())
+    run, out = str(tmp_path / "run"), str(tmp_path / "out")
+    os.makedirs(out)
+    run_group(_save, 2, run, "ddp", (3,), BLOCK, tmp_dir=str(tmp_path))
+    run_group(_restore_ddp, world, run, out, tmp_dir=str(tmp_path), backend="nccl")
+    _check_each_byte_read_once(run, out, world)
+
+
+def _check_each_byte_read_once(run: str, out: str, world: int) -> None:
+    results = _results(out, world)
     state = results[0]["state_bytes"]
     read = [r["tensor_bytes"] for r in results]
-    print(f"DDP W=3 restore: tensor bytes read per rank {read}, sum {sum(read)}, "
-          f"state {state} (reading alone: {3 * state})")
+    print(f"DDP W={world} restore: tensor bytes read per rank {read}, sum {sum(read)}, "
+          f"state {state} (reading alone: {world * state})")
     assert all(r["step"] == 3 and not r["errors"] for r in results)
     assert sum(read) == state  # every byte once: nothing twice, nothing left out
     assert all(0 < n < 0.6 * state for n in read)  # shared out (state / 3, within a chunk)

@@ -41,7 +41,8 @@ def test_the_script_is_valid_bash_and_its_dry_run_lists_the_steps(tmp_path: Path
     assert [name for name, _ in steps] == STEPS
     total = sum(int(limit) for _, limit in steps)
     assert total <= 600 and f"total time limit: {total}s" in text  # under 10 minutes
-    for needle in ("-m gpu -k \"not triton\"", "-m gpu -k triton",
+    for needle in ("-m \"$marks\" -k \"not triton\"", "local marks=\"gpu and not multigpu\"",
+                   "-m gpu -k triton",
                    "sketch_memory.py --device cuda", "fit recipes/llama-tiny.toml",
                    "--until 8", "precision.dtype=\"bf16\"", "scaling.use_gpu=true"):
         assert needle in text, needle
@@ -76,7 +77,8 @@ def test_what_the_steps_select_exists(tmp_path: Path) -> None:
         assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
         return {line for line in proc.stdout.splitlines() if "::" in line}
 
-    gpu_files = ["tests/test_elastic_format.py", "tests/test_gpu_paths.py",
+    gpu_files = ["tests/test_elastic_format.py", "tests/test_elastic_group_read.py",
+                 "tests/test_gpu_paths.py",
                  "tests/test_sketch_triton.py"]
     listed = _bash("-c", f"source <(sed -n '/^gpu_test_files()/p' {SCRIPT}); gpu_test_files")
     assert listed.stdout.split() == gpu_files, listed.stdout + listed.stderr
@@ -85,7 +87,9 @@ def test_what_the_steps_select_exists(tmp_path: Path) -> None:
     assert triton and others and not triton & others
     assert any("test_gpu_paths.py::test_triton_kernels" in t for t in triton)
     assert any("test_sketch_triton.py" in t for t in triton)
-    for name in ("bf16_autocast", "adamw_is_fused", "bf16_llama", "saved_on_cuda"):
+    resumes = "on_cuda_resumes_where_the_whole_run_ends"
+    for name in ("bf16_autocast", "adamw_is_fused", f"{resumes}[bf16]", f"{resumes}[fp16]",
+                 "fsdp2_on_one_gpu", "saved_on_cuda"):
         assert any(name in t for t in others), name
 
 

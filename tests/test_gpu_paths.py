@@ -9,8 +9,11 @@ Every test here is marked `gpu` (tests/conftest.py skips them where CUDA is abse
   and gradients;
 - AdamW on CUDA is torch's fused kernel (`trainer.optim.build_optimizer`) and updates like
   the per-parameter loop on the same gradients;
-- a bf16 Llama (`recipes/llama-tiny.toml`) trained on the GPU by the worker loop, stopped at
-  step 3 and continued: it ends where the uninterrupted run ends, its snapshots fp32.
+- a Llama (`recipes/llama-tiny.toml`) trained on the GPU by the worker loop in bf16 and in
+  fp16 (its loss scaler on CUDA, the scaler's state in the snapshot), stopped at step 3 and
+  continued: it ends where the uninterrupted run ends, its snapshots fp32;
+- the same under FSDP2 on one GPU (an NCCL group of one rank): `fully_shard` with bf16's
+  `MixedPrecisionPolicy` on CUDA, stopped and continued, ends where the whole run ends.
 
 The kernel checks are written for any device (`_kernel_checks(device)`): on a CPU under
 Triton's interpreter they are the same code tests/test_sketch_triton.py runs there.
@@ -174,32 +177,63 @@ def test_adamw_is_fused_on_cuda_and_updates_like_the_per_parameter_loop() -> Non
                                        rtol=1e-5, atol=1e-7)
 
 
-@pytest.mark.gpu
-def test_a_bf16_llama_trained_on_cuda_resumes_where_the_whole_run_ends(
-    tmp_path: Path, tiny_dataset: str,
-) -> None:
-    pytest.importorskip("transformers")
-    from elastic.store import SnapshotStore
+STEPS = 8
+
+
+def _train_llama(rank: int, world_size: int, run: str, dataset: str, dtype: str,
+                 parallelism: str, stop_after: int | None) -> None:
+    """One worker of the Llama recipe on GPU `rank` (a spawned rank of `run_group`, or the
+    test's own process for a single worker without a group)."""
     from trainer.loop import WorkerEnv, run_worker
 
-    steps = 8
+    cfg = load_recipe(LLAMA, [f'snapshots.run_uri="{run}"', f'data.uri="{dataset}"',
+                              f"steps={STEPS}", "eval.every=0", f'precision.dtype="{dtype}"',
+                              f'parallelism="{parallelism}"'])
+    run_worker(cfg, WorkerEnv(rank=rank, world_size=world_size, device=torch.device("cuda", rank),
+                              stop_after=stop_after))
 
-    def train(run: Path, stop_after: int | None) -> None:
-        cfg = load_recipe(LLAMA, [f'snapshots.run_uri="{run}"', f'data.uri="{tiny_dataset}"',
-                                  f"steps={steps}", "eval.every=0", 'precision.dtype="bf16"'])
-        run_worker(cfg, WorkerEnv(device=CUDA, stop_after=stop_after))
 
-    whole, resumed = tmp_path / "whole", tmp_path / "resumed"
-    train(whole, None)
-    train(resumed, 3)
-    train(resumed, None)
-    a, b = final_state(whole, tmp_path, steps), final_state(resumed, tmp_path, steps)
+def _check_resumed(tmp_path: Path, whole: Path, resumed: Path, dtype: str) -> None:
+    """The stopped-and-continued run ends where the whole run ends; fp32 snapshots; fp16's
+    loss scaler in them."""
+    from elastic.store import SnapshotStore
+
+    a, b = final_state(whole, tmp_path, STEPS), final_state(resumed, tmp_path, STEPS)
     assert a.keys() == b.keys()
     for component in ("model.", "optim."):
         keys = [k for k in a if k.startswith(component) and a[k].is_floating_point()]
         x = torch.cat([a[k].double().flatten() for k in keys])
         y = torch.cat([b[k].double().flatten() for k in keys])
         assert ((x - y).norm() / x.norm()).item() <= BF16_RESUME, component
-    manifest = SnapshotStore(str(resumed)).load_manifest(steps)
+    manifest = SnapshotStore(str(resumed)).load_manifest(STEPS)
     floats = {r.dtype for r in manifest.tensors.values() if r.dtype in ("F32", "BF16", "F16")}
     assert floats == {"F32"}, "snapshots keep fp32 master weights and optimizer state"
+    assert ("scaler" in manifest.state) == (dtype == "fp16"), sorted(manifest.state)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", ["bf16", "fp16"])
+def test_a_llama_trained_on_cuda_resumes_where_the_whole_run_ends(
+    tmp_path: Path, tiny_dataset: str, dtype: str,
+) -> None:
+    pytest.importorskip("transformers")
+    whole, resumed = tmp_path / "whole", tmp_path / "resumed"
+    for run, stop_after in ((whole, None), (resumed, 3), (resumed, None)):
+        _train_llama(0, 1, str(run), tiny_dataset, dtype, "ddp", stop_after)
+    _check_resumed(tmp_path, whole, resumed, dtype)
+
+
+@pytest.mark.gpu
+def test_fsdp2_on_one_gpu_in_bf16_resumes_where_the_whole_run_ends(
+    tmp_path: Path, tiny_dataset: str,
+) -> None:
+    """FSDP2 on CUDA (an NCCL group of one rank: `fully_shard` with bf16's mixed-precision
+    policy on the GPU), stopped at step 3 and continued."""
+    pytest.importorskip("transformers")
+    from elastic.testing import run_group
+
+    whole, resumed = tmp_path / "whole", tmp_path / "resumed"
+    for run, stop_after in ((whole, None), (resumed, 3), (resumed, None)):
+        run_group(_train_llama, 1, str(run), tiny_dataset, "bf16", "fsdp", stop_after,
+                  tmp_dir=str(tmp_path), backend="nccl")
+    _check_resumed(tmp_path, whole, resumed, "bf16")
