@@ -78,7 +78,7 @@ class _GeluMlpFn(torch.autograd.Function):
         n = x2d.shape[0]
         out = torch.empty(n, w2.shape[0], dtype=x2d.dtype, device=x2d.device)
         acc = reference.acc_dtype(x2d.dtype)
-        size = block_size(w1.shape[0], x2d.dtype, x2d.device)
+        size = block_size(n, w1.shape[0], x2d.dtype, x2d.device)
         proj_sketch = (
             BlockInputSketch(
                 n, ranks[1], seeds[1], w2.shape[1], estimators[1], x2d.device, acc, size
@@ -114,7 +114,7 @@ class _GeluMlpFn(torch.autograd.Function):
             ctx.needs_input_grad[:7]
         )
         n, acc, eps, device = x2d.shape[0], reference.acc_dtype(dy.dtype), ctx.eps, dy.device
-        size = block_size(w1.shape[0], x2d.dtype, device)
+        size = block_size(n, w1.shape[0], x2d.dtype, device)
         seed1, seed2 = (int(s) for s in seeds_t)
         (rank1, rank2), (estimator1, _) = ctx.ranks, ctx.estimators
         dw2 = db2 = None

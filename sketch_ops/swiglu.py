@@ -111,7 +111,7 @@ class _SwigluMlpFn(torch.autograd.Function):
         n = x2d.shape[0]
         out = torch.empty(n, w_down.shape[0], dtype=x2d.dtype, device=x2d.device)
         acc = reference.acc_dtype(x2d.dtype)
-        size = block_size(w_gate.shape[0], x2d.dtype, x2d.device)
+        size = block_size(n, w_gate.shape[0], x2d.dtype, x2d.device)
         down_sketch = (
             BlockInputSketch(
                 n, ranks[2], seeds[2], w_down.shape[1], estimators[2], x2d.device, acc, size
@@ -152,7 +152,7 @@ class _SwigluMlpFn(torch.autograd.Function):
             ctx.needs_input_grad[:7]
         )
         n, acc, device = x2d.shape[0], reference.acc_dtype(dy.dtype), dy.device
-        size = block_size(w_gate.shape[0], x2d.dtype, device)
+        size = block_size(n, w_gate.shape[0], x2d.dtype, device)
         seeds = [int(s) for s in seeds_t]
         (rank_gate, rank_up, rank_down), estimators = ctx.ranks, ctx.estimators
         dy_sum = None  # column sums of dY: down's bias, and μdy when centred; one pass for both

@@ -149,7 +149,8 @@ def test_fused_mlp_equals_the_unfused_composition(
 ) -> None:
     from sketch_ops import blocked
 
-    monkeypatch.setattr(blocked, "BLOCK_ROWS", 7)  # several row blocks, a ragged last one
+    monkeypatch.setattr(blocked, "BLOCK_ROWS", 7)  # several row blocks, a ragged last one:
+    # 33 rows make 5 blocks of 7, 7, 7, 7 and 5
     torch.manual_seed(0)
     if fc_kind == "sketched":
         fc: nn.Linear = SketchedLinear(16, 40, rank=5, name="fc", estimator=estimator)
@@ -157,8 +158,8 @@ def test_fused_mlp_equals_the_unfused_composition(
         fc = nn.Linear(16, 40)
     fc = fc.double()
     proj = SketchedLinear(40, 16, rank=6, name="proj", estimator=estimator).double()
-    x = torch.randn(3, 10, 16, dtype=torch.float64)
-    g = torch.randn(3, 10, 16, dtype=torch.float64)
+    x = torch.randn(3, 11, 16, dtype=torch.float64)
+    g = torch.randn(3, 11, 16, dtype=torch.float64)
     results = []
     for run in (lambda x: gelu_mlp(fc, proj, x), lambda x: proj(F.gelu(fc(x)))):
         x_in = x.clone().requires_grad_()

@@ -54,11 +54,25 @@ def test_row_blocks_sketch_the_plan_a_block_at_a_time(n: int, rank: int, size: i
 
 def test_fused_functions_block_by_rows_on_cpu_and_by_bytes_on_a_gpu() -> None:
     cpu, gpu = torch.device("cpu"), torch.device("cuda")  # only the device type is read
-    assert blocked.block_size(1024, torch.float32, cpu) == blocked.BLOCK_ROWS
+    many = 10**8  # rows: blocks of the largest size allowed, up to rounding
+    most = blocked.BLOCK_ROWS
+    assert most - 1 <= blocked.block_size(many, 1024, torch.float32, cpu) <= most
     # On a GPU: as many rows as fit GPU_BLOCK_BYTES of the widest temporary, at least BLOCK_ROWS.
-    assert blocked.block_size(1024, torch.float32, gpu) == blocked.GPU_BLOCK_BYTES // 4096
-    assert blocked.block_size(1024, torch.bfloat16, gpu) == blocked.GPU_BLOCK_BYTES // 2048
-    assert blocked.block_size(10**7, torch.float32, gpu) == blocked.BLOCK_ROWS
+    for width, dtype, most in ((1024, torch.float32, blocked.GPU_BLOCK_BYTES // 4096),
+                               (1024, torch.bfloat16, blocked.GPU_BLOCK_BYTES // 2048),
+                               (10**7, torch.float32, blocked.BLOCK_ROWS)):
+        assert most * 0.99 <= blocked.block_size(many, width, dtype, gpu) <= most
+    # Fewer rows than a block: one block. More: equal blocks, none ragged (4 112 rows on the
+    # CPU: 1 371 + 1 371 + 1 370, not 2 048 + 2 048 + 16).
+    assert blocked.block_size(100, 1024, torch.float32, cpu) == 100
+    assert blocked.block_size(0, 1024, torch.float32, cpu) == 1
+    size = blocked.block_size(4112, 1024, torch.float32, cpu)
+    assert [b - a for a, b in blocked.row_blocks(4112, size)] == [1371, 1371, 1370]
+    for n in (2049, 4097, 10_000, 123_457):
+        sizes = [b - a for a, b in blocked.row_blocks(n, blocked.block_size(n, 64, torch.float32,
+                                                                            cpu))]
+        assert sum(sizes) == n and max(sizes) <= blocked.BLOCK_ROWS
+        assert len(sizes) == -(-n // blocked.BLOCK_ROWS) and max(sizes) - min(sizes) < len(sizes)
     assert blocked.row_blocks(5, 2) == [(0, 2), (2, 4), (4, 5)] and blocked.row_blocks(0, 2) == []
 
 

@@ -66,8 +66,8 @@ ACTIVATIONS = {
 def test_swiglu_mlp_equals_the_composition(
     act_name: str, sketched: str, bias: bool, keep_gate: bool, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(blocked, "BLOCK_ROWS", 7)  # several row blocks, one partial
-    d, hidden, n = 6, 10, 30
+    monkeypatch.setattr(blocked, "BLOCK_ROWS", 7)  # several row blocks, one partial (7x4 + 4)
+    d, hidden, n = 6, 10, 32
     gate, up, down = _layers(d, hidden, bias)
     act = ACTIVATIONS[act_name]()
     if sketched in ("down", "all"):
