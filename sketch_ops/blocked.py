@@ -42,7 +42,7 @@ from .function import input_sketch, weight_grad_estimate
 from .layer import SketchedLinear
 from .seeds import SketchPlan, effective_rank, layer_seed, make_plan
 
-BLOCK_ROWS = 2048  # rows per block on the CPU, and the fewest on a GPU
+BLOCK_ROWS = 2048  # the most rows per block on the CPU; a GPU's cap is never below it
 # On a GPU a block's widest temporary may take this much. Each block costs the host a fixed
 # few dozen launches; 2 048-row blocks left an H200 waiting on the host (the fused MLP of a
 # d-256 GPT at 16 384 rows ran 1.67x exact's step in 2 048-row blocks, 1.05x in one block).
@@ -51,9 +51,9 @@ GPU_BLOCK_BYTES = 64 << 20
 
 def block_size(n: int, width: int, dtype: torch.dtype, device: torch.device) -> int:
     """Rows per block for a fused function on n rows whose widest per-row temporary is `width`
-    elements of `dtype`. At most BLOCK_ROWS on the CPU; on a GPU at most as many as fit
-    GPU_BLOCK_BYTES, and at least BLOCK_ROWS. Within that bound the k blocks n needs are made
-    equal (the last up to k - 1 rows shorter): a ragged tail block runs its matmuls at a
+    elements of `dtype`. The cap is BLOCK_ROWS on the CPU; on a GPU as many rows as fit
+    GPU_BLOCK_BYTES, but not below BLOCK_ROWS. The k blocks of at most the cap that n needs
+    are made equal (the last up to k - 1 rows shorter): a ragged tail block runs its matmuls at a
     fraction of the rate (4 112 rows on one CPU thread: 17.1 ms per n·256·688 matmul in
     blocks of 2 048, 2 048 and 16 rows, 16.3 ms in blocks of 1 371, 1 371 and 1 370)."""
     if device.type == "cpu":
