@@ -26,6 +26,18 @@ def final_state(run: Path, tmp: Path, steps: int) -> dict[str, torch.Tensor]:
     return state
 
 
+def relative_difference(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor],
+                        prefix: str) -> float:
+    """||a - b|| / ||a|| over every floating tensor whose key starts with ``prefix``, as one
+    vector (0.0 when there is none: plain SGD has no optimizer tensors)."""
+    keys = [k for k in a if k.startswith(prefix) and a[k].is_floating_point()]
+    if not keys:
+        return 0.0
+    x = torch.cat([a[k].double().flatten() for k in keys])
+    y = torch.cat([b[k].double().flatten() for k in keys])
+    return ((x - y).norm() / x.norm()).item()
+
+
 def assert_same_state(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
     """Equal up to float summation order (P1): relative difference <= 1e-5 over the model and
     over the optimizer moments, and no single element off by more than 1e-4.
@@ -39,12 +51,7 @@ def assert_same_state(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) ->
     """
     assert a.keys() == b.keys()
     for component in ("model.", "optim."):
-        keys = [k for k in a if k.startswith(component) and a[k].is_floating_point()]
-        if not keys:
-            continue  # plain SGD: no optimizer tensors
-        x = torch.cat([a[k].double().flatten() for k in keys])
-        y = torch.cat([b[k].double().flatten() for k in keys])
-        rel = ((x - y).norm() / x.norm()).item()
+        rel = relative_difference(a, b, component)
         assert rel <= 1e-5, f"{component}*: relative difference {rel:.2e}"
     for key in a:
         worst = (a[key].double() - b[key].double()).abs().max().item()

@@ -55,13 +55,13 @@ def test_row_blocks_sketch_the_plan_a_block_at_a_time(n: int, rank: int, size: i
 def test_fused_functions_block_by_rows_on_cpu_and_by_bytes_on_a_gpu() -> None:
     cpu, gpu = torch.device("cpu"), torch.device("cuda")  # only the device type is read
     many = 10**8  # rows: blocks of the largest size allowed, up to rounding
-    most = blocked.BLOCK_ROWS
-    assert most - 1 <= blocked.block_size(many, 1024, torch.float32, cpu) <= most
+    cap = blocked.BLOCK_ROWS
+    assert cap - 1 <= blocked.block_size(many, 1024, torch.float32, cpu) <= cap
     # On a GPU: as many rows as fit GPU_BLOCK_BYTES of the widest temporary, at least BLOCK_ROWS.
-    for width, dtype, most in ((1024, torch.float32, blocked.GPU_BLOCK_BYTES // 4096),
-                               (1024, torch.bfloat16, blocked.GPU_BLOCK_BYTES // 2048),
-                               (10**7, torch.float32, blocked.BLOCK_ROWS)):
-        assert most * 0.99 <= blocked.block_size(many, width, dtype, gpu) <= most
+    for width, dtype, cap in ((1024, torch.float32, blocked.GPU_BLOCK_BYTES // 4096),
+                              (1024, torch.bfloat16, blocked.GPU_BLOCK_BYTES // 2048),
+                              (10**7, torch.float32, blocked.BLOCK_ROWS)):
+        assert cap * 0.99 <= blocked.block_size(many, width, dtype, gpu) <= cap
     # Fewer rows than a block: one block. More: equal blocks, none ragged (4 112 rows on the
     # CPU: 1 371 + 1 371 + 1 370, not 2 048 + 2 048 + 16).
     assert blocked.block_size(100, 1024, torch.float32, cpu) == 100

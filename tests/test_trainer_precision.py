@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from snapshot_compare import final_state
+from snapshot_compare import final_state, relative_difference
 
 import trainer.loop
 from elastic.store import SnapshotStore
@@ -60,13 +60,6 @@ def _run(run: Path, dataset: str, dtype: str, *, world_size: int = 1, steps: int
         run_group(_train, world_size, overrides, stop_after, init_scale,
                   tmp_dir=str(run.parent))
     return run
-
-
-def _relative(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor], component: str) -> float:
-    keys = [k for k in a if k.startswith(component) and a[k].is_floating_point()]
-    x = torch.cat([a[k].double().flatten() for k in keys])
-    y = torch.cat([b[k].double().flatten() for k in keys])
-    return ((x - y).norm() / x.norm()).item()
 
 
 def _saved(run: Path, step: int) -> tuple[dict[str, str], dict]:
@@ -133,9 +126,10 @@ def test_bf16_continues_at_another_world_size(tmp_path: Path, tiny_dataset: str)
     moved = _run(tmp_path / "moved", tiny_dataset, "bf16", stop_after=4)
     _run(moved, tiny_dataset, "bf16", world_size=2)
     resumed = final_state(moved, tmp_path, STEPS)
-    assert _relative(whole, fp32, "model.") > 10 * BF16_P1, "bf16 changed nothing: was it on?"
+    assert relative_difference(whole, fp32, "model.") > 10 * BF16_P1, \
+        "bf16 changed nothing: was it on?"
     for component in ("model.", "optim."):
-        assert _relative(whole, resumed, component) <= BF16_P1, component
+        assert relative_difference(whole, resumed, component) <= BF16_P1, component
     assert all(t.dtype == torch.float32 for t in resumed.values() if t.is_floating_point())
 
 
