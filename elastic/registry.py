@@ -11,11 +11,11 @@ The trainer registers each component once::
     registry.register("data", data_cursor)
     registry.register("trainer", trainer_state)       # user extras: any other key
 
-Models and optimizers go through ``torch.distributed.checkpoint.state_dict``
-(``get_model_state_dict`` / ``get_optimizer_state_dict`` and the ``set_*`` twins), so
-optimizer state is keyed by parameter FQN, never by position, and FSDP2 parameters come out
-as DTensors (their local shards); a stateless optimizer (plain SGD) is read without DCP's
-state initialisation, which would step it (see ``OptimizerState``). Every other component's
+Models and optimizers are seen as ``torch.distributed.checkpoint.state_dict`` sees them
+(``get_model_state_dict`` / ``get_optimizer_state_dict`` and the ``set_*`` twins; a plain or
+DDP model's without DCP's per-call cost, never stepping an optimizer: ``elastic.module_state``),
+so optimizer state is keyed by parameter FQN, never by position, and FSDP2 parameters come
+out as DTensors (their local shards). Every other component's
 ``state_dict()`` must be a tree of dicts, lists, tuples, str/int/float/bool/None and tensors.
 
 ``flatten()`` turns the registry into (a) a flat ``{name: tensor}`` map — names are
@@ -56,16 +56,10 @@ from typing import Any, NoReturn, Protocol
 
 import torch
 from torch import nn
-from torch.distributed.checkpoint.state_dict import (  # _get_fqns: DCP's own parameter names
-    _get_fqns,
-    get_model_state_dict,
-    get_optimizer_state_dict,
-    set_model_state_dict,
-    set_optimizer_state_dict,
-)
 
 from elastic.errors import ManifestError
 from elastic.format import ITEMS_TAG, TENSOR_TAG, TUPLE_TAG, json_kind, short_repr
+from elastic.module_state import ModelState, OptimizerState
 
 
 class SnapshotMismatchError(ValueError):
@@ -76,96 +70,6 @@ class Stateful(Protocol):
     def state_dict(self) -> dict[str, Any]: ...
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> Any: ...
-
-
-class ModelState:
-    """A model seen through DCP's state-dict API (FQN keys; DTensor shards under FSDP2).
-
-    Loading adopts rather than copies where it can: a plain parameter or buffer (not a
-    DTensor or other subclass) whose loaded tensor has its dtype, device, shape and strides,
-    and whose storage no other live tensor shares, takes the loaded tensor's storage
-    (``tensor.data = loaded``: the Parameter object, its ``requires_grad`` and the optimizer's
-    references to it stay); the loaded tensor must not be written afterwards. Everything
-    else is copied by DCP. (A restore reads every byte into fresh tensors and verifies them
-    before loading anything, so this costs no atomicity; it saves a copy of the model.)"""
-
-    def __init__(self, model: nn.Module) -> None:
-        self.model = model
-
-    def state_dict(self) -> dict[str, Any]:
-        return get_model_state_dict(self.model)
-
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        set_model_state_dict(self.model, self._adopt(dict(state_dict)))
-
-    def _adopt(self, state_dict: dict[str, Any]) -> dict[str, Any]:
-        """``state_dict`` with each adopted entry replaced by the live tensor itself (DCP's
-        ``copy_`` of a tensor onto itself does nothing)."""
-        live = [(name, tensor) for name, tensor in (
-            *self.model.named_parameters(remove_duplicate=False),
-            *self.model.named_buffers(remove_duplicate=False))
-            if type(tensor) in (torch.Tensor, nn.Parameter) and tensor.device.type != "meta"]
-        owners: dict[int, set[int]] = {}  # storage address -> ids of live tensors on it
-        for _, tensor in live:
-            owners.setdefault(tensor.untyped_storage().data_ptr(), set()).add(id(tensor))
-        for name, tensor in live:
-            fqns = _get_fqns(self.model, name)
-            if len(fqns) != 1:
-                continue
-            (fqn,) = fqns
-            loaded = state_dict.get(fqn)
-            if (type(loaded) is torch.Tensor
-                    and loaded.dtype == tensor.dtype and loaded.device == tensor.device
-                    and loaded.shape == tensor.shape and loaded.stride() == tensor.stride()
-                    and len(owners.get(tensor.untyped_storage().data_ptr(), ())) == 1):
-                tensor.data = loaded
-                state_dict[fqn] = tensor
-        return state_dict
-
-
-class OptimizerState:
-    """An optimizer keyed by parameter FQN (DCP's ``get_optimizer_state_dict``).
-
-    A stateless optimizer (plain SGD: no momentum buffers, no step counter) is read without
-    DCP. DCP cannot tell "no state yet" from "never has state": for an optimizer with empty
-    state and no gradients it makes the state up with a fake ``optimizer.step()`` at learning
-    rate 0. Run by a capture on its side thread, that step would wait on the very capture
-    (``Session``'s pre-step hook) and set the learning rates to 0 under the training thread.
-    So a post-step hook records whether the last step left any state; once a step has left
-    none, ``state_dict()`` is the optimizer's own param groups keyed by FQN, with empty
-    ``state`` (exactly DCP's layout, so it loads back through ``set_optimizer_state_dict``)."""
-
-    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
-        self.model = model
-        self.optimizer = optimizer
-        self._stateless = False  # a step ran and left no state
-        optimizer.register_step_post_hook(self._after_step)
-
-    def _after_step(self, optimizer: torch.optim.Optimizer, *_: Any) -> None:
-        self._stateless = not optimizer.state
-
-    def state_dict(self) -> dict[str, Any]:
-        if self._stateless and not self.optimizer.state:
-            return self._stateless_state_dict()
-        return get_optimizer_state_dict(self.model, self.optimizer)
-
-    def _stateless_state_dict(self) -> dict[str, Any]:
-        """DCP's layout without DCP's state initialisation: ``param_groups`` with each
-        parameter named by its FQN (as ``get_optimizer_state_dict`` names it), no state."""
-        saved = self.optimizer.state_dict()  # params as positions over all param groups
-        position = {id(p): i for i, p in
-                    enumerate(p for g in self.optimizer.param_groups for p in g["params"])}
-        fqn_at: dict[int, str] = {}
-        for name, param in self.model.named_parameters():
-            if id(param) in position:
-                (fqn,) = _get_fqns(self.model, name)
-                fqn_at[position[id(param)]] = fqn
-        for group in saved["param_groups"]:
-            group["params"] = [fqn_at[i] for i in group["params"]]
-        return {"state": {}, "param_groups": saved["param_groups"]}
-
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        set_optimizer_state_dict(self.model, self.optimizer, state_dict)
 
 
 @dataclass

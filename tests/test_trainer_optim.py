@@ -119,7 +119,7 @@ def test_plain_sgd_state_is_read_without_an_optimizer_step() -> None:
     param groups instead, its parameters named exactly as DCP names them."""
     from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 
-    from elastic.registry import OptimizerState
+    from elastic.module_state import OptimizerState
 
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.ReLU(), torch.nn.Linear(3, 2))
