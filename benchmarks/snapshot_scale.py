@@ -74,7 +74,13 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from elastic.registry import StateRegistry  # noqa: E402
-from elastic.restore import ByteSource, check_compatible, plan_targets, read_tensors  # noqa: E402
+from elastic.restore import (  # noqa: E402
+    ByteSource,
+    check_compatible,
+    collector_paused,
+    plan_targets,
+    read_tensors,
+)
 from elastic.snapshotter import Snapshotter  # noqa: E402
 from elastic.store import SnapshotStore  # noqa: E402
 from trainer.config import ModelConfig  # noqa: E402
@@ -152,12 +158,13 @@ def baton_restore(registry: StateRegistry, store: SnapshotStore, step: int,
                   ram: Any = None) -> bool:
     """Snapshotter.restore's data path, without its coordinator bookkeeping; True if every
     byte came from RAM."""
-    manifest = store.load_manifest(step)
-    live = registry.flatten()
-    check_compatible(registry, manifest, live.tensors, live.skeletons)
-    source = ByteSource(store, step, ram=ram)
-    tensors = read_tensors(manifest, plan_targets(manifest, live.tensors), source)
-    registry.load(tensors, manifest.state, checked=True)
+    with collector_paused():
+        manifest = store.load_manifest(step)
+        live = registry.flatten()
+        check_compatible(registry, manifest, live.tensors, live.skeletons)
+        source = ByteSource(store, step, ram=ram)
+        tensors = read_tensors(manifest, plan_targets(manifest, live.tensors), source)
+        registry.load(tensors, manifest.state, checked=True)
     return source.used_ram and not source.used_storage
 
 

@@ -43,6 +43,8 @@ here, because a manifest is untrusted input (DESIGN P8):
   local store it refuses a shard file that is a symbolic link or whose real path is not in
   the snapshot's directory (``ManifestError``); a missing file is ``SnapshotIntegrityError``.
 
+``collector_paused()`` is the context a restore runs in: Python's cyclic garbage collector off.
+
 Bad input never surfaces as RuntimeError/KeyError/TypeError/IndexError: every failure is a
 ``SnapshotIntegrityError`` (or its subclass ``ManifestError``), which restore answers by
 falling back to the previous committed snapshot.
@@ -50,10 +52,12 @@ falling back to the previous committed snapshot.
 
 from __future__ import annotations
 
+import contextlib
+import gc
 import math
 import os
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -77,7 +81,24 @@ from elastic.registry import SnapshotMismatchError, StateRegistry
 from elastic.store import SnapshotStore
 
 __all__ = ["ByteSource", "SnapshotMismatchError", "allocate", "check_compatible",
-           "check_coverage", "plan_reads", "plan_targets", "read_tensors"]
+           "check_coverage", "collector_paused", "plan_reads", "plan_targets", "read_tensors"]
+
+
+@contextlib.contextmanager
+def collector_paused() -> Iterator[None]:
+    """Python's cyclic garbage collector off for the block, on again after if it was on.
+
+    A restore allocates tens of thousands of short-lived, acyclic objects (the manifest's
+    records, the read plan); in a process that already holds millions (a trainer that has
+    run a while) they set off full collections in the middle of it: 150 ms, twice in 16
+    restores of 0.37 GB that otherwise take ~80 ms. DCP's state-dict calls pause it too."""
+    was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was_enabled:
+            gc.enable()
 
 # (file, start, end) requests -> bytes (any buffer) per request, None for a request the
 # source does not hold (read from storage), or None when it serves none of them.

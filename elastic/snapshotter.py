@@ -77,6 +77,7 @@ from elastic.restore import (
     ReadMany,
     SnapshotMismatchError,
     check_compatible,
+    collector_paused,
     plan_targets,
     read_tensors,
 )
@@ -190,6 +191,10 @@ class Snapshotter:
         store that answered) moves on to the previous snapshot, and the rejected one is
         quarantined, not deleted. Storage that does not answer within its deadline raises
         ``StorageUnavailableError`` and changes nothing: restarting later restores it."""
+        with collector_paused():
+            return self._restore_newest()
+
+    def _restore_newest(self) -> int:
         self.join_generation()
         steps = sorted(self.coordinator.committed_steps(), reverse=True)
         # A group (torch.distributed of this world size) reads each byte once between its

@@ -289,3 +289,30 @@ def test_prefault_touches_fresh_pages_and_leaves_resident_ones_alone() -> None:
     kept = torch.full((MIN_BYTES,), 7, dtype=torch.uint8)  # resident: must not be zeroed
     prefault(kept)
     assert bool((kept == 7).all())
+
+
+def test_restore_runs_with_the_garbage_collector_paused(tmp_path) -> None:
+    """A restore's short-lived objects must not set off full collections in a process that
+    holds many: the collector is off while it runs, and on again after (if it was on)."""
+    import gc
+
+    seen: list[bool] = []
+
+    class Probe:
+        def state_dict(self) -> dict[str, int]:
+            return {"calls": len(seen)}
+
+        def load_state_dict(self, state: dict[str, int]) -> None:
+            seen.append(gc.isenabled())
+
+    model, optim, registry = _state(width=16)
+    registry.register("probe", Probe())
+    _train(model, optim, 1)
+    snap = Snapshotter(str(tmp_path), registry, durable=False, ram=False)
+    snap.after_step(1, force=True)
+    snap.close()
+    assert gc.isenabled()
+    restorer = Snapshotter(str(tmp_path), registry, durable=False, ram=False)
+    assert restorer.restore() == 1
+    restorer.close()
+    assert seen == [False] and gc.isenabled()
