@@ -24,6 +24,7 @@ is ever unpickled.
 
 from __future__ import annotations
 
+import operator
 import os
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, replace
@@ -81,7 +82,11 @@ class Placed:
 
 def place(op: ReadOp, target: Target, local: torch.Tensor) -> Placed:
     t_lo = target.piece.offsets
-    dst = local[tuple(slice(a - o, b - o) for a, b, o in zip(op.lo, op.hi, t_lo, strict=True))]
+    if op.lo == t_lo and op.hi == tuple(map(operator.add, t_lo, target.piece.shape)):
+        dst = local  # the op fills the whole target (a whole-tensor chunk: the usual case)
+    else:
+        dst = local[tuple(map(slice, map(operator.sub, op.lo, t_lo),
+                              map(operator.sub, op.hi, t_lo)))]
     if op.rows_only:
         src_shape = (op.hi[0] - op.lo[0], *op.chunk.shape[1:])
     else:
@@ -89,7 +94,7 @@ def place(op: ReadOp, target: Target, local: torch.Tensor) -> Placed:
     # Same shape and contiguous: the target's slice holds the needed bytes in file order.
     direct = tuple(dst.shape) == src_shape and dst.is_contiguous() and (
         op.rows_only or (op.lo == op.chunk.offsets and tuple(op.hi) == tuple(
-            o + n for o, n in zip(op.chunk.offsets, op.chunk.shape, strict=True))))
+            map(operator.add, op.chunk.offsets, op.chunk.shape))))
     return Placed(op, dst, src_shape, direct)
 
 

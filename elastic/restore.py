@@ -55,6 +55,7 @@ from __future__ import annotations
 import contextlib
 import gc
 import math
+import operator
 import os
 import threading
 from collections.abc import Callable, Iterator
@@ -256,6 +257,8 @@ def _parameter_like(key: str, shape: tuple[int, ...],
 
 
 def plan_reads(manifest: Manifest, targets: dict[str, Target]) -> list[ReadOp]:
+    # Tuples built with map() over the operator/builtin functions: this runs per chunk (a
+    # few hundred per state) and the generator-expression form was its main cost.
     ops: list[ReadOp] = []
     block = manifest.block_bytes
     for key, target in targets.items():
@@ -264,19 +267,18 @@ def plan_reads(manifest: Manifest, targets: dict[str, Target]) -> list[ReadOp]:
             raise ManifestError(f"{_snap(manifest.step)}: tensor {key!r} has "
                                 f"{len(rec.shape)} dimensions, the target "
                                 f"{len(target.piece.shape)}")
-        esize = torch.empty((), dtype=target.piece.dtype).element_size()
+        esize = target.piece.dtype.itemsize
         t_lo = target.piece.offsets
-        t_hi = tuple(o + s for o, s in zip(t_lo, target.piece.shape, strict=True))
+        t_hi = tuple(map(operator.add, t_lo, target.piece.shape))
         for chunk in rec.chunks:
             c_lo = chunk.offsets
-            c_hi = tuple(o + s for o, s in zip(c_lo, chunk.shape, strict=True))
-            lo = tuple(max(a, b) for a, b in zip(t_lo, c_lo, strict=True))
-            hi = tuple(min(a, b) for a, b in zip(t_hi, c_hi, strict=True))
-            if any(h <= lo_ for lo_, h in zip(lo, hi, strict=True)) and len(lo) > 0:
-                continue
+            c_hi = tuple(map(operator.add, c_lo, chunk.shape))
+            lo = tuple(map(max, t_lo, c_lo))
+            hi = tuple(map(min, t_hi, c_hi))
+            if lo and any(map(operator.le, hi, lo)):
+                continue  # the chunk and the target do not overlap
             c0, c1 = chunk.byte_range
-            full_tail = len(lo) > 0 and all(
-                lo[d] == c_lo[d] and hi[d] == c_hi[d] for d in range(1, len(lo)))
+            full_tail = bool(lo) and lo[1:] == c_lo[1:] and hi[1:] == c_hi[1:]
             if full_tail:
                 row_bytes = math.prod(chunk.shape[1:]) * esize
                 need0 = c0 + (lo[0] - c_lo[0]) * row_bytes
