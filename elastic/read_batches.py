@@ -13,7 +13,8 @@ edges go to a staging buffer), the others are read whole into a staging buffer a
 ``BATCH_BYTES`` (local disk: ``preadv`` into the tensors' memory) and verifies the crc32 of
 every block it read against the manifest (a mismatch is ``SnapshotIntegrityError`` naming
 file, chunk and block) on ``VERIFY_THREADS`` pool threads: from a local store each pool
-thread reads and verifies whole batches (``ByteSource.parallel_reads``); from the RAM tier
+thread reads and verifies whole batches (``ByteSource.parallel_reads``), a few MiB at a
+time so that the crc32 finds the bytes still in the CPU's cache; from the RAM tier
 or S3 this thread reads the batches in order and the pool verifies them meanwhile. A large
 direct op is cut into batch-sized pieces (``split_direct``), so one tensor's blocks are read
 and verified in parallel. It returns only once nothing writes into the tensors any
@@ -49,6 +50,10 @@ BATCH_BYTES = 32 << 20
 # many as the process may use, at most 4 (a node's other workers restore at the same time).
 VERIFY_THREADS = max(1, min(4, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity")
                             else os.cpu_count() or 1))
+# A thread that reads and verifies a batch (a local store) does so this many bytes at a time,
+# so the crc32 reads bytes the kernel has just copied while they are still in the CPU's
+# cache: 0.37 GB read + verified on one thread in 47 ms in 32 MiB pieces, 38.5 ms in 1-4 MiB.
+VERIFY_PIECE_BYTES = 4 << 20
 
 
 def snapshot_label(step: int) -> str:
@@ -131,15 +136,7 @@ def verify(op: ReadOp, parts: list[memoryview], block: int, step: int) -> None:
 def read_placed(placed: list[Placed], source: ByteSource, manifest: Manifest) -> None:
     """Read, verify and place every op (see the module contract)."""
     ordered = sorted(placed, key=lambda p: (p.op.chunk.file, p.op.start))
-    pieces = [q for p in ordered for q in split_direct(p, BATCH_BYTES, manifest.block_bytes)]
-    batches: list[list[Placed]] = [[]]
-    size = 0
-    for p in pieces:
-        if batches[-1] and size + (p.op.end - p.op.start) > BATCH_BYTES:
-            batches.append([])
-            size = 0
-        batches[-1].append(p)
-        size += p.op.end - p.op.start
+    batches = _batches(ordered, BATCH_BYTES, manifest.block_bytes)
     # Local store: every pool thread reads and verifies whole batches. preadv and crc32
     # release the GIL, and the kernel's copy from the page cache costs more than the crc32,
     # so one reader thread was the bottleneck (1.41 GB from the page cache: 188-197 ms with
@@ -151,7 +148,7 @@ def read_placed(placed: list[Placed], source: ByteSource, manifest: Manifest) ->
     spare: list[bytearray] = []
     in_flight: list[Future[bytearray]] = []
     try:
-        for batch in (b for b in batches if b):
+        for batch in batches:
             if len(in_flight) > VERIFY_THREADS:
                 spare.append(in_flight.pop(0).result())
             staging = spare.pop() if spare else bytearray()
@@ -233,9 +230,26 @@ def _check_batch(batch: list[Placed], parts_of: list[list[memoryview]],
 
 def _read_and_check(batch: list[Placed], source: ByteSource, staging: bytearray,
                     manifest: Manifest) -> bytearray:
-    """``_read_batch`` then ``_check_batch``, on one pool thread (``parallel_reads``)."""
-    staging, parts_of = _read_batch(batch, source, staging)
-    return _check_batch(batch, parts_of, manifest, staging)
+    """``_read_batch`` then ``_check_batch``, on one pool thread (``parallel_reads``), in
+    pieces of about ``VERIFY_PIECE_BYTES``: each is verified right after it is read."""
+    for piece in _batches(batch, VERIFY_PIECE_BYTES, manifest.block_bytes):
+        staging, parts_of = _read_batch(piece, source, staging)
+        staging = _check_batch(piece, parts_of, manifest, staging)
+    return staging
+
+
+def _batches(placed: list[Placed], max_bytes: int, block: int) -> list[list[Placed]]:
+    """``placed`` in order, large direct ops cut (``split_direct``), grouped into
+    consecutive batches of about ``max_bytes`` (an op larger than that alone)."""
+    batches: list[list[Placed]] = []
+    size = 0
+    for piece in (q for p in placed for q in split_direct(p, max_bytes, block)):
+        if not batches or size + (piece.op.end - piece.op.start) > max_bytes:
+            batches.append([])
+            size = 0
+        batches[-1].append(piece)
+        size += piece.op.end - piece.op.start
+    return batches
 
 
 _POOL: list[ThreadPoolExecutor] = []

@@ -155,3 +155,43 @@ def test_local_batches_are_read_on_the_pool_others_by_the_caller(
     else:
         assert caller not in batch_reads and all(
             name.startswith("baton-verify") for name in batch_reads), readers
+
+
+def test_a_local_batch_is_verified_piece_by_piece(tmp_path,
+                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    """A pool thread reading from a local store verifies each few-block piece of its batch
+    right after reading it (the crc32 then finds the bytes in the CPU's cache), never two
+    reads in a row; still bitwise, every byte read once."""
+    monkeypatch.setattr(read_batches, "BATCH_BYTES", 24 * BLOCK)
+    monkeypatch.setattr(read_batches, "VERIFY_PIECE_BYTES", 3 * BLOCK)
+    saved = _snapshot(str(tmp_path))
+    store = SnapshotStore(str(tmp_path))
+    manifest = store.load_manifest(1)
+    (file,) = manifest.files
+    events: dict[str, list[tuple[str, int]]] = {}
+    read_into, verify = store.read_into, read_batches.verify
+
+    def recorded_read(path: str, reads: Any) -> None:
+        nbytes = sum(len(b) for _, bufs in reads for b in bufs)
+        events.setdefault(threading.current_thread().name, []).append(("read", nbytes))
+        read_into(path, reads)
+
+    def recorded_verify(op: ReadOp, *args: Any) -> None:
+        events.setdefault(threading.current_thread().name, []).append(("verify", 0))
+        verify(op, *args)
+
+    monkeypatch.setattr(store, "read_into", recorded_read)
+    monkeypatch.setattr(read_batches, "verify", recorded_verify)
+    source = ByteSource(store, 1)
+    targets = plan_targets(manifest, {k: torch.empty_like(v) for k, v in saved.items()})
+    got = read_tensors(manifest, targets, source)
+    for key, value in saved.items():
+        assert torch.equal(got[key], value), key
+    assert source.bytes_into == os.path.getsize(store.step_path(1, file))
+    pool = {name: seq for name, seq in events.items() if name.startswith("baton-verify")}
+    reads = [n for seq in pool.values() for kind, n in seq if kind == "read"]
+    assert len(reads) > 24 // 3 and max(reads) <= 3 * BLOCK, reads
+    for seq in pool.values():
+        kinds = [kind for kind, _ in seq]
+        assert kinds[0] == "read" and kinds[-1] == "verify", kinds
+        assert ("read", "read") not in zip(kinds, kinds[1:]), kinds
