@@ -194,4 +194,4 @@ def test_a_local_batch_is_verified_piece_by_piece(tmp_path,
     for seq in pool.values():
         kinds = [kind for kind, _ in seq]
         assert kinds[0] == "read" and kinds[-1] == "verify", kinds
-        assert ("read", "read") not in zip(kinds, kinds[1:]), kinds
+        assert ("read", "read") not in zip(kinds, kinds[1:], strict=False), kinds
