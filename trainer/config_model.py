@@ -17,7 +17,6 @@ from typing import Any
 
 from trainer.config_checks import ConfigError, check_types, default_of, require
 
-
 # The values of ModelConfig.mlp_recompute.
 MLP_RECOMPUTE = ("auto", "always", "never")
 
