@@ -53,7 +53,7 @@ sys.path.insert(0, str(ROOT))
 # Not `from data_state import TokenDataset`: that loads torch, and spawned workers re-import
 # this file, so each would pay a torch import inside the timed `workers=2` runs.
 from data_state.corpus import default_corpus_files, prepare_corpus  # noqa: E402
-from data_state.sources import cap  # noqa: E402
+from data_state.discover import cap  # noqa: E402
 
 if TYPE_CHECKING:
     from data_state.dataset import TokenDataset
@@ -66,7 +66,7 @@ def corpus_prefix(max_bytes: int) -> tuple[list[str], list[str], int]:
     """(paths, texts, bytes) of the first UTF-8 default-corpus files up to `max_bytes` (a few
     stdlib files are Latin-1 test data: `prepare` would skip them, so they are left out here
     and every byte counted is a byte tokenized)."""
-    from data_state.sources import InputFile
+    from data_state.discover import InputFile
 
     inputs: list[InputFile] = []
     texts: list[str] = []

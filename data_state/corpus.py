@@ -2,7 +2,7 @@
 sequences in Parquet + `dataset.json`, streaming, on one process, N processes or Ray.
 
 Contract of `prepare_corpus(sources, out, *, seq_len, ...)`:
-- Sources (`sources.discover`): local files, directories, globs, `s3://` URIs. With no
+- Sources (`discover.discover`): local files, directories, globs, `s3://` URIs. With no
   sources it prepares the **default corpus**: every `.py` file of this Python's standard
   library (`sysconfig.get_paths()["stdlib"]`, without `site-packages`/`dist-packages`), about
   31 MB / 1,800 files on CPython 3.11 — real text on every machine with Python, so no
@@ -51,19 +51,11 @@ from typing import Any
 import pyarrow as pa
 
 from data_state import storage
+from data_state.discover import InputFile, cap, discover, walk
 from data_state.manifest import MANIFEST_NAME, DatasetManifest, SplitInfo
 from data_state.parallel import Job, UnitResult, merge_rows, run_units
 from data_state.progress import Progress
-from data_state.sources import (
-    SPLITS,
-    InputFile,
-    ReadOptions,
-    Unit,
-    cap,
-    discover,
-    plan_units,
-    walk,
-)
+from data_state.sources import SPLITS, ReadOptions, Unit, plan_units
 from data_state.split_writer import SplitWriter
 from data_state.tokenizer import (
     BYTES,
