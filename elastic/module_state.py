@@ -83,10 +83,9 @@ def plain_prefix(model: nn.Module) -> str | None:
     return _DDP_PREFIX if root is not model else ""
 
 
-def _fqn_function(model: nn.Module) -> Callable[[str], str | None]:
+def _fqn_function(model: nn.Module, prefix: str | None) -> Callable[[str], str | None]:
     """name in ``model.named_parameters()`` (or buffers) -> its FQN, None where DCP maps
-    it to several (FSDP1's flat parameters)."""
-    prefix = plain_prefix(model)
+    it to several (FSDP1's flat parameters); ``prefix`` is ``plain_prefix(model)``."""
     if prefix is not None:
         return lambda name: name[len(prefix):]
 
@@ -111,15 +110,15 @@ class ModelState:
 
     @torch.no_grad()
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        adopted = self._adopt(dict(state_dict))
         prefix = plain_prefix(self.model)
+        adopted = self._adopt(dict(state_dict), prefix)
         if prefix is None:
             set_model_state_dict(self.model, adopted)
         else:  # what DCP calls once it has named the keys
             self.model.load_state_dict({prefix + k: v for k, v in adopted.items()},
                                        strict=True)
 
-    def _adopt(self, state_dict: dict[str, Any]) -> dict[str, Any]:
+    def _adopt(self, state_dict: dict[str, Any], prefix: str | None) -> dict[str, Any]:
         """``state_dict`` with each adopted entry replaced by the live tensor itself (a
         ``copy_`` of a tensor onto itself does nothing)."""
         live = [(name, tensor) for name, tensor in (
@@ -129,7 +128,7 @@ class ModelState:
         owners: dict[int, set[int]] = {}  # storage address -> ids of live tensors on it
         for _, tensor in live:
             owners.setdefault(tensor.untyped_storage().data_ptr(), set()).add(id(tensor))
-        fqn_of = _fqn_function(self.model)
+        fqn_of = _fqn_function(self.model, prefix)
         for name, tensor in live:
             fqn = fqn_of(name)
             if fqn is None:
@@ -160,22 +159,23 @@ class OptimizerState:
         # Before the first step DCP's initialisation makes the state every later snapshot
         # has; a sharded or wrapped model's state needs DCP.
         stateless = self._stateless and not self.optimizer.state
-        if stateless or (self.optimizer.state and plain_prefix(self.model) is not None):
-            keyed = self._keyed_by_fqn()
+        prefix = plain_prefix(self.model)
+        if stateless or (self.optimizer.state and prefix is not None):
+            keyed = self._keyed_by_fqn(prefix)
             if keyed is not None:
                 return keyed
         return get_optimizer_state_dict(self.model, self.optimizer)
 
-    def _parameter_fqns(self) -> dict[int, str | None]:
+    def _parameter_fqns(self, prefix: str | None) -> dict[int, str | None]:
         """id(parameter) -> its FQN, named as DCP names it (the first of tied names)."""
-        fqn_of = _fqn_function(self.model)
+        fqn_of = _fqn_function(self.model, prefix)
         return {id(param): fqn_of(name) for name, param in self.model.named_parameters()}
 
-    def _keyed_by_fqn(self) -> dict[str, Any] | None:
+    def _keyed_by_fqn(self, prefix: str | None) -> dict[str, Any] | None:
         """The optimizer's own state dict with each parameter position replaced by its FQN
         (DCP's layout); None when a parameter has no single FQN (DCP then decides)."""
         saved = self.optimizer.state_dict()  # params as positions over all param groups
-        fqns = self._parameter_fqns()
+        fqns = self._parameter_fqns(prefix)
         fqn_at = [fqns.get(id(p)) for g in self.optimizer.param_groups for p in g["params"]]
         if any(fqn is None for fqn in fqn_at):
             return None
@@ -185,14 +185,14 @@ class OptimizerState:
         return {"state": state, "param_groups": saved["param_groups"]}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        loadable = self._positional(state_dict) if plain_prefix(self.model) is not None \
-            else None
+        prefix = plain_prefix(self.model)
+        loadable = self._positional(state_dict, prefix) if prefix is not None else None
         if loadable is None:
             set_optimizer_state_dict(self.model, self.optimizer, state_dict)
         else:
             self.optimizer.load_state_dict(loadable)
 
-    def _positional(self, state_dict: dict[str, Any]) -> dict[str, Any] | None:
+    def _positional(self, state_dict: dict[str, Any], prefix: str) -> dict[str, Any] | None:
         """What DCP hands ``Optimizer.load_state_dict`` for a plain model, when the snapshot's
         param groups name the live groups' parameters in the same order and its state holds
         every trainable one (or none); None otherwise (DCP then regroups, or names what is
@@ -202,7 +202,7 @@ class OptimizerState:
         if not isinstance(groups, list) or not isinstance(state, dict) \
                 or len(groups) != len(live):
             return None
-        fqns = self._parameter_fqns()
+        fqns = self._parameter_fqns(prefix)
         trainable: list[str] = []  # in the live groups' order, as DCP builds the state
         for group, live_group in zip(groups, live, strict=True):
             names = [fqns.get(id(p)) for p in live_group["params"]]
