@@ -86,7 +86,13 @@ def test_pieces_restore_bitwise_reading_each_byte_once(tmp_path) -> None:
 
 
 @pytest.mark.usefixtures("small_batches")
-def test_a_corrupt_block_inside_a_piece_is_named(tmp_path) -> None:
+@pytest.mark.parametrize("verify_piece_blocks", [None, 1], ids=["whole-batch", "block-pieces"])
+def test_a_corrupt_block_inside_a_piece_is_named(tmp_path, monkeypatch: pytest.MonkeyPatch,
+                                                 verify_piece_blocks: int | None) -> None:
+    """Also when a pool thread reads and verifies its batch one block at a time."""
+    if verify_piece_blocks is not None:
+        monkeypatch.setattr(read_batches, "BATCH_BYTES", 24 * BLOCK)
+        monkeypatch.setattr(read_batches, "VERIFY_PIECE_BYTES", verify_piece_blocks * BLOCK)
     saved = _snapshot(str(tmp_path))
     store = SnapshotStore(str(tmp_path))
     manifest = store.load_manifest(1)
