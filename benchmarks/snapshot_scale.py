@@ -1,7 +1,8 @@
 """What a snapshot costs at real sizes: Baton against torch.save / torch.load / DCP, side by side.
 
 For GPT + AdamW states of about 0.37, 1.4 and 3.4 GB (``--sizes 0.3,1.2,3``), one process
-per size measures, in ``--rounds`` rounds that rotate which side goes first:
+per size measures, in ``--rounds`` rounds that cycle through every order of the sides (use a
+multiple of 6 for the three writers; see ``rotate``):
 
 - blocking capture: ``Snapshotter.after_step`` (the copy into the reused capture image; with
   the pipelined form it overlaps forward/backward, this is its floor), against ``torch.save``
@@ -36,7 +37,7 @@ fp32: 16 bytes per parameter) on 16 and 128 workers (8 per node, FSDP-sharded st
 head's bytes and RAM per snapshot (metadata only), time per snapshot, and the restore after
 one node loss (the lost node's RAM-tier copies come from storage, the rest from peers).
 
-    python benchmarks/snapshot_scale.py                         # 0.3 and 1.2 GB, 3 rounds
+    python benchmarks/snapshot_scale.py                         # 0.3 and 1.2 GB, 6 rounds
     python benchmarks/snapshot_scale.py --sizes 3 --s3-max 0    # 3.4 GB (needs ~18 GB RAM)
     # results are merged, size by size, into benchmarks/results/snapshot_scale.json
 
@@ -49,6 +50,7 @@ from __future__ import annotations
 import argparse
 import functools
 import io
+import itertools
 import json
 import os
 import resource
@@ -175,9 +177,15 @@ def timed(fn: Callable[[], Any]) -> float:
 
 
 def rotate(fns: list[Callable[[], None]], r: int) -> None:
-    """Run ``fns`` starting from number ``r`` (mod their count): each goes first in turn."""
-    for i in range(len(fns)):
-        fns[(r + i) % len(fns)]()
+    """Run ``fns`` in the ``r``-th of their n! orders (mod n!): over n! rounds each one runs in
+    each position, and right after each other one, equally often. Only turns (each first in
+    turn) are not enough here: on this machine's disk (ext4 with online discard on a shared
+    virtual disk) how fast a write goes depends on the writes just before it, and in turns
+    one order repeats every third round (persist measured 0.7-1.2 s in every round in which
+    it followed torch.save then DCP, 0.2-0.3 s in the others)."""
+    orders = list(itertools.permutations(range(len(fns))))
+    for i in orders[r % len(orders)]:
+        fns[i]()
 
 
 def count_coordinator_bytes(snap: Snapshotter) -> list[int]:
@@ -515,7 +523,8 @@ def project(results: dict[str, Any]) -> dict[str, Any]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--sizes", default="0.3,1.2", help="state sizes in GB: 0.3, 1.2, 3")
-    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--rounds", type=int, default=6,
+                        help="rounds per size; a multiple of 6 balances the writers' orders")
     parser.add_argument("--fresh-rounds", type=int, default=4,
                         help="restores in fresh processes per side (alternating)")
     parser.add_argument("--s3-rounds", type=int, default=2)
