@@ -242,7 +242,7 @@ def build(v: Variant, size: Size, vocab: int, seq: int, microbatch: int, seed: i
     hf = llama(size, vocab, seq)
     if v.fuse:
         from sketch_ops.rms_norm import fuse_rms_norms
-        from sketch_ops.swiglu import fuse_swiglu_mlps
+        from sketch_ops.swiglu_find import fuse_swiglu_mlps
 
         fuse_swiglu_mlps(hf, recompute=v.recompute, keep_gate=v.keep_gate)
         fuse_rms_norms(hf)

@@ -30,7 +30,8 @@ from .model import sketch_model
 from .norm_linear import norm_linear
 from .rms_norm import fuse_rms_norms, rms_norm
 from .seeds import sketch_seed
-from .swiglu import fuse_swiglu_mlps, swiglu_mlp
+from .swiglu import swiglu_mlp
+from .swiglu_find import fuse_swiglu_mlps
 
 __all__ = [
     "SketchedLinear",

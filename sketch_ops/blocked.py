@@ -17,6 +17,8 @@ Contract:
 - `saved_sketch_weight_grad(dy, dy_sum, x_hat, x_mean, n, rank, seed)`: a sketched layer's
   dW estimate from its whole output gradient and the input sketch saved in forward (what
   `sketched_linear`'s backward computes).
+- `linear_into(dest, x, weight, bias)`: `dest[...] = F.linear(x, weight, bias)`, the GEMM
+  writing into `dest` itself when dtypes and layout allow (a block of the fused output).
 - `BlockWeightGrad(shape, rank, seed, estimator, n, device, acc, block_rows)`: dW = dYᵀX of a
   layer whose input X and output gradient dY are both at hand in the blocks
   `row_blocks(n, block_rows)` (a layer recomputed in backward): exact (accumulated `dYᵀX`)
@@ -35,6 +37,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from . import dispatch
@@ -209,3 +212,18 @@ class BlockWeightGrad:
             self.x_sketch.plan,
             self.n,
         )
+
+
+def linear_into(dest: torch.Tensor, x: torch.Tensor, weight: torch.Tensor,
+                 bias: torch.Tensor | None) -> None:
+    """`dest[...] = F.linear(x, weight, bias)`, the GEMM writing into `dest` when it can (the
+    same kernel as `F.linear`, no temporary and no copy)."""
+    if dest.is_contiguous() and dest.dtype == x.dtype == weight.dtype:
+        if bias is None:
+            torch.mm(x, weight.t(), out=dest)
+        elif bias.dtype == dest.dtype:
+            torch.addmm(bias, x, weight.t(), out=dest)
+        else:
+            dest.copy_(F.linear(x, weight, bias))
+    else:
+        dest.copy_(F.linear(x, weight, bias))

@@ -49,6 +49,7 @@ from .blocked import (
     BlockWeightGrad,
     block_size,
     layer_sketches,
+    linear_into,
     row_blocks,
     saved_sketch_weight_grad,
 )
@@ -92,7 +93,7 @@ class _GeluMlpFn(torch.autograd.Function):
                 rows = layer_norm_rows(rows, norm_w, norm_b, eps)[0]
             hidden = torch.ops.aten.gelu_(F.linear(rows, w1, b1))  # no graph here
             del rows
-            out[start:end] = F.linear(hidden, w2, b2)
+            linear_into(out[start:end], hidden, w2, b2)
             if proj_sketch is not None:
                 proj_sketch.add(proj_sketch.block_plan(start, end), hidden)
         hidden_hat = hidden_mean = None

@@ -47,7 +47,7 @@ from .layer import SketchedLinear
 from .policy import AUTO, Include, ranks_for_budget, selector
 from .probe import MIN_SAVING, AutoPlan, LossFn, plan_sketch
 from .rms_norm import fuse_rms_norms
-from .swiglu import fuse_swiglu_mlps
+from .swiglu_find import fuse_swiglu_mlps
 
 
 def fuse_structures(model: nn.Module, *, keep_gate: bool = False) -> list[str]:

@@ -1,5 +1,5 @@
-"""`swiglu_mlp`: a gated MLP `down(act(gate(x)) * up(x))` (Llama's SwiGLU) that keeps only x,
-and `fuse_swiglu_mlps`, which finds such MLPs in any model by their structure.
+"""`swiglu_mlp`: a gated MLP `down(act(gate(x)) * up(x))` (Llama's SwiGLU) that keeps only x
+(`swiglu_find.fuse_swiglu_mlps` finds such MLPs in any model and routes them here).
 
 Contract:
 - `swiglu_mlp(gate, up, down, act, x, *, recompute=None, keep_gate=False)` returns
@@ -16,21 +16,12 @@ Contract:
   from block sketches of x and their output gradients). Its gradients equal the unfused
   composition's — the same sketches from the same per-layer seeds, dX and plain layers' dW
   exact — up to fp32 summation order; its output is the composition's up to the row blocking
-  of the matmuls (bitwise for a single block). Otherwise it is the plain composition.
-- `fuse_swiglu_mlps(model, *, recompute=None, keep_gate=False) -> list[str]` patches, in
-  place, the `forward` of every module of `model` that has this structure: exactly four
-  children, three linear layers (`nn.Linear` or `SketchedLinear`) of which two ("gate" and
-  "up") map d → I and the third ("down") I → d, and one parameter-free module (the
-  activation). The match is verified before patching: the module's own forward and
-  `swiglu_mlp` must agree (1e-6) on a small random input; otherwise the module is left alone.
-  Which of the two d → I layers is the gate is taken from their names ("gate" in the
-  attribute name) when that agrees with the probe, else from the probe alone. Only the
-  instance's `forward` changes (not its class, parameters or state_dict); the children are
-  looked up at each call, so `sketch_model` may run before or after; fusing again sets the
-  modes anew. Returns the qualified names of the fused modules (already fused ones included),
-  in `named_modules` order. The probe runs under `no_grad` for the module's own forward and
-  inside `sketch_seed`, so it draws nothing from torch's global generator; the model's
-  parameters must be materialised (modules on the meta device are left alone).
+  of the matmuls (bitwise for a single block). An activation that computes SiLU (decided once
+  per module by a probe of its values, whatever its class: `nn.SiLU`, transformers'
+  `SiLUActivation`) is run as `F.silu` and differentiated with `silu_backward` directly, in
+  place in the block's temporaries, when all operands share one dtype (the same values, to
+  the bit, as the general path, which differentiates the activation through autograd).
+  Otherwise it is the plain composition.
 
 Why: in a Llama MLP exact backprop keeps four n × I tensors (gate's output for the activation,
 the activation's output and up's output for the product, the product for down's weight
@@ -53,8 +44,7 @@ the activation runs under the caller's autocast state and the product is cast to
 
 from __future__ import annotations
 
-import itertools
-import types
+import weakref
 from typing import Any
 
 import torch
@@ -67,16 +57,14 @@ from .blocked import (
     BlockWeightGrad,
     block_size,
     layer_sketches,
+    linear_into,
     row_blocks,
     saved_sketch_weight_grad,
 )
 from .function import autocast_inputs, needs_sketch, validate
 from .layer import SketchedLinear
-from .seeds import sketch_seed
 
 LAYER_TYPES = (nn.Linear, SketchedLinear)
-PROBE_ROWS = 8  # rows of the random input that verifies a structural match
-PROBE_TOLERANCE = 1e-6
 
 AutocastState = tuple[str, torch.dtype, bool]  # (device type, dtype, enabled)
 
@@ -86,6 +74,57 @@ def _activate(act: nn.Module, pre: torch.Tensor, autocast: AutocastState) -> tor
     device_type, dtype, enabled = autocast
     with torch.autocast(device_type, dtype=dtype, enabled=enabled):
         return act(pre)
+
+
+# Activations found to compute SiLU (Llama's, whatever their class), by a probe, once each.
+_SILU_PROBE = torch.linspace(-12.0, 12.0, 97)
+_silu_found: weakref.WeakKeyDictionary[nn.Module, bool] = weakref.WeakKeyDictionary()
+
+
+def _acts_as_silu(act: nn.Module) -> bool:
+    """Whether `act` returns exactly `F.silu` of its input on a probe (then the fused function
+    calls SiLU and its derivative itself: the same values, without an autograd graph per
+    block). Decided by behaviour, not class: `nn.SiLU`, transformers' `SiLUActivation`, ..."""
+    found = _silu_found.get(act)
+    if found is None:
+        try:
+            with torch.no_grad():
+                got = act(_SILU_PROBE.clone())
+            found = isinstance(got, torch.Tensor) and torch.equal(got, F.silu(_SILU_PROBE))
+        except (RuntimeError, TypeError, ValueError):
+            found = False
+        _silu_found[act] = found
+    return found
+
+
+def _silu_block_grads(gate_pre: torch.Tensor, up: torch.Tensor, dhidden: torch.Tensor,
+                      dy_rows: torch.Tensor, start: int, end: int,
+                      down_exact: BlockWeightGrad | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(dGate, dUp) of one row block when the activation is SiLU and every tensor has one
+    dtype: the values `_block_grads` computes, in place in the block's own temporaries
+    (`up` and `dhidden` are overwritten)."""
+    gated = F.silu(gate_pre)
+    if down_exact is not None:
+        down_exact.add(start, end, dy_rows, gated * up)
+    dup = gated.mul_(dhidden)
+    dact = dhidden.mul_(up)
+    dgate = torch.ops.aten.silu_backward.grad_input(dact, gate_pre, grad_input=up)
+    return dgate, dup
+
+
+def _block_grads(act: nn.Module, autocast: AutocastState, gate_pre: torch.Tensor,
+                 up: torch.Tensor, dhidden: torch.Tensor, dy_rows: torch.Tensor, start: int,
+                 end: int, down_exact: BlockWeightGrad | None, down_dtype: torch.dtype
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(dGate, dUp) of one row block for any activation (its derivative by autograd)."""
+    gate_pre = gate_pre.detach().requires_grad_()  # a leaf
+    with torch.enable_grad():
+        gated = _activate(act, gate_pre, autocast)
+    if down_exact is not None:
+        down_exact.add(start, end, dy_rows, (gated.detach() * up).to(down_dtype))
+    dup = (dhidden * gated.detach()).to(up.dtype)
+    (dgate,) = torch.autograd.grad(gated, gate_pre, (dhidden * up).to(gated.dtype))
+    return dgate, dup
 
 
 class _SwigluMlpFn(torch.autograd.Function):
@@ -121,14 +160,18 @@ class _SwigluMlpFn(torch.autograd.Function):
         )
         # keep_gate: gate's pre-activation for all rows at once; it is saved for backward.
         gate_all = F.linear(x2d, w_gate, b_gate) if keep_gate else None
+        silu = _acts_as_silu(act)
         for start, end in row_blocks(n, size):
             rows = x2d[start:end]
             gate_pre = gate_all[start:end] if gate_all is not None else F.linear(
                 rows, w_gate, b_gate)
-            gated = _activate(act, gate_pre, autocast)
-            hidden = (gated * F.linear(rows, w_up, b_up)).to(w_down.dtype)
-            del gated
-            out[start:end] = F.linear(hidden, w_down, b_down)
+            up_out = F.linear(rows, w_up, b_up)
+            if silu and gate_pre.dtype == up_out.dtype == w_down.dtype:
+                hidden = F.silu(gate_pre).mul_(up_out)  # in place: one block temporary less
+            else:
+                hidden = (_activate(act, gate_pre, autocast) * up_out).to(w_down.dtype)
+            del up_out
+            linear_into(out[start:end], hidden, w_down, b_down)
             if down_sketch is not None:
                 down_sketch.add(down_sketch.block_plan(start, end), hidden)
         hidden_hat = hidden_mean = None
@@ -141,6 +184,7 @@ class _SwigluMlpFn(torch.autograd.Function):
             x2d, w_gate, b_gate, w_up, b_up, w_down, hidden_hat, hidden_mean, seeds_t, gate_all
         )
         ctx.act, ctx.autocast, ctx.ranks, ctx.estimators = act, autocast, ranks, estimators
+        ctx.silu = silu
         return out
 
     @staticmethod
@@ -201,15 +245,15 @@ class _SwigluMlpFn(torch.autograd.Function):
             rows, dy_rows = x2d[start:end], dy[start:end]
             up = F.linear(rows, w_up, b_up)
             gate_pre = (gate_all[start:end].detach() if gate_all is not None
-                        else F.linear(rows, w_gate, b_gate)).requires_grad_()  # a leaf
-            with torch.enable_grad():  # the activation's derivative, whatever the activation
-                gated = _activate(ctx.act, gate_pre, ctx.autocast)
-            if down_exact is not None:
-                down_exact.add(start, end, dy_rows, (gated.detach() * up).to(w_down.dtype))
+                        else F.linear(rows, w_gate, b_gate))
             dhidden = dy_rows @ w_down
-            dup = (dhidden * gated.detach()).to(up.dtype)
-            (dgate,) = torch.autograd.grad(gated, gate_pre, (dhidden * up).to(gated.dtype))
-            del gated, gate_pre, dhidden, up
+            if ctx.silu and gate_pre.dtype == up.dtype == dhidden.dtype == w_down.dtype:
+                dgate, dup = _silu_block_grads(gate_pre, up, dhidden, dy_rows, start, end,
+                                               down_exact)
+            else:
+                dgate, dup = _block_grads(ctx.act, ctx.autocast, gate_pre, up, dhidden,
+                                          dy_rows, start, end, down_exact, w_down.dtype)
+            del gate_pre, dhidden, up
             if dx is not None:  # dgate Wg + dup Wu, written in place (no temporary, no copy)
                 torch.mm(dgate, w_gate, out=dx[start:end])
                 dx[start:end].addmm_(dup, w_up)
@@ -292,89 +336,3 @@ def swiglu_mlp(
             ranks, seeds, estimators, keep_gate,
         )
     return out.reshape(*lead, w_down.shape[0])
-
-
-# -- finding SwiGLU MLPs by structure ---------------------------------------------------------
-
-_PARTS_ATTR = "_swiglu_parts"  # the (gate, up, down, act) child names of a fused module
-_RECOMPUTE_ATTR = "_swiglu_recompute"
-_KEEP_GATE_ATTR = "_swiglu_keep_gate"
-
-
-def _fused_forward(self: nn.Module, x: torch.Tensor) -> torch.Tensor:
-    gate, up, down, act = (getattr(self, name) for name in getattr(self, _PARTS_ATTR))
-    return swiglu_mlp(gate, up, down, act, x, recompute=getattr(self, _RECOMPUTE_ATTR),
-                      keep_gate=getattr(self, _KEEP_GATE_ATTR))
-
-
-def _candidate_parts(module: nn.Module) -> list[tuple[str, str, str, str]]:
-    """The (gate, up, down, act) child-name assignments the shapes allow, name hints first."""
-    children = dict(module.named_children())
-    linears = {k: m for k, m in children.items() if type(m) in LAYER_TYPES}
-    others = [k for k in children if k not in linears]
-    if len(linears) != 3 or len(others) != 1:
-        return []
-    act = others[0]
-    if any(True for _ in children[act].parameters()):
-        return []
-    found = []
-    for gate, up, down in itertools.permutations(linears, 3):
-        g, u, d = linears[gate], linears[up], linears[down]
-        assert isinstance(g, nn.Linear) and isinstance(u, nn.Linear) and isinstance(d, nn.Linear)
-        if (
-            g.in_features == u.in_features == d.out_features
-            and g.out_features == u.out_features == d.in_features
-        ):
-            found.append((gate, up, down, act))
-
-    def hint_misses(parts: tuple[str, str, str, str]) -> int:
-        gate, up, down, _ = (p.lower() for p in parts)
-        return ("gate" not in gate) + ("up" not in up) + ("down" not in down)
-
-    return sorted(found, key=hint_misses)  # stable: permutation order breaks ties
-
-
-def _probe_agrees(module: nn.Module, parts: tuple[str, str, str, str]) -> bool:
-    """Whether the module's own forward equals `swiglu_mlp` with these parts on a random input."""
-    gate, up, down, act = (getattr(module, name) for name in parts)
-    weight = gate.weight
-    if weight.device.type == "meta" or not weight.is_floating_point():
-        return False
-    generator = torch.Generator().manual_seed(0)
-    x = torch.randn(PROBE_ROWS, gate.in_features, generator=generator)
-    x = x.to(device=weight.device, dtype=weight.dtype)
-    try:
-        with torch.no_grad():
-            want = module.forward(x)
-        # The fused function itself (recompute=True), with grad on so it really runs; inside
-        # sketch_seed so sketched layers draw no seed from the global generator.
-        with torch.enable_grad(), sketch_seed(0, 0):
-            got = swiglu_mlp(gate, up, down, act, x.detach().requires_grad_(), recompute=True)
-    except (RuntimeError, TypeError, ValueError):  # its forward is not this composition
-        return False
-    if not isinstance(want, torch.Tensor) or want.shape != got.shape or want.dtype != got.dtype:
-        return False
-    return torch.allclose(got.detach(), want, rtol=PROBE_TOLERANCE, atol=PROBE_TOLERANCE)
-
-
-def fuse_swiglu_mlps(
-    model: nn.Module, *, recompute: bool | None = None, keep_gate: bool = False
-) -> list[str]:
-    """Patch the forward of every SwiGLU MLP of `model` (found by structure, verified by a
-    probe) to `swiglu_mlp`; return their qualified names (module docstring)."""
-    fused = []
-    for name, module in model.named_modules():
-        if _PARTS_ATTR in vars(module):  # fused before: only the recompute mode changes
-            setattr(module, _RECOMPUTE_ATTR, recompute)
-            setattr(module, _KEEP_GATE_ATTR, keep_gate)
-            fused.append(name)
-            continue
-        for parts in _candidate_parts(module):
-            if _probe_agrees(module, parts):
-                setattr(module, _PARTS_ATTR, parts)
-                setattr(module, _RECOMPUTE_ATTR, recompute)
-                setattr(module, _KEEP_GATE_ATTR, keep_gate)
-                module.forward = types.MethodType(_fused_forward, module)
-                fused.append(name)
-                break
-    return fused

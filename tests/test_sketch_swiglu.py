@@ -20,6 +20,7 @@ from sketch_ops import (
     rms_norm,
     sketch_model,
     sketch_seed,
+    swiglu,
     swiglu_mlp,
 )
 from sketch_ops.memory import saved_bytes
@@ -127,6 +128,49 @@ def test_swiglu_mlp_under_autocast_matches_the_composition(keep_gate: bool) -> N
     torch.testing.assert_close(got[0], want[0], rtol=0, atol=0)
     for g, w in zip(got[1], want[1], strict=True):
         torch.testing.assert_close(g, w, rtol=2e-2, atol=2e-2)  # bf16 rounding of the matmuls
+
+
+class _Raises(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        raise TypeError("not an activation")
+
+
+def test_silu_is_recognised_by_what_it_computes() -> None:
+    # nn.SiLU and transformers' SiLUActivation (another class) take the fused SiLU path; a
+    # GELU, a sigmoid, hard-swish (SiLU's piecewise cousin) and a module that fails do not.
+    assert swiglu._acts_as_silu(nn.SiLU())
+    assert swiglu._acts_as_silu(ACT2FN["silu"])
+    for act in (nn.GELU(), nn.Sigmoid(), nn.Hardswish(), _Raises(), nn.Identity()):
+        assert not swiglu._acts_as_silu(act), act
+
+
+@pytest.mark.parametrize("sketched", ["none", "down"])
+@pytest.mark.parametrize("keep_gate", [False, True])
+def test_fused_silu_path_gives_the_general_paths_values_bitwise(
+    sketched: str, keep_gate: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """SiLU and its derivative called directly, in place in the block temporaries: the same
+    output and gradients, to the bit, as the activation's autograd derivative (fp32, several
+    row blocks, a partial one)."""
+    monkeypatch.setattr(blocked, "BLOCK_ROWS", 16)
+    gate, up, down = (layer.float() for layer in _layers(8, 24, bias=True))
+    if sketched == "down":
+        down = SketchedLinear.from_linear(down, rank=6, name="down")
+    x = torch.randn(45, 8, requires_grad=True)
+    tensors = [x, *gate.parameters(), *up.parameters(), *down.parameters()]
+    act = nn.SiLU()
+
+    def run() -> tuple[torch.Tensor, list[torch.Tensor | None]]:
+        with sketch_seed(0, 0):
+            return _grads(lambda: swiglu_mlp(gate, up, down, act, x, recompute=True,
+                                             keep_gate=keep_gate), tensors)
+
+    fast = run()
+    monkeypatch.setattr(swiglu, "_acts_as_silu", lambda act: False)
+    general = run()
+    assert torch.equal(fast[0], general[0])
+    for f, g in zip(fast[1], general[1], strict=True):
+        assert f is not None and g is not None and torch.equal(f, g)
 
 
 class _RenamedSwiglu(nn.Module):
