@@ -1,6 +1,6 @@
 """No endless restart loops, no version skew (issue 13, point 7).
 
-- The failure policy (`trainer.on_ray.scaling.FatalAwareFailurePolicy`) decides on constructed
+- The failure policy (`trainer.on_ray.failures.FatalAwareFailurePolicy`) decides on constructed
   Ray Train errors, no cluster: a worker's `FatalRunError` RAISEs at once; other errors are
   retried up to `max_failures`, then RAISEd with the count; a stop on a preemption notice is
   not charged to `max_failures`; the verdict survives the trip to the driver.
@@ -33,12 +33,8 @@ from elastic.store import SnapshotStore
 from elastic.version import code_version, package_dirs, package_version, source_digest
 from trainer.config import FitConfig, ScalingSettings, load_recipe
 from trainer.loop import WorkerEnv, dataset_errors_are_fatal, run_worker
-from trainer.on_ray.scaling import (
-    BatonTorchTrainer,
-    FatalAwareFailurePolicy,
-    RunFailedError,
-    run_failed_error,
-)
+from trainer.on_ray.failures import FatalAwareFailurePolicy, RunFailedError, run_failed_error
+from trainer.on_ray.scaling import BatonTorchTrainer
 from trainer.run_dir import RunDirError, check_run_dir, dataset_fingerprint
 from trainer.session import PreemptedError
 

@@ -154,7 +154,7 @@ class ScalingSettings:
     # Worker-group restarts allowed after errors (-1 = unlimited). Finite by default: an
     # error that keeps coming back must end the run, not retry it forever. Preemptions
     # that committed their snapshot and node losses Ray Train sees as preemptions are
-    # not counted (see trainer.on_ray.scaling).
+    # not counted (see trainer.on_ray.failures).
     max_failures: int = 10
 
     def __post_init__(self) -> None:

@@ -179,7 +179,7 @@ def _cmd_fit(args: argparse.Namespace) -> int:
         console.print(f"[red]error:[/red] {escape(str(err))}")
         return 2
     from trainer.commit_watch import FinalCommitError
-    from trainer.on_ray.scaling import RunFailedError
+    from trainer.on_ray.failures import RunFailedError
     from trainer.session_log import begin_session, end_session
 
     outcome, step, began = "failed", None, False

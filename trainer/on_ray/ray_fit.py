@@ -21,7 +21,7 @@ Contract:
 - Right after connecting, before the trainer starts, refuses (`ConfigError`) a worker that no
   alive node can hold (`trainer.run_dir.check_worker_fits`: `scaling.cpus_per_worker`, a GPU),
   unless the cluster has an autoscaler that can add nodes (`_cluster_can_grow`).
-- Raises `trainer.on_ray.scaling.RunFailedError` (one line: the worker's message and the restarts)
+- Raises `trainer.on_ray.failures.RunFailedError` (one line: the worker's message and the restarts)
   when the run gives up: at once on an error no restart can fix (`FatalRunError`: a bad
   dataset, a recipe the run cannot continue with, a worker whose `code_version()` differs from
   the driver's), or after `scaling.max_failures` restarts.
