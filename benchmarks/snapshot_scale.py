@@ -228,24 +228,25 @@ def measure(size: float, rounds: int, workdir: str) -> dict[str, Any]:
         # A new file per snapshot, the one before last deleted (keep_last=2, as Baton):
         # overwriting one file in place is not crash-safe, and on this machine's disk it
         # also measured 3-4x faster than writing a new file, so it would not compare like
-        # with like.
+        # with like. Every side deletes its old file at the same point: right after its own
+        # write, untimed (Baton's commit does so), not at the start of the round.
         path = os.path.join(workdir, f"state-{step}.pt")
-        os.remove(os.path.join(workdir, f"state-{step - 2}.pt"))
-        shutil.rmtree(os.path.join(workdir, f"dcp-{step - 2}"))
 
         def baton_save(step: int = step) -> None:
             rows["capture"].append(timed(lambda: snap.after_step(step, force=True)))
             rows["persist"].append(timed(snap.persister.wait))
             # The commit hands the deletion of the snapshot before last to the coordinator's
-            # housekeeping thread; let it finish untimed, as the baselines delete their old
-            # file untimed, so it does not run into the next measurement.
+            # housekeeping thread; let it finish untimed, so it does not run into the next
+            # measurement.
             snap.coordinator.flush(0)
 
-        def baseline_save(path: str = path) -> None:
+        def baseline_save(path: str = path, step: int = step) -> None:
             rows["save"].append(timed(lambda: torch_save(model, optim, path)))
+            os.remove(os.path.join(workdir, f"state-{step - 2}.pt"))
 
         def dcp_baseline(step: int = step) -> None:
             dcp_save(model, optim, os.path.join(workdir, f"dcp-{step}"), rows)
+            shutil.rmtree(os.path.join(workdir, f"dcp-{step - 2}"))
 
         rotate([baton_save, baseline_save, dcp_baseline], r)
         assert snap.persister.last_error is None, snap.persister.last_error

@@ -29,7 +29,8 @@ from trainer.cli import main
 from trainer.config import FitConfig
 from trainer.loop import WorkerEnv, run_worker
 from trainer.metrics import MetricsWriter, read_records, summarize
-from trainer.run_dir import check_run_dir, ensure_dataset
+from trainer.preflight import ensure_dataset
+from trainer.run_dir import check_run_dir
 
 
 def train_worker(rank: int, world_size: int, cfg: FitConfig, stop_after: int | None) -> None:

@@ -20,7 +20,7 @@ import pytest
 from trainer.cli import main
 from trainer.config import FitConfig, ScalingSettings, SnapshotConfig
 from trainer.metrics import MetricsWriter, read_records
-from trainer.run_dir import check_worker_fits
+from trainer.preflight import check_worker_fits
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = str(ROOT / "recipes" / "tiny.toml")

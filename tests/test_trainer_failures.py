@@ -35,7 +35,8 @@ from trainer.config import FitConfig, ScalingSettings, load_recipe
 from trainer.loop import WorkerEnv, dataset_errors_are_fatal, run_worker
 from trainer.on_ray.failures import FatalAwareFailurePolicy, RunFailedError, run_failed_error
 from trainer.on_ray.scaling import BatonTorchTrainer
-from trainer.run_dir import RunDirError, check_run_dir, dataset_fingerprint
+from trainer.preflight import dataset_fingerprint
+from trainer.run_dir import RunDirError, check_run_dir
 from trainer.session import PreemptedError
 
 ROOT = Path(__file__).resolve().parents[1]

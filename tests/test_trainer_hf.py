@@ -284,7 +284,8 @@ def test_continuing_with_another_model_config_is_refused(tmp_path: Path, tiny_da
     switches to the built-in GPT, is refused before Ray starts (and by the workers) in one
     line naming the field and the fix; the same content under another path continues."""
     from trainer.loop import refuse_other_run
-    from trainer.run_dir import RunDirError, check_run_dir, dataset_fingerprint
+    from trainer.preflight import dataset_fingerprint
+    from trainer.run_dir import RunDirError, check_run_dir
 
     config = write_config(tmp_path / "llama", "llama", vocab_size=256)
     run = tmp_path / "run"

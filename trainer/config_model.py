@@ -85,7 +85,7 @@ class ModelConfig:
     Defaults are the tiny CPU model used by tests."""
 
     # Token ids the model has. 0 (the default) = the dataset's vocabulary: the driver reads it
-    # from dataset.json before the model is built (`trainer.run_dir.with_dataset_vocab`);
+    # from dataset.json before the model is built (`trainer.preflight.with_dataset_vocab`);
     # a model built from a recipe alone, with no dataset, gets the byte vocabulary (256).
     vocab_size: int = 0
     d_model: int = 64

@@ -52,14 +52,8 @@ from elastic.format import Manifest, crc32_blocks, parse_header
 from elastic.store import SnapshotStore
 from trainer.config import FitConfig
 from trainer.optim import optimizer_change
-from trainer.run_dir import (
-    TENSOR_SHAPE_FIELDS,
-    RunDirError,
-    dataset_fingerprint,
-    model_config_record,
-    shape_value,
-    with_dataset_vocab,
-)
+from trainer.preflight import dataset_fingerprint, with_dataset_vocab
+from trainer.run_dir import TENSOR_SHAPE_FIELDS, RunDirError, model_config_record, shape_value
 from trainer.session_log import SESSIONS_NAME
 
 DATA_CURSOR_CHOICES = ("auto", "keep", "reset")
@@ -278,7 +272,7 @@ def make_fork(plan: ForkPlan, cfg: FitConfig) -> ForkResult:
     """Write the fork's first committed snapshot and its lineage (module contract)."""
     from data_state.cursor import DataCursor
     from elastic.snapshotter import library_versions
-    from trainer.run_dir import ensure_dataset
+    from trainer.preflight import ensure_dataset
 
     data_cfg = ensure_dataset(cfg)  # data.uri set, model.vocab_size resolved
     _refuse_shape_change(data_cfg, plan.source.run_uri, plan.parent_config, plan.manifest)

@@ -19,7 +19,7 @@ Contract:
   (`trainer.commit_watch`). A run that trains to its last step but cannot commit it raises
   `FinalCommitError` (the CLI exits 1 and says why); the committed snapshots stay usable.
 - Right after connecting, before the trainer starts, refuses (`ConfigError`) a worker that no
-  alive node can hold (`trainer.run_dir.check_worker_fits`: `scaling.cpus_per_worker`, a GPU),
+  alive node can hold (`trainer.preflight.check_worker_fits`: `scaling.cpus_per_worker`, a GPU),
   unless the cluster has an autoscaler that can add nodes (`_cluster_can_grow`).
 - Raises `trainer.on_ray.failures.RunFailedError` (one line: the worker's message and the restarts)
   when the run gives up: at once on an error no restart can fix (`FatalRunError`: a bad
@@ -54,7 +54,8 @@ from trainer.loop import WorkerEnv, run_worker
 from trainer.metrics import RunSummary, read_records, summarize
 from trainer.on_ray.elastic_trainer import ElasticTorchTrainer
 from trainer.on_ray.monitor import NAMESPACE, RunMonitor, get_monitor, monitor_name
-from trainer.run_dir import check_run_dir, check_worker_fits, ensure_dataset
+from trainer.preflight import check_worker_fits, ensure_dataset
+from trainer.run_dir import check_run_dir
 
 log = logging.getLogger("baton.fit")
 
