@@ -16,7 +16,8 @@ Contract:
   resolves it the same way before comparing with a continued run; `check_dataset` refuses a
   set `model.vocab_size` smaller than the dataset's vocabulary, naming both numbers.
 - `ensure_dataset(cfg)` returns the config with `data.uri` set: an empty `data.uri` means the
-  embedded default corpus, prepared once into `RUN/data` (later sessions reuse it).
+  embedded default corpus, prepared once into `RUN/data` (later sessions reuse it);
+  `data_uri(cfg)` is that location without preparing anything.
 - `dataset_fingerprint(uri)`: the train split's fingerprint of the dataset at `uri` (what a
   snapshot's data cursor was made on), None if it cannot be read.
 """
@@ -138,12 +139,18 @@ def check_local_capacity(cfg: FitConfig) -> None:
                       "this machine")  # GPUs are counted once Ray has started
 
 
+def data_uri(cfg: FitConfig) -> str:
+    """Where the run's dataset is: `data.uri`, or when it is empty the default corpus that
+    `ensure_dataset` prepares into `RUN/data`."""
+    return cfg.data.uri or f"{cfg.snapshots.run_uri.rstrip('/')}/data"
+
+
 def ensure_dataset(cfg: FitConfig) -> FitConfig:
     if cfg.data.uri:
         return with_dataset_vocab(cfg, cfg.data.uri)
     from data_state import prepare_corpus
 
-    uri = f"{cfg.snapshots.run_uri.rstrip('/')}/data"
+    uri = data_uri(cfg)
     io = Storage(uri)
     if not io.exists(io.path("dataset.json")):
         prepare_corpus(

@@ -45,6 +45,7 @@ from trainer.optim import optimizer_change
 from trainer.preflight import (
     check_dataset,
     check_local_capacity,
+    data_uri,
     dataset_fingerprint,
     with_dataset_vocab,
 )
@@ -255,11 +256,10 @@ def check_run_dir(cfg: FitConfig, *, reschedule: bool = False) -> int:
     committed = store.committed_steps()
     if not committed:
         _refuse_quarantined_only(cfg, store)
-    # An empty data.uri means the corpus that `ensure_dataset` prepared into RUN/data.
-    data_uri = cfg.data.uri or f"{cfg.snapshots.run_uri.rstrip('/')}/data"
+    uri = data_uri(cfg)  # an empty data.uri: the corpus `ensure_dataset` prepared
     # run.json holds the vocab the driver resolved: compare it with this recipe's, resolved.
-    check_continuation(with_dataset_vocab(cfg, data_uri) if committed else cfg,
-                       fingerprint=dataset_fingerprint(data_uri) if committed else None,
+    check_continuation(with_dataset_vocab(cfg, uri) if committed else cfg,
+                       fingerprint=dataset_fingerprint(uri) if committed else None,
                        store=store, committed=committed, reschedule=reschedule)
     return max(committed, default=0)
 
