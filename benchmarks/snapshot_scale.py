@@ -179,10 +179,10 @@ def timed(fn: Callable[[], Any]) -> float:
 def rotate(fns: list[Callable[[], None]], r: int) -> None:
     """Run ``fns`` in the ``r``-th of their n! orders (mod n!): over n! rounds each one runs in
     each position, and right after each other one, equally often. Only turns (each first in
-    turn) are not enough here: on this machine's disk (ext4 with online discard on a shared
-    virtual disk) how fast a write goes depends on the writes just before it, and in turns
-    one order repeats every third round (persist measured 0.7-1.2 s in every round in which
-    it followed torch.save then DCP, 0.2-0.3 s in the others)."""
+    turn) are not enough here: on this machine (a VM whose host takes back the memory it
+    frees) how fast a write into the page cache goes depends on what ran just before it, and
+    in turns one order repeats every third round (persist measured 0.7-1.2 s in every round
+    in which it followed torch.save then DCP, 0.2-0.3 s in the others)."""
     orders = list(itertools.permutations(range(len(fns))))
     for i in orders[r % len(orders)]:
         fns[i]()
