@@ -5,16 +5,15 @@ Contract
 ``CommitCore`` owns the snapshot store's namespace for one run:
 
 * **Generations.** Every worker-group attempt calls ``new_generation()`` once (rank 0; the
-  others learn the number from it). The number is monotonic and persisted in
-  ``RUN/generation.json``, so a restarted coordinator or a new driver continues it. Shard
+  others learn the number from it). The number is monotonic and persisted
+  (``generation.py``), so a restarted coordinator or a new driver continues it. Shard
   files carry it in their names (``shard-R-of-W-gG.safetensors``), so a redone step never
   reuses a name. Receipts, failure reports and RAM puts of any other generation are refused,
   and starting a generation aborts what the previous one left in flight: a straggler of a
   torn-down group can never complete, overwrite or mix into a snapshot.
 * ``report(receipt)`` records that one rank's shard of step ``s`` is durable. When all
-  ``world_size`` receipts of ``s`` are in, it checks that the chunks cover every logical
-  tensor exactly (element counts), checks it is not fenced (the persisted generation is
-  still its own and, when it holds a run lease, the lease still names it), writes
+  ``world_size`` receipts of ``s`` are in, it checks them (``receipts.py``: the chunks
+  cover every logical tensor exactly), checks it is not fenced (``generation.py``), writes
   ``manifest.json`` with an exclusive create (the commit; a committed name is never
   rewritten), then garbage-collects: older in-flight steps are aborted, only the newest
   ``keep_last`` committed snapshots are kept, and uncommitted leftovers are deleted. The
@@ -49,9 +48,7 @@ chunk records) and, from rank 0, ``skeletons`` and ``catalog`` (all logical tens
 
 from __future__ import annotations
 
-import json
 import logging
-import math
 import threading
 import time
 from collections import deque
@@ -62,18 +59,18 @@ from typing import Any
 
 from elastic.errors import FencedError, describe
 from elastic.faults import FaultInjector
-from elastic.format import (
-    RECEIPT_SUFFIX,
-    ChunkRecord,
-    Manifest,
-    TensorRecord,
-    shard_filename,
+from elastic.format import Manifest
+from elastic.generation import (
+    delete_generation_files,
+    fencing_reason,
+    read_generation,
+    write_generation,
 )
+from elastic.receipts import manifest_from_receipts
 from elastic.store import SnapshotStore
 
 log = logging.getLogger("baton.elastic")
 
-GENERATION_NAME = "generation.json"
 # Reasons kept for the driver's display (newest last).
 _FAILURES_KEPT = 20
 
@@ -88,23 +85,6 @@ class _Pending:
 
 # A storage action decided under the lock and carried out after it is released.
 _Action = Callable[[], None]
-
-
-def read_generation(store: SnapshotStore) -> int:
-    """The newest generation persisted in the run directory (0 when none was ever started)."""
-    path = store.path(GENERATION_NAME)
-    try:
-        raw = store.read_file(path)
-    except FileNotFoundError:
-        return 0
-    try:
-        value = json.loads(raw)["generation"]
-    except (ValueError, KeyError, TypeError) as err:
-        raise ValueError(f"{path}: not a Baton generation file ({err}); restore it or remove "
-                         "it if no driver is running") from err
-    if not isinstance(value, int) or isinstance(value, bool) or value < 0:
-        raise ValueError(f"{path}: generation must be a non-negative integer, got {value!r}")
-    return value
 
 
 class CommitCore:
@@ -159,8 +139,7 @@ class CommitCore:
                 if self.fenced:
                     raise _fenced_error(self.fenced)
                 generation = max(persisted, self.generation) + 1
-            self.store.write_json(self.store.path(GENERATION_NAME),
-                                  {"generation": generation, "time": time.time()})
+            write_generation(self.store, generation)
             with self._lock:
                 self.generation = generation
                 actions = [self._abort_locked(step, f"generation {generation} started")
@@ -202,7 +181,9 @@ class CommitCore:
                 pending.receipts[rank] = receipt
                 if len(pending.receipts) == world:
                     try:
-                        commit = self._build_manifest(step, pending)
+                        commit = manifest_from_receipts(
+                            step, pending.world_size, pending.generation, pending.receipts,
+                            block_bytes=self.block_bytes, versions=self.versions)
                     except ValueError as err:
                         actions.append(self._abort_locked(step, str(err)))
                     else:
@@ -299,7 +280,7 @@ class CommitCore:
     def _commit(self, manifest: Manifest, generation: int) -> int | None:
         step = manifest.step
         self.faults.hit(-1, step, "commit_begin")
-        fenced = self._fencing_reason(generation)
+        fenced = fencing_reason(self.store, generation, self.lease_token)
         if fenced is None:
             try:
                 self.store.write_manifest(
@@ -337,57 +318,6 @@ class CommitCore:
         self.gc()
         return step
 
-    def _fencing_reason(self, generation: int) -> str | None:
-        """Why this coordinator may no longer commit, or None. Reads the store (small files)."""
-        try:
-            persisted = read_generation(self.store)
-        except (OSError, ValueError) as err:
-            return f"could not read {GENERATION_NAME}: {describe(err)}"
-        if persisted > generation:
-            return (f"generation {persisted} was started by another coordinator or driver "
-                    f"(this one is at {generation})")
-        if self.lease_token is not None:
-            from elastic.lease import lease_holds
-
-            try:
-                holds = lease_holds(self.store, self.lease_token)
-            except OSError as err:
-                return f"could not check the run lease: {describe(err)}"
-            if not holds:
-                return "the run lease was taken over by another driver"
-        return None
-
-    def _build_manifest(self, step: int, pending: _Pending) -> Manifest:
-        head = pending.receipts.get(0)
-        if head is None or "catalog" not in head:
-            raise ValueError(f"step {step}: rank 0's receipt lacks the tensor catalog")
-        tensors = {k: TensorRecord(dtype=v["dtype"], shape=tuple(v["shape"]))
-                   for k, v in head["catalog"].items()}
-        files = []
-        for rank in sorted(pending.receipts):
-            receipt = pending.receipts[rank]
-            if receipt.get("versions") != head.get("versions"):
-                raise ValueError(f"step {step}: rank {rank} runs {receipt.get('versions')}, "
-                                 f"rank 0 runs {head.get('versions')}; install the same Baton "
-                                 "on every node")
-            if receipt["file"] != shard_filename(rank, pending.world_size, pending.generation):
-                raise ValueError(f"step {step}: rank {rank} wrote {receipt['file']!r}, not its "
-                                 f"generation-{pending.generation} shard")
-            files.append(receipt["file"])
-            for key, chunks in receipt["chunks"].items():
-                if key not in tensors:
-                    raise ValueError(f"step {step}: rank {rank} wrote unknown tensor {key!r}")
-                tensors[key].chunks.extend(ChunkRecord.from_json(c) for c in chunks)
-        for key, rec in tensors.items():
-            covered = sum(math.prod(c.shape) for c in rec.chunks)
-            if covered != math.prod(rec.shape):
-                raise ValueError(f"step {step}: chunks of {key!r} cover {covered} of "
-                                 f"{math.prod(rec.shape)} elements")
-        return Manifest(step=step, world_size=pending.world_size, layout=head["layout"],
-                        block_bytes=self.block_bytes, tensors=tensors,
-                        state=head["skeletons"], files=files,
-                        versions={**self.versions, **head.get("versions", {})})
-
     def _abort_locked(self, step: int, reason: str, *, generation: int | None = None,
                       world: int | None = None) -> _Action:
         """Mark ``step`` aborted for its generation; return the deletion to run unlocked."""
@@ -398,28 +328,8 @@ class CommitCore:
         self.aborted.add((gen, step))
         self.events.append(f"aborted step {step}: {reason}")
         log.warning("snapshot %d aborted: %s", step, reason)
-        return lambda: self._delete_generation_files(step, gen, world)
-
-    def _delete_generation_files(self, step: int, generation: int, world: int | None) -> None:
-        """Remove what ``generation`` wrote for ``step`` (shards, receipts, temp files), and the
-        step directory when nothing else is left in it. Another generation's files stay."""
-        tag = f"-g{generation:06d}."
-        try:
-            names = self.store.step_files(step)
-        except OSError as err:  # deletion is housekeeping: never let it fail a report
-            log.warning("snapshot %d: could not list files to delete: %s", step, describe(err))
-            return
-        mine = [n for n in names if tag in n]
-        if world is not None:
-            mine += [shard_filename(r, world, generation) + RECEIPT_SUFFIX for r in range(world)
-                     if shard_filename(r, world, generation) + RECEIPT_SUFFIX not in mine]
-        try:
-            if set(names) <= set(mine) and step not in self.committed:
-                self.store.delete_step(step)
-            else:
-                self.store.delete_files(step, mine)
-        except OSError as err:
-            log.warning("snapshot %d: could not delete aborted files: %s", step, describe(err))
+        return lambda: delete_generation_files(self.store, step, gen, world,
+                                               step_committed=step in self.committed)
 
     def _expire_locked(self) -> list[_Action]:
         now = self.clock()

@@ -17,10 +17,10 @@ import threading
 import pytest
 import torch
 
-from elastic.commit import GENERATION_NAME
 from elastic.errors import StorageUnavailableError
 from elastic.faults import FaultInjector
 from elastic.format import DEFAULT_BLOCK_BYTES, MANIFEST_NAME, step_dirname
+from elastic.generation import GENERATION_NAME
 from elastic.local_coordinator import LocalCoordinator
 from elastic.ram_store import RamTier, in_process_tier
 from elastic.snapshotter import Snapshotter

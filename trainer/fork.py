@@ -47,8 +47,8 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from elastic.commit import GENERATION_NAME
 from elastic.format import Manifest, crc32_blocks, parse_header
+from elastic.generation import GENERATION_NAME
 from elastic.store import SnapshotStore
 from trainer.config import FitConfig
 from trainer.optim import optimizer_change

@@ -1,0 +1,105 @@
+"""The run's generation number and the fencing check: may this coordinator still commit?
+
+Contract
+--------
+* ``RUN/generation.json`` (``GENERATION_NAME``) holds ``{"generation": G, "time": unix s}``:
+  the newest worker-group attempt started on the run, by any coordinator or driver. It only
+  grows (``commit.CommitCore.new_generation`` writes ``max(persisted, own) + 1``).
+* ``read_generation(store)`` returns G, 0 when the file does not exist; a file that is not a
+  Baton generation file (bad JSON, missing key, not a non-negative int) raises ``ValueError``
+  with one line naming the file and the fix. It is untrusted input: parsed as JSON only.
+* ``write_generation(store, generation)`` writes it (the store's atomic small-file write).
+* ``fencing_reason(store, generation, lease_token)`` is why a coordinator at ``generation``
+  may no longer commit — a newer generation was started elsewhere, or (when it holds a run
+  lease, ``lease_token`` not None) the lease no longer names it, or either could not be read
+  — or None. Reading fails closed: a coordinator that cannot tell does not commit.
+* ``delete_generation_files(store, step, generation, world, *, step_committed)`` removes what
+  ``generation`` wrote for ``step`` (its shards, receipts and temporary files, found by the
+  ``-gNNNNNN.`` tag in their names, plus the receipts of a ``world``-rank group), and the
+  whole step directory when nothing else is in it and the step is not committed. Another
+  generation's files stay. Storage errors are logged, never raised: deletion is housekeeping.
+
+Why a separate module: the commit protocol (``commit.py``) and ``baton fork`` (which copies a
+run and must carry its generation on) both read the file; neither owns its format.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+
+from elastic.errors import describe
+from elastic.format import RECEIPT_SUFFIX, shard_filename
+from elastic.lease import lease_holds
+from elastic.store import SnapshotStore
+
+GENERATION_NAME = "generation.json"
+
+log = logging.getLogger("baton.elastic")
+
+
+def read_generation(store: SnapshotStore) -> int:
+    """The newest generation persisted in the run directory (0 when none was ever started)."""
+    path = store.path(GENERATION_NAME)
+    try:
+        raw = store.read_file(path)
+    except FileNotFoundError:
+        return 0
+    try:
+        value = json.loads(raw)["generation"]
+    except (ValueError, KeyError, TypeError) as err:
+        raise ValueError(
+            f"{path}: not a Baton generation file ({err}); restore it or remove "
+            "it if no driver is running"
+        ) from err
+    if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+        raise ValueError(f"{path}: generation must be a non-negative integer, got {value!r}")
+    return value
+
+
+def write_generation(store: SnapshotStore, generation: int) -> None:
+    store.write_json(store.path(GENERATION_NAME), {"generation": generation, "time": time.time()})
+
+
+def fencing_reason(store: SnapshotStore, generation: int, lease_token: str | None) -> str | None:
+    """Why a coordinator at ``generation`` may no longer commit, or None (module docstring)."""
+    try:
+        persisted = read_generation(store)
+    except (OSError, ValueError) as err:
+        return f"could not read {GENERATION_NAME}: {describe(err)}"
+    if persisted > generation:
+        return (
+            f"generation {persisted} was started by another coordinator or driver "
+            f"(this one is at {generation})"
+        )
+    if lease_token is not None:
+        try:
+            holds = lease_holds(store, lease_token)
+        except OSError as err:
+            return f"could not check the run lease: {describe(err)}"
+        if not holds:
+            return "the run lease was taken over by another driver"
+    return None
+
+
+def delete_generation_files(store: SnapshotStore, step: int, generation: int, world: int | None,
+                            *, step_committed: bool) -> None:
+    """Remove what ``generation`` wrote for ``step`` (module docstring)."""
+    tag = f"-g{generation:06d}."
+    try:
+        names = store.step_files(step)
+    except OSError as err:  # deletion is housekeeping: never let it fail a report
+        log.warning("snapshot %d: could not list files to delete: %s", step, describe(err))
+        return
+    mine = [n for n in names if tag in n]
+    if world is not None:
+        receipts = [shard_filename(r, world, generation) + RECEIPT_SUFFIX for r in range(world)]
+        mine += [name for name in receipts if name not in mine]
+    try:
+        if set(names) <= set(mine) and not step_committed:
+            store.delete_step(step)
+        else:
+            store.delete_files(step, mine)
+    except OSError as err:
+        log.warning("snapshot %d: could not delete aborted files: %s", step, describe(err))
