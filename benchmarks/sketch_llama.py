@@ -10,10 +10,11 @@ tokens). Its loss is the model's own causal-LM loss (`trainer.hf.causal_lm_loss`
 Variants (`VARIANTS`), BASIS ones at R = n/16: exact backprop (the model as `transformers`
 builds it); exact with the SwiGLU MLP recomputed and the RMSNorms fused (exact gradients: the
 selective-recompute baseline at BASIS's memory); `include="auto"` (fusions, then the probe's
-choice, with its default `min_saving`); the same with the fused MLP keeping gate's output
-(`keep_gate`); the fusions with only the down-projections sketched, chosen by name (what
-"auto" should pick here); "auto" with `min_saving=0` (q/k/v and the LM head sketched too);
-down_proj only without fusions; every `nn.Linear` without fusions (the old default).
+choice, with its defaults: `min_saving`, and the fused MLP keeping gate's output); the same
+with the fused MLP keeping only its input (`keep_gate=False`); the fusions with only the
+down-projections sketched, chosen by name (what "auto" should pick here); "auto" with
+`min_saving=0` (q/k/v and the LM head sketched too); down_proj only without fusions; every
+`nn.Linear` without fusions (the old default).
 Trained: exact, auto, auto with min_saving=0; the others are probed only (memory, time).
 Variants whose library pieces are missing (the fusions, the auto probe) are skipped with a
 note.
@@ -132,7 +133,9 @@ class Variant:
     include: str | tuple[str, ...] | None = None  # sketch_model's include; None = every linear
     fuse: bool = False  # apply the SwiGLU MLP and RMSNorm fusions ("auto" applies them itself)
     recompute: bool | None = None  # the fused MLP's mode: True recomputes around a plain down
-    keep_gate: bool = False  # the fused MLP keeps gate's output, recomputes only up
+    # The fused MLP keeps gate's output and recomputes only up (True) or keeps only its input
+    # (False); None = the library's default (sketch_ops.swiglu.KEEP_GATE).
+    keep_gate: bool | None = None
     min_saving: float | None = None  # "auto"'s threshold; None = its default (probe.MIN_SAVING)
     train: bool = True  # False: probed only (exact gradients, or a contrast not worth the time)
 
@@ -144,14 +147,15 @@ VARIANTS = [
         "exact, MLP recomputed + norms fused",
         fuse=True,
         recompute=True,
+        keep_gate=False,  # exact gradients at the least memory: keeps only the MLP input
         train=False,
     ),
     Variant("auto", 'BASIS R=n/16, include="auto" (fusions + probe)', sketched=True,
             include="auto"),
-    # The same, the fused MLP keeping gate's output: one n x I tensor more per MLP, one matmul
-    # less (its gradients are "auto"'s up to rounding: tests/test_sketch_swiglu.py).
-    Variant("auto-keep-gate", 'BASIS R=n/16, include="auto", keep_gate', sketched=True,
-            include="auto", keep_gate=True, train=False),
+    # The same, the fused MLP keeping only its input: one n x I tensor less per MLP, one matmul
+    # more (its gradients are "auto"'s up to rounding: tests/test_sketch_swiglu.py).
+    Variant("auto-keep-x", 'BASIS R=n/16, include="auto", keep_gate=False', sketched=True,
+            include="auto", keep_gate=False, train=False),
     # What "auto" should choose on this Llama, by name: the built-in GPT's policy carried over
     # (the fusions, and only the down-projections sketched; the MLP recomputes around them).
     Variant("fused-down", "BASIS R=n/16, down_proj only + fusions (by name)", sketched=True,
@@ -244,15 +248,17 @@ def build(v: Variant, size: Size, vocab: int, seq: int, microbatch: int, seed: i
         from sketch_ops.rms_norm import fuse_rms_norms
         from sketch_ops.swiglu_find import fuse_swiglu_mlps
 
-        fuse_swiglu_mlps(hf, recompute=v.recompute, keep_gate=v.keep_gate)
+        mode = {} if v.keep_gate is None else {"keep_gate": v.keep_gate}
+        fuse_swiglu_mlps(hf, recompute=v.recompute, **mode)
         fuse_rms_norms(hf)
     if v.sketched:
         rank = microbatch * (seq + 1) // RANK_DIVISOR  # n = rows of every linear layer
         include = list(v.include) if isinstance(v.include, tuple) else v.include
         auto: dict[str, Any] = {}
         if include == "auto":
-            auto = {"probe_batch": probe_tokens, "loss_fn": causal_lm_loss,
-                    "keep_gate": v.keep_gate}
+            auto = {"probe_batch": probe_tokens, "loss_fn": causal_lm_loss}
+            if v.keep_gate is not None:
+                auto["keep_gate"] = v.keep_gate
             if v.min_saving is not None:
                 auto["min_saving"] = v.min_saving
         sketched = sketch_model(hf, rank=rank, include=include, **auto)
@@ -562,6 +568,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--retime", action="store_true",
                         help="redo the step-time probe (e.g. on a quieter machine)")
     parser.add_argument("--rounds", type=int, help=f"timed rounds (default {FULL.time_rounds})")
+    parser.add_argument("--train-microbatch", type=int,
+                        help=f"sequences per training step (default {FULL.train_microbatch}; "
+                        "16 = the probes' 4 096 tokens, ~4x the time)")
     parser.add_argument("--quick", action="store_true",
                         help="smoke run: tiny model, 4 steps, 1 seed, in this process")
     parser.add_argument("--data", help="prepared dataset (default: sketch_quality's corpus)")
@@ -593,6 +602,10 @@ def main(argv: list[str] | None = None) -> int:
                 ensure_corpus()
             rounds = FULL.time_rounds if args.rounds is None else args.rounds
             size = dataclasses.replace(FULL, time_rounds=rounds)
+            if args.train_microbatch is not None:
+                if args.train_microbatch < 1:
+                    raise SystemExit("--train-microbatch: must be >= 1 (sequences per step)")
+                size = dataclasses.replace(size, train_microbatch=args.train_microbatch)
             plan = Plan(size, args.data or str(DATA), runs, in_process=False)
         if not args.report:
             run_probes(plan, chosen, retime=args.retime)

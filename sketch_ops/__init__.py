@@ -12,10 +12,11 @@ Public API:
   (`fused.py`; the built-in GPT's MLP uses it).
 - `norm_linear(norm, linear, x)`: `linear(norm(x))` keeping only the LayerNorm's input when the
   linear layer is exact (`norm_linear.py`; the built-in GPT's qkv and LM head use it).
-- `swiglu_mlp(gate, up, down, act, x, *, recompute=None)`: `down(act(gate(x)) * up(x))` that,
-  when down is sketched (or `recompute`), keeps only x instead of four n × I tensors
-  (`swiglu.py`); `fuse_swiglu_mlps(model, *, recompute=None) -> list[str]` patches the forward
-  of every such MLP of any model (matched by structure, verified by a probe).
+- `swiglu_mlp(gate, up, down, act, x, *, recompute=None, keep_gate=KEEP_GATE)`:
+  `down(act(gate(x)) * up(x))` that, when down is sketched (or `recompute`), keeps x and
+  gate's output (or, `keep_gate=False`, only x) instead of four n × I tensors (`swiglu.py`);
+  `fuse_swiglu_mlps(model, *, recompute=None, keep_gate=KEEP_GATE) -> list[str]` patches the
+  forward of every such MLP of any model (matched by structure, verified by a probe).
 - `rms_norm(x, weight, eps)`: Llama's RMSNorm keeping only x and one number per row
   (`rms_norm.py`); `fuse_rms_norms(model) -> list[str]` patches every such norm of any model.
 

@@ -22,11 +22,13 @@ Contract:
   subclasses (which may not call `forward`, e.g. `nn.MultiheadAttention.out_proj`) are left
   alone.
 - `auto_plan(model, probe_batch, *, rank, loss_fn=None, estimator="centered",
-  min_saving=MIN_SAVING, keep_gate=False)` patches the model's structures in place
+  min_saving=MIN_SAVING, keep_gate=KEEP_GATE)` patches the model's structures in place
   (`fuse_swiglu_mlps`: a Llama-style gate/up/down MLP becomes one recomputing function, which
-  with `keep_gate` keeps gate's output and recomputes only up; `fuse_rms_norms`: an RMSNorm
-  that keeps only its input and the per-row 1/rms, so once the linears it feeds are sketched
-  its output is kept by nobody; both matched by structure, values and gradients unchanged),
+  with `keep_gate` (the default) keeps gate's output and recomputes only up, and with
+  `keep_gate=False` keeps only its input (less memory, one matmul more: `swiglu.py`);
+  `fuse_rms_norms`: an RMSNorm that keeps only its input and the per-row 1/rms, so once the
+  linears it feeds are sketched its output is kept by nobody; both matched by structure,
+  values and gradients unchanged),
   then returns `probe.plan_sketch`'s `AutoPlan` with the patched module names in
   `plan.fused`.
 
@@ -47,10 +49,11 @@ from .layer import SketchedLinear
 from .policy import AUTO, Include, ranks_for_budget, selector
 from .probe import MIN_SAVING, AutoPlan, LossFn, plan_sketch
 from .rms_norm import fuse_rms_norms
+from .swiglu import KEEP_GATE
 from .swiglu_find import fuse_swiglu_mlps
 
 
-def fuse_structures(model: nn.Module, *, keep_gate: bool = False) -> list[str]:
+def fuse_structures(model: nn.Module, *, keep_gate: bool = KEEP_GATE) -> list[str]:
     """Apply the structural fusions "auto" relies on; returns the patched module names."""
     return [*fuse_swiglu_mlps(model, keep_gate=keep_gate), *fuse_rms_norms(model)]
 
@@ -63,7 +66,7 @@ def auto_plan(
     loss_fn: LossFn | None = None,
     estimator: str = "centered",
     min_saving: float = MIN_SAVING,
-    keep_gate: bool = False,
+    keep_gate: bool = KEEP_GATE,
 ) -> AutoPlan:
     """Fuse the model's structures in place, then probe which layers to sketch."""
     fused = fuse_structures(model, keep_gate=keep_gate)
@@ -84,7 +87,7 @@ def sketch_model(
     probe_batch: Any = None,
     loss_fn: LossFn | None = None,
     min_saving: float = MIN_SAVING,
-    keep_gate: bool = False,
+    keep_gate: bool = KEEP_GATE,
 ) -> list[str]:
     """Swap the selected `nn.Linear`s of `model` for `SketchedLinear`s; return their names.
 

@@ -1,15 +1,17 @@
-"""`swiglu_mlp`: a gated MLP `down(act(gate(x)) * up(x))` (Llama's SwiGLU) that keeps only x
-(`swiglu_find.fuse_swiglu_mlps` finds such MLPs in any model and routes them here).
+"""`swiglu_mlp`: a gated MLP `down(act(gate(x)) * up(x))` (Llama's SwiGLU) that keeps x and
+gate's output, or only x (`swiglu_find.fuse_swiglu_mlps` finds such MLPs in any model and
+routes them here).
 
 Contract:
-- `swiglu_mlp(gate, up, down, act, x, *, recompute=None, keep_gate=False)` returns
+- `swiglu_mlp(gate, up, down, act, x, *, recompute=None, keep_gate=KEEP_GATE)` returns
   `down(act(gate(x)) * up(x))`. When gate, up and down are each an `nn.Linear` or a
   `SketchedLinear` (biases optional), act is a parameter-free module acting on each row on its
   own (SiLU, any GELU; in practice elementwise), a backward will run, and `recompute` is True
   — or None (the default) and down is sketched — it is one row-blocked autograd function.
   Saved: x (n × d), down's R × I input sketch (plus the I-vector row mean for the centred
-  estimator) when down is sketched, and the three seeds (one int64 tensor); no n × I tensor —
-  with `keep_gate`, one: gate's output (its pre-activation), computed for all rows at once.
+  estimator) when down is sketched, and the three seeds (one int64 tensor); with `keep_gate`
+  (the default, `KEEP_GATE`) one n × I tensor, gate's output (its pre-activation), computed
+  for all rows at once; with `keep_gate=False` none.
   Backward recomputes, per row block (`blocked.block_size`), up's output, gate's (unless
   kept) and the activation, and from them dX, the biases, each plain layer's exact dW (down's
   from the recomputed hidden rows) and each sketched layer's BASIS estimate (gate's and up's
@@ -35,7 +37,11 @@ The time it costs (per MLP, n·d·I multiply-adds per matmul): exact backprop ru
 Recomputing around a sketched down runs 10 (the sketch replaces down's dW, backward adds gate
 and up again) plus the sketches (O(n·I) each): ~10 % more MLP time on a CPU, where matmuls
 are the step. `keep_gate` keeps gate's output (one n × I tensor more, 4 n·I bytes in fp32)
-and recomputes only up: 9 matmuls, as exact — the saved dW pays for the recompute.
+and recomputes only up: 9 matmuls, as exact — the saved dW pays for the recompute. It is the
+default (`KEEP_GATE`) because it meets issue 16's targets together: on the Llama benchmark
+(README, "BASIS on your model") 0.51× exact's activation bytes at 0.97× its step time, against
+0.38× at 1.03× keeping x alone. `keep_gate=False` is for when memory matters more than ~5 %
+of step time.
 
 Under autocast x and the weights are cast to the autocast dtype (as the linear layers would),
 the activation runs under the caller's autocast state and the product is cast to down's dtype
@@ -65,6 +71,9 @@ from .function import autocast_inputs, needs_sketch, validate
 from .layer import SketchedLinear
 
 LAYER_TYPES = (nn.Linear, SketchedLinear)
+# The fused MLP's default mode: keep gate's output too (module docstring: why). The one
+# definition; fuse_swiglu_mlps, sketch_model and the recipe's [sketch] keep_gate default to it.
+KEEP_GATE = True
 
 AutocastState = tuple[str, torch.dtype, bool]  # (device type, dtype, enabled)
 
@@ -292,10 +301,10 @@ def swiglu_mlp(
     x: torch.Tensor,
     *,
     recompute: bool | None = None,
-    keep_gate: bool = False,
+    keep_gate: bool = KEEP_GATE,
 ) -> torch.Tensor:
-    """`down(act(gate(x)) * up(x))`, fused and row-blocked (keeping only x, and gate's output
-    when `keep_gate`) when `recompute` is True, or None and down is a SketchedLinear (module
+    """`down(act(gate(x)) * up(x))`, fused and row-blocked (keeping x, and gate's output when
+    `keep_gate`) when `recompute` is True, or None and down is a SketchedLinear (module
     docstring)."""
     layers = (gate, up, down)
     fusable = all(type(layer) in LAYER_TYPES for layer in layers) and not any(

@@ -2,7 +2,7 @@
 forward through `swiglu.swiglu_mlp`.
 
 Contract:
-- `fuse_swiglu_mlps(model, *, recompute=None, keep_gate=False) -> list[str]` patches, in
+- `fuse_swiglu_mlps(model, *, recompute=None, keep_gate=KEEP_GATE) -> list[str]` patches, in
   place, the `forward` of every module of `model` that has this structure: exactly four
   children, three linear layers (`nn.Linear` or `SketchedLinear`) of which two ("gate" and
   "up") map d → I and the third ("down") I → d, and one parameter-free module (the
@@ -27,7 +27,7 @@ import torch
 from torch import nn
 
 from .seeds import sketch_seed
-from .swiglu import LAYER_TYPES, swiglu_mlp
+from .swiglu import KEEP_GATE, LAYER_TYPES, swiglu_mlp
 
 PROBE_ROWS = 8  # rows of the random input that verifies a structural match
 PROBE_TOLERANCE = 1e-6
@@ -94,7 +94,7 @@ def _probe_agrees(module: nn.Module, parts: tuple[str, str, str, str]) -> bool:
 
 
 def fuse_swiglu_mlps(
-    model: nn.Module, *, recompute: bool | None = None, keep_gate: bool = False
+    model: nn.Module, *, recompute: bool | None = None, keep_gate: bool = KEEP_GATE
 ) -> list[str]:
     """Patch the forward of every SwiGLU MLP of `model` (found by structure, verified by a
     probe) to `swiglu_mlp`; return their qualified names (module docstring)."""

@@ -17,6 +17,7 @@ from sketch_ops.memory import saved_bytes
 from sketch_ops.model import auto_plan
 from sketch_ops.policy import selector
 from sketch_ops.probe import MIN_SAVING, plan_sketch
+from sketch_ops.swiglu import KEEP_GATE
 from tests.inprocess_fit import baton
 from trainer.config import ConfigError, ModelConfig, SketchConfig, load_recipe
 from trainer.loop import build_model
@@ -194,7 +195,7 @@ def test_recipe_min_saving_and_keep_gate_reach_the_model(tmp_path: Path) -> None
     """`[sketch] min_saving` and `keep_gate` are auto's threshold and SwiGLU mode in a run."""
     pytest.importorskip("transformers")
     run = f'snapshots.run_uri="{tmp_path / "run"}"'
-    assert SketchConfig().min_saving == MIN_SAVING and SketchConfig().keep_gate is False
+    assert SketchConfig().min_saving == MIN_SAVING and SketchConfig().keep_gate is KEEP_GATE
 
     def built(*overrides: str) -> tuple[set[str], set[bool]]:
         model = build_model(load_recipe(LLAMA_RECIPE, [run, *overrides]))
@@ -203,12 +204,12 @@ def test_recipe_min_saving_and_keep_gate_reach_the_model(tmp_path: Path) -> None
 
     default, default_modes = built()
     assert default == {f"model.layers.{i}.mlp.down_proj" for i in range(2)}
-    assert default_modes == {False}
+    assert default_modes == {True}
     everything, _ = built("sketch.min_saving=0")  # q/k/v and the LM head free a little too
     assert everything > default and "lm_head" in everything
     assert {n for n in everything if n.endswith("q_proj")}, everything
-    kept_gate, modes = built("sketch.keep_gate=true")
-    assert kept_gate == default and modes == {True}
+    only_x, modes = built("sketch.keep_gate=false")
+    assert only_x == default and modes == {False}
 
 
 def test_bad_include_is_one_config_error() -> None:
@@ -244,11 +245,11 @@ def test_sketch_plan_follows_the_recipes_min_saving_and_keep_gate(
         return int(sketched.group(1)), float(predicted.group(1)), out
 
     count, predicted, out = plan()
-    assert count == 2 and "min_saving 0.1)" in out, out  # the two down_proj
+    assert count == 2 and "min_saving 0.1, keep_gate true)" in out, out  # the two down_proj
     more, fewer_bytes, out = plan("sketch.min_saving=0")
-    assert more > count and fewer_bytes < predicted and "min_saving 0)" in out, out
-    same, more_bytes, out = plan("sketch.keep_gate=true")
-    assert same == count and more_bytes > predicted and "keep_gate" in out, out
+    assert more > count and fewer_bytes < predicted and "min_saving 0, keep_gate true)" in out, out
+    same, fewer_bytes, out = plan("sketch.keep_gate=false")
+    assert same == count and fewer_bytes < predicted and "keep_gate false)" in out, out
 
 
 @pytest.mark.parametrize(("argv", "needle"), [
@@ -257,7 +258,7 @@ def test_sketch_plan_follows_the_recipes_min_saving_and_keep_gate(
     (["--set", "sketch.min_saving=-0.1"], "sketch.min_saving: must be a share"),
     (["--set", "sketch.keep_gate=1"], "sketch.keep_gate: must be true or false"),
     # tiny.toml's built-in GPT picks its layers by name: auto's options would be ignored.
-    (["--set", "sketch.keep_gate=true"], 'sketch.keep_gate: applies to sketch.include = "auto"'),
+    (["--set", "sketch.keep_gate=false"], 'sketch.keep_gate: applies to sketch.include = "auto"'),
     (["--set", "sketch.min_saving=0"], 'sketch.min_saving: applies to sketch.include = "auto"'),
     (["--rows", "33"], "--rows 33"),
     (["--set", "sketch.rank=0"], "--rank R"),

@@ -98,15 +98,17 @@ def test_swiglu_mlp_keeps_only_its_input_and_the_down_sketch() -> None:
     # Unfused, exact: SiLU keeps its n × I input, the product both factors, down its input.
     plain = saved_bytes(lambda: down(act(gate(x)) * up(x)), every)
     assert plain == n * d * F32 + 4 * n * hidden * F32
-    # Fused around the sketched down (the default): x, down's R × I sketch and row mean, seeds.
-    fused = saved_bytes(lambda: swiglu_mlp(gate, up, sketched_down, act, x), every)
+    # Fused around the sketched down, keeping only x: x, down's R × I sketch and row mean, seeds.
+    fused = saved_bytes(
+        lambda: swiglu_mlp(gate, up, sketched_down, act, x, keep_gate=False), every)
     assert fused == n * d * F32 + rank * hidden * F32 + hidden * F32 + SEEDS
     # recompute=True with an exact down: x and the seeds only.
-    exact = saved_bytes(lambda: swiglu_mlp(gate, up, down, act, x, recompute=True), every)
+    exact = saved_bytes(
+        lambda: swiglu_mlp(gate, up, down, act, x, recompute=True, keep_gate=False), every)
     assert exact == n * d * F32 + SEEDS
-    # keep_gate: gate's n × I output besides, and backward recomputes only up.
-    keep = saved_bytes(lambda: swiglu_mlp(gate, up, sketched_down, act, x, keep_gate=True), every)
-    assert keep == fused + n * hidden * F32
+    # keep_gate (the default): gate's n × I output besides; backward recomputes only up.
+    keep = saved_bytes(lambda: swiglu_mlp(gate, up, sketched_down, act, x), every)
+    assert swiglu.KEEP_GATE and keep == fused + n * hidden * F32
     # recompute=False never fuses.
     never = saved_bytes(
         lambda: swiglu_mlp(gate, up, sketched_down, act, x, recompute=False), every
@@ -244,8 +246,9 @@ def test_fuse_swiglu_mlps_matches_by_structure_and_verifies_by_probe() -> None:
     assert fuse_swiglu_mlps(model) == ["llama", "gemma", "renamed"]
     sketch_model(model, rank=4, include=["llama.down_proj"])
     x = torch.randn(64, 12, requires_grad=True)
+    # Kept: x, gate's output (the default keep_gate), down's R × I sketch and row mean, seeds.
     assert saved_bytes(lambda: model["llama"](x), model["llama"]) == (
-        64 * 12 * F32 + 4 * 20 * F32 + 20 * F32 + SEEDS
+        64 * 12 * F32 + 64 * 20 * F32 + 4 * 20 * F32 + 20 * F32 + SEEDS
     )
 
 
@@ -356,7 +359,7 @@ def test_keep_gate_gives_the_sketched_llama_the_same_gradients_for_one_more_tens
     for name, param in keeping.named_parameters():
         torch.testing.assert_close(param.grad, grads[name].grad, rtol=1e-5, atol=1e-6, msg=name)
     # Fusing again sets the mode anew: back to recomputing both, the lean bytes.
-    fuse_swiglu_mlps(keeping)
+    fuse_swiglu_mlps(keeping, keep_gate=False)
     with sketch_seed(0, 0):
         assert saved_bytes(lambda: _loss(keeping, tokens), keeping) == lean
 
@@ -372,12 +375,12 @@ def test_llama_activation_bytes_exact_vs_fused_and_sketched() -> None:
     exact_bytes = saved_bytes(lambda: _loss(plain, tokens), plain)
 
     recomputed = _llama(layers, d, hidden, vocab)
-    assert len(fuse_swiglu_mlps(recomputed, recompute=True)) == layers
+    assert len(fuse_swiglu_mlps(recomputed, recompute=True, keep_gate=False)) == layers
     assert len(fuse_rms_norms(recomputed)) == 2 * layers + 1
     recompute_bytes = saved_bytes(lambda: _loss(recomputed, tokens), recomputed)
 
     sketched = _llama(layers, d, hidden, vocab)
-    fuse_swiglu_mlps(sketched)
+    fuse_swiglu_mlps(sketched, keep_gate=False)
     fuse_rms_norms(sketched)
     assert len(sketch_model(sketched, rank=rank, include=["*.mlp.down_proj"])) == layers
     with sketch_seed(0, 0):

@@ -169,10 +169,10 @@ class SketchConfig:
     # by name): the least share of the probed step's activation bytes a kind of layers (e.g.
     # every block's q/k/v) must free to be sketched, in [0, 1) (`sketch_ops.probe.MIN_SAVING`;
     # 0 sketches whatever frees anything), and whether a fused SwiGLU MLP also keeps gate's
-    # output and recomputes only up in backward (one n x I tensor more per MLP, one matmul
-    # less: `sketch_ops.swiglu`).
+    # output and recomputes only up in backward (the default, `sketch_ops.swiglu.KEEP_GATE`:
+    # one n x I tensor more per MLP than keeping only its input, one matmul less).
     min_saving: float = 0.10
-    keep_gate: bool = False
+    keep_gate: bool = True
 
     def __post_init__(self) -> None:
         check_types(self, "sketch")

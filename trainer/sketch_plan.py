@@ -160,7 +160,7 @@ def print_report(report: PlanReport) -> None:
     widths = [max(len(h), *(len(r[i]) for r in rows)) if rows else len(h)
               for i, h in enumerate(header)]
     print(f"sketch plan (include = \"auto\", min_saving {report.min_saving:g}"
-          f"{', keep_gate' if report.keep_gate else ''}), {report.rows} tokens per microbatch")
+          f", keep_gate {str(report.keep_gate).lower()}), {report.rows} tokens per microbatch")
     if plan.fused:
         print(f"fused first: {len(plan.fused)} modules ({_summarise(plan.fused)})")
     for row in (header, *rows):
