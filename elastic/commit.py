@@ -16,7 +16,8 @@ Contract
   cover every logical tensor exactly), checks it is not fenced (``generation.py``), writes
   ``manifest.json`` with an exclusive create (the commit; a committed name is never
   rewritten), then garbage-collects: older in-flight steps are aborted, only the newest
-  ``keep_last`` committed snapshots are kept, and uncommitted leftovers are deleted. The
+  ``keep_last`` committed snapshots are kept (older ones are retired:
+  ``SnapshotStore.retire_step``), and uncommitted leftovers are deleted. The
   bookkeeping is done before ``report`` returns; the deletions run on one housekeeping
   thread, in order, so the reply (and with it the worker's persist) never waits for them
   (deleting a 0.37 GB snapshot took 60 ms, a fifth of its persist). ``settle()`` waits until
@@ -369,7 +370,7 @@ class CommitCore:
         try:
             _run(actions)
             for step in old:
-                self.store.delete_step(step)
+                self.store.retire_step(step)
             for step in self.store.all_steps():
                 with self._lock:
                     leftover = (step < newest and step not in self.committed

@@ -15,7 +15,9 @@ Local calls run once: no deadline, no retries.
   injection) runs after half the bytes went to the temporary file. ``exclusive`` creates
   only: ``os.link(tmp, NAME)`` (atomic, an existing file untouched: ``FileExistsError``), or
   ``O_EXCL`` on a filesystem without hard links (there a reader may briefly see a partial
-  file). The memory given is written as is (a tensor's memoryview: no copy).
+  file). The memory given is written as is (a tensor's memoryview: no copy). With
+  ``spare_dir`` the temporary file is a spare claimed from it when there is one
+  (``elastic.spares``: overwritten whole, then fsynced and renamed the same way).
 * ``fsync_dir(directory)`` makes a rename durable (filesystems that refuse are ignored).
 
 Imports: the standard library, fsspec's local filesystem (recursive listing, removal, copy)
@@ -32,6 +34,7 @@ from typing import Any
 
 import fsspec
 
+from elastic import spares
 from elastic.byte_ranges import short_read
 
 _NO_HARD_LINKS = (errno.EPERM, errno.ENOTSUP, errno.EOPNOTSUPP)
@@ -91,22 +94,32 @@ class LocalFiles:
     # ------------------------------------------------------------------ writes
 
     def write(self, path: str, data: bytes | memoryview, *, durable: bool,
-              mid_write: Callable[[], None] | None, exclusive: bool) -> None:
+              mid_write: Callable[[], None] | None, exclusive: bool,
+              spare_dir: str | None = None) -> None:
         view = memoryview(data).cast("B")
         directory = os.path.dirname(path)
         os.makedirs(directory, exist_ok=True)
         tmp = f"{path}.tmp-{uuid.uuid4().hex[:8]}"
         try:
-            with open(tmp, "wb") as fh:
-                half = len(view) // 2
-                fh.write(view[:half])
-                if mid_write is not None:
-                    fh.flush()
-                    mid_write()
-                fh.write(view[half:])
-                if durable:
-                    fh.flush()
-                    os.fsync(fh.fileno())
+            fd = None if spare_dir is None else spares.claim(spare_dir, tmp)
+            if fd is not None:  # a retired shard's file, overwritten whole (elastic.spares)
+                try:
+                    spares.overwrite(fd, view, mid_write)
+                    if durable:
+                        os.fsync(fd)
+                finally:
+                    os.close(fd)
+            else:
+                with open(tmp, "wb") as fh:
+                    half = len(view) // 2
+                    fh.write(view[:half])
+                    if mid_write is not None:
+                        fh.flush()
+                        mid_write()
+                    fh.write(view[half:])
+                    if durable:
+                        fh.flush()
+                        os.fsync(fh.fileno())
             if exclusive:
                 _link_exclusive(tmp, path, view, durable=durable)
             else:

@@ -217,11 +217,17 @@ class Storage:
 
     def write_file(self, path: str, data: bytes | memoryview, *, durable: bool = True,
                    mid_write: Callable[[], None] | None = None,
-                   exclusive: bool = False) -> None:
+                   exclusive: bool = False, spare_dir: str | None = None) -> None:
         """Atomically create or replace ``path`` with ``data`` (``exclusive``: create only,
-        ``FileExistsError`` if it exists); see "Atomic writes" and "Create-only writes"."""
-        self._files.write(path, data, durable=durable, mid_write=mid_write,
-                          exclusive=exclusive)
+        ``FileExistsError`` if it exists); see "Atomic writes" and "Create-only writes".
+        ``spare_dir`` (local stores; S3 has no use for it): reuse a spare file from there
+        (``elastic.spares``)."""
+        if isinstance(self._files, LocalFiles):
+            self._files.write(path, data, durable=durable, mid_write=mid_write,
+                              exclusive=exclusive, spare_dir=spare_dir)
+        else:
+            self._files.write(path, data, durable=durable, mid_write=mid_write,
+                              exclusive=exclusive)
         self._count(written=1)
 
     def makedirs(self, directory: str) -> None:

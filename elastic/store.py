@@ -3,7 +3,8 @@
 Contract
 --------
 ``SnapshotStore(run_uri, storage_options=None, *, timeout_s=30.0, retry_deadline_s=60.0)``
-reads and writes ``RUN/run.json``, ``RUN/snapshots/<step>/...`` and ``RUN/quarantine/...``.
+reads and writes ``RUN/run.json``, ``RUN/snapshots/<step>/...``, ``RUN/quarantine/...`` and
+``RUN/spare/``.
 It is an ``elastic.storage_io.Storage`` rooted at the run directory, so every byte moves under
 that layer's contract: deadlines and retries on S3 (``timeout_s`` per attempt,
 ``retry_deadline_s`` per call: the ``[snapshots] storage_timeout_s / storage_retry_s``
@@ -21,6 +22,10 @@ never hangs. What it adds:
   then delete the originals manifest first; nothing is deleted before its copy exists. A
   crash mid-way leaves the snapshot committed where it was (and a partial copy).
 * ``stats`` counts storage reads, so tests can show that a restore touched no storage.
+* **Spares** (local stores): ``retire_step`` — retention's removal of an old snapshot —
+  keeps its shard files in ``RUN/spare/`` and ``write_shard`` overwrites one of them instead
+  of allocating a new file (``elastic.spares``: why, and what a reader of a retired
+  snapshot may see). On S3 both are the plain delete and create-only write.
 """
 
 from __future__ import annotations
@@ -33,9 +38,11 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from elastic import spares
 from elastic.errors import ManifestError, StorageUnavailableError
-from elastic.format import MANIFEST_NAME, Manifest, step_dirname
+from elastic.format import MANIFEST_NAME, SHARD_NAME_RE, Manifest, step_dirname
 from elastic.manifest_check import parse_manifest
+from elastic.spares import SPARE_DIR
 from elastic.storage_io import Storage, fsync_dir
 
 QUARANTINE_DIR = "quarantine"
@@ -102,6 +109,28 @@ class SnapshotStore(Storage):
         snapshot with missing shards."""
         self.remove(self.step_path(step, MANIFEST_NAME))
         self.remove_tree(self.step_path(step))
+
+    def retire_step(self, step: int) -> None:
+        """Remove a snapshot that retention no longer keeps, as ``delete_step``, except that
+        on a local store its shard files become spares for the next snapshots' writes
+        (``elastic.spares``; at most one snapshot's shards are kept)."""
+        if not self.is_local:
+            self.delete_step(step)
+            return
+        self.remove(self.step_path(step, MANIFEST_NAME))
+        shards = [self.step_path(step, n) for n in self.step_files(step)
+                  if SHARD_NAME_RE.fullmatch(n)]
+        left = spares.retire(shards, self.path(SPARE_DIR), keep=len(shards))
+        self.remove_many(left)
+        self.remove_tree(self.step_path(step))
+
+    def write_shard(self, step: int, name: str, data: memoryview, *, durable: bool = True,
+                    mid_write: Callable[[], None] | None = None) -> None:
+        """Write one shard file of snapshot ``step``, create-only (a shard name is written
+        once), into a spare file when there is one (local stores, ``elastic.spares``)."""
+        spare_dir = self.path(SPARE_DIR) if self.is_local else None
+        self.write_file(self.step_path(step, name), data, durable=durable, exclusive=True,
+                        mid_write=mid_write, spare_dir=spare_dir)
 
     def delete_files(self, step: int, names: list[str]) -> None:
         """Remove only the named files of snapshot ``step`` (missing ones are ignored), e.g.

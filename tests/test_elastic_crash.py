@@ -179,14 +179,14 @@ def test_commit_replies_before_its_deletions_and_settle_waits_for_them(
     coord = LocalCoordinator(store, keep_last=1, block_bytes=DEFAULT_BLOCK_BYTES)
     release = threading.Event()
     deleted: list[int] = []
-    real_delete = store.delete_step
+    real_retire = store.retire_step
 
-    def slow_delete(step: int) -> None:
+    def slow_retire(step: int) -> None:
         assert release.wait(10), "the deletion was never released"
-        real_delete(step)
+        real_retire(step)
         deleted.append(step)
 
-    monkeypatch.setattr(store, "delete_step", slow_delete)
+    monkeypatch.setattr(store, "retire_step", slow_retire)
     state = build(seed=3)
     snap = Snapshotter(str(tmp_path / "run"), state.registry, coordinator=coord, durable=False)
     for step in (1, 2):
