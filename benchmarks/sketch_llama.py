@@ -32,7 +32,8 @@ Measured, the same way as `benchmarks/sketch_memory.py` and `benchmarks/sketch_q
 - quality: equal steps, 3 seeds (model init, data order and sketches follow the seed), final
   validation loss over a fixed held-out set, mean ± std, difference to exact. On this 2-core
   machine a 4 096-token step takes ~1.3 s of CPU on one thread, so the training runs use
-  microbatches of 4 × 256 = 1 024 tokens (n = 1 028, R = n/16 = 64); memory and time stay
+  microbatches of 4 × 256 = 1 024 tokens (n = 1 028, R = n/16 = 64) unless
+  `--train-microbatch 16` asks for the probes' 4 096 (~4x the time); memory and time stay
   at 4 096.
 
 Resumable: probes and each (variant, seed) run are JSON files under

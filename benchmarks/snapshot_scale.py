@@ -21,9 +21,12 @@ multiple of 6 for the three writers; see ``rotate``):
   manifest it writes. RAM copies go to the RAM tier's stores (peers on a cluster), never to
   the coordinator.
 
-Every side writes a new file (or directory) per snapshot and keeps two, after two warm-up
-snapshots (Baton's capture image and RAM-tier buffers are allocated by the first two and
-reused after). Each ratio is Baton's time over the baseline's in the same round: the median
+Every side keeps two snapshots, as it does for real: torch.save and DCP write a new file (or
+directory) per snapshot, Baton overwrites the files of the snapshot its retention retired
+(``elastic/spares.py``; from the fourth snapshot on). Three warm-up snapshots come first
+(Baton's capture image and RAM-tier buffers are allocated by the first two and reused after,
+the third's commit leaves the first's files as spares). Each ratio is Baton's time over the
+baseline's in the same round: the median
 and range over the rounds are printed. Peak memory of a restore is measured in fresh
 processes (one per case), which build the model and optimizer, materialise the optimizer's
 state (a process that holds its training state), then restore: ``growth`` is the peak RSS
@@ -214,22 +217,28 @@ def measure(size: float, rounds: int, workdir: str) -> dict[str, Any]:
         "load")}
     warm: dict[str, list[float]] = {k: [] for k in ("dcp_return", "dcp_done")}
     # Steady state: the capture image and the recycled RAM-tier buffers exist (the first two
-    # snapshots allocate them), and torch.save and DCP have written before.
-    for step in (2, 3):
+    # snapshots allocate them), Baton's retention has retired one snapshot (its files are the
+    # spares the next persist overwrites), and torch.save and DCP have written before; every
+    # side keeps two.
+    for step in (2, 3, 4):
         train_step(model, optim, step)
         snap.after_step(step, force=True)
         snap.persister.wait()
+        snap.coordinator.flush(0)
         torch_save(model, optim, os.path.join(workdir, f"state-{step}.pt"))
         dcp_save(model, optim, os.path.join(workdir, f"dcp-{step}"), warm)
+    os.remove(os.path.join(workdir, "state-2.pt"))
+    shutil.rmtree(os.path.join(workdir, "dcp-2"))
     receipts.clear()
     for r in range(rounds):
-        step = r + 4
+        step = r + 5
         train_step(model, optim, step)
-        # A new file per snapshot, the one before last deleted (keep_last=2, as Baton):
-        # overwriting one file in place is not crash-safe, and on this machine's disk it
-        # also measured 3-4x faster than writing a new file, so it would not compare like
-        # with like. Every side deletes its old file at the same point: right after its own
-        # write, untimed (Baton's commit does so), not at the start of the round.
+        # Each side as it runs for real, keeping the two newest (keep_last=2): torch.save and
+        # DCP write new files and delete the one before last; Baton's commit retires its
+        # snapshot before last, and the next persist overwrites those files (spares,
+        # elastic/spares.py: crash-safe, temp + fsync + rename). Every side removes its old
+        # files at the same point: right after its own write, untimed, not at the start of
+        # the round.
         path = os.path.join(workdir, f"state-{step}.pt")
 
         def baton_save(step: int = step) -> None:
@@ -266,10 +275,10 @@ def measure(size: float, rounds: int, workdir: str) -> dict[str, Any]:
             rows["load"].append(timed(lambda: torch_restore(model, optim, path)))
 
         rotate([restores, baseline_load], r)
-    manifest = store.load_manifest(rounds + 3)
+    manifest = store.load_manifest(rounds + 4)
     chunks = [c for rec in manifest.tensors.values() for c in rec.chunks]
     meta = {"receipts_per_snapshot": statistics.median(receipts),
-            "manifest": os.path.getsize(store.step_path(rounds + 3, "manifest.json")),
+            "manifest": os.path.getsize(store.step_path(rounds + 4, "manifest.json")),
             "chunks": len(chunks), "blocks": sum(len(c.crc32) for c in chunks),
             "block_bytes": manifest.block_bytes}
     snap.close()
