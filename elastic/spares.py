@@ -10,12 +10,15 @@ ever overwritten whole and renamed into a step directory by the atomic write:
   ``paths`` into ``spare_dir`` (one rename each, same filesystem) and returns the paths it did
   not take, for the caller to delete. So ``spare/`` never holds more than one retired
   snapshot's shards (``keep`` = the retiring step's shard count).
+* Both do nothing when ``spare_dir`` is not a plain directory (a symbolic link to one
+  elsewhere would move files into or out of the run): ``retire`` then returns all paths.
 * ``claim(spare_dir, tmp)`` renames one spare to ``tmp`` (atomic: of two writers racing for
   the same spare exactly one gets it) and opens it for writing, without following a symbolic
-  link; it returns the descriptor, or None when there is no spare, or when the one taken is
-  not a plain file with a single link (a symlink could point outside the run, a hard link's
-  other name — a user's ``cp -al`` backup — would change with it): that one is unlinked
-  and the next tried. The caller writes the whole content from offset 0, truncates to its
+  link; it returns the descriptor, or None when there is no spare. Entries that are not
+  regular files are left where they are. A spare that, once taken, is not a plain file with
+  a single link is unlinked and the next one tried: a symlink could point outside the run
+  (it is never followed: ``O_NOFOLLOW``), a hard link's other name — a user's ``cp -al``
+  backup — would change with it. The caller writes the whole content from offset 0, truncates to its
   length, then fsyncs and renames as for a new file, so a crash leaves at most a temporary
   file, as before.
 
@@ -46,6 +49,8 @@ _OPEN_FLAGS = os.O_WRONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXE
 def retire(paths: list[str], spare_dir: str, keep: int) -> list[str]:
     """Move up to ``keep`` (less those present) of ``paths`` into ``spare_dir``; the rest."""
     os.makedirs(spare_dir, exist_ok=True)
+    if not _plain_directory(spare_dir):
+        return list(paths)
     room = max(0, keep - len(os.listdir(spare_dir)))
     left = []
     for path in paths:
@@ -62,13 +67,18 @@ def retire(paths: list[str], spare_dir: str, keep: int) -> list[str]:
 
 def claim(spare_dir: str, tmp: str) -> int | None:
     """A writable descriptor of a spare renamed to ``tmp``, or None (module docstring)."""
+    if not _plain_directory(spare_dir):
+        return None
     try:
         names = sorted(os.listdir(spare_dir))
     except OSError:
         return None
     for name in names:
+        spare = os.path.join(spare_dir, name)
         try:
-            os.rename(os.path.join(spare_dir, name), tmp)
+            if not stat.S_ISREG(os.lstat(spare).st_mode):
+                continue  # not ours (a directory, a link, a device): left alone
+            os.rename(spare, tmp)
         except OSError:  # taken by another writer, or gone
             continue
         try:
@@ -99,6 +109,15 @@ def _pwrite_all(fd: int, view: memoryview, offset: int) -> None:
     while len(view):
         n = os.pwrite(fd, view, offset)
         view, offset = view[n:], offset + n
+
+
+def _plain_directory(path: str) -> bool:
+    """Whether ``path`` is a directory itself, not a symbolic link to one: spares are moved
+    in and out by name, and a linked directory would move files across the run's boundary."""
+    try:
+        return stat.S_ISDIR(os.lstat(path).st_mode)
+    except OSError:
+        return False
 
 
 def _unlink(path: str) -> None:

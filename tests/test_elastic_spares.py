@@ -172,7 +172,14 @@ def test_a_symlinked_spare_is_not_followed(tmp_path: Path) -> None:
     path = _write(tmp_path, b"shard bytes")
     assert outside.read_bytes() == b"not yours"  # untouched
     assert Path(path).read_bytes() == b"shard bytes" and not os.path.islink(path)
-    assert not list((tmp_path / "spare").iterdir())
+    assert (tmp_path / "spare" / "a.spare").is_symlink()  # left where it was
+
+
+def test_a_directory_among_the_spares_is_left_alone(tmp_path: Path) -> None:
+    (tmp_path / "spare" / "a.spare").mkdir(parents=True)
+    path = _write(tmp_path, b"shard bytes")
+    assert Path(path).read_bytes() == b"shard bytes"
+    assert (tmp_path / "spare" / "a.spare").is_dir()
 
 
 def test_a_hard_linked_spare_is_not_overwritten(tmp_path: Path) -> None:
@@ -220,3 +227,17 @@ def test_writers_racing_for_spares_never_share_one(tmp_path: Path) -> None:
     for t in threads:
         t.join()
     assert len(claimed) == 8 and len(set(claimed)) == 8  # each spare to exactly one writer
+
+
+def test_a_symlinked_spare_directory_is_neither_filled_nor_drained(tmp_path: Path) -> None:
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    (elsewhere / "precious.txt").write_bytes(b"keep me")
+    (tmp_path / "spare").symlink_to(elsewhere, target_is_directory=True)
+    path = _write(tmp_path, b"shard bytes")  # does not take precious.txt
+    assert (elsewhere / "precious.txt").read_bytes() == b"keep me"
+    assert Path(path).read_bytes() == b"shard bytes"
+    shard = tmp_path / "old.safetensors"
+    shard.write_bytes(b"old")
+    assert spares.retire([str(shard)], str(tmp_path / "spare"), keep=4) == [str(shard)]
+    assert sorted(p.name for p in elsewhere.iterdir()) == ["precious.txt"]
