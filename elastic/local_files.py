@@ -20,8 +20,8 @@ Local calls run once: no deadline, no retries.
   (``elastic.spares``: overwritten whole, then fsynced and renamed the same way).
 * ``fsync_dir(directory)`` makes a rename durable (filesystems that refuse are ignored).
 
-Imports: the standard library, fsspec's local filesystem (recursive listing, removal, copy)
-and ``elastic.byte_ranges``.
+Imports: the standard library, fsspec's local filesystem (recursive listing, removal, copy),
+``elastic.byte_ranges`` and ``elastic.spares``.
 """
 
 from __future__ import annotations
@@ -34,8 +34,9 @@ from typing import Any
 
 import fsspec
 
-from elastic import spares
 from elastic.byte_ranges import short_read
+from elastic.spares import claim as claim_spare
+from elastic.spares import overwrite as overwrite_spare
 
 _NO_HARD_LINKS = (errno.EPERM, errno.ENOTSUP, errno.EOPNOTSUPP)
 _REMOVE_TREE_ATTEMPTS = 3  # walks of a tree that others delete too (remove_tree)
@@ -101,10 +102,10 @@ class LocalFiles:
         os.makedirs(directory, exist_ok=True)
         tmp = f"{path}.tmp-{uuid.uuid4().hex[:8]}"
         try:
-            fd = None if spare_dir is None else spares.claim(spare_dir, tmp)
+            fd = None if spare_dir is None else claim_spare(spare_dir, tmp)
             if fd is not None:  # a retired shard's file, overwritten whole (elastic.spares)
                 try:
-                    spares.overwrite(fd, view, mid_write)
+                    overwrite_spare(fd, view, mid_write)
                     if durable:
                         os.fsync(fd)
                 finally:

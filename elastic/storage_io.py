@@ -10,8 +10,8 @@ The layer's modules
 * ``elastic.byte_ranges``: how near ranges merge, and what a short read means.
 
 Import rule (kept true by ``tests/test_storage_io.py``): these modules import the standard
-library, fsspec, and from Baton only each other, ``elastic.errors``, ``elastic.retry`` and
-``elastic.s3_multipart`` (which import nothing else of Baton). ``elastic/__init__`` loads its
+library, fsspec, and from Baton only each other, ``elastic.errors``, ``elastic.retry``,
+``elastic.spares`` and ``elastic.s3_multipart`` (which import nothing else of Baton). ``elastic/__init__`` loads its
 submodules lazily, so ``import elastic.storage_io`` pulls in neither torch nor Ray: that is
 what lets ``data_state`` use it without depending on the rest of ``elastic``. No other Baton
 module imports fsspec or s3fs: every byte Baton stores or loads (snapshots, the lease,
@@ -47,6 +47,8 @@ and ``path(*parts)`` joins under it; every method takes such a path (URIs stay `
   without a copy; on S3 one ``PUT`` (one ``bytes`` copy), or from ``multipart_threshold``
   bytes on a multipart upload (parts of ``part_bytes``, ``part_concurrency`` at a time, one
   copy per part in flight). ``mid_write`` is a fault-injection hook (after half the bytes).
+  ``spare_dir`` (local only): the temporary file is a spare file from that directory when
+  there is one, overwritten whole (``elastic.spares``).
 * **Create-only writes** (``exclusive=True``) raise ``FileExistsError`` if the name exists
   (local: a hard link, atomic; S3: a conditional PUT, an ambiguous outcome settled by
   comparing bytes: a concurrent writer of identical content is indistinguishable from us,

@@ -38,11 +38,10 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from elastic import spares
 from elastic.errors import ManifestError, StorageUnavailableError
 from elastic.format import MANIFEST_NAME, SHARD_NAME_RE, Manifest, step_dirname
 from elastic.manifest_check import parse_manifest
-from elastic.spares import SPARE_DIR
+from elastic.spares import SPARE_DIR, retire
 from elastic.storage_io import Storage, fsync_dir
 
 QUARANTINE_DIR = "quarantine"
@@ -120,7 +119,7 @@ class SnapshotStore(Storage):
         self.remove(self.step_path(step, MANIFEST_NAME))
         shards = [self.step_path(step, n) for n in self.step_files(step)
                   if SHARD_NAME_RE.fullmatch(n)]
-        left = spares.retire(shards, self.path(SPARE_DIR), keep=len(shards))
+        left = retire(shards, self.path(SPARE_DIR), keep=len(shards))
         self.remove_many(left)
         self.remove_tree(self.step_path(step))
 

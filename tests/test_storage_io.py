@@ -274,8 +274,9 @@ def test_only_the_storage_layer_imports_fsspec_or_s3fs() -> None:
 
 
 def test_the_storage_layer_is_a_leaf() -> None:
-    """The layer's modules import from Baton only each other, elastic.errors, elastic.retry
-    and elastic.s3_multipart, which import no other Baton module but elastic.errors;
+    """The layer's modules import from Baton only each other, elastic.errors, elastic.retry,
+    elastic.spares and elastic.s3_multipart, which import no other Baton module but
+    elastic.errors;
     data_state imports nothing from elastic but the layer's interface (storage_io);
     importing the layer loads neither torch nor Ray."""
     baton = ("trainer", "elastic", "sketch_ops", "data_state")
@@ -289,7 +290,8 @@ def test_the_storage_layer_is_a_leaf() -> None:
         "elastic.s3_multipart"}
     assert baton_imports(leaf / "s3_files.py") == {"elastic.byte_ranges", "elastic.retry",
                                                    "elastic.s3_multipart"}
-    assert baton_imports(leaf / "local_files.py") == {"elastic.byte_ranges"}
+    assert baton_imports(leaf / "local_files.py") == {"elastic.byte_ranges", "elastic.spares"}
+    assert baton_imports(leaf / "spares.py") == set()
     assert baton_imports(leaf / "byte_ranges.py") == {"elastic.errors", "elastic.retry"}
     assert baton_imports(leaf / "s3_multipart.py") == set()
     assert baton_imports(leaf / "retry.py") == {"elastic.errors"}
