@@ -13,9 +13,9 @@ Import rule (kept true by ``tests/test_storage_io.py``): these modules import th
 library, fsspec, and from Baton only each other, ``elastic.errors``, ``elastic.retry``,
 ``elastic.spares`` and ``elastic.s3_multipart`` (which import nothing else of Baton).
 ``elastic/__init__`` loads its submodules lazily, so ``import elastic.storage_io`` pulls in
-neither torch nor Ray: that is what lets ``data_state`` use it without depending on the rest of ``elastic``. No other Baton
-module imports fsspec or s3fs: every byte Baton stores or loads (snapshots, the lease,
-datasets, metrics, probes) goes through a ``Storage``.
+neither torch nor Ray: that is what lets ``data_state`` use it without depending on the rest of
+``elastic``. No other Baton module imports fsspec or s3fs: every byte Baton stores or loads
+(snapshots, the lease, datasets, metrics, probes) goes through a ``Storage``.
 
 Contract
 --------
