@@ -117,6 +117,17 @@ def full_state(ts: TrainState) -> dict[str, torch.Tensor]:
     return {k: v.detach().cpu().clone() for k, v in tensors.items()}
 
 
+def restore_fresh(run_uri: str, seed: int = 21) -> tuple[int, dict[str, torch.Tensor]]:
+    """A new incarnation at world size 1 restores ``run_uri``: a model and optimizer built
+    from ``seed`` (so nothing of the saved state is there before), a coordinator rebuilt from
+    the store. Returns the step it restored and its full state."""
+    from elastic.snapshotter import Snapshotter
+
+    ts = build(seed=seed)
+    step = Snapshotter(run_uri, ts.registry).restore()
+    return step, full_state(ts)
+
+
 def json_state(ts: TrainState) -> dict[str, Any]:
     return {"sched": ts.sched.state_dict(), "data": ts.cursor.state_dict()}
 

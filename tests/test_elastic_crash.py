@@ -22,7 +22,7 @@ from elastic.format import DEFAULT_BLOCK_BYTES
 from elastic.local_coordinator import LocalCoordinator
 from elastic.snapshotter import Snapshotter
 from elastic.store import SnapshotStore
-from elastic.testing import build, full_state, train_step
+from elastic.testing import build, full_state, restore_fresh, train_step
 
 WORKER_PHASES = [p for p in PHASES if not p.startswith("commit")]
 COORD_PHASES = [p for p in PHASES if p.startswith("commit")]
@@ -67,13 +67,6 @@ def _two_rank_run(
     return states, snaps, refs
 
 
-def _restore_fresh(run: str) -> tuple[int, dict]:
-    """A new incarnation at world size 1: new coordinator (rebuilt from the store), new state."""
-    ts = build(seed=21)
-    step = Snapshotter(run, ts.registry).restore()
-    return step, full_state(ts)
-
-
 @pytest.mark.parametrize("phase", PHASES)
 def test_crash_at_phase_keeps_last_commit(tmp_path, phase: str) -> None:
     run = str(tmp_path / "run")
@@ -86,7 +79,7 @@ def test_crash_at_phase_keeps_last_commit(tmp_path, phase: str) -> None:
     expected = 6 if phase == "commit_end" else 4  # commit_end: the manifest was already written
     assert coord.committed_steps() == [2, 4, 6][: expected // 2]
     # The run dies here; a new incarnation (new coordinator, new world size) restores.
-    step, state = _restore_fresh(run)
+    step, state = restore_fresh(run)
     assert step == expected
     for key, value in refs[expected].items():
         assert torch.equal(state[key], value), key
@@ -130,7 +123,7 @@ def test_restarted_coordinator_refuses_late_receipts(tmp_path) -> None:
     snaps[0].coordinator = snaps[0].persister.coordinator = coord_b
     _, _, refs = _two_rank_run(run, coord_b, faults, range(7, 9), states=states)
     assert coord_b.committed_steps() == [2, 4, 8]
-    step, state = _restore_fresh(run)
+    step, state = restore_fresh(run)
     assert step == 8
     for key, value in refs[8].items():
         assert torch.equal(state[key], value), key
@@ -161,7 +154,7 @@ def test_hard_crash_mid_write(tmp_path, phase: str) -> None:
     ref = build(seed=5)
     for step in range(1, expected + 1):
         train_step(ref, step)
-    step, state = _restore_fresh(run)
+    step, state = restore_fresh(run)
     assert step == expected
     for key, value in full_state(ref).items():
         assert torch.equal(state[key], value), key

@@ -25,7 +25,7 @@ from elastic.local_coordinator import LocalCoordinator
 from elastic.ram_store import RamTier, in_process_tier
 from elastic.snapshotter import Snapshotter
 from elastic.store import SnapshotStore
-from elastic.testing import build, full_state, train_step
+from elastic.testing import build, full_state, restore_fresh, train_step
 
 
 def _coordinator(run: str, **kwargs) -> LocalCoordinator:
@@ -80,10 +80,8 @@ def _manifest_generations(run: str, step: int) -> set[str]:
 
 
 def _restore_equals(run: str, ref: dict, expected_step: int) -> None:
-    ts = build(seed=99)
-    step = Snapshotter(run, ts.registry).restore()
+    step, state = restore_fresh(run, seed=99)
     assert step == expected_step
-    state = full_state(ts)
     for key, value in ref.items():
         assert torch.equal(state[key], value), key
 

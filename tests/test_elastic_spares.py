@@ -23,7 +23,7 @@ from elastic.local_coordinator import LocalCoordinator
 from elastic.local_files import LocalFiles
 from elastic.snapshotter import Snapshotter
 from elastic.store import SnapshotStore
-from elastic.testing import build, full_state, train_step
+from elastic.testing import build, full_state, restore_fresh, train_step
 
 
 def _inodes(store: SnapshotStore, step: int) -> dict[str, int]:
@@ -46,10 +46,12 @@ def _two_ranks(run: str, coord: LocalCoordinator, faults: FaultInjector | None =
     return states, snaps
 
 
-def _restore_fresh(run: str) -> tuple[int, dict[str, torch.Tensor]]:
-    ts = build(seed=21)
-    step = Snapshotter(run, ts.registry).restore()
-    return step, full_state(ts)
+def _restores_to(run: str, expected_step: int, ref: dict[str, torch.Tensor]) -> None:
+    """A new incarnation restores exactly ``expected_step``, bitwise ``ref``."""
+    step, state = restore_fresh(run)
+    assert step == expected_step
+    for key, value in ref.items():
+        assert torch.equal(state[key], value), key
 
 
 def test_retired_shards_are_reused_and_every_snapshot_stays_whole(tmp_path: Path) -> None:
@@ -81,10 +83,7 @@ def test_retired_shards_are_reused_and_every_snapshot_stays_whole(tmp_path: Path
     assert set(inodes[8].values()) == set(inodes[2].values())
     for snap in snaps:
         snap.close()
-    step, state = _restore_fresh(run)
-    assert step == 12
-    for key, value in refs[12].items():
-        assert torch.equal(state[key], value), key
+    _restores_to(run, 12, refs[12])
 
 
 def test_a_fault_mid_write_into_a_spare_loses_nothing_committed(tmp_path: Path) -> None:
@@ -108,10 +107,7 @@ def test_a_fault_mid_write_into_a_spare_loses_nothing_committed(tmp_path: Path) 
     assert store.committed_steps() == [6, 10]  # the run went on: 10 committed over spares
     for snap in snaps:
         snap.close()
-    step, state = _restore_fresh(run)
-    assert step == 10
-    for key, value in refs[10].items():
-        assert torch.equal(state[key], value), key
+    _restores_to(run, 10, refs[10])
 
 
 def _hard_crash_child(run: str) -> None:
@@ -137,10 +133,7 @@ def test_a_hard_crash_mid_write_into_a_spare_restores_the_newest_commit(tmp_path
     ref = build(seed=5)
     for step in range(1, 7):
         train_step(ref, step)
-    step, state = _restore_fresh(run)
-    assert step == 6
-    for key, value in full_state(ref).items():
-        assert torch.equal(state[key], value), key
+    _restores_to(run, 6, full_state(ref))
     store = SnapshotStore(run)
     assert store.all_steps() == store.committed_steps() == [4, 6]
 
