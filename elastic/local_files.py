@@ -36,9 +36,9 @@ import fsspec
 
 from elastic.byte_ranges import short_read
 from elastic.spares import claim as claim_spare
-from elastic.spares import overwrite as overwrite_spare
 
 _NO_HARD_LINKS = (errno.EPERM, errno.ENOTSUP, errno.EOPNOTSUPP)
+_O_CLOEXEC = getattr(os, "O_CLOEXEC", 0)
 _REMOVE_TREE_ATTEMPTS = 3  # walks of a tree that others delete too (remove_tree)
 
 
@@ -102,25 +102,22 @@ class LocalFiles:
         os.makedirs(directory, exist_ok=True)
         tmp = f"{path}.tmp-{uuid.uuid4().hex[:8]}"
         try:
+            # A retired shard's file when there is one (elastic.spares), else a new file;
+            # either way overwritten whole from offset 0.
             fd = None if spare_dir is None else claim_spare(spare_dir, tmp)
-            if fd is not None:  # a retired shard's file, overwritten whole (elastic.spares)
-                try:
-                    overwrite_spare(fd, view, mid_write)
-                    if durable:
-                        os.fsync(fd)
-                finally:
-                    os.close(fd)
-            else:
-                with open(tmp, "wb") as fh:
-                    half = len(view) // 2
-                    fh.write(view[:half])
-                    if mid_write is not None:
-                        fh.flush()
-                        mid_write()
-                    fh.write(view[half:])
-                    if durable:
-                        fh.flush()
-                        os.fsync(fh.fileno())
+            if fd is None:
+                fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | _O_CLOEXEC, 0o644)
+            try:
+                half = len(view) // 2
+                _write_all(fd, view[:half], 0)
+                if mid_write is not None:
+                    mid_write()
+                _write_all(fd, view[half:], half)
+                os.ftruncate(fd, len(view))  # a spare may have been longer
+                if durable:
+                    os.fsync(fd)
+            finally:
+                os.close(fd)
             if exclusive:
                 _link_exclusive(tmp, path, view, durable=durable)
             else:
@@ -200,6 +197,14 @@ def _link_exclusive(tmp: str, path: str, view: memoryview, *, durable: bool) -> 
                 os.fsync(fd)
         finally:
             os.close(fd)
+
+
+def _write_all(fd: int, view: memoryview, offset: int) -> None:
+    """``pwrite`` all of ``view`` at ``offset``: one call may write less (Linux caps a call at
+    just under 2 GiB)."""
+    while len(view):
+        n = os.pwrite(fd, view, offset)
+        view, offset = view[n:], offset + n
 
 
 def fsync_dir(directory: str) -> None:

@@ -18,9 +18,9 @@ ever overwritten whole and renamed into a step directory by the atomic write:
   regular files are left where they are. A spare that, once taken, is not a plain file with
   a single link is unlinked and the next one tried: a symlink could point outside the run
   (it is never followed: ``O_NOFOLLOW``), a hard link's other name — a user's ``cp -al``
-  backup — would change with it. The caller writes the whole content from offset 0, truncates to its
-  length, then fsyncs and renames as for a new file, so a crash leaves at most a temporary
-  file, as before.
+  backup — would change with it. The caller (``local_files.LocalFiles.write``) writes the
+  whole content from offset 0, truncates to its length, then fsyncs and renames as for a new
+  file, so a crash leaves at most a temporary file, as before.
 
 Why: a new file's pages are allocated in the page cache and its blocks on disk as it is
 written; a retired shard already has both, so its overwrite is a copy into cached pages and
@@ -40,7 +40,6 @@ from __future__ import annotations
 import os
 import stat
 import uuid
-from collections.abc import Callable
 
 SPARE_DIR = "spare"
 _OPEN_FLAGS = os.O_WRONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
@@ -92,23 +91,6 @@ def claim(spare_dir: str, tmp: str) -> int | None:
         os.close(fd)
         _unlink(tmp)
     return None
-
-
-def overwrite(fd: int, view: memoryview, mid_write: Callable[[], None] | None = None) -> None:
-    """Write ``view`` over the file from offset 0 and cut it to ``len(view)``; ``mid_write``
-    (fault injection) runs after the first half."""
-    half = len(view) // 2
-    _pwrite_all(fd, view[:half], 0)
-    if mid_write is not None:
-        mid_write()
-    _pwrite_all(fd, view[half:], half)
-    os.ftruncate(fd, len(view))
-
-
-def _pwrite_all(fd: int, view: memoryview, offset: int) -> None:
-    while len(view):
-        n = os.pwrite(fd, view, offset)
-        view, offset = view[n:], offset + n
 
 
 def _plain_directory(path: str) -> bool:
