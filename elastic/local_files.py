@@ -190,9 +190,9 @@ def _link_exclusive(tmp: str, path: str, view: memoryview, *, durable: bool) -> 
             raise
         # A filesystem without hard links: O_EXCL is atomic too, but a reader can see the
         # file before its bytes are all there.
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | _O_CLOEXEC, 0o644)
         try:
-            os.write(fd, view)
+            _write_all(fd, view, 0)
             if durable:
                 os.fsync(fd)
         finally:

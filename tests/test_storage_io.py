@@ -161,6 +161,31 @@ def test_write_is_fsynced_before_the_rename(tmp_path: Path,
     assert events == ["rename"]
 
 
+@pytest.mark.parametrize("hard_links", [True, False])
+def test_a_write_is_whole_when_the_kernel_writes_less_per_call(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, hard_links: bool) -> None:
+    """One write call may write less than asked (Linux: under 2 GiB per call), on the
+    temporary file and on the create-only path of a filesystem without hard links."""
+    import errno
+
+    import elastic.local_files as local_files
+
+    real_pwrite, real_write = os.pwrite, os.write
+    monkeypatch.setattr(local_files.os, "pwrite",
+                        lambda fd, data, offset: real_pwrite(fd, bytes(data[:7]), offset))
+    monkeypatch.setattr(local_files.os, "write", lambda fd, data: real_write(fd, bytes(data[:7])))
+    if not hard_links:
+        def no_link(src: str, dst: str) -> None:
+            raise OSError(errno.EPERM, "no hard links here")
+
+        monkeypatch.setattr(local_files.os, "link", no_link)
+    storage = Storage(str(tmp_path))
+    data = bytes(range(256)) * 3
+    storage.write_file(storage.path("f.bin"), data, exclusive=True)
+    assert (tmp_path / "f.bin").read_bytes() == data
+    assert [p.name for p in tmp_path.iterdir()] == ["f.bin"]
+
+
 # ---------------------------------------------------------------- range merging
 
 
