@@ -113,15 +113,12 @@ class SnapshotStore(Storage):
         """Remove a snapshot that retention no longer keeps, as ``delete_step``, except that
         on a local store its shard files become spares for the next snapshots' writes
         (``elastic.spares``; at most one snapshot's shards are kept)."""
-        if not self.is_local:
-            self.delete_step(step)
-            return
-        self.remove(self.step_path(step, MANIFEST_NAME))
-        shards = [self.step_path(step, n) for n in self.step_files(step)
-                  if SHARD_NAME_RE.fullmatch(n)]
-        left = retire(shards, self.path(SPARE_DIR), keep=len(shards))
-        self.remove_many(left)
-        self.remove_tree(self.step_path(step))
+        if self.is_local:
+            self.remove(self.step_path(step, MANIFEST_NAME))  # uncommitted before shards move
+            shards = [self.step_path(step, n) for n in self.step_files(step)
+                      if SHARD_NAME_RE.fullmatch(n)]
+            retire(shards, self.path(SPARE_DIR), keep=len(shards))
+        self.delete_step(step)  # what was not taken as a spare
 
     def write_shard(self, step: int, name: str, data: memoryview, *, durable: bool = True,
                     mid_write: Callable[[], None] | None = None) -> None:
