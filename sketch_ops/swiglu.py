@@ -40,8 +40,8 @@ are the step. `keep_gate` keeps gate's output (one n × I tensor more, 4 n·I by
 and recomputes only up: 9 matmuls, as exact — the saved dW pays for the recompute. It is the
 default (`KEEP_GATE`) because it meets issue 16's targets together: on the Llama benchmark
 (README, "BASIS on a Hugging Face Llama") 0.51× exact's activation bytes at 0.96-0.97× its
-step time, against 0.38× at 1.02-1.04× keeping x alone. `keep_gate=False` is for when memory matters more than ~5 %
-of step time.
+step time, against 0.38× at 1.02-1.04× keeping x alone. `keep_gate=False` is for when
+memory matters more than ~5 % of step time.
 
 Under autocast x and the weights are cast to the autocast dtype (as the linear layers would),
 the activation runs under the caller's autocast state and the product is cast to down's dtype
