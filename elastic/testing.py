@@ -2,7 +2,8 @@
 
 Contract: everything here is deterministic given ``seed``; ``run_group`` runs a picklable
 function on ``world_size`` spawned processes (gloo, or NCCL with one GPU per rank) and
-re-raises the first child's error.
+re-raises the first child's error; a rank that succeeded leaves through
+``leave_spawned_rank`` (no interpreter teardown).
 Every rank trains on the same batch, so DDP/FSDP2 gradients equal the single-process ones
 up to the averaging's rounding (exact for world sizes that are powers of two).
 Not used by production code; lives in the package so spawned processes can import it.
@@ -10,11 +11,13 @@ Not used by production code; lives in the package so spawned processes can impor
 
 from __future__ import annotations
 
+import gc
 import os
+import sys
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NoReturn
 
 import torch
 import torch.distributed as dist
@@ -141,8 +144,28 @@ def _entry(rank: int, world_size: int, init_file: str, backend: str,
     try:
         fn(rank, world_size, *args)
         dist.barrier()
-    finally:
+    except BaseException:
         dist.destroy_process_group()
+        raise  # torch's spawn reports it to the parent
+    leave_spawned_rank()
+
+
+def leave_spawned_rank() -> NoReturn:
+    """End a spawned rank whose work succeeded: collect, destroy the process group while
+    the interpreter is whole, flush, and exit 0 without interpreter teardown.
+
+    Why: an FSDP2 model on gloo leaves reference cycles holding its process group and the
+    gloo work it ran; collected during interpreter teardown (module globals gone, C++ static
+    destructors running) they crash a rank that has finished its work: one SIGABRT
+    ("terminate called without an active exception") in test_elastic_reshard and one
+    SIGSEGV in test_sketch_distributed's FSDP2 case, each once in many CI runs, at the end.
+    Everything the rank wrote is closed by then; stdout and stderr are flushed here."""
+    gc.collect()
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def run_group(fn: Callable[..., None], world_size: int, *args: Any, tmp_dir: str,

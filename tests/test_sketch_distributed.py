@@ -19,13 +19,14 @@ import torch.multiprocessing as mp
 import torch.nn.functional as F
 from ray_harness import free_port
 
+from elastic.testing import leave_spawned_rank
+
 STEPS = 25
 
 
 
 def _worker(rank: int, world_size: int, port: int, mode: str, out_dir: str) -> None:
-    # A crash of a spawned rank (one SIGSEGV in a CI run of 5 December, not reproduced in
-    # 20 reruns) then leaves its Python stack in the test's captured stderr.
+    # A crash of a spawned rank leaves its Python stack in the test's captured stderr.
     faulthandler.enable()
     torch.set_num_threads(1)
     os.environ.pop("BATON_SKETCH_BACKEND", None)
@@ -79,8 +80,10 @@ def _worker(rank: int, world_size: int, port: int, mode: str, out_dir: str) -> N
         Path(out_dir, f"{rank}.json").write_text(
             json.dumps({"losses": losses, "finite": finite, "params": params})
         )
-    finally:
+    except BaseException:
         dist.destroy_process_group()
+        raise
+    leave_spawned_rank()
 
 
 @pytest.mark.parametrize("mode", ["ddp", "fsdp2"])
