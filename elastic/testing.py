@@ -131,6 +131,34 @@ def restore_fresh(run_uri: str, seed: int = 21) -> tuple[int, dict[str, torch.Te
     return step, full_state(ts)
 
 
+def _crashing_child(run_uri: str, phase: str, step: int, durable: bool) -> None:
+    from elastic.faults import FaultInjector
+    from elastic.snapshotter import Snapshotter
+
+    faults = FaultInjector().arm(phase, step=step, action="exit")
+    ts = build(seed=5)
+    snap = Snapshotter(run_uri, ts.registry, snapshot_every=2, faults=faults, durable=durable)
+    for s in range(1, step + 1):
+        train_step(ts, s)
+        snap.after_step(s)
+        snap.persister.wait()
+        snap.coordinator.flush(0)  # retention done (spares retired) before the next step
+    snap.close()
+
+
+def crash_in_child(run_uri: str, phase: str, step: int, *, durable: bool = False) -> None:
+    """A hard crash: a spawned process trains ``build(seed=5)`` from step 1, snapshotting
+    every 2 steps into ``run_uri``, and exits at once (``os._exit``, exit code 17) at fault
+    point ``phase`` of step ``step``'s snapshot. Asserts that it did exit there."""
+    import multiprocessing as mp
+
+    child = mp.get_context("spawn").Process(target=_crashing_child,
+                                            args=(run_uri, phase, step, durable))
+    child.start()
+    child.join(120)
+    assert child.exitcode == 17, f"the injected os._exit did not happen ({child.exitcode})"
+
+
 def json_state(ts: TrainState) -> dict[str, Any]:
     return {"sched": ts.sched.state_dict(), "data": ts.cursor.state_dict()}
 

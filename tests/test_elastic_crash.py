@@ -8,7 +8,6 @@ spawned process.
 
 from __future__ import annotations
 
-import multiprocessing as mp
 import os
 import threading
 from pathlib import Path
@@ -22,7 +21,7 @@ from elastic.format import DEFAULT_BLOCK_BYTES
 from elastic.local_coordinator import LocalCoordinator
 from elastic.snapshotter import Snapshotter
 from elastic.store import SnapshotStore
-from elastic.testing import build, full_state, restore_fresh, train_step
+from elastic.testing import build, crash_in_child, full_state, restore_fresh, train_step
 
 WORKER_PHASES = [p for p in PHASES if not p.startswith("commit")]
 COORD_PHASES = [p for p in PHASES if p.startswith("commit")]
@@ -129,24 +128,10 @@ def test_restarted_coordinator_refuses_late_receipts(tmp_path) -> None:
         assert torch.equal(state[key], value), key
 
 
-def _hard_crash_child(run: str, phase: str) -> None:
-    faults = FaultInjector().arm(phase, step=4, action="exit")
-    ts = build(seed=5)
-    snap = Snapshotter(run, ts.registry, snapshot_every=2, faults=faults, durable=False)
-    for step in range(1, 5):
-        train_step(ts, step)
-        snap.after_step(step)
-        snap.persister.wait()
-    snap.close()
-
-
 @pytest.mark.parametrize("phase", ["persist_mid", "commit_manifest", "commit_end"])
 def test_hard_crash_mid_write(tmp_path, phase: str) -> None:
     run = str(tmp_path / "run")
-    child = mp.get_context("spawn").Process(target=_hard_crash_child, args=(run, phase))
-    child.start()
-    child.join(120)
-    assert child.exitcode == 17, "the injected os._exit did not happen"
+    crash_in_child(run, phase, step=4)
     leftovers = [f for _, _, files in os.walk(run) for f in files if ".tmp-" in f]
     if phase != "commit_end":
         assert leftovers, "a mid-write crash should leave a temp file behind"

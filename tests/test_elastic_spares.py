@@ -7,7 +7,6 @@ share one."""
 
 from __future__ import annotations
 
-import multiprocessing as mp
 import os
 import threading
 from pathlib import Path
@@ -23,7 +22,7 @@ from elastic.local_coordinator import LocalCoordinator
 from elastic.local_files import LocalFiles
 from elastic.snapshotter import Snapshotter
 from elastic.store import SnapshotStore
-from elastic.testing import build, full_state, restore_fresh, train_step
+from elastic.testing import build, crash_in_child, full_state, restore_fresh, train_step
 
 
 def _inodes(store: SnapshotStore, step: int) -> dict[str, int]:
@@ -110,24 +109,9 @@ def test_a_fault_mid_write_into_a_spare_loses_nothing_committed(tmp_path: Path) 
     _restores_to(run, 10, refs[10])
 
 
-def _hard_crash_child(run: str) -> None:
-    faults = FaultInjector().arm("persist_mid", step=8, action="exit")
-    ts = build(seed=5)
-    snap = Snapshotter(run, ts.registry, snapshot_every=2, faults=faults, durable=True)
-    for step in range(1, 9):
-        train_step(ts, step)
-        snap.after_step(step)
-        snap.persister.wait()
-        snap.coordinator.flush(0)
-    snap.close()
-
-
 def test_a_hard_crash_mid_write_into_a_spare_restores_the_newest_commit(tmp_path: Path) -> None:
     run = str(tmp_path / "run")
-    child = mp.get_context("spawn").Process(target=_hard_crash_child, args=(run,))
-    child.start()
-    child.join(120)
-    assert child.exitcode == 17, "the injected os._exit did not happen"
+    crash_in_child(run, "persist_mid", step=8, durable=True)
     # The half-written spare is left as a temporary file in step 8's directory, no spare.
     assert [f for _, _, fs in os.walk(run) for f in fs if ".tmp-" in f]
     ref = build(seed=5)
