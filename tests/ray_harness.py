@@ -20,6 +20,7 @@ Contract:
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import shutil
@@ -46,9 +47,24 @@ _RAY_ENV = {"RAY_AUTH_MODE": "disabled", "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0
 
 def free_port() -> int:
     """A TCP port free on 127.0.0.1 right now (the kernel's choice, so parallel runs differ)."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
+    return free_ports(1)[0]
+
+
+def free_ports(count: int, exclude: Iterable[int] = ()) -> list[int]:
+    """``count`` distinct TCP ports free on 127.0.0.1 right now, none in ``exclude``. All are
+    bound at once: one port at a time, the kernel may hand out a port it just released again
+    (a CI run's head failed on two of its components given the same port)."""
+    taken = set(exclude)
+    with contextlib.ExitStack() as stack:
+        ports: list[int] = []
+        while len(ports) < count:
+            sock = stack.enter_context(socket.socket())
+            sock.bind(("127.0.0.1", 0))
+            port = int(sock.getsockname()[1])
+            if port not in taken:
+                taken.add(port)
+                ports.append(port)
+        return ports
 
 
 @dataclass
@@ -200,7 +216,10 @@ def start_head(
     `port` (the GCS port) is chosen free unless given: a fake-autoscaler config must name it.
     """
     port = port or free_port()
-    dashboard_port = free_port() if dashboard else None
+    # The dashboard's and seven components' ports, distinct from each other and the GCS's.
+    (dashboard_choice, client_port, node_manager_port, object_manager_port, metrics_port,
+     agent_port, agent_grpc_port, runtime_env_port) = free_ports(8, exclude=[port])
+    dashboard_port = dashboard_choice if dashboard else None
     temp_dir = Path(tempfile.mkdtemp(prefix="rt-", dir="/tmp"))  # short: unix socket paths
     marker = uuid.uuid4().hex[:12]
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
@@ -215,13 +234,13 @@ def start_head(
         f"--num-cpus={num_cpus}",
         f"--temp-dir={temp_dir}",
         # Fixed defaults (10001, 52365, ...) collide with other clusters on this machine.
-        f"--ray-client-server-port={free_port()}",
-        f"--node-manager-port={free_port()}",
-        f"--object-manager-port={free_port()}",
-        f"--metrics-export-port={free_port()}",
-        f"--dashboard-agent-listen-port={free_port()}",
-        f"--dashboard-agent-grpc-port={free_port()}",
-        f"--runtime-env-agent-port={free_port()}",
+        f"--ray-client-server-port={client_port}",
+        f"--node-manager-port={node_manager_port}",
+        f"--object-manager-port={object_manager_port}",
+        f"--metrics-export-port={metrics_port}",
+        f"--dashboard-agent-listen-port={agent_port}",
+        f"--dashboard-agent-grpc-port={agent_grpc_port}",
+        f"--runtime-env-agent-port={runtime_env_port}",
         "--object-store-memory=200000000",
         "--disable-usage-stats",
     ]

@@ -23,6 +23,7 @@ from ray_harness import (
     ROOT,
     RayHead,
     free_port,
+    free_ports,
     non_loopback_listeners,
     start_head,
 )
@@ -136,6 +137,12 @@ def test_harness_stop_ends_exactly_the_clusters_processes(tmp_path: Path) -> Non
             if proc.poll() is None:
                 proc.kill()
             proc.wait()
+
+
+def test_harness_free_ports_are_distinct_and_skip_the_excluded() -> None:
+    first = free_port()
+    ports = free_ports(64, exclude=[first])
+    assert len(set(ports)) == 64 and first not in ports
 
 
 def test_harness_sees_a_listener_on_all_interfaces() -> None:
