@@ -14,18 +14,14 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
 import torch.nn.functional as F
-from ray_harness import free_port
 
-from elastic.testing import leave_spawned_rank
+from elastic.testing import run_group
 
 STEPS = 25
 
 
-
-def _worker(rank: int, world_size: int, port: int, mode: str, out_dir: str) -> None:
+def _worker(rank: int, world_size: int, mode: str, out_dir: str) -> None:
     # A crash of a spawned rank leaves its Python stack in the test's captured stderr.
     faulthandler.enable()
     torch.set_num_threads(1)
@@ -34,61 +30,53 @@ def _worker(rank: int, world_size: int, port: int, mode: str, out_dir: str) -> N
     from trainer.config import ModelConfig
     from trainer.model import GPT
 
-    dist.init_process_group(
-        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size
-    )
-    try:
-        torch.manual_seed(0)  # same init on every rank
-        model = GPT(ModelConfig(vocab_size=32, d_model=32, n_layers=2, n_heads=2), seq_len=16)
-        sketch_model(model, rank=8)
-        if mode == "ddp":
-            wrapped = torch.nn.parallel.DistributedDataParallel(model)
-        else:
-            from torch.distributed.device_mesh import init_device_mesh
-            from torch.distributed.fsdp import fully_shard
+    torch.manual_seed(0)  # same init on every rank
+    model = GPT(ModelConfig(vocab_size=32, d_model=32, n_layers=2, n_heads=2), seq_len=16)
+    sketch_model(model, rank=8)
+    if mode == "ddp":
+        wrapped = torch.nn.parallel.DistributedDataParallel(model)
+    else:
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
 
-            mesh = init_device_mesh("cpu", (world_size,))
-            for block in model.blocks:
-                fully_shard(block, mesh=mesh)
-            wrapped = fully_shard(model, mesh=mesh)
-        opt = torch.optim.AdamW(wrapped.parameters(), lr=1e-2)
-        # A fixed, learnable batch per rank: the loss must fall when fitted repeatedly.
-        tokens = torch.randint(0, 32, (4, 17), generator=torch.Generator().manual_seed(rank))
-        losses, finite = [], True
-        for step in range(STEPS):
-            with sketch_seed(7, step, microbatch=rank):
-                # Through the wrapper's forward (DDP syncs gradients only for its own forward).
-                logits = wrapped(tokens[:, :-1])
-                loss = F.cross_entropy(logits.reshape(-1, 32), tokens[:, 1:].reshape(-1))
-                loss.backward()
-            finite &= all(
-                p.grad is not None
-                and bool(
-                    torch.isfinite(
-                        p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad
-                    ).all()
-                )
-                for p in wrapped.parameters()
+        mesh = init_device_mesh("cpu", (world_size,))
+        for block in model.blocks:
+            fully_shard(block, mesh=mesh)
+        wrapped = fully_shard(model, mesh=mesh)
+    opt = torch.optim.AdamW(wrapped.parameters(), lr=1e-2)
+    # A fixed, learnable batch per rank: the loss must fall when fitted repeatedly.
+    tokens = torch.randint(0, 32, (4, 17), generator=torch.Generator().manual_seed(rank))
+    losses, finite = [], True
+    for step in range(STEPS):
+        with sketch_seed(7, step, microbatch=rank):
+            # Through the wrapper's forward (DDP syncs gradients only for its own forward).
+            logits = wrapped(tokens[:, :-1])
+            loss = F.cross_entropy(logits.reshape(-1, 32), tokens[:, 1:].reshape(-1))
+            loss.backward()
+        finite &= all(
+            p.grad is not None
+            and bool(
+                torch.isfinite(
+                    p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad
+                ).all()
             )
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-            losses.append(loss.item())
-        params = [
-            (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().double().sum().item()
             for p in wrapped.parameters()
-        ]
-        Path(out_dir, f"{rank}.json").write_text(
-            json.dumps({"losses": losses, "finite": finite, "params": params})
         )
-    except BaseException:
-        dist.destroy_process_group()
-        raise
-    leave_spawned_rank()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        losses.append(loss.item())
+    params = [
+        (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().double().sum().item()
+        for p in wrapped.parameters()
+    ]
+    Path(out_dir, f"{rank}.json").write_text(
+        json.dumps({"losses": losses, "finite": finite, "params": params})
+    )
 
 
 @pytest.mark.parametrize("mode", ["ddp", "fsdp2"])
 def test_training_under_data_parallel_wrappers(mode: str, tmp_path: Path) -> None:
-    mp.spawn(_worker, args=(2, free_port(), mode, str(tmp_path)), nprocs=2, join=True)
+    run_group(_worker, 2, mode, str(tmp_path), tmp_dir=str(tmp_path))
     results = [json.loads((tmp_path / f"{r}.json").read_text()) for r in range(2)]
     for result in results:
         assert result["finite"]
