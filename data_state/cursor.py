@@ -5,7 +5,8 @@ Contract:
   data stream exactly: the dataset's fingerprint, the shuffle seed, the epoch and how many
   samples of that epoch's order were consumed by committed steps. It holds no rank and no
   world size, so it restores under any `(rank, world_size)`. `to_dict()` is plain JSON;
-  `from_dict` validates every field and raises `ValueError` naming it.
+  `from_dict` validates every field and raises `ValueError` naming it; a loader also refuses
+  a cursor further into its epoch than the dataset has samples (it was edited).
 - A step consumes the next `global_batch` positions of the epoch's order. When fewer than
   `global_batch` positions remain, the epoch ends: that tail (at most `global_batch - 1`
   samples) is not trained this epoch. The order changes every epoch, so a different tail is
@@ -26,6 +27,9 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 CURSOR_VERSION = 1
+# The permutation takes seeds and epochs below 2**63; epochs and positions of a real run stay
+# far below 2**62, so every epoch a valid cursor can reach is one it can order.
+_LIMITS = {"2**63": 1 << 63, "2**62": 1 << 62}
 
 
 @dataclass(frozen=True)
@@ -42,7 +46,7 @@ class DataCursor:
     def from_dict(cls, state: Any) -> DataCursor:
         if not isinstance(state, dict):
             raise ValueError(f"data cursor must be a dict, got {type(state).__name__}")
-        if state.get("version") != CURSOR_VERSION:
+        if type(state.get("version")) is not int or state["version"] != CURSOR_VERSION:
             raise ValueError(
                 f"data cursor version is {state.get('version')!r}, this code reads version "
                 f"{CURSOR_VERSION}"
@@ -52,11 +56,12 @@ class DataCursor:
             raise ValueError(f"data cursor has unknown fields {sorted(unknown)}")
         if not isinstance(state.get("dataset"), str) or not state["dataset"]:
             raise ValueError("data cursor field 'dataset' must be a non-empty fingerprint string")
-        for key in ("seed", "epoch", "samples_consumed"):
+        for key, limit in (("seed", "2**63"), ("epoch", "2**62"), ("samples_consumed", "2**62")):
             value = state.get(key)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            if isinstance(value, bool) or not isinstance(value, int) \
+                    or not 0 <= value < _LIMITS[limit]:
                 raise ValueError(
-                    f"data cursor field {key!r} must be an integer >= 0, got {value!r}"
+                    f"data cursor field {key!r} must be an integer in [0, {limit}), got {value!r}"
                 )
         return cls(state["dataset"], state["seed"], state["epoch"], state["samples_consumed"])
 

@@ -163,6 +163,12 @@ class ResumableLoader:
                 f"data cursor field 'seed' is {cursor.seed} but the loader was built with seed "
                 f"{self._cursor.seed}: build it with the run's seed, or start a new run"
             )
+        if cursor.samples_consumed > len(self.dataset):
+            raise ValueError(
+                f"data cursor field 'samples_consumed' is {cursor.samples_consumed} but an "
+                f"epoch of {self.dataset!r} has {len(self.dataset)} samples: the cursor is "
+                "corrupt or was edited"
+            )
         self._stop_prefetch()
         self._cursor = cursor.normalized(
             num_samples=len(self.dataset), global_batch=self.global_batch

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -126,7 +127,7 @@ class DatasetManifest:
                     num_sequences=_int(s, "num_sequences"),
                     num_tokens=_int(s, "num_tokens"),
                     num_dropped_tokens=_int(s, "num_dropped_tokens"),
-                    shards=tuple(ShardInfo(**sh) for sh in s["shards"]),
+                    shards=tuple(_shard(sh, where) for sh in s["shards"]),
                 )
                 for name, s in raw["splits"].items()
             }
@@ -210,6 +211,31 @@ def _optional_str(raw: dict[str, Any], key: str) -> str | None:
     if value is not None and not isinstance(value, str):
         raise TypeError(f"{key} must be a string or null, got {value!r}")
     return value
+
+
+def _shard(raw: Any, where: str) -> ShardInfo:
+    """A shard entry, every field typed; its path stays inside the dataset directory (P8)."""
+    if not isinstance(raw, dict) or set(raw) != _SHARD_FIELDS:
+        raise DatasetError(f"{where}: a shard entry must have exactly the fields "
+                           f"{sorted(_SHARD_FIELDS)}; got {raw!r:.200}")
+    path = raw["path"]
+    if not isinstance(path, str) or "\0" in path \
+            or not all(_plain_name(part) for part in path.split("/")):
+        raise DatasetError(f"{where}: shard path {path!r:.200} must be a relative path of plain "
+                           "names inside the dataset directory (like 'train/part-00000.parquet')")
+    for key in ("sha256", "tokens_sha256"):
+        if not isinstance(raw[key], str) or not _SHA256_HEX.fullmatch(raw[key]):
+            raise DatasetError(f"{where}: shard {path}: {key} must be 64 lowercase hex digits")
+    try:
+        return ShardInfo(path=path, num_sequences=_int(raw, "num_sequences"),
+                         num_bytes=_int(raw, "num_bytes"), sha256=raw["sha256"],
+                         tokens_sha256=raw["tokens_sha256"])
+    except TypeError as err:
+        raise DatasetError(f"{where}: shard {path}: {err}") from None
+
+
+_SHARD_FIELDS = {"path", "num_sequences", "num_bytes", "sha256", "tokens_sha256"}
+_SHA256_HEX = re.compile(r"[0-9a-f]{64}")
 
 
 def _plain_name(name: str) -> bool:

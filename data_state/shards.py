@@ -85,6 +85,9 @@ class ShardReader:
             ) from None
         except TruncatedError:  # shrunk between the two requests
             actual = self.io.size(self.path)
+            if actual == size:  # and grew back: what was read is not one version of it
+                raise DatasetError(f"shard {self.path} changed while it was read; read it "
+                                   "again once nothing writes it") from None
         if actual != size:
             raise DatasetError(
                 f"shard {self.path} is {actual} bytes, the manifest says {size}: "

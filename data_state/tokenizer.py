@@ -22,7 +22,9 @@ Contract:
   token (documented choice: the stored copy includes it, so its vocabulary is one larger
   than the original's and its SHA-256 differs from the original file's).
 - Encoding never adds the tokenizer's own special tokens (a Llama post-processor's BOS, for
-  example): documents are separated by EOS only.
+  example): documents are separated by EOS only. Nor does a document's text make one:
+  special-token text inside a document ("<|endoftext|>", "</s>") is encoded as text, so text
+  cannot forge a document boundary.
 """
 
 from __future__ import annotations
@@ -80,6 +82,10 @@ class HFTokenizer:
                 f"--eos-token: {eos_token!r} (the end-of-document token) is not in the "
                 f"vocabulary of {name}; pass --eos-token with one of its special tokens"
             )
+        # A document's text never makes a special token: "<|endoftext|>" written in it is
+        # encoded as text, so only the EOS that encode_documents appends ends a document
+        # (the byte tokenizer refuses NUL for the same reason). Not part of to_str().
+        tokenizer.encode_special_tokens = True
         self._tok, self.name, self.eos_id, self.eos_token = tokenizer, name, int(eos_id), eos_token
         self.file_bytes = file_bytes if file_bytes is not None else tokenizer.to_str().encode()
         self.vocab_size = max(tokenizer.get_vocab(with_added_tokens=True).values()) + 1

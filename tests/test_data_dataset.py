@@ -182,6 +182,59 @@ def test_shard_from_another_dataset(broken: Path, tmp_path: Path) -> None:
         TokenDataset(str(broken))
 
 
+@pytest.mark.parametrize("path", ["../outside/train/part-00000.parquet", "/etc/hostname",
+                                  "train/../../x.parquet", "train\\part-00000.parquet",
+                                  "train//part-00000.parquet", "./train/part-00000.parquet"])
+def test_a_shard_path_outside_the_dataset_is_refused(broken: Path, tmp_path: Path,
+                                                      path: str) -> None:
+    # P8: the manifest is untrusted; a shard it names is read only from inside the dataset.
+    outside = tmp_path / "outside" / "train"
+    outside.mkdir(parents=True)
+    shutil.copy(broken / "train" / "part-00000.parquet", outside / "part-00000.parquet")
+    manifest = json.loads((broken / MANIFEST_NAME).read_text())
+    manifest["splits"]["train"]["shards"][0]["path"] = path
+    (broken / MANIFEST_NAME).write_text(json.dumps(manifest))
+    with pytest.raises(DatasetError, match="must be a relative path of plain names inside"):
+        TokenDataset(str(broken))
+
+
+@pytest.mark.parametrize(("field", "value", "message"), [
+    ("num_sequences", "1000", "num_sequences must be a non-negative integer"),
+    ("num_bytes", 12.5, "num_bytes must be a non-negative integer"),
+    ("num_bytes", True, "num_bytes must be a non-negative integer"),
+    ("path", 5, "shard path 5 must be"),
+    ("sha256", "abc", "sha256 must be 64 lowercase hex digits"),
+    ("extra", 1, "must have exactly the fields"),
+])
+def test_a_mistyped_shard_field_is_one_dataset_error(broken: Path, field: str, value: object,
+                                                     message: str) -> None:
+    manifest = json.loads((broken / MANIFEST_NAME).read_text())
+    manifest["splits"]["train"]["shards"][0][field] = value
+    (broken / MANIFEST_NAME).write_text(json.dumps(manifest))
+    with pytest.raises(DatasetError, match=message):
+        TokenDataset(str(broken))
+
+
+def test_a_shard_that_changes_while_it_is_opened_is_a_dataset_error(dataset_dir: Path) -> None:
+    # Shrunk between the size and the read, then grown back to the manifest's size: what was
+    # read belongs to no single version of the file.
+    from data_state.shards import ShardReader, TruncatedError
+
+    with TokenDataset(str(dataset_dir)) as ds:
+        info = ds.manifest.split("train").shards[0]
+
+    class Flaky:
+        def size(self, path: str) -> int:
+            return info.num_bytes
+
+        def read_range(self, path: str, start: int, end: int) -> bytes:
+            raise TruncatedError(f"{path} ends before byte {end}")
+
+    reader = ShardReader(Flaky(), info.path, info, seq_len=32, dtype=np.uint8)
+    with pytest.raises(DatasetError, match="changed while it was read"):
+        reader.open()
+
+
 def test_index_out_of_range(dataset_dir: Path) -> None:
     with TokenDataset(str(dataset_dir)) as ds, pytest.raises(IndexError, match="out of range"):
         ds.read([0, len(ds)])

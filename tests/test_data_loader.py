@@ -321,6 +321,18 @@ def test_cursor_errors(ds: TokenDataset) -> None:
             loader.load_state_dict({**good, "rank": 0})
         with pytest.raises(ValueError, match="field 'epoch'"):
             loader.load_state_dict({k: v for k, v in good.items() if k != "epoch"})
+        # Edited cursors that the types alone let through: a bool or float version, an
+        # epoch the order cannot key, a position past the end of the epoch (which would
+        # otherwise skip the rest of the epoch without a word).
+        for version in (True, 1.0):
+            with pytest.raises(ValueError, match="version is"):
+                loader.load_state_dict({**good, "version": version})
+        with pytest.raises(ValueError, match=r"field 'epoch' must be an integer in \[0, 2\*\*62"):
+            loader.load_state_dict({**good, "epoch": 2**63})
+        with pytest.raises(ValueError, match=f"'samples_consumed' is {len(ds) + 1} but an epoch"):
+            loader.load_state_dict({**good, "samples_consumed": len(ds) + 1})
+        loader.load_state_dict({**good, "samples_consumed": len(ds)})  # the end: next epoch
+        assert loader.cursor.epoch == good["epoch"] + 1 and loader.cursor.samples_consumed == 0
 
 
 def test_assignment_is_contiguous_and_balanced() -> None:

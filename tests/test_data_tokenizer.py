@@ -110,6 +110,17 @@ def test_tokenizer_file_or_directory_and_its_eos(bpe_dir: Path, tmp_path: Path) 
     assert added.file_bytes != (tmp_path / "bare.json").read_bytes()
 
 
+def test_special_token_text_in_a_document_does_not_end_it(bpe_dir: Path) -> None:
+    # Text is data: "<|endoftext|>" or "</s>" written in a document (a code comment, an HTML
+    # page) is encoded as text; only the EOS appended after the document ends it.
+    tok = load_tokenizer(str(bpe_dir / "tokenizer.json"))
+    doc = f"before {ENDOFTEXT} after"
+    ids = tok.encode_documents([doc, "next"])
+    ends = [int(i) for i in np.flatnonzero(ids == tok.eos_id)]
+    assert len(ends) == 2 and ends[-1] == len(ids) - 1
+    assert tok.decode(ids[: ends[0]]) == doc
+
+
 def test_dtype_follows_the_vocabulary() -> None:
     assert [str(dtype_for_vocab(v)) for v in (256, 257, 65536, 65537)] == [
         "uint8", "uint16", "uint16", "uint32"

@@ -108,7 +108,7 @@ class FitConfig:
             f"must be one of {', '.join(_PARALLELISMS)}; got {self.parallelism!r}",
         )
         require(self.steps >= 1, "steps", "must be >= 1")
-        require(self.seed >= 0, "seed", "must be >= 0")
+        require(0 <= self.seed < 1 << 63, "seed", "must be in [0, 2**63)")
         require(
             bool(self.snapshots.run_uri),
             "snapshots.run_uri",
