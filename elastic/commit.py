@@ -6,45 +6,45 @@ Contract
 
 * **Generations.** Every worker-group attempt calls ``new_generation()`` once (rank 0; the
   others learn the number from it). The number is monotonic and persisted
-  (``generation.py``), so a restarted coordinator or a new driver continues it. Shard
-  files carry it in their names (``shard-R-of-W-gG.safetensors``), so a redone step never
-  reuses a name. Receipts, failure reports and RAM puts of any other generation are refused,
-  and starting a generation aborts what the previous one left in flight: a straggler of a
-  torn-down group can never complete, overwrite or mix into a snapshot.
-* ``report(receipt)`` records that one rank's shard of step ``s`` is durable. When all
-  ``world_size`` receipts of ``s`` are in, it checks them (``receipts.py``: the chunks
-  cover every logical tensor exactly), checks it is not fenced (``generation.py``), writes
-  ``manifest.json`` with an exclusive create (the commit; a committed name is never
-  rewritten), then garbage-collects: older in-flight steps are aborted, only the newest
-  ``keep_last`` committed snapshots are kept (older ones are retired:
-  ``SnapshotStore.retire_step``), and uncommitted leftovers are deleted. The
-  bookkeeping is done before ``report`` returns; the deletions run on one housekeeping
-  thread, in order, so the reply (and with it the worker's persist) never waits for them
-  (deleting a 0.37 GB snapshot took 60 ms, a fifth of its persist). ``settle()`` waits until
-  the deletions handed over so far are done; a deletion lost to a crash is redone by a later
-  commit's collection or the next coordinator's start.
+  (``generation.py``), so a restarted coordinator or a new driver continues it. Shard files
+  carry it in their names (``shard-R-of-W-gG.safetensors``): a redone step never reuses a
+  name. Receipts, failure reports and RAM puts of any other generation are refused, and a
+  new generation aborts what the previous one left in flight, including a commit it
+  overtakes: a commit and ``new_generation`` exclude each other, so a step of G commits
+  before G+1 starts or not at all (and is never judged by the generation file this
+  coordinator itself advanced, which would fence it).
+* ``report(receipt)`` records that one rank's shard of step ``s`` is durable. With all
+  ``world_size`` receipts in, it checks them (``receipts.py``: exact cover, and every check a
+  restore makes), checks it is not fenced (``generation.py``), writes ``manifest.json`` with
+  an exclusive create (the commit; a committed name is never rewritten), then collects:
+  older in-flight steps are aborted, only the newest ``keep_last`` committed snapshots are
+  kept (older ones retired: ``SnapshotStore.retire_step``), and uncommitted leftovers older
+  than the newest commit at the time of the deletion are deleted. The bookkeeping is done
+  before ``report`` returns; the deletions run on one housekeeping thread, in order, so the
+  reply never waits for them. ``settle()`` waits for those handed over so far; one lost to a
+  crash is redone by a later collection or the next coordinator's start. A manifest write
+  that raised may have landed (a lost answer): the step's files are deleted only once its
+  manifest is known to be absent (``generation.remove_failed_manifest``).
 * ``fail(step, rank, reason, generation)`` / ``worker_lost(rank)`` abort the affected
   in-flight snapshots and delete the files their generation wrote (never another
   generation's). An in-flight snapshot older than ``pending_timeout_s``, or beyond the
-  ``max_pending`` newest, is aborted the same way, so a stuck rank cannot grow memory or
-  step directories without bound.
-* ``reject(step, reason)``: a worker found a *definite* integrity failure in a committed
-  snapshot; it is moved to ``RUN/quarantine/`` with the reason (never deleted).
-  ``rewind(step)`` (training restarted from ``step``) quarantines any newer committed
-  snapshot the same way: doubt never destroys.
-* On construction it rebuilds its view from the store (so a restarted coordinator loses no
+  ``max_pending`` newest, is aborted the same way: a stuck rank cannot grow memory or step
+  directories without bound.
+* ``reject(step, reason)``: a *definite* integrity failure of a committed snapshot; it is
+  moved to ``RUN/quarantine/`` with the reason, never deleted, and stays committed until
+  the move is done. ``rewind(step)`` (training restarted from ``step``) quarantines any
+  newer committed snapshot the same way: doubt never destroys.
+* On construction it rebuilds its view from the store (a restarted coordinator loses no
   committed snapshot) and removes every uncommitted leftover, remembering those steps as
-  aborted so that late receipts for them cannot resurrect a partial snapshot.
-* ``health()`` is what the driver shows: the newest commit, in-flight steps, the workers'
-  most recent failure reasons, and whether this coordinator has been fenced.
+  aborted so that late receipts cannot resurrect a partial snapshot.
+* ``health()``: the newest commit, in-flight steps, recent failure reasons, fenced or not.
 
-Storage I/O (manifest writes, deletions, quarantine moves, the fencing reads) happens
-outside the core's lock, so a slow store never blocks a worker's poll or another report.
-
-``elastic.local_coordinator.LocalCoordinator`` wraps it with the in-memory copy and the
-on-demand requests, and is what a worker talks to (see ``elastic.protocol``). A receipt is a
-JSON-able dict: ``step, rank, world_size, generation, layout, file, chunks`` (tensor key ->
-chunk records) and, from rank 0, ``skeletons`` and ``catalog`` (all logical tensors).
+Storage I/O happens outside the core's lock (``_lock``), so a slow store never blocks a
+worker's poll or another report; a commit's fencing read and manifest write hold the
+generation lock. ``elastic.local_coordinator.LocalCoordinator`` wraps the core with the
+in-memory copy and the on-demand requests (``elastic.protocol``). A receipt is a JSON-able
+dict: ``step, rank, world_size, generation, layout, file, chunks`` (tensor key -> chunk
+records) and, from rank 0, ``skeletons`` and ``catalog`` (all logical tensors).
 """
 
 from __future__ import annotations
@@ -62,9 +62,11 @@ from elastic.errors import FencedError, describe
 from elastic.faults import FaultInjector
 from elastic.format import Manifest
 from elastic.generation import (
+    collect,
     delete_generation_files,
     fencing_reason,
     read_generation,
+    remove_failed_manifest,
     write_generation,
 )
 from elastic.receipts import manifest_from_receipts
@@ -138,7 +140,8 @@ class CommitCore:
             persisted = read_generation(self.store)
             with self._lock:
                 if self.fenced:
-                    raise _fenced_error(self.fenced)
+                    raise FencedError("this coordinator may no longer start worker groups: "
+                                      f"{self.fenced}")
                 generation = max(persisted, self.generation) + 1
             write_generation(self.store, generation)
             with self._lock:
@@ -220,15 +223,20 @@ class CommitCore:
         _run(actions)
 
     def reject(self, step: int, reason: str) -> None:
-        """A definite integrity failure of committed snapshot ``step``: quarantine it."""
+        """A definite integrity failure of committed snapshot ``step``: quarantine it. It
+        stays committed until the quarantine is done: if storage fails the move, the error
+        propagates and no collection takes the snapshot for a leftover (doubt never
+        destroys)."""
         with self._lock:
             if step not in self.committed:
                 return
-            self.committed.remove(step)
-            self.manifests.pop(step, None)
-            self.events.append(f"quarantined snapshot {step}: {reason}")
         log.warning("snapshot %d quarantined: %s", step, reason)
         self.store.quarantine_step(step, reason)
+        with self._lock:
+            if step in self.committed:
+                self.committed.remove(step)
+            self.manifests.pop(step, None)
+            self.events.append(f"quarantined snapshot {step}: {reason}")
 
     def rewind(self, step: int) -> None:
         """Training restarted from ``step``: in-flight newer steps are aborted; a newer
@@ -281,40 +289,50 @@ class CommitCore:
     def _commit(self, manifest: Manifest, generation: int) -> int | None:
         step = manifest.step
         self.faults.hit(-1, step, "commit_begin")
-        fenced = fencing_reason(self.store, generation, self.lease_token)
-        if fenced is None:
-            try:
-                self.store.write_manifest(
-                    manifest, exclusive=True,
-                    mid_write=lambda: self.faults.hit(-1, step, "commit_manifest"))
-            except FileExistsError:
-                fenced = f"a manifest for step {step} already exists (written by another driver)"
-            except OSError as err:
-                with self._lock:
-                    self.committing.discard(step)
-                    self.failures.append({"step": step, "rank": -1, "where": "coordinator",
-                                          "reason": f"manifest write failed: {describe(err)}",
-                                          "generation": generation, "time": time.time()})
-                    action = self._abort_locked(step, f"manifest write failed: {describe(err)}",
-                                                generation=generation, world=manifest.world_size)
-                action()
-                return None
-        if fenced is not None:
+        with self._generation_lock:  # exclusive with new_generation (module docstring)
+            superseded = generation != self.generation  # set only under the generation lock
+            lease = self.lease_token
+            fenced = None if superseded else fencing_reason(self.store, generation, lease)
+            failure = None
+            if not superseded and fenced is None:
+                try:
+                    self.store.write_manifest(
+                        manifest, exclusive=True,
+                        mid_write=lambda: self.faults.hit(-1, step, "commit_manifest"))
+                except FileExistsError:
+                    fenced = (f"a manifest for step {step} already exists (written by another "
+                              "driver)")
+                except OSError as err:
+                    failure = f"manifest write failed: {describe(err)}"
             with self._lock:
                 self.committing.discard(step)
-                self.fenced = fenced
-                action = self._abort_locked(step, f"fenced: {fenced}", generation=generation,
-                                            world=manifest.world_size)
-            log.error("snapshot %d not committed: %s", step, fenced)
-            action()
+                if superseded:
+                    reason = f"generation {self.generation} started"
+                elif fenced is not None:
+                    self.fenced, reason = fenced, f"fenced: {fenced}"
+                elif failure is not None:
+                    self.failures.append({"step": step, "rank": -1, "where": "coordinator",
+                                          "reason": failure, "generation": generation,
+                                          "time": time.time()})
+                    reason = failure
+                else:
+                    self.manifests[step] = manifest.to_bytes()
+                    self.committed.append(step)
+                    self.committed.sort()
+                    self.last_commit_time = time.time()
+                    self.events.append(f"committed step {step}")
+                    reason = None
+                if reason is not None:
+                    action = self._abort_locked(step, reason, generation=generation,
+                                                world=manifest.world_size)
+        if reason is not None:
+            if fenced is not None:
+                log.error("snapshot %d not committed: %s", step, fenced)
+            # A write that raised may have landed all the same (a lost answer): the step's
+            # files go only once its manifest is known to be absent.
+            if failure is None or remove_failed_manifest(self.store, manifest):
+                action()
             return None
-        with self._lock:
-            self.committing.discard(step)
-            self.manifests[step] = manifest.to_bytes()
-            self.committed.append(step)
-            self.committed.sort()
-            self.last_commit_time = time.time()
-            self.events.append(f"committed step {step}")
         self.faults.hit(-1, step, "commit_end")
         self.gc()
         return step
@@ -366,27 +384,17 @@ class CommitCore:
         self._housekeeping.submit(self._collect, actions, old, newest)
 
     def _collect(self, actions: list[_Action], old: list[int], newest: int) -> None:
-        """The deletions of ``gc`` (on the housekeeping thread)."""
-        try:
-            _run(actions)
-            for step in old:
-                self.store.retire_step(step)
-            for step in self.store.all_steps():
-                with self._lock:
-                    leftover = (step < newest and step not in self.committed
-                                and step not in self.pending and step not in self.committing)
-                if leftover:
-                    self.store.delete_step(step)
-        except OSError as err:  # retention is housekeeping: a later commit retries it
-            log.warning("garbage collection after step %d failed: %s", newest, describe(err))
-        except Exception:  # never lose the thread's report of a bug
-            log.exception("garbage collection after step %d failed", newest)
+        """The deletions of ``gc``, on the housekeeping thread (``generation.collect``)."""
+        collect(self.store, actions, old, self._leftover, label=f"after step {newest}")
+
+    def _leftover(self, step: int) -> bool:
+        """Whether ``step`` is an uncommitted leftover, older than the newest commit *now*."""
+        with self._lock:
+            newest = self.committed[-1] if self.committed else -1
+            return (step < newest and step not in self.committed and step not in self.pending
+                    and step not in self.committing)
 
 
 def _run(actions: list[_Action]) -> None:
     for action in actions:
         action()
-
-
-def _fenced_error(reason: str) -> Exception:
-    return FencedError(f"this coordinator may no longer start worker groups: {reason}")

@@ -18,6 +18,17 @@ Contract
   ``-gNNNNNN.`` tag in their names, plus the receipts of a ``world``-rank group), and the
   whole step directory when nothing else is in it and the step is not committed. Another
   generation's files stay. Storage errors are logged, never raised: deletion is housekeeping.
+* ``collect(store, actions, old, leftover, label)``: a commit's collection, on the
+  coordinator's housekeeping thread: run the abort ``actions``, retire the ``old`` committed
+  steps (``SnapshotStore.retire_step``), delete every step on storage that ``leftover(step)``
+  says is an uncommitted leftover. Storage errors are logged (a later commit retries), and so
+  is any other error (the thread must never lose a bug's report).
+* ``remove_failed_manifest(store, manifest)``: after a manifest write that raised (it may
+  have landed all the same: an S3 PUT whose answer was lost), remove it if it is on storage
+  and is this manifest; True when the step's manifest is then known to be absent (its files
+  may go), False when storage cannot tell or another writer's manifest is there (leave them:
+  a manifest with all its shards is a whole snapshot; a step without one is a leftover that
+  a later collection or coordinator start removes).
 
 Why a separate module: the commit protocol (``commit.py``) and ``baton fork`` (which copies a
 run and must carry its generation on) both read the file; neither owns its format.
@@ -28,9 +39,10 @@ from __future__ import annotations
 import json
 import logging
 import time
+from collections.abc import Callable
 
 from elastic.errors import describe
-from elastic.format import RECEIPT_SUFFIX, shard_filename
+from elastic.format import MANIFEST_NAME, RECEIPT_SUFFIX, Manifest, shard_filename
 from elastic.lease import lease_holds
 from elastic.store import SnapshotStore
 
@@ -103,3 +115,39 @@ def delete_generation_files(store: SnapshotStore, step: int, generation: int, wo
             store.delete_files(step, mine)
     except OSError as err:
         log.warning("snapshot %d: could not delete aborted files: %s", step, describe(err))
+
+
+def remove_failed_manifest(store: SnapshotStore, manifest: Manifest) -> bool:
+    """After a manifest write that raised (module docstring): True if the step's manifest is
+    now known to be absent."""
+    path = store.step_path(manifest.step, MANIFEST_NAME)
+    try:
+        try:
+            landed = store.read_file(path)
+        except FileNotFoundError:
+            return True
+        if landed != manifest.to_bytes():
+            return False  # another writer's: never remove what someone else committed
+        store.remove(path)
+    except OSError as err:
+        log.warning("snapshot %d: cannot tell whether its manifest landed (%s); its files are "
+                    "left as they are", manifest.step, describe(err))
+        return False
+    return True
+
+
+def collect(store: SnapshotStore, actions: list[Callable[[], None]], old: list[int],
+            leftover: Callable[[int], bool], *, label: str) -> None:
+    """A commit's collection (module docstring); never raises."""
+    try:
+        for action in actions:
+            action()
+        for step in old:
+            store.retire_step(step)
+        for step in store.all_steps():
+            if leftover(step):
+                store.delete_step(step)
+    except OSError as err:  # retention is housekeeping: a later commit retries it
+        log.warning("garbage collection %s failed: %s", label, describe(err))
+    except Exception:  # never lose the thread's report of a bug
+        log.exception("garbage collection %s failed", label)

@@ -14,7 +14,10 @@ line saying what is wrong, in which case the step must be aborted, not committed
 * every rank wrote exactly its own shard of this generation (``shard_filename``), so no
   straggler of another generation is mixed in;
 * every chunk names a tensor of the catalog, and for every tensor the chunks cover exactly
-  its element count (no tensor missing, none written twice).
+  its element count (no tensor missing, none written twice);
+* the manifest passes the checks a restore makes of it (``manifest_check.check_manifest``:
+  chunks inside their tensor and not overlapping, byte ranges, checksums, state
+  references), so nothing is committed that a restore would refuse.
 
 The manifest's ``versions`` are ``versions`` (the coordinator's) updated with rank 0's. The
 receipts are JSON-able dicts (``commit.py`` lists their fields); nothing here reads storage.
@@ -22,10 +25,13 @@ receipts are JSON-able dicts (``commit.py`` lists their fields); nothing here re
 
 from __future__ import annotations
 
+import json
 import math
 from typing import Any
 
+from elastic.errors import ManifestError
 from elastic.format import ChunkRecord, Manifest, TensorRecord, shard_filename
+from elastic.manifest_check import check_manifest
 
 
 def manifest_from_receipts(
@@ -70,7 +76,7 @@ def manifest_from_receipts(
             raise ValueError(
                 f"step {step}: chunks of {key!r} cover {covered} of {math.prod(rec.shape)} elements"
             )
-    return Manifest(
+    manifest = Manifest(
         step=step,
         world_size=world_size,
         layout=head["layout"],
@@ -80,3 +86,8 @@ def manifest_from_receipts(
         files=files,
         versions={**versions, **head.get("versions", {})},
     )
+    try:
+        check_manifest(json.loads(manifest.to_bytes()), f"step {step}", step)
+    except ManifestError as err:
+        raise ValueError(str(err)) from None
+    return manifest

@@ -17,17 +17,18 @@ STEP, WORLD, GENERATION = 7, 2, 3
 
 
 def _receipts() -> dict[int, dict[str, Any]]:
-    """Two ranks, each holding one row of a 2 x 4 fp32 tensor `w`; rank 0 carries the catalog."""
+    """Two ranks, each holding one row of a 2 x 4 fp32 tensor `model.w`; rank 0 carries the
+    catalog."""
     receipts = {}
     for rank in range(WORLD):
         file = shard_filename(rank, WORLD, GENERATION)
-        chunk = {"file": file, "name": f"w.{rank}", "offsets": [rank, 0], "shape": [1, 4],
+        chunk = {"file": file, "name": f"model.w@{rank},0", "offsets": [rank, 0], "shape": [1, 4],
                  "byte_range": [64, 80], "crc32": [rank + 1]}
         receipts[rank] = {"step": STEP, "rank": rank, "world_size": WORLD,
-                          "generation": GENERATION, "file": file, "chunks": {"w": [chunk]},
+                          "generation": GENERATION, "file": file, "chunks": {"model.w": [chunk]},
                           "versions": {"baton": "1"}}
-    receipts[0].update(catalog={"w": {"dtype": "float32", "shape": [2, 4]}},
-                       skeletons={"model": {"w": "w"}}, layout="plain")
+    receipts[0].update(catalog={"model.w": {"dtype": "F32", "shape": [2, 4]}},
+                       skeletons={"model": {"w": {"__tensor__": "model.w"}}}, layout="ddp")
     return receipts
 
 
@@ -41,12 +42,12 @@ def _build(receipts: Receipts) -> Manifest:
 
 def test_whole_receipts_become_the_manifest() -> None:
     manifest = _build(_receipts())
-    assert manifest.step == STEP and manifest.world_size == WORLD and manifest.layout == "plain"
+    assert manifest.step == STEP and manifest.world_size == WORLD and manifest.layout == "ddp"
     assert manifest.files == [shard_filename(r, WORLD, GENERATION) for r in range(WORLD)]
-    chunks = manifest.tensors["w"].chunks
+    chunks = manifest.tensors["model.w"].chunks
     assert [(c.offsets, c.crc32) for c in chunks] == [((0, 0), (1,)), ((1, 0), (2,))]
     assert manifest.versions == {"coordinator": "c", "baton": "1"}
-    assert manifest.state == {"model": {"w": "w"}}
+    assert manifest.state == {"model": {"w": {"__tensor__": "model.w"}}}
 
 
 def _broken(edit: Callable[[Receipts], Any]) -> Receipts:
@@ -60,10 +61,14 @@ def _broken(edit: Callable[[Receipts], Any]) -> Receipts:
     (lambda r: r[1].update(versions={"baton": "2"}), "install the same Baton on every node"),
     (lambda r: r[1].update(file=shard_filename(1, WORLD, GENERATION - 1)),
      "not its generation-3 shard"),
-    (lambda r: r[1]["chunks"].update(v=r[1]["chunks"].pop("w")), "unknown tensor 'v'"),
-    (lambda r: r[1]["chunks"].clear(), "chunks of 'w' cover 4 of 8 elements"),
-    (lambda r: r[1]["chunks"]["w"].append(dict(r[1]["chunks"]["w"][0])),
-     "chunks of 'w' cover 12 of 8 elements"),
+    (lambda r: r[1]["chunks"].update(v=r[1]["chunks"].pop("model.w")), "unknown tensor 'v'"),
+    (lambda r: r[1]["chunks"].clear(), "chunks of 'model.w' cover 4 of 8 elements"),
+    (lambda r: r[1]["chunks"]["model.w"].append(dict(r[1]["chunks"]["model.w"][0])),
+     "chunks of 'model.w' cover 12 of 8 elements"),
+    (lambda r: r[1]["chunks"]["model.w"][0].update(offsets=[0, 0], name="model.w@0,0"),
+     "overlap each other"),
+    (lambda r: r[0].update(skeletons={"model": {"w": {"__tensor__": "model.v"}}}),
+     "refers to tensor 'model.v'"),
 ])
 def test_a_broken_receipt_set_is_refused_with_one_line(edit: Callable[[Receipts], Any],
                                                        message: str) -> None:
