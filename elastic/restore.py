@@ -40,8 +40,9 @@ here, because a manifest is untrusted input (DESIGN P8):
   requests only while a request's holes stay within 1/16 of its bytes.
 * ``ByteSource`` is where bytes come from: the RAM tier (peers' stores, file by file;
   what they do not hold or lost comes from storage) or the store. On a
-  local store it refuses a shard file that is a symbolic link or whose real path is not in
-  the snapshot's directory (``ManifestError``); a missing file is ``SnapshotIntegrityError``.
+  local store it refuses a shard file that is a symbolic link, is not a regular file or whose
+  real path is not in the snapshot's directory (``ManifestError``); a missing file is
+  ``SnapshotIntegrityError``.
 
 ``collector_paused()`` is the context a restore runs in: Python's cyclic garbage collector off.
 
@@ -57,6 +58,7 @@ import gc
 import math
 import operator
 import os
+import stat
 import threading
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -81,18 +83,17 @@ from elastic.read_batches import snapshot_label as _snap
 from elastic.registry import SnapshotMismatchError, StateRegistry
 from elastic.store import SnapshotStore
 
+HEADER_BATCH_BYTES = 64 << 20  # header bytes per read batch (real ones: KiB-MiB per file)
+
 __all__ = ["ByteSource", "SnapshotMismatchError", "allocate", "check_compatible",
            "check_coverage", "collector_paused", "plan_reads", "plan_targets", "read_tensors"]
 
 
 @contextlib.contextmanager
 def collector_paused() -> Iterator[None]:
-    """Python's cyclic garbage collector off for the block, on again after if it was on.
-
-    A restore allocates tens of thousands of short-lived, acyclic objects (the manifest's
-    records, the read plan); in a process that already holds millions (a trainer that has
-    run a while) they set off full collections in the middle of it: 150 ms, twice in 16
-    restores of 0.37 GB that otherwise take ~80 ms. DCP's state-dict calls pause it too."""
+    """Python's cyclic garbage collector off for the block, on again after if it was on: a
+    restore's tens of thousands of short-lived acyclic objects set off full collections in a
+    process holding millions (150 ms, twice in 16 restores of 0.37 GB otherwise ~80 ms)."""
     was_enabled = gc.isenabled()
     gc.disable()
     try:
@@ -188,7 +189,8 @@ class ByteSource:
 
     def _refuse_links(self, file: str, path: str) -> None:
         """A local shard must be a regular file inside the snapshot's own directory: a
-        symlink could make restore read any file the process can read into a weight."""
+        symlink could make restore read any file the process can read into a weight, a FIFO
+        would block its open forever, and a directory would read as unreachable storage."""
         if not self.store.is_local or file in self._safe_files:
             return
         directory = os.path.join(os.path.realpath(self.store.path("snapshots")),
@@ -196,6 +198,13 @@ class ByteSource:
         if os.path.islink(path) or os.path.dirname(os.path.realpath(path)) != directory:
             raise ManifestError(f"{_snap(self.step)}: shard file {file} is a symbolic link or "
                                 "resolves outside the snapshot directory; refused")
+        try:
+            regular = stat.S_ISREG(os.stat(path).st_mode)
+        except FileNotFoundError:
+            return  # the read says it is missing
+        if not regular:
+            raise ManifestError(f"{_snap(self.step)}: shard file {file} is not a regular file "
+                                "(a directory, FIFO or device); refused")
         self._safe_files.add(file)
 
 
@@ -310,13 +319,21 @@ def check_headers(manifest: Manifest, used: list[tuple[str, ChunkRecord]],
             if not 8 <= first[file] <= 8 + MAX_HEADER_BYTES:
                 raise ManifestError(f"{snap}: the first chunk of {file} starts at byte "
                                     f"{first[file]}, where no safetensors data section can")
-        blobs = source.read_many([(f, 0, first[f]) for f in wanted])
-        for file, blob in zip(wanted, blobs, strict=True):
-            if len(blob) != first[file]:
-                raise SnapshotIntegrityError(f"{snap}: {file} ends within its header; "
-                                             "truncated")
-            header = parse_header(blob, f"{snap}: {file}")
-            source.headers[file] = header
+        # Batches of <= HEADER_BATCH_BYTES (or one file): else a manifest alone could have
+        # every file's header buffer (<= MAX_HEADER_BYTES each) allocated before a read fails.
+        batches: list[list[str]] = [[]]
+        for file in wanted:
+            size = sum(map(first.__getitem__, batches[-1])) + first[file]
+            if batches[-1] and size > HEADER_BATCH_BYTES:
+                batches.append([])
+            batches[-1].append(file)
+        for batch in batches:
+            blobs = source.read_many([(f, 0, first[f]) for f in batch])
+            for file, blob in zip(batch, blobs, strict=True):
+                if len(blob) != first[file]:
+                    raise SnapshotIntegrityError(f"{snap}: {file} ends within its header; "
+                                                 "truncated")
+                source.headers[file] = parse_header(blob, f"{snap}: {file}")
     for key, chunk in used:
         header = source.headers[chunk.file]
         entry = header.entries.get(chunk.name)

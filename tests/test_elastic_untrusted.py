@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import threading
 from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
@@ -23,9 +24,24 @@ import torch
 
 from elastic.catalog import export_model, verify
 from elastic.errors import ManifestError, SnapshotIntegrityError
-from elastic.format import MANIFEST_NAME, crc32_blocks, step_dirname
+from elastic.format import (
+    MANIFEST_NAME,
+    MAX_HEADER_BYTES,
+    ChunkRecord,
+    Manifest,
+    TensorRecord,
+    crc32_blocks,
+    shard_filename,
+    step_dirname,
+)
 from elastic.manifest_check import parse_manifest
-from elastic.restore import ByteSource, check_compatible, plan_targets, read_tensors
+from elastic.restore import (
+    ByteSource,
+    check_compatible,
+    check_headers,
+    plan_targets,
+    read_tensors,
+)
 from elastic.snapshotter import Snapshotter
 from elastic.store import SnapshotStore
 from elastic.testing import TrainState, build, full_state, json_state, train_step
@@ -185,6 +201,61 @@ def test_absolute_path_is_refused(run, pristine, tmp_path) -> None:
     _edit(run, edit)
     _assert_refused(run, r"files\[0\]: .* is not a bare shard file name", tmp_path)
     _assert_falls_back(run, pristine[1], "not a bare shard file name")
+
+
+@pytest.mark.parametrize("kind", ["fifo", "directory"])
+def test_a_shard_that_is_not_a_regular_file_is_refused(run, pristine, tmp_path,
+                                                       kind: str) -> None:
+    # A FIFO blocked the restore's open forever; a directory read as unreachable storage, so
+    # the restore never fell back to the previous snapshot.
+    shard = _shard(run)
+    shard.unlink()
+    if kind == "directory":
+        shard.mkdir()
+        _assert_refused(run, "is not a regular file", tmp_path)
+        _assert_falls_back(run, pristine[1], "is not a regular file")
+        return
+    os.mkfifo(shard)
+    done = threading.Event()
+
+    def unblock() -> None:  # were an open to block on it, a writer ends it: fail, not hang
+        while not done.wait(20):
+            try:
+                os.close(os.open(shard, os.O_WRONLY | os.O_NONBLOCK))
+            except OSError:
+                pass  # no reader blocked on it
+
+    threading.Thread(target=unblock, daemon=True).start()
+    try:
+        _assert_refused(run, "is not a regular file", tmp_path)
+        _assert_falls_back(run, pristine[1], "is not a regular file")
+    finally:
+        done.set()
+
+
+def test_headers_are_read_in_bounded_batches() -> None:
+    # A manifest alone names 30 files whose first chunks start past a 100 MiB header: the
+    # restore must not allocate 30 x 100 MiB of header buffers before the first read fails.
+    files = [shard_filename(r, 30, 1) for r in range(30)]
+    start = 8 + MAX_HEADER_BYTES
+    chunks = [ChunkRecord(file=f, name=f"model.w@{r}", offsets=(r,), shape=(1,),
+                          byte_range=(start, start + 4), crc32=(0,))
+              for r, f in enumerate(files)]
+    manifest = Manifest(step=4, world_size=30, layout="ddp", block_bytes=1 << 20,
+                        tensors={"model.w": TensorRecord("F32", (30,), chunks)}, state={},
+                        files=files)
+    asked: list[int] = []
+
+    class Missing:
+        headers: dict[str, Any] = {}
+
+        def read_many(self, requests: list[tuple[str, int, int]]) -> list[bytes]:
+            asked.append(sum(end - begin for _, begin, end in requests))
+            raise SnapshotIntegrityError("shard file is missing")
+
+    with pytest.raises(SnapshotIntegrityError):
+        check_headers(manifest, [("model.w", c) for c in chunks], Missing())  # type: ignore[arg-type]
+    assert asked == [start]  # one file's header, then the failure
 
 
 def test_file_not_in_files_is_refused(run, pristine, tmp_path) -> None:
