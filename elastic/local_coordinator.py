@@ -225,8 +225,11 @@ class LocalCoordinator:
             newest = self.core.committed[-1] if self.core.committed else None
             in_flight = tuple(sorted(set(self.core.pending) | self.core.committing))
         keep = set(in_flight) | ({newest} if newest is not None else set())
+        # A step newer than all of those was indexed after they were read (a receipt on
+        # another thread): not this call's to drop (a later one is).
+        horizon = max(keep, default=-1)
         with self.lock:
-            dropped = [s for s in self.ram_index if s not in keep]
+            dropped = [s for s in self.ram_index if s not in keep and s <= horizon]
             nodes = {n for s in self.ram_index for files in [self.ram_index[s]]
                      for holders in files.values() for n in holders}
             for s in dropped:

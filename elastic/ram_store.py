@@ -14,9 +14,11 @@ outlives the worker that created it; it dies with its node).
   older commit), an in-flight step older than the one it holds, or more than
   ``cap_bytes`` held in all (``snapshots.ram_copy_mib`` per node: that shard is then
   storage-only). It holds the newest committed snapshot plus at most one in flight: a put
-  for a newer step drops any other uncommitted step first. Before it has heard which step
-  committed it keeps the two newest steps (never more), so a commit notice that is late
-  never costs the committed copy.
+  for a newer step drops any other uncommitted step first. Before it has heard of any
+  commit it keeps the two newest steps (never more), so the first notice may come late.
+  A notice later than that costs a copy, never a byte: a put of a newer step, or a new
+  generation's first put, drops the steps the store was not told are committed, the one
+  committed meanwhile included, and a restore of it then reads storage.
 * ``keep(committed, in_flight)`` (from the coordinator when a snapshot commits or is
   aborted) drops every step but those (and any newer one, whose receipt the coordinator
   had not seen when it sent this).

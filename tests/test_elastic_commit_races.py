@@ -1,10 +1,12 @@
 """The commit core under races and half-failed storage calls (a review's findings).
 
-Each test drives `CommitCore` directly with hand-made receipts of a 2-rank group and forces
-one interleaving: a commit against its own coordinator's next generation, a manifest write
-whose answer is lost after it landed, a quarantine that fails, a collection that runs after
-the snapshot it was queued for was rejected, and receipts whose chunks overlap. Each ends by
-checking what is on storage: nothing committed lost, nothing half-committed left behind.
+Each test drives `CommitCore` (or the `LocalCoordinator` around it) directly with hand-made
+receipts of a 2-rank group and forces one interleaving: a commit against its own
+coordinator's next generation, a manifest write whose answer is lost after it landed, a
+quarantine that fails, a collection that runs after the snapshot it was queued for was
+rejected, receipts whose chunks overlap, a RAM-tier index entry made while the index was
+trimmed. Each ends by checking what is on storage (or indexed): nothing committed lost,
+nothing half-committed left behind.
 """
 
 from __future__ import annotations
@@ -19,6 +21,8 @@ from elastic.commit import CommitCore
 from elastic.errors import StorageUnavailableError
 from elastic.faults import FaultInjector
 from elastic.format import DEFAULT_BLOCK_BYTES, MANIFEST_NAME, chunk_name, shard_filename
+from elastic.local_coordinator import LocalCoordinator
+from elastic.ram_store import RamStore
 from elastic.receipts import manifest_from_receipts
 from elastic.store import SnapshotStore
 
@@ -211,3 +215,24 @@ def test_receipts_whose_chunks_overlap_are_not_committed() -> None:
     with pytest.raises(ValueError, match="overlap each other"):
         manifest_from_receipts(4, WORLD, 1, receipts, block_bytes=DEFAULT_BLOCK_BYTES,
                                versions={})
+
+
+def test_a_ram_location_indexed_after_a_trim_read_the_state_is_kept(tmp_path: Path) -> None:
+    # The coordinator's trim reads the core's state (newest commit 6, nothing in flight),
+    # then drops index entries outside it; a receipt of step 8 indexed on another thread in
+    # between is newer than all it knew of, so not its to drop (the copy would go unused).
+    stores = {"n1": RamStore(), "n2": RamStore()}
+    coord = LocalCoordinator(SnapshotStore(str(tmp_path / "run")),
+                             block_bytes=DEFAULT_BLOCK_BYTES, ram_stores=stores.__getitem__)
+    generation = coord.new_generation()
+    _write_shards(coord.core.store, 6, generation)
+    for receipt in _receipts(6, generation):
+        stores["n1"].put(6, generation, receipt["file"], b"x" * 24)
+        coord.report_shard({**receipt, "ram": ["n1"]})
+    assert coord.core.committed == [6]
+    late = shard_filename(0, WORLD, generation)
+    coord.ram_index[8] = {late: ["n2"]}  # indexed after the trim below read the state
+    coord._trim_ram()
+    assert coord.ram_locations(8) == {late: ["n2"]}
+    assert set(coord.ram_locations(6)) == {shard_filename(r, WORLD, generation)
+                                           for r in range(WORLD)}
