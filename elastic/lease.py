@@ -10,7 +10,10 @@ The lease is the object ``RUN/lease.json``::
 * ``RunLease(store).acquire()`` creates it atomically, or takes over a lease whose holder
   stopped renewing (``expires_at < now``), or any lease with ``force=True``. Every acquire
   or takeover writes a new token and ``epoch + 1``. A live lease held by someone else raises
-  ``LeaseHeldError``: one line naming the holder, the expiry and the fix.
+  ``LeaseHeldError``: one line naming the holder, the expiry and the fix. A lease file that
+  is not one this module wrote (bad JSON, a field of another type, a time that is not a
+  finite number: untrusted input) is unreadable and fails closed the same way; ``force``
+  replaces it.
   A lease whose holder ran on this kernel and in this pid namespace and whose process is
   gone (killed without releasing) is taken over at once, without waiting for the expiry
   (``holder_is_dead``); a holder elsewhere is only taken over once its lease expires.
@@ -132,11 +135,15 @@ def holder_is_dead(holder: dict[str, Any]) -> bool:
 
 
 def _when(t: float) -> str:
-    return time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(t))
+    try:
+        return time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(t))
+    except (OverflowError, ValueError, OSError):  # a crafted time far outside the calendar
+        return "?"
 
 
 def describe_holder(record: dict[str, Any]) -> str:
-    holder = record.get("holder") or {}
+    holder = record.get("holder")
+    holder = holder if isinstance(holder, dict) else {}
     started = holder.get("started_at")
     started_s = _when(started) if isinstance(started, (int, float)) else "?"
     return (f"host {holder.get('host', '?')}, pid {holder.get('pid', '?')}, "
@@ -144,13 +151,23 @@ def describe_holder(record: dict[str, Any]) -> str:
 
 
 def _parse(data: bytes | None) -> dict[str, Any] | None:
+    """The lease record; ``{}`` when the file is not a lease this module wrote (untrusted:
+    bad JSON, a field of another type, a time that is not a finite number), which every
+    caller treats as unreadable and fails closed on; None when there is no lease."""
     if data is None:
         return None
     try:
         record = json.loads(data)
-    except ValueError:
+    except (ValueError, RecursionError):
         return {}
-    return record if isinstance(record, dict) else {}
+    if not isinstance(record, dict):
+        return {}
+    expires, epoch = record.get("expires_at"), record.get("epoch")
+    finite = isinstance(expires, (int, float)) and not isinstance(expires, bool) \
+        and math.isfinite(expires)
+    well_formed = (isinstance(record.get("token"), str) and isinstance(record.get("holder"), dict)
+                   and finite and type(epoch) is int and epoch >= 0)
+    return record if well_formed else {}
 
 
 # ---------------------------------------------------------------------- the lease
@@ -203,7 +220,10 @@ class RunLease:
             data, version = self._backend.read()
             current = _parse(data)
             now = self.clock()
-            if current is not None and current.get("token") != self.token and not force:
+            # An unreadable lease ({}) is nobody's, least of all ours: it fails closed.
+            ours = bool(current) and self.token is not None \
+                and current is not None and current.get("token") == self.token
+            if current is not None and not ours and not force:
                 expires = current.get("expires_at")
                 if not isinstance(expires, (int, float)):
                     raise LeaseHeldError(self._unreadable_message())

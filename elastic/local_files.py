@@ -26,6 +26,7 @@ Imports: the standard library, fsspec's local filesystem (recursive listing, rem
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
 import uuid
@@ -99,7 +100,7 @@ class LocalFiles:
               spare_dir: str | None = None) -> None:
         view = memoryview(data).cast("B")
         directory = os.path.dirname(path)
-        os.makedirs(directory, exist_ok=True)
+        _make_dirs(directory, durable)
         tmp = f"{path}.tmp-{uuid.uuid4().hex[:8]}"
         try:
             # A retired shard's file when there is one (elastic.spares), else a new file;
@@ -207,15 +208,37 @@ def _write_all(fd: int, view: memoryview, offset: int) -> None:
         view, offset = view[n:], offset + n
 
 
+# What a filesystem that does not fsync directories answers; any other error (EIO, ENOSPC,
+# EACCES) means the entry may not be durable, and is raised.
+_NO_DIR_FSYNC = {errno.EINVAL, errno.ENOTSUP, errno.EOPNOTSUPP, errno.EBADF}
+
+
 def fsync_dir(directory: str) -> None:
     """Make a rename in ``directory`` durable; filesystems that refuse are ignored."""
     try:
         fd = os.open(directory, os.O_RDONLY)
-    except OSError:
-        return
+    except OSError as err:
+        if err.errno in _NO_DIR_FSYNC:
+            return
+        raise
     try:
         os.fsync(fd)
-    except OSError:
-        pass
+    except OSError as err:
+        if err.errno not in _NO_DIR_FSYNC:
+            raise
     finally:
         os.close(fd)
+
+
+def _make_dirs(directory: str, durable: bool) -> None:
+    """``os.makedirs``; when ``durable``, each directory it created is made durable in its
+    parent too (a new step directory's entry, else a power cut could drop a commit)."""
+    created = []
+    while directory and not os.path.isdir(directory):
+        created.append(directory)
+        directory = os.path.dirname(directory)
+    for new in reversed(created):
+        with contextlib.suppress(FileExistsError):  # another writer made it meanwhile
+            os.mkdir(new)
+        if durable:
+            fsync_dir(os.path.dirname(new) or ".")

@@ -123,8 +123,8 @@ class Persister:
             chunks = checksums.result()
             # The RAM copies may take as long again as the durable write, no longer: they
             # speed up a restore, they must not hold up the commit.
-            ram_holders = [] if ram_put is None else ram_put.result()(
-                max(RAM_GRACE_MIN_S, time.monotonic() - started))
+            ram_holders = [] if ram_put is None else _ram_holders(
+                ram_put, max(RAM_GRACE_MIN_S, time.monotonic() - started), cap.step)
             self.faults.hit(cap.rank, cap.step, "persist_end")
             receipt: dict[str, Any] = {
                 "step": cap.step, "rank": cap.rank, "world_size": cap.world_size,
@@ -156,6 +156,18 @@ class Persister:
 
 # The least a worker waits for its shard's RAM copies once the shard is durable (seconds).
 RAM_GRACE_MIN_S = 1.0
+
+
+def _ram_holders(ram_put: Future[Callable[[float | None], list[str]]], wait_s: float,
+                 step: int) -> list[str]:
+    """The nodes that took the RAM copies; [] if the RAM tier failed in any way (the object
+    store full, a store's error): the shard is durable, it is then storage-only."""
+    try:
+        return ram_put.result()(wait_s)
+    except Exception as err:  # noqa: BLE001 - the RAM tier never fails a snapshot
+        log.warning("snapshot %d: no RAM copy of this shard (%s: %s); it is read from "
+                    "storage", step, type(err).__name__, err)
+        return []
 
 # Background persistence competes with training for cores; on a small machine the training's
 # intra-op threads then wait for each other at every parallel region (measured on 2 cores: a

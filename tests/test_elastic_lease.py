@@ -220,3 +220,63 @@ def test_a_dead_local_holder_is_taken_over_before_expiry(tmp_path: Path) -> None
     with pytest.raises(LeaseHeldError, match=f"pid {os.getpid()}"):
         RunLease(SnapshotStore(run)).acquire()  # this process is alive: refused
     lease.release()
+
+
+# A lease file is untrusted input: whatever it holds, acquiring gives one line (never a
+# traceback), fails closed without --force-takeover and is replaced with it.
+_CRAFTED = {
+    "bad json": b"{not json",
+    "deep nesting": b"[" * 100_000 + b"]" * 100_000,
+    "epoch a string": {"epoch": "abc", "expires_at": T0 - 10},
+    "epoch null": {"epoch": None, "expires_at": T0 - 10},
+    "holder a string": {"holder": "me", "expires_at": T0 + 30},
+    "expiry infinite": {"expires_at": float("inf")},
+    "expiry NaN": {"expires_at": float("nan")},
+    "expiry a bool": {"expires_at": True},
+    "expiry beyond the calendar": {"expires_at": 1e20},
+    "start beyond the calendar": {"holder": {"pid": 1, "host": "far", "started_at": 1e20},
+                                  "expires_at": T0 + 30},
+}
+
+
+@pytest.mark.parametrize("name", sorted(_CRAFTED))
+def test_a_crafted_lease_fails_closed_in_one_line_and_force_replaces_it(
+        tmp_path: Path, name: str) -> None:
+    run = str(tmp_path / "run")
+    store = SnapshotStore(run)
+    crafted = _CRAFTED[name]
+    if isinstance(crafted, dict):
+        record = {"token": "t" * 32, "holder": {"host": "elsewhere", "pid": 1},
+                  "acquired_at": T0 - 60, "epoch": 3, **crafted}
+        crafted = json.dumps(record).encode()  # Python's json writes inf and NaN as such
+    store.write_file(store.path(LEASE_NAME), crafted)
+    clock = FakeClock()
+    with pytest.raises(LeaseHeldError) as err:
+        _lease(run, clock, pid=7).acquire()
+    assert "\n" not in str(err.value) and "--force-takeover" in str(err.value)
+    well_formed = name.endswith("beyond the calendar")  # readable, only its times absurd
+    assert lease_holds(store, "t" * 32) == well_formed  # the fencing read never raises
+    taken = _lease(run, clock, pid=7).acquire(force=True)
+    assert lease_holds(store, taken["token"]) and taken["epoch"] >= 1
+
+
+def test_baton_fit_renews_its_lease_from_the_moment_it_takes_it(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # Making a fork (preparing its corpus, copying shards) runs before training and can
+    # outlast the lease's ttl: the lease must be renewed through it.
+    import trainer.fit_cli
+    from trainer.cli import main
+
+    calls: list[str] = []
+    monkeypatch.setattr(RunLease, "start_renewing",
+                        lambda self, interval_s=None: calls.append("renewing"))
+    monkeypatch.setattr(RunLease, "stop_renewing", lambda self: calls.append("stopped"))
+
+    def start_session(*args: object, **kwargs: object) -> int:
+        calls.append("session")
+        raise ValueError("stop here")
+
+    monkeypatch.setattr(trainer.fit_cli, "_start_session", start_session)
+    recipe = str(Path(__file__).resolve().parents[1] / "recipes" / "tiny.toml")
+    assert main(["fit", recipe, "--run-dir", str(tmp_path / "run")]) == 2
+    assert calls == ["renewing", "session", "stopped"]

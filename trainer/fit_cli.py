@@ -178,6 +178,9 @@ def _cmd_fit(args: argparse.Namespace) -> int:
     except LeaseHeldError as err:
         console.print(f"[red]error:[/red] {escape(str(err))}")
         return 2
+    # Renewed from now on: making a fork (preparing its corpus, copying its shards) may take
+    # longer than the lease's ttl, and a lease left to expire meanwhile could be taken over.
+    lease.start_renewing()
     from trainer.commit_watch import FinalCommitError
     from trainer.on_ray.failures import RunFailedError
     from trainer.session_log import begin_session, end_session
