@@ -114,21 +114,25 @@ def _failure_code(err: BaseException) -> int:
 
 def _settle(err: Exception | None, step: int, what: str) -> None:
     """Every rank learns whether any rank failed ``what``; all raise together if one did,
-    the others naming the first failing rank and its message (so whichever rank reports
-    the snapshot as unusable gives the real reason)."""
-    worst = agree_max(_OK if err is None else _failure_code(err))
+    with the error type of the agreed worst failure (so every rank takes the same path:
+    fall back, wait for storage, or stop), a failing rank with its own error when it is of
+    that kind, the others naming the first failing rank and its message."""
+    code = _OK if err is None else _failure_code(err)
+    worst = agree_max(code)
     if worst == _OK:
         return
-    said = all_gather_ints(list(str(err).encode()[:_MESSAGE_BYTES]) if err is not None else [])
-    if err is not None:
+    # Never an empty message (a bare TimeoutError()): its rank must still be found.
+    mine = (str(err) or type(err).__name__) if err is not None else ""
+    said = all_gather_ints(list(mine.encode()[:_MESSAGE_BYTES]))
+    if err is not None and code == worst:
         raise err
     rank, message = next((r, bytes(m).decode(errors="replace")) for r, m in enumerate(said) if m)
     where = f"{snapshot_label(step)}: rank {rank} failed while {what}: {message}"
     if worst == _CORRUPT:
-        raise SnapshotIntegrityError(where)
+        raise SnapshotIntegrityError(where) from err
     if worst == _UNREACHABLE:
-        raise StorageUnavailableError(where)
-    raise RuntimeError(where)
+        raise StorageUnavailableError(where) from err
+    raise RuntimeError(where) from err
 
 
 def group_read_tensors(manifest: Manifest, targets: dict[str, Target],

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import errno
 import json
+import logging
 import os
 import re
 import time
@@ -43,6 +44,8 @@ from elastic.format import MANIFEST_NAME, SHARD_NAME_RE, Manifest, step_dirname
 from elastic.manifest_check import parse_manifest
 from elastic.spares import SPARE_DIR, retire
 from elastic.storage_io import Storage, fsync_dir
+
+log = logging.getLogger("baton.elastic")
 
 QUARANTINE_DIR = "quarantine"
 REASON_NAME = "reason.json"
@@ -137,17 +140,31 @@ class SnapshotStore(Storage):
         self.remove_many([self.step_path(step, n) for n in names])
 
     def ensure_run_json(self, info: dict[str, Any]) -> None:
-        """Write ``run.json`` once (the first writer wins; later runs keep it)."""
+        """Write ``run.json``: the first writer of a run that has committed a snapshot wins
+        (later sessions keep it). One left by sessions that never committed (a crash before
+        the first commit, a fork cut short) describes nothing on storage and is replaced,
+        so it cannot later refuse the recipe the run was really made with."""
         try:
             self.write_json(self.path("run.json"), info, exclusive=True)
         except FileExistsError:
-            pass
+            if not self.committed_steps():
+                self.write_json(self.path("run.json"), info)
 
     def read_run_json(self) -> dict[str, Any] | None:
+        """``run.json`` (untrusted: what a run describes of itself), or None when there is
+        none or it is not a JSON object (logged): every reader treats it as absent."""
         path = self.path("run.json")
         if not self.exists(path):
             return None
-        return json.loads(self.read_file(path))
+        try:
+            value = json.loads(self.read_file(path))
+        except (ValueError, RecursionError) as err:
+            log.warning("%s is not valid JSON (%s); ignored", path, err)
+            return None
+        if not isinstance(value, dict):
+            log.warning("%s is not a JSON object; ignored", path)
+            return None
+        return value
 
     # ------------------------------------------------------------------ quarantine
 

@@ -244,3 +244,34 @@ def test_s3_restore_reads_merge_holes_only_up_to_a_sixteenth() -> None:
     assert [members for _, _, members in spans] == [[0, 1, 2, 3]]  # 140 <= 3860 / 16
     spans = merge_ranges(close, hole_limit=MERGE_HOLE_BYTES, max_waste=1 / 100)
     assert [members for _, _, members in spans] == [[0, 1], [2], [3]]  # 10 <= 1990 / 100
+
+
+def _settle_rank(rank: int, world_size: int, case: str, out: str) -> None:
+    from elastic import group_read
+    from elastic.errors import SnapshotIntegrityError
+
+    errors: dict[int, Exception] = (
+        {0: TimeoutError()} if case == "empty message"  # str() == "": a bare deadline
+        else {0: RuntimeError("boom"), 1: SnapshotIntegrityError("bad crc in block 3")})
+    try:
+        group_read._settle(errors.get(rank), 5, "reading")
+        raised = "nothing"
+    except Exception as err:  # noqa: BLE001 - what each rank raises is the result
+        raised = type(err).__name__
+    with open(os.path.join(out, f"rank{rank}.json"), "w") as fh:
+        json.dump(raised, fh)
+
+
+@pytest.mark.parametrize(("case", "agreed"), [("empty message", "StorageUnavailableError"),
+                                              ("mixed kinds", "RuntimeError")])
+def test_every_rank_raises_the_agreed_failure(tmp_path, case: str, agreed: str) -> None:
+    # The ranks of a group restore take one path together: a failure without a message,
+    # or failures of different kinds on different ranks, must not split them (some leaving
+    # the restore, others waiting in the next collective for them).
+    out = str(tmp_path)
+    run_group(_settle_rank, 3, case, out, tmp_dir=out)
+    raised = [json.load(open(os.path.join(out, f"rank{r}.json"))) for r in range(3)]
+    if case == "empty message":  # the failing rank keeps its own error, of the agreed kind
+        assert raised[0] == "TimeoutError" and raised[1:] == [agreed, agreed]
+    else:
+        assert raised == [agreed] * 3

@@ -51,3 +51,36 @@ def test_run_dir_of_another_model(capsys: pytest.CaptureFixture[str], tmp_path: 
     (step_dir / "manifest.json").write_text("{}")
     err = _fit(capsys, "--run-dir", str(tmp_path))
     assert "holds a run of a different model" in err and "999" in err
+
+
+@pytest.mark.parametrize("text", ["[1, 2]", '"x"', "{not json", "[" * 50_000])
+def test_an_unreadable_run_json_is_absent_not_a_traceback(
+        capsys: pytest.CaptureFixture[str], tmp_path: Path, text: str) -> None:
+    # run.json is what a run says of itself: untrusted. Not an object (or not JSON) reads as
+    # none; the run's own snapshots still decide what it holds.
+    store = SnapshotStore(str(tmp_path))
+    Path(store.path("run.json")).write_text(text)
+    assert store.read_run_json() is None
+    step_dir = Path(store.step_path(5))
+    step_dir.mkdir(parents=True)
+    (step_dir / "manifest.json").write_text("{}")
+    from trainer.config import load_recipe
+    from trainer.run_dir import check_continuation
+
+    cfg = load_recipe(TINY, [f'snapshots.run_uri="{tmp_path}"'])
+    check_continuation(cfg, fingerprint=None, store=store)  # nothing to compare: no refusal
+
+
+def test_a_run_json_of_sessions_that_never_committed_is_replaced(tmp_path: Path) -> None:
+    # A session that died before its first commit left its recipe's run.json: the next
+    # session's recipe replaces it (else, once that one commits, its own recipe would be
+    # refused). Once a snapshot is committed, the first writer's stays.
+    store = SnapshotStore(str(tmp_path))
+    store.ensure_run_json({"config": {"seed": 1}})
+    store.ensure_run_json({"config": {"seed": 2}})
+    assert store.read_run_json() == {"config": {"seed": 2}}
+    step_dir = Path(store.step_path(5))
+    step_dir.mkdir(parents=True)
+    (step_dir / "manifest.json").write_text("{}")
+    store.ensure_run_json({"config": {"seed": 3}})
+    assert store.read_run_json() == {"config": {"seed": 2}}

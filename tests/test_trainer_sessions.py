@@ -142,6 +142,17 @@ def test_python_api_accepts_a_schedule_change_with_accept_schedule(
                              "steps=12", "eval.every=0"])
     with pytest.raises(RunDirError, match="accept_schedule"):
         check_run_dir(cfg)
+    # Not while a driver holds the run: its session entry is its own to close.
+    from elastic.lease import LeaseHeldError, RunLease
+
+    store = SnapshotStore(str(run))
+    before = read_sessions(store)
+    driver = RunLease(store)
+    driver.acquire()
+    with pytest.raises(LeaseHeldError, match="held by another driver"):
+        accept_schedule(cfg)
+    assert read_sessions(store) == before
+    driver.release()
     assert accept_schedule(cfg).startswith(f"lr {lr_at(cfg.optim, 12, 4):.3g} at step 5")
     assert check_run_dir(cfg) == 4
 

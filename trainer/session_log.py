@@ -17,7 +17,8 @@ Contract:
   first session's `run.json` config; None when neither can be read. `schedule_changes`
   lists the fields a recipe changes. `trainer.run_dir.check_continuation` refuses a change
   unless asked (`--reschedule`, or `accept_schedule(cfg)` from Python, which records the
-  recipe's schedule as the run's from its newest committed step).
+  recipe's schedule as the run's from its newest committed step, under the run lease:
+  `LeaseHeldError` while a driver trains the run).
 - `parse_duration("2h30m")` reads `--time-limit`: one or more of `<number>h`, `<number>m`,
   `<number>s` in that order (e.g. `2h30m`, `45m`, `90s`, `1.5h`); anything else, or zero, is
   a `ValueError` with one line naming the flag and the accepted forms.
@@ -206,12 +207,20 @@ def accept_schedule(cfg: FitConfig) -> str:
     """Python API twin of `baton fit --reschedule`: record the recipe's schedule as the run's
     from its newest committed step, so `trainer.fit(cfg)` continues with it; returns what the
     schedule does from there (one line)."""
+    from elastic.lease import RunLease
     from trainer.optim import describe_schedule
 
     store = SnapshotStore(cfg.snapshots.run_uri)
-    step = max(store.committed_steps(), default=0)
-    begin_session(store, cfg, step, rescheduled=True)
-    end_session(store, "stopped", step)  # recorded only; the fit that follows opens its own
+    # Under the run lease, as a driver writes the log: while one trains this raises
+    # LeaseHeldError (naming it), instead of closing that driver's entry as its own.
+    lease = RunLease(store)
+    lease.acquire()
+    try:
+        step = max(store.committed_steps(), default=0)
+        begin_session(store, cfg, step, rescheduled=True)
+        end_session(store, "stopped", step)  # recorded only; the fit that follows opens its own
+    finally:
+        lease.release()
     return describe_schedule(cfg.optim, cfg.steps, step)
 
 
