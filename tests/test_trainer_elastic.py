@@ -230,6 +230,10 @@ def test_a_new_session_continues_after_the_driver_is_killed(
         env=env, capture_output=True, text=True, timeout=400,
     )
     assert second.returncode == 0, second.stdout + second.stderr
-    assert f"from committed step {max(committed)}" in second.stderr
+    # The killed driver's workers may still commit a snapshot or two before Ray ends them
+    # (they hold its generation until the new driver starts one): the new session continues
+    # from the newest commit it finds, never an older one.
+    resumed = re.search(r"continuing run .* from committed step (\d+)", second.stderr)
+    assert resumed and int(resumed.group(1)) >= max(committed), second.stderr
     assert_same_state(final_state(uninterrupted, tmp_path, STEPS),
                       final_state(run, tmp_path, STEPS))
