@@ -272,6 +272,42 @@ def test_a_fork_that_fails_at_its_commit_leaves_no_run_behind(
     assert SnapshotStore(str(fork)).committed_steps() == [8]
 
 
+@pytest.mark.parametrize("cut", ["before the commit", "while copying shards"])
+def test_a_fork_killed_before_its_commit_is_forked_again(
+    capsys: pytest.CaptureFixture[str], parent: Path, tmp_path: Path, tiny_dataset: str,
+    cut: str,
+) -> None:
+    """A kill leaves what the failure path would have removed (run.json, shards,
+    generation.json, no manifest); retrying the same `--from` replaces it and commits the
+    parent's snapshot bit for bit. A directory whose fork committed is still refused."""
+    from trainer.fork import make_fork, plan_fork
+
+    fork = tmp_path / "runs" / "killed"
+    cfg = load_recipe(TINY, [f'snapshots.run_uri="{fork}"', f'data.uri="{tiny_dataset}"',
+                             "steps=16"])
+    make_fork(plan_fork(cfg, str(parent), 8), cfg)
+    step_dir = fork / "snapshots" / f"{8:09d}"
+    (step_dir / "manifest.json").unlink()  # the kill's point: nothing committed
+    if cut == "while copying shards":
+        (fork / "generation.json").unlink()
+        shards = sorted(step_dir.glob("*.safetensors"))
+        shards[-1].write_bytes(shards[-1].read_bytes()[:100])  # a half-written file
+    store = SnapshotStore(str(fork))
+    assert store.committed_steps() == [] and (fork / "run.json").exists()
+    code, text = _baton(capsys, ["fit", TINY, "--from", f"{parent}@8", "--run-dir", str(fork),
+                                 *_sets(tiny_dataset, 16), "--until", "10"])
+    assert code == 0, text
+    assert f"forked {parent} at step 8" in text, text
+    assert store.committed_steps() == [8, 10]
+    for component in ("model", "optim"):
+        mine, theirs = (_component(r, 8, component, tmp_path) for r in (fork, parent))
+        assert mine.keys() == theirs.keys()
+        assert all(torch.equal(mine[k], theirs[k]) for k in mine), component
+    # Committed now (and a session ran): a further fork into it is refused.
+    _one_line(capsys, ["fit", TINY, "--run-dir", str(fork), *_sets(tiny_dataset, 16),
+                       "--from", str(parent)], "already holds a run", "drop --from")
+
+
 def test_runs_ls_shows_running_and_failed_runs(
     capsys: pytest.CaptureFixture[str], parent: Path, tmp_path: Path,
 ) -> None:

@@ -9,8 +9,9 @@ Contract:
   * the source run exists and `step` is one of its committed snapshots (its manifest is
     parsed and validated as untrusted input, `elastic.manifest_check`);
   * the new run directory (`cfg.snapshots.run_uri`) holds no run (no `run.json`, snapshots,
-    session log or `generation.json`; a prepared `data/` or a released lease may be there)
-    and neither directory
+    session log or `generation.json`; a prepared `data/` or a released lease may be there),
+    or only what a fork killed before its commit left (`interrupted_fork`: a `run.json` with
+    a parent, no committed snapshot, no session log), and neither directory
     lies inside the other: a fork never writes into its parent;
   * nothing that fixes a tensor shape changes: the fields of
     `trainer.run_dir.TENSOR_SHAPE_FIELDS` against the parent's `run.json`, then every model
@@ -26,14 +27,16 @@ Contract:
   global batch, world size, parallelism, sketch settings, the data.
 - `make_fork(plan, cfg)` (the caller holds the new run's lease) prepares the default corpus
   when `data.uri` is empty, decides the cursor, then copies the snapshot into the new run as
-  its first committed snapshot: each shard file is read whole from the parent, checked
-  against the manifest (safetensors header, every crc32 block) and written create-only; then
-  `generation.json` (the new run's worker groups start above the parent's generation, so no
-  shard name is ever reused), `run.json` (the recipe as the workers record it, `data.uri`
-  and `model.vocab_size` resolved, and the lineage: `parent` = uri, step,
-  loss at that step, dataset fingerprint, whether the data cursor was kept) and, last, the
-  manifest (the commit; with a reset data cursor when asked). On any failure what it wrote is
-  removed and the new run holds no snapshot. The normal restore then resumes from it, warm.
+  its first committed snapshot: `run.json` (the recipe as the workers record it, `data.uri`
+  and `model.vocab_size` resolved, and the lineage: `parent` = uri, step, loss at that step,
+  dataset fingerprint, whether the data cursor was kept); each shard file, read whole from
+  the parent, checked against the manifest (safetensors header, every crc32 block) and
+  written create-only; `generation.json` (the new run's worker groups start above the
+  parent's generation, so no shard name is ever reused) and, last, the manifest (the
+  commit; with a reset data cursor when asked). On any failure what it wrote is removed and
+  the new run holds no snapshot; a fork killed before its commit removes nothing, and the
+  next fork into that directory removes those leftovers first (under the lease, so never
+  while that fork runs; logged). The normal restore then resumes from it, warm.
   Memory: one shard file at a time is held in RAM while it is copied.
 """
 
@@ -53,8 +56,15 @@ from elastic.store import SnapshotStore
 from trainer.config import FitConfig
 from trainer.optim import optimizer_change
 from trainer.preflight import dataset_fingerprint, with_dataset_vocab
-from trainer.run_dir import TENSOR_SHAPE_FIELDS, RunDirError, model_config_record, shape_value
-from trainer.session_log import SESSIONS_NAME
+from trainer.run_dir import (
+    TENSOR_SHAPE_FIELDS,
+    RunDirError,
+    clear_interrupted_fork,
+    held_run_parts,
+    interrupted_fork,
+    model_config_record,
+    shape_value,
+)
 
 DATA_CURSOR_CHOICES = ("auto", "keep", "reset")
 _GENERATION_RE = re.compile(r"-g(\d{6})\.safetensors$")
@@ -101,15 +111,6 @@ def _inside(a: str, b: str) -> bool:
     return a == b or a.startswith(b.rstrip("/") + "/")
 
 
-def _holds_run(store: SnapshotStore) -> list[str]:
-    """What of a run the directory holds (empty: none)."""
-    found = [n for n in ("run.json", SESSIONS_NAME, GENERATION_NAME)
-             if store.exists(store.path(n))]
-    if store.all_steps():
-        found.append("snapshots/")
-    return found
-
-
 def _field(config: Any, dotted: str) -> Any:
     for part in dotted.split("."):
         if not isinstance(config, dict) or part not in config:
@@ -141,7 +142,7 @@ def plan_fork(cfg: FitConfig, source_uri: str, step: int | None,
     elif step not in committed:
         raise RunDirError(f"--from {source_uri}@{step}: step {step} is not a committed snapshot "
                           f"of {source_uri}; committed: {committed}")
-    held = _holds_run(target)
+    held = [] if interrupted_fork(target) else held_run_parts(target)
     if held:
         raise RunDirError(
             f"--run-dir {cfg.snapshots.run_uri} already holds a run ({', '.join(held)}): a fork "
@@ -284,6 +285,8 @@ def make_fork(plan: ForkPlan, cfg: FitConfig) -> ForkResult:
             raise RunDirError(f"data.uri: the dataset at {data_cfg.data.uri} cannot be read")
         state["data"] = DataCursor(fingerprint, cfg.seed).to_dict()
     target, step = plan.target, plan.step
+    if interrupted_fork(target):  # we hold the lease: that fork is not running
+        clear_interrupted_fork(target)
     parent = {
         "uri": _absolute(plan.source),
         "step": step,
@@ -295,6 +298,13 @@ def make_fork(plan: ForkPlan, cfg: FitConfig) -> ForkResult:
     }
     written: list[str] = []
     try:
+        # run.json first: whatever a kill leaves after it is recognisably an interrupted
+        # fork (`interrupted_fork`), which the next fork replaces.
+        path = target.path("run.json")
+        target.write_json(path, {**_run_info(library_versions()), "config": data_cfg.to_dict(),
+                                 **model_config_record(data_cfg), "parent": parent},
+                          exclusive=True)
+        written.append(path)
         nbytes = 0
         for name in plan.manifest.files:
             nbytes += _copy_shard(plan, name, written)
@@ -304,23 +314,19 @@ def make_fork(plan: ForkPlan, cfg: FitConfig) -> ForkResult:
         target.write_json(path, {"generation": generation, "time": time.time()},
                           exclusive=True)
         written.append(path)
-        path = target.path("run.json")
-        target.write_json(path, {**_run_info(library_versions()), "config": data_cfg.to_dict(),
-                                 **model_config_record(data_cfg), "parent": parent},
-                          exclusive=True)
-        written.append(path)
         target.write_manifest(dataclasses.replace(plan.manifest, state=state), exclusive=True)
     except BaseException:
-        # Only what this fork wrote: the new run held no snapshot before (plan_fork).
-        for path in [p for p in written if "/snapshots/" not in p]:
-            try:
-                target.remove(path)
-            except OSError:
-                pass
+        # Only what this fork wrote (the new run held no snapshot before: plan_fork), and
+        # run.json last: cut off here, what is left is still an interrupted fork.
         try:
             target.delete_step(step)
         except OSError:
             pass
+        for path in reversed([p for p in written if "/snapshots/" not in p]):
+            try:
+                target.remove(path)
+            except OSError:
+                pass
         raise
     return ForkResult(step=step, files=len(plan.manifest.files), bytes=nbytes,
                       cursor_kept=kept, parent=parent)

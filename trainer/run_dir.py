@@ -27,6 +27,9 @@ Contract:
   recipe (doubt never refuses). The driver runs it before Ray starts and every worker's rank 0
   runs it again (`trainer.loop`), so the two refuse exactly the same recipes (a schedule
   change the driver accepted is in the session log before the workers start).
+- `held_run_parts(store)` lists what of a run a directory holds; `interrupted_fork(store)`
+  says whether that is only what a fork killed before its commit left, which
+  `clear_interrupted_fork` removes (`trainer.fork`).
 - Before anything else, `check_run_dir` runs `trainer.preflight`'s `check_dataset` and
   `check_local_capacity` (the dataset and a place for the workers).
 (`RUN/run.json`, with the recipe and library versions, is written once by the first
@@ -36,9 +39,11 @@ worker's `elastic.Snapshotter`.)
 from __future__ import annotations
 
 import json
+import logging
 import uuid
 from typing import Any
 
+from elastic.generation import GENERATION_NAME
 from elastic.store import SnapshotStore
 from trainer.config import ConfigError, FitConfig, hf_source_field, raw_hf_config
 from trainer.optim import optimizer_change
@@ -49,7 +54,7 @@ from trainer.preflight import (
     dataset_fingerprint,
     with_dataset_vocab,
 )
-from trainer.session_log import saved_schedule, schedule_changes
+from trainer.session_log import SESSIONS_NAME, saved_schedule, schedule_changes
 
 # Fields that fix tensor shapes (and what the tensors mean): a continued run and a fork
 # (`trainer.fork`) must keep them. `model.*` is skipped for a custom model_factory.
@@ -68,6 +73,38 @@ HF_MODEL_CONFIG_KEY = "hf_model_config"
 
 class RunDirError(ValueError):
     """The run directory is unreachable or holds an incompatible run."""
+
+
+def held_run_parts(store: SnapshotStore) -> list[str]:
+    """What of a run the directory holds (empty: none; a prepared `data/` or a released
+    lease is not a run)."""
+    found = [n for n in ("run.json", SESSIONS_NAME, GENERATION_NAME)
+             if store.exists(store.path(n))]
+    if store.all_steps():
+        found.append("snapshots/")
+    return found
+
+
+def interrupted_fork(store: SnapshotStore) -> bool:
+    """Whether the directory holds only what a fork killed before its commit left: a
+    `run.json` recording a parent, no committed snapshot and no session log (a forked run
+    that ever trained has both). Nothing there was committed, so nothing is lost by
+    replacing it."""
+    if store.exists(store.path(SESSIONS_NAME)) or store.committed_steps():
+        return False
+    info = store.read_run_json()
+    return info is not None and isinstance(info.get("parent"), dict)
+
+
+def clear_interrupted_fork(store: SnapshotStore) -> None:
+    """Remove what `interrupted_fork` found, run.json last (the caller holds the lease)."""
+    for step in store.all_steps():
+        store.delete_step(step)
+    for name in (GENERATION_NAME, "run.json"):
+        store.remove(store.path(name))
+    logging.getLogger("baton.fork").warning(
+        "%s: removed what an interrupted fork left (no committed snapshot); forking again",
+        store.run_uri)
 
 
 def _probe_writable(run_uri: str) -> SnapshotStore:
