@@ -162,7 +162,7 @@ class CommitCore:
         """Record one shard receipt; return the step if this receipt committed it."""
         step, rank, world = int(receipt["step"]), int(receipt["rank"]), int(receipt["world_size"])
         generation = int(receipt.get("generation", -1))
-        commit: Manifest | None = None
+        commit: tuple[Manifest, bytes] | None = None
         actions: list[_Action] = []
         with self._lock:
             refusal = self._refusal_locked(step, generation)
@@ -196,7 +196,7 @@ class CommitCore:
         _run(actions)
         if commit is None:
             return None
-        return self._commit(commit, generation)
+        return self._commit(*commit, generation)
 
     def fail(self, step: int, rank: int, reason: str, generation: int | None = None,
              where: str = "") -> None:
@@ -286,7 +286,7 @@ class CommitCore:
             return f"the step is older than the newest commit {self.committed[-1]}"
         return None
 
-    def _commit(self, manifest: Manifest, generation: int) -> int | None:
+    def _commit(self, manifest: Manifest, data: bytes, generation: int) -> int | None:
         step = manifest.step
         self.faults.hit(-1, step, "commit_begin")
         with self._generation_lock:  # exclusive with new_generation (module docstring)
@@ -297,7 +297,7 @@ class CommitCore:
             if not superseded and fenced is None:
                 try:
                     self.store.write_manifest(
-                        manifest, exclusive=True,
+                        manifest, data=data, exclusive=True,
                         mid_write=lambda: self.faults.hit(-1, step, "commit_manifest"))
                 except FileExistsError:
                     fenced = (f"a manifest for step {step} already exists (written by another "
@@ -316,7 +316,7 @@ class CommitCore:
                                           "time": time.time()})
                     reason = failure
                 else:
-                    self.manifests[step] = manifest.to_bytes()
+                    self.manifests[step] = data
                     self.committed.append(step)
                     self.committed.sort()
                     self.last_commit_time = time.time()
@@ -330,7 +330,7 @@ class CommitCore:
                 log.error("snapshot %d not committed: %s", step, fenced)
             # A write that raised may have landed all the same (a lost answer): the step's
             # files go only once its manifest is known to be absent.
-            if failure is None or remove_failed_manifest(self.store, manifest):
+            if failure is None or remove_failed_manifest(self.store, step, data):
                 action()
             return None
         self.faults.hit(-1, step, "commit_end")

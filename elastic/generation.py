@@ -23,12 +23,13 @@ Contract
   steps (``SnapshotStore.retire_step``), delete every step on storage that ``leftover(step)``
   says is an uncommitted leftover. Storage errors are logged (a later commit retries), and so
   is any other error (the thread must never lose a bug's report).
-* ``remove_failed_manifest(store, manifest)``: after a manifest write that raised (it may
-  have landed all the same: an S3 PUT whose answer was lost), remove it if it is on storage
-  and is this manifest; True when the step's manifest is then known to be absent (its files
-  may go), False when storage cannot tell or another writer's manifest is there (leave them:
-  a manifest with all its shards is a whole snapshot; a step without one is a leftover that
-  a later collection or coordinator start removes).
+* ``remove_failed_manifest(store, step, data)``: after a write of manifest bytes ``data``
+  that raised (it may have landed all the same: an S3 PUT whose answer was lost), remove the
+  step's manifest if it is on storage and is these bytes; True when the step's manifest is
+  then known to be absent (its files may go), False when storage cannot tell or another
+  writer's manifest is there (leave them: a manifest with all its shards is a whole
+  snapshot; a step without one is a leftover that a later collection or coordinator start
+  removes).
 
 Why a separate module: the commit protocol (``commit.py``) and ``baton fork`` (which copies a
 run and must carry its generation on) both read the file; neither owns its format.
@@ -42,7 +43,7 @@ import time
 from collections.abc import Callable
 
 from elastic.errors import describe
-from elastic.format import MANIFEST_NAME, RECEIPT_SUFFIX, Manifest, shard_filename
+from elastic.format import MANIFEST_NAME, RECEIPT_SUFFIX, shard_filename
 from elastic.lease import lease_holds
 from elastic.store import SnapshotStore
 
@@ -117,21 +118,21 @@ def delete_generation_files(store: SnapshotStore, step: int, generation: int, wo
         log.warning("snapshot %d: could not delete aborted files: %s", step, describe(err))
 
 
-def remove_failed_manifest(store: SnapshotStore, manifest: Manifest) -> bool:
-    """After a manifest write that raised (module docstring): True if the step's manifest is
-    now known to be absent."""
-    path = store.step_path(manifest.step, MANIFEST_NAME)
+def remove_failed_manifest(store: SnapshotStore, step: int, data: bytes) -> bool:
+    """After a write of manifest bytes ``data`` that raised (module docstring): True if the
+    step's manifest is now known to be absent."""
+    path = store.step_path(step, MANIFEST_NAME)
     try:
         try:
             landed = store.read_file(path)
         except FileNotFoundError:
             return True
-        if landed != manifest.to_bytes():
+        if landed != data:
             return False  # another writer's: never remove what someone else committed
         store.remove(path)
     except OSError as err:
         log.warning("snapshot %d: cannot tell whether its manifest landed (%s); its files are "
-                    "left as they are", manifest.step, describe(err))
+                    "left as they are", step, describe(err))
         return False
     return True
 

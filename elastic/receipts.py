@@ -4,8 +4,11 @@ Contract
 --------
 ``manifest_from_receipts(step, world_size, generation, receipts, *, block_bytes, versions)``
 builds the ``Manifest`` of ``step`` from the receipts of all ``world_size`` ranks (rank ->
-receipt, as ``commit.CommitCore.report`` collected them), or raises ``ValueError`` with one
-line saying what is wrong, in which case the step must be aborted, not committed:
+receipt, as ``commit.CommitCore.report`` collected them) and returns it with its
+``manifest.json`` bytes (serialised once: the check below parses them, and the commit writes
+and keeps the same bytes; at tens of thousands of chunks a manifest is tens of MB), or
+raises ``ValueError`` with one line saying what is wrong, in which case the step must be
+aborted, not committed:
 
 * rank 0's receipt carries the catalog of every logical tensor (dtype, shape), the state
   skeletons and the layout;
@@ -42,7 +45,7 @@ def manifest_from_receipts(
     *,
     block_bytes: int,
     versions: dict[str, str],
-) -> Manifest:
+) -> tuple[Manifest, bytes]:
     """The manifest of ``step`` from its ranks' receipts, checked (module docstring)."""
     head = receipts.get(0)
     if head is None or "catalog" not in head:
@@ -86,8 +89,9 @@ def manifest_from_receipts(
         files=files,
         versions={**versions, **head.get("versions", {})},
     )
+    data = manifest.to_bytes()
     try:
-        check_manifest(json.loads(manifest.to_bytes()), f"step {step}", step)
+        check_manifest(json.loads(data), f"step {step}", step)
     except ManifestError as err:
         raise ValueError(str(err)) from None
-    return manifest
+    return manifest, data

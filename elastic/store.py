@@ -100,10 +100,12 @@ class SnapshotStore(Storage):
                                 "plain files inside it")
         return parse_manifest(data, where=path, step=step)
 
-    def write_manifest(self, manifest: Manifest, *,
+    def write_manifest(self, manifest: Manifest, *, data: bytes | None = None,
                        mid_write: Callable[[], None] | None = None,
                        exclusive: bool = False) -> None:
-        self.write_file(self.step_path(manifest.step, MANIFEST_NAME), manifest.to_bytes(),
+        """Commit ``manifest``: ``data`` is its ``to_bytes()`` when the caller has it."""
+        self.write_file(self.step_path(manifest.step, MANIFEST_NAME),
+                        manifest.to_bytes() if data is None else data,
                         mid_write=mid_write, exclusive=exclusive)
 
     def delete_step(self, step: int) -> None:

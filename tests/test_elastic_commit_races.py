@@ -142,11 +142,13 @@ def test_a_manifest_that_is_not_this_commits_is_never_removed(tmp_path: Path) ->
     generation = core.new_generation()
     store.lose = True
     _write_shards(store, 4, generation)
-    other = manifest_from_receipts(4, WORLD, generation, dict(enumerate(_receipts(4, generation))),
-                                   block_bytes=DEFAULT_BLOCK_BYTES, versions={"other": "x"})
+    other, _ = manifest_from_receipts(4, WORLD, generation,
+                                      dict(enumerate(_receipts(4, generation))),
+                                      block_bytes=DEFAULT_BLOCK_BYTES, versions={"other": "x"})
     real_write = SnapshotStore.write_manifest
 
     def someone_else_wrote(self: SnapshotStore, manifest: Any, **kwargs: Any) -> None:
+        kwargs.pop("data")  # our manifest's bytes
         real_write(self, other, **kwargs)  # what landed is another writer's manifest
         raise StorageUnavailableError("PUT manifest.json: no answer within the deadline")
 

@@ -36,8 +36,10 @@ Receipts = dict[int, dict[str, Any]]
 
 
 def _build(receipts: Receipts) -> Manifest:
-    return manifest_from_receipts(STEP, WORLD, GENERATION, receipts, block_bytes=1 << 20,
-                                  versions={"coordinator": "c"})
+    manifest, data = manifest_from_receipts(STEP, WORLD, GENERATION, receipts,
+                                            block_bytes=1 << 20, versions={"coordinator": "c"})
+    assert data == manifest.to_bytes()  # the bytes the commit writes
+    return manifest
 
 
 def test_whole_receipts_become_the_manifest() -> None:
