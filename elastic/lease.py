@@ -114,7 +114,9 @@ def holder_is_dead(holder: dict[str, Any]) -> bool:
     """True only when the holder's process provably ended: same kernel boot and pid namespace
     as ours (so its pid means the same process here) and that pid is gone, a zombie, or now a
     different process (another start tick). Anything uncertain counts as alive: then the
-    lease is only taken over once it expires."""
+    lease is only taken over once it expires. A missing ``/proc/PID`` is not proof: with
+    ``/proc`` mounted ``hidepid=2`` another user's live process has none, so the kernel is
+    asked (``kill(pid, 0)``: ESRCH only when no such process exists)."""
     mine = _process_identity(os.getpid())
     pid = holder.get("pid")
     if mine is None or not isinstance(pid, int) or pid <= 0:
@@ -125,13 +127,23 @@ def holder_is_dead(holder: dict[str, Any]) -> bool:
         with open(f"/proc/{pid}/stat") as fh:
             fields = fh.read().rsplit(")", 1)[1].split()
     except FileNotFoundError:
-        return True
+        return not _pid_exists(pid)
     except OSError:
         return False
     if fields[0] in ("Z", "X"):
         return True
     start = holder.get("pid_start")
     return start is not None and fields[19] != str(start)  # the pid was reused
+
+
+def _pid_exists(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)  # signal 0: only the existence and permission checks
+    except ProcessLookupError:
+        return False
+    except OSError:  # EPERM: it exists, another user's
+        return True
+    return True
 
 
 def _when(t: float) -> str:

@@ -51,8 +51,10 @@ class LocalFiles:
 
     # ------------------------------------------------------------------ reads
 
-    def read_file(self, path: str) -> bytes:
-        with open(path, "rb") as fh:
+    def read_file(self, path: str, *, follow: bool = True) -> bytes:
+        """The whole file; ``follow=False``: a symbolic link at ``path`` is ELOOP."""
+        flags = os.O_RDONLY | (0 if follow else os.O_NOFOLLOW)
+        with open(os.open(path, flags), "rb") as fh:
             return fh.read()
 
     def read_range(self, path: str, start: int, end: int) -> bytes:

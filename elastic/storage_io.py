@@ -33,7 +33,11 @@ and ``path(*parts)`` joins under it; every method takes such a path (URIs stay `
   raises: fewer bytes from an object long enough is a transient cut-short response
   (``ShortReadError``, retried on S3); an object that ends before ``end`` is a definite
   ``elastic.byte_ranges.TruncatedError`` (a ``SnapshotIntegrityError``, never retried).
-  ``read_file`` is one GET of a whole (small) object, its length checked.
+  ``read_file`` is one GET of a whole (small) object, its length checked; with
+  ``own=True`` (a run's own records: ``run.json``, ``sessions.json``, metrics parts) a local
+  path that is a symbolic link is refused (``OSError`` ELOOP, the open itself does not
+  follow it): those files are written by Baton inside the run directory, and a link there
+  would make Baton read outside it (P8).
 * **Range merging.** ``read_ranges(path, ranges)`` fetches many ranges of one object with few
   requests (``elastic.byte_ranges.merge_ranges``); ``hole_limit`` is ``MERGE_HOLE_BYTES`` on
   S3 and 0 on local disk.
@@ -148,9 +152,11 @@ class Storage:
 
     # ------------------------------------------------------------------ reads
 
-    def read_file(self, path: str) -> bytes:
-        """The whole object at ``path`` (meant for small files: one GET under ``timeout_s``)."""
-        data = self._files.read_file(path)
+    def read_file(self, path: str, *, own: bool = False) -> bytes:
+        """The whole object at ``path`` (meant for small files: one GET under ``timeout_s``);
+        ``own``: a run's own record, never read through a local symbolic link."""
+        data = self._files.read_file(path, follow=not own) if isinstance(
+            self._files, LocalFiles) else self._files.read_file(path)
         self._count(read=len(data))
         return data
 

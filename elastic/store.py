@@ -154,14 +154,15 @@ class SnapshotStore(Storage):
 
     def read_run_json(self) -> dict[str, Any] | None:
         """``run.json`` (untrusted: what a run describes of itself), or None when there is
-        none or it is not a JSON object (logged): every reader treats it as absent."""
+        none, it is not a JSON object or it is a symbolic link (logged): every reader treats
+        it as absent."""
         path = self.path("run.json")
         if not self.exists(path):
             return None
         try:
-            value = json.loads(self.read_file(path))
-        except (ValueError, RecursionError) as err:
-            log.warning("%s is not valid JSON (%s); ignored", path, err)
+            value = json.loads(self.read_file(path, own=True))
+        except (ValueError, RecursionError, OSError) as err:  # OSError: a link (ELOOP), gone
+            log.warning("%s is not readable JSON (%s); ignored", path, err)
             return None
         if not isinstance(value, dict):
             log.warning("%s is not a JSON object; ignored", path)

@@ -12,6 +12,7 @@ import sys
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -220,6 +221,39 @@ def test_a_dead_local_holder_is_taken_over_before_expiry(tmp_path: Path) -> None
     with pytest.raises(LeaseHeldError, match=f"pid {os.getpid()}"):
         RunLease(SnapshotStore(run)).acquire()  # this process is alive: refused
     lease.release()
+
+
+def test_a_live_holder_hidden_by_hidepid_is_not_taken_over(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """With /proc mounted hidepid=2, another user's live driver has no /proc/PID here: that is
+    not proof it died (the lease stays held until it expires); a pid that is really gone is."""
+    import builtins
+
+    import elastic.lease as lease_module
+
+    holder = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        record = {**lease_module.default_holder(), "pid": holder.pid}
+        record.pop("pid_start")
+        real_open = builtins.open
+
+        def hidden(path: Any, *args: Any, **kwargs: Any) -> Any:
+            if str(path) == f"/proc/{holder.pid}/stat":
+                raise FileNotFoundError(path)  # what hidepid=2 shows of another user's pid
+            return real_open(path, *args, **kwargs)
+
+        monkeypatch.setattr(builtins, "open", hidden)
+        assert not lease_module.holder_is_dead(record)
+        run = str(tmp_path / "run")
+        RunLease(SnapshotStore(run), holder=record).acquire()
+        with pytest.raises(LeaseHeldError, match=f"pid {holder.pid}"):
+            RunLease(SnapshotStore(run)).acquire()
+    finally:
+        holder.kill()
+        holder.wait()
+    assert lease_module.holder_is_dead(record)  # gone (and reaped): taken over at once
+    assert RunLease(SnapshotStore(run)).acquire()["epoch"] == 2
 
 
 # A lease file is untrusted input: whatever it holds, acquiring gives one line (never a

@@ -332,3 +332,25 @@ def test_runs_ls_shows_running_and_failed_runs(
     assert [(r["run"], r["state"]) for r in rows] == [("base", "failed")]
     assert main(["runs", "ls", str(tmp_path / "none")]) == 2
     assert "is not a directory" in capsys.readouterr().err
+
+
+def test_a_run_s_records_are_never_read_through_a_symbolic_link(
+    parent: Path, tmp_path: Path,
+) -> None:
+    """run.json, sessions.json and metrics parts that are links to another run's files (or
+    anywhere) read as absent: Baton never reads outside a run directory through them (P8)."""
+    from trainer.session_log import read_sessions
+
+    mirror = tmp_path / "runs" / "mirror"
+    (mirror / "metrics").mkdir(parents=True)
+    for name in ("run.json", "sessions.json"):
+        (mirror / name).symlink_to(parent / name)
+    for part in (parent / "metrics").glob("part-*.jsonl"):
+        (mirror / "metrics" / part.name).symlink_to(part)
+    store = SnapshotStore(str(mirror))
+    assert store.read_run_json() is None and read_sessions(store) == []
+    assert read_records(str(mirror)) == [] and read_records(str(parent)) != []
+    rows = {r["run"]: r for r in list_runs(str(tmp_path / "runs"))}
+    assert (rows["mirror"]["parent"], rows["mirror"]["steps"], rows["mirror"]["loss"]) == \
+        (None, None, None)
+    assert (rows["base"]["steps"], rows["base"]["step"]) == (16, 8)  # the real one reads

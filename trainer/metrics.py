@@ -110,7 +110,7 @@ def read_records(run_uri: str) -> list[dict[str, Any]]:
             continue
         path = f"{root}/{name}"
         try:
-            text = io.read_file(path).decode("utf-8")
+            text = io.read_file(path, own=True).decode("utf-8")
         except (OSError, UnicodeDecodeError) as err:
             skipped.append(f"{path.rsplit('/', 1)[-1]} ({type(err).__name__})")
             continue

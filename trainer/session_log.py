@@ -160,7 +160,7 @@ def read_sessions(store: SnapshotStore) -> list[dict[str, Any]]:
     try:
         if not store.exists(path):
             return []
-        raw = json.loads(store.read_file(path))
+        raw = json.loads(store.read_file(path, own=True))
     except (ValueError, OSError, RecursionError) as err:
         log.warning("%s: unreadable (%s); the session log is ignored", path, err)
         return []
