@@ -17,8 +17,12 @@ The lease is the object ``RUN/lease.json``::
   A lease whose holder ran on this kernel and in this pid namespace and whose process is
   gone (killed without releasing) is taken over at once, without waiting for the expiry
   (``holder_is_dead``); a holder elsewhere is only taken over once its lease expires.
-* ``renew()`` pushes ``expires_at`` to ``now + ttl``; ``start_renewing()`` does it from a
-  daemon thread every ``ttl / 3``. A renew that finds another token raises (thread: records)
+* ``renew()`` pushes ``expires_at`` to ``now + ttl``; its storage calls end before the lease
+  would (on S3 within the time left minus ``RENEW_MARGIN_S``, at least
+  ``MIN_RENEW_DEADLINE_S``, instead of the store's 60 s retry deadline). ``start_renewing()``
+  renews from a daemon thread every ``ttl / 3``, and every ``RENEW_RETRY_S`` after a renew
+  that failed for storage reasons (doubt is not a loss, but a lease must not lapse while the
+  store hiccups). A renew that finds another token raises (thread: records)
   ``LeaseLostError``; the driver must stop committing.
 * ``release()`` deletes the lease only if it still carries this driver's token: a driver never
   deletes a lease that was taken over from it.
@@ -53,6 +57,9 @@ from elastic.lease_io import LEASE_NAME, LeaseConflict, lease_backend
 from elastic.store import SnapshotStore
 
 _ATTEMPTS = 5  # read-then-conditional-write rounds before giving up on a contended lease
+RENEW_MARGIN_S = 5.0  # a renew's storage calls end this long before the lease would expire
+MIN_RENEW_DEADLINE_S = 5.0  # ... but get at least this long (a lease already lapsed)
+RENEW_RETRY_S = 2.0  # the pause after a renew that failed for storage reasons
 
 log = logging.getLogger(__name__)
 
@@ -262,13 +269,17 @@ class RunLease:
         """Extend the lease to ``now + ttl``; ``LeaseLostError`` if it is no longer ours."""
         if self.token is None or self._record is None:
             raise LeaseLostError(f"run {self.store.run_uri}: renew() before acquire()")
-        data, version = self._backend.read()
+        started = time.monotonic()
+        budget = max(MIN_RENEW_DEADLINE_S,
+                     self._record["expires_at"] - self.clock() - RENEW_MARGIN_S)
+        data, version = self._backend.read(budget)
         current = _parse(data)
         if current is None or current.get("token") != self.token:
             raise LeaseLostError(self._lost_message(current))
         record = {**self._record, "expires_at": self.clock() + self.ttl_s}
+        left = max(1.0, budget - (time.monotonic() - started))
         try:
-            self._backend.replace(self._encode(record), version)
+            self._backend.replace(self._encode(record), version, left)
         except LeaseConflict as err:
             raise LeaseLostError(self._lost_message(self.read())) from err
         self._record = record
@@ -303,17 +314,22 @@ class RunLease:
             thread.join(timeout=30)
 
     def _renew_loop(self, interval: float) -> None:
-        while not self._stop.wait(interval):
+        pause = interval
+        while not self._stop.wait(pause):
             try:
                 self.renew()
+                pause = interval
             except LeaseLostError as err:
                 self.lost = str(err)
                 log.error("%s", err)
                 return
             except Exception as err:  # noqa: BLE001 - storage doubt: keep trying, never give up
                 # A store that does not answer is not proof of a takeover: the next renew
-                # either finds our token (and extends it) or someone else's (lost).
-                log.warning("run lease renew failed (%s: %s); retrying", type(err).__name__, err)
+                # either finds our token (and extends it) or someone else's (lost). Soon:
+                # the lease runs out while we wait.
+                pause = min(interval, RENEW_RETRY_S)
+                log.warning("run lease renew failed (%s: %s); retrying in %.0f s",
+                            type(err).__name__, err, pause)
 
     # ------------------------------------------------------------------ messages
 

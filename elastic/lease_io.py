@@ -8,7 +8,10 @@ only kinds of store there are). A backend reads the lease with an opaque version
 ETag; local disk: the bytes themselves) and writes only on that version:
 
 * ``read()`` returns ``(bytes, version)`` of one stored version, or ``(None, None)`` when
-  there is no lease.
+  there is no lease. ``read`` and ``replace`` take ``deadline_s``: on S3 the call (retries
+  included) ends within it rather than the store's ``retry_deadline_s`` (a renew must end
+  before the lease does); local disk calls have no deadline. A local ``lease.json`` that is a
+  symbolic link is never read through: it reads as an unreadable lease (empty bytes).
 * ``create(data)`` writes the lease only if there is none; ``replace(data, version)`` and
   ``delete(version)`` only if the stored lease is still ``version`` (deleting a lease that is
   already gone is not an error). A failed condition raises ``LeaseConflict``; the lease is
@@ -51,6 +54,7 @@ Atomicity
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
 import uuid
 from collections.abc import Iterator
@@ -69,9 +73,9 @@ class LeaseConflict(Exception):
 class LeaseBackend(Protocol):
     """The storage side of the lease (see the module docstring)."""
 
-    def read(self) -> tuple[bytes | None, Any]: ...
+    def read(self, deadline_s: float | None = None) -> tuple[bytes | None, Any]: ...
     def create(self, data: bytes) -> None: ...
-    def replace(self, data: bytes, version: Any) -> None: ...
+    def replace(self, data: bytes, version: Any, deadline_s: float | None = None) -> None: ...
     def delete(self, version: Any) -> None: ...
     def honours_conditions(self) -> bool: ...
 
@@ -83,11 +87,15 @@ class LocalLeaseBackend:
         self.lock_path = store.path(_LOCK_NAME)
         self.directory = store.root
 
-    def read(self) -> tuple[bytes | None, Any]:
+    def read(self, deadline_s: float | None = None) -> tuple[bytes | None, Any]:
         try:
-            data = self.store.read_file(self.path)
+            data = self.store.read_file(self.path, own=True)
         except FileNotFoundError:
             return None, None
+        except OSError as err:
+            if err.errno != errno.ELOOP:
+                raise
+            data = b""  # a symbolic link: an unreadable lease (fails closed; force replaces)
         return data, data
 
     @contextlib.contextmanager
@@ -110,7 +118,7 @@ class LocalLeaseBackend:
         except FileExistsError as err:
             raise LeaseConflict from err
 
-    def replace(self, data: bytes, version: Any) -> None:
+    def replace(self, data: bytes, version: Any, deadline_s: float | None = None) -> None:
         with self._locked():
             current, _ = self.read()
             if current != version:
@@ -138,18 +146,19 @@ class S3LeaseBackend:
         self.store = store
         self.path = store.path(LEASE_NAME)
 
-    def read(self) -> tuple[bytes | None, Any]:
+    def read(self, deadline_s: float | None = None) -> tuple[bytes | None, Any]:
         # One GET gives the bytes and the ETag of the same version (a HEAD then a GET could
         # straddle a write).
         try:
-            resp = self.store.s3_request("read", self.path, "get_object")
+            resp = self.store.s3_request("read", self.path, "get_object", deadline_s=deadline_s)
         except FileNotFoundError:
             return None, None
         return resp["Body"], resp["ETag"]
 
-    def _put(self, data: bytes, **condition: str) -> None:
+    def _put(self, data: bytes, deadline_s: float | None = None, **condition: str) -> None:
         try:
-            self.store.s3_request("write", self.path, "put_object", Body=data, **condition)
+            self.store.s3_request("write", self.path, "put_object", deadline_s=deadline_s,
+                                  Body=data, **condition)
         except FileNotFoundError as err:  # If-Match on a key that is gone: released/removed
             raise LeaseConflict from err
         except OSError as err:
@@ -157,15 +166,15 @@ class S3LeaseBackend:
                 raise
             # A retried write whose first attempt landed also comes back 412: ours if the
             # stored bytes are the bytes we sent (they carry our fresh token).
-            current, _ = self.read()
+            current, _ = self.read(deadline_s)
             if current != data:
                 raise LeaseConflict from err
 
     def create(self, data: bytes) -> None:
         self._put(data, IfNoneMatch="*")
 
-    def replace(self, data: bytes, version: Any) -> None:
-        self._put(data, IfMatch=version)
+    def replace(self, data: bytes, version: Any, deadline_s: float | None = None) -> None:
+        self._put(data, deadline_s, IfMatch=version)
 
     def delete(self, version: Any) -> None:
         try:

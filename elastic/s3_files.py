@@ -36,6 +36,7 @@ Imports: the standard library, fsspec (s3fs through it), ``elastic.retry``,
 
 from __future__ import annotations
 
+import dataclasses
 import errno
 import functools
 import os
@@ -75,11 +76,16 @@ class S3Files:
     # ------------------------------------------------------------------ plumbing
 
     def call(self, what: str, path: str, attempt: Callable[[float | None], T], *,
-             nbytes: int = 0) -> T:
-        """``attempt(timeout)`` under the retry policy and the transfer's deadline."""
+             nbytes: int = 0, deadline_s: float | None = None) -> T:
+        """``attempt(timeout)`` under the retry policy and the transfer's deadline;
+        ``deadline_s`` shortens both (a call that must end sooner: a lease renew)."""
         transfer_s = nbytes / MIN_BYTES_PER_S
-        return call_with_retries(attempt, what=what, path=path, policy=self.retry,
-                                 attempt_s=self.timeout_s + transfer_s, extra_s=transfer_s)
+        policy, attempt_s = self.retry, self.timeout_s
+        if deadline_s is not None:
+            policy = dataclasses.replace(policy, deadline_s=min(policy.deadline_s, deadline_s))
+            attempt_s = min(attempt_s, deadline_s)
+        return call_with_retries(attempt, what=what, path=path, policy=policy,
+                                 attempt_s=attempt_s + transfer_s, extra_s=transfer_s)
 
     def _aio(self, timeout: float | None, method: Callable[..., Any], *args: Any,
              **kwargs: Any) -> Any:
@@ -246,9 +252,11 @@ class S3Files:
 
     # ------------------------------------------------------------------ raw S3
 
-    def request(self, what: str, path: str, operation: str, **params: Any) -> dict[str, Any]:
+    def request(self, what: str, path: str, operation: str, *, deadline_s: float | None = None,
+                **params: Any) -> dict[str, Any]:
         """One S3 API ``operation`` on the object at ``path`` under the deadlines and
-        retries; a ``get_object`` body comes back read whole (bytes, length checked)."""
+        retries (``deadline_s``: a shorter one); a ``get_object`` body comes back read whole
+        (bytes, length checked)."""
         bucket, key, _ = self.fs.split_path(path)
         params = {"Bucket": bucket, "Key": key, **params}
         nbytes = len(params.get("Body", b""))
@@ -259,7 +267,7 @@ class S3Files:
             return self._aio(timeout, self.fs._call_s3, operation, **params)
 
         try:
-            return self.call(what, path, attempt, nbytes=nbytes)
+            return self.call(what, path, attempt, nbytes=nbytes, deadline_s=deadline_s)
         finally:
             self.fs.invalidate_cache(path)
 

@@ -259,12 +259,14 @@ class Storage:
 
     # ------------------------------------------------------------------ raw S3
 
-    def s3_request(self, what: str, path: str, operation: str, **params: Any) -> dict[str, Any]:
+    def s3_request(self, what: str, path: str, operation: str, *,
+                   deadline_s: float | None = None, **params: Any) -> dict[str, Any]:
         """One S3 API ``operation`` on the object at ``path`` under the deadlines and
-        retries; a ``get_object`` body comes back read whole (bytes, length checked)."""
+        retries (``deadline_s``: end sooner than ``retry_deadline_s``); a ``get_object`` body
+        comes back read whole (bytes, length checked)."""
         if isinstance(self._files, LocalFiles):
             raise ValueError(f"{path}: {operation} is an S3 request; this storage is local")
-        return self._files.request(what, path, operation, **params)
+        return self._files.request(what, path, operation, deadline_s=deadline_s, **params)
 
 
 def _locate(uri: str) -> tuple[bool, str]:

@@ -193,6 +193,78 @@ def test_s3_lease_probe_finds_conditional_writes(s3_bucket: str) -> None:
             if ".baton-lease-probe" in p] == []
 
 
+def test_an_s3_renew_ends_before_the_lease_would(s3_faults: Any, s3_bucket: str) -> None:
+    """A store that accepts the request and never answers: the renew gives up within the
+    lease's time left (here 10 s ttl), not the store's 60 s retry deadline, so the driver
+    learns of it (and retries) while the lease still holds; nothing is written."""
+    from elastic.errors import StorageUnavailableError
+
+    store = SnapshotStore(f"s3://{s3_bucket}/runs/slow-renew")  # timeout 30 s, retries 60 s
+    lease = RunLease(store, ttl_s=10.0)
+    lease.acquire()
+    before = lease.read()
+    s3_faults.add_rule("GET", r"/lease\.json", "blackhole", times=None)
+    started = time.monotonic()
+    with pytest.raises(StorageUnavailableError):
+        lease.renew()
+    assert time.monotonic() - started < 9.0  # 10 s ttl - 5 s margin, at least 5 s
+    s3_faults.clear()
+    assert lease.read() == before
+    lease.renew()  # the store answers again: still ours
+    assert lease.read()["expires_at"] > before["expires_at"]
+    lease.release()
+
+
+def test_a_symlinked_lease_is_unreadable_and_force_replaces_the_link(tmp_path: Path) -> None:
+    elsewhere = tmp_path / "elsewhere.json"
+    elsewhere.write_text('{"token": "x"}')
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / LEASE_NAME).symlink_to(elsewhere)
+    with pytest.raises(LeaseHeldError, match="unreadable"):
+        RunLease(SnapshotStore(str(run))).acquire()
+    lease = RunLease(SnapshotStore(str(run)))
+    assert lease.acquire(force=True)["epoch"] == 1
+    assert not (run / LEASE_NAME).is_symlink() and lease.read()["token"] == lease.token
+    assert elsewhere.read_text() == '{"token": "x"}'  # never written through the link
+    lease.release()
+
+
+class _Pauses:
+    """Stands in for the renew thread's stop event: records each pause, stops after n."""
+
+    def __init__(self, n: int) -> None:
+        self.pauses: list[float] = []
+        self.n = n
+
+    def wait(self, timeout: float) -> bool:
+        self.pauses.append(timeout)
+        return len(self.pauses) > self.n
+
+
+def test_the_renew_thread_retries_soon_after_a_storage_failure(tmp_path: Path) -> None:
+    from elastic.lease import RENEW_RETRY_S
+
+    clock = FakeClock()
+    lease = _lease(str(tmp_path / "run"), clock, 101)
+    lease.acquire()
+    outcomes = iter([OSError("no answer"), OSError("no answer"), None, None])
+    renewed: list[float] = []
+
+    def flaky_renew() -> None:
+        failure = next(outcomes)
+        if failure is not None:
+            raise failure
+        renewed.append(clock.now)
+
+    lease.renew = flaky_renew  # type: ignore[method-assign]
+    lease._stop = _Pauses(4)  # type: ignore[assignment]
+    lease._renew_loop(20.0)
+    # The first renew after 20 s failed twice: retried after 2 s each, then every 20 s again.
+    assert lease._stop.pauses == [20.0, RENEW_RETRY_S, RENEW_RETRY_S, 20.0, 20.0]
+    assert len(renewed) == 2 and lease.lost is None
+
+
 def test_ray_job_id_from_env() -> None:
     assert ray_job_id_from_env({}) is None
     assert ray_job_id_from_env({"RAY_JOB_SUBMISSION_ID": "raysubmit_a"}) == "raysubmit_a"
