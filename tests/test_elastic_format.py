@@ -136,6 +136,57 @@ def test_pipelined_capture_is_a_consistent_cut(tmp_path) -> None:
         assert torch.equal(full_state(fresh)[key], value), key
 
 
+class _CountingNet(torch.nn.Module):
+    """Forward reassigns one buffer (a new tensor each call) and updates another in place."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(4, 4)
+        self.register_buffer("calls", torch.zeros(3))
+        self.register_buffer("total", torch.zeros(3))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.calls = self.calls + 1  # reassigned: the old tensor is freed
+        self.total.add_(1)  # in place
+        return self.lin(x)
+
+
+def test_capture_keeps_buffers_a_later_forward_reassigns_or_mutates(
+    tmp_path, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The next step's forward runs before the side thread copies (held back here): the
+    snapshot still holds both buffers as they were when the capture began (P2)."""
+    import threading
+
+    from elastic.capture import Capturer
+    from elastic.registry import StateRegistry
+
+    net = _CountingNet()
+    registry = StateRegistry()
+    registry.register("model", net)
+    net(torch.ones(1, 4))
+    held = threading.Event()
+    real = Capturer._capture
+
+    def held_back(self, *args, **kwargs):
+        held.wait(30)
+        return real(self, *args, **kwargs)
+
+    monkeypatch.setattr(Capturer, "_capture", held_back)
+    capturer = Capturer(registry, 0, 1)
+    handle = capturer.begin(1)
+    for _ in range(3):
+        net(torch.ones(1, 4))  # the next steps' forwards, while the copy waits
+    held.set()
+    captured = handle.wait()
+    capturer.close()
+    values = {c.piece.key: captured.image.views[(c.piece.key, c.piece.offsets)]
+              for c in captured.image.chunks}
+    assert torch.equal(values["model.calls"], torch.ones(3)), values["model.calls"]
+    assert torch.equal(values["model.total"], torch.ones(3)), values["model.total"]
+    assert torch.equal(net.calls, torch.full((3,), 4.0))  # training itself went on
+
+
 @pytest.mark.gpu
 def test_saved_on_cuda_restores_on_cpu_and_back(tmp_path) -> None:
     run = str(tmp_path / "run")
