@@ -39,7 +39,10 @@ each byte of the snapshot that it needs once in all:
   rank's own error there and, on the others, a ``SnapshotIntegrityError`` /
   ``StorageUnavailableError`` / ``RuntimeError`` naming the failing rank and repeating its
   message (as UTF-8 bytes sent as integers); nothing is loaded, so the caller
-  (``Snapshotter.restore``) moves on to the previous snapshot on every rank together.
+  (``Snapshotter.restore``) moves on to the previous snapshot on every rank together. Every
+  buffer the exchange uses (``_Buffers``) is allocated before the agreement that follows the
+  ranks' own reads, so an allocation failure (out of CPU or GPU memory) is agreed like any
+  other failure and never leaves the other ranks waiting in a collective.
   Everything is verified before it is sent: a rank only receives bytes whose owner checked
   their crc32. Only integers and raw tensor bytes cross the process group; nothing is pickled.
 """
@@ -172,13 +175,14 @@ def group_read_tensors(manifest: Manifest, targets: dict[str, Target],
         check_headers(manifest, [(p.op.key, p.op.chunk) for p in mine + alone]
                       + [chunks[p.chunk] for p in owned], source)
         read_placed(mine + alone, source, manifest)
+        buffers = _Buffers(in_place, rounds, rank, step)
     except Exception as caught:
         err = caught
     _settle(err, step, "reading its own blocks")
 
-    _broadcast_in_place(in_place, direct, rank)
+    _broadcast_in_place(in_place, direct, rank, buffers)
     for batch in rounds:
-        _exchange(batch, chunks, direct, rank, source, manifest)
+        _exchange(batch, chunks, direct, rank, source, manifest, buffers)
     return {k: t.wrap(local[k].to(t.device)) for k, t in targets.items()}
 
 
@@ -226,10 +230,32 @@ def _plan(wants: list[list[int]], block: int
     return private, pieces
 
 
-def _broadcast_in_place(pieces: list[_Piece], direct: dict[int, Placed], rank: int) -> None:
+class _Buffers:
+    """Every buffer the exchange needs, allocated at once (before the group agrees that the
+    ranks' own reads succeeded): ``scratch`` receives in-place pieces this rank does not
+    need; ``host`` holds a round; on NCCL ``wire`` carries a piece or a round through the
+    device. Each is as large as the largest use; allocation failure is ``RuntimeError``."""
+
+    def __init__(self, in_place: list[_Piece], rounds: list[list[_Piece]], rank: int,
+                 step: int) -> None:
+        device = group_device()
+        scratch = max((p.end - p.start for p in in_place if rank not in p.needers), default=0)
+        round_bytes = max((sum(p.end - p.start for p in batch) for batch in rounds), default=0)
+        wire = max([round_bytes] + [p.end - p.start for p in in_place])
+        try:
+            self.scratch = torch.empty(scratch, dtype=torch.uint8)
+            self.host = torch.empty(round_bytes, dtype=torch.uint8)
+            self.wire = None if device.type == "cpu" else torch.empty(
+                wire, dtype=torch.uint8, device=device)
+        except RuntimeError as err:  # torch's allocation failure (out of memory)
+            raise RuntimeError(f"{snapshot_label(step)}: cannot allocate the buffers to "
+                               f"exchange shared blocks ({str(err).splitlines()[0]})") from err
+
+
+def _broadcast_in_place(pieces: list[_Piece], direct: dict[int, Placed], rank: int,
+                        buffers: _Buffers) -> None:
     """Each piece from its owner's tensor into the tensors of the ranks that need it (a
     rank that does not gets it into a scratch buffer; NCCL through a device buffer)."""
-    device = group_device()
     for piece in pieces:
         size = piece.end - piece.start
         if rank in piece.needers:
@@ -237,12 +263,13 @@ def _broadcast_in_place(pieces: list[_Piece], direct: dict[int, Placed], rank: i
             flat = p.dst.reshape(-1).view(torch.uint8)
             mine = flat[piece.start - p.op.need0: piece.end - p.op.need0]
         else:
-            mine = torch.empty(size, dtype=torch.uint8)
-        if device.type == "cpu":
+            mine = buffers.scratch[:size]
+        if buffers.wire is None:
             dist.broadcast(mine, src=piece.owner)
             continue
-        wire = mine.to(device) if rank == piece.owner else torch.empty(
-            size, dtype=torch.uint8, device=device)
+        wire = buffers.wire[:size]
+        if rank == piece.owner:
+            wire.copy_(mine)
         dist.broadcast(wire, src=piece.owner)
         if rank != piece.owner:
             mine.copy_(wire)
@@ -262,7 +289,7 @@ def _rounds(pieces: list[_Piece]) -> list[list[_Piece]]:
 
 def _exchange(batch: list[_Piece], chunks: list[tuple[str, ChunkRecord]],
               direct: dict[int, Placed], rank: int, source: ByteSource,
-              manifest: Manifest) -> None:
+              manifest: Manifest, buffers: _Buffers) -> None:
     """One round: owners read and verify their pieces, all agree, each owner broadcasts its
     pieces that every rank needs and sends the others to the ranks that need them, and every
     rank that needs a piece copies it into its tensor."""
@@ -273,8 +300,7 @@ def _exchange(batch: list[_Piece], chunks: list[tuple[str, ChunkRecord]],
     for piece in batch:
         offsets.append(total)
         total += piece.end - piece.start
-    device = group_device()
-    host = torch.empty(total, dtype=torch.uint8)
+    host = buffers.host[:total]
     err: Exception | None = None
     try:
         reads, ops = [], []
@@ -292,7 +318,7 @@ def _exchange(batch: list[_Piece], chunks: list[tuple[str, ChunkRecord]],
     except Exception as caught:
         err = caught
     _settle(err, manifest.step, "reading the blocks it shares")
-    buffer = host if device.type == "cpu" else host.to(device)
+    buffer = host if buffers.wire is None else buffers.wire[:total].copy_(host)
     everyone = sum(1 for piece in batch if len(piece.needers) == world)
     i = 0
     while i < everyone:  # one broadcast per owner, of its consecutive pieces

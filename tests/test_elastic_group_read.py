@@ -275,3 +275,44 @@ def test_every_rank_raises_the_agreed_failure(tmp_path, case: str, agreed: str) 
         assert raised[0] == "TimeoutError" and raised[1:] == [agreed, agreed]
     else:
         assert raised == [agreed] * 3
+
+
+def _restore_out_of_memory(rank: int, world_size: int, run: str, out: str) -> None:
+    """Restore at ``world_size`` where rank 1 cannot allocate the exchange's buffers."""
+    if rank == 1:
+        class _NoMemory:  # group_read's torch, but every allocation there fails
+            def __getattr__(self, name: str) -> Any:
+                return getattr(torch, name)
+
+            @staticmethod
+            def empty(*args: Any, **kwargs: Any) -> torch.Tensor:
+                raise RuntimeError("CUDA out of memory. Tried to allocate 64.00 MiB")
+
+        group_read_module.torch = _NoMemory()  # type: ignore[assignment]  # this process only
+    ts = build(seed=99, layout="ddp", world_size=world_size)
+    snap = Snapshotter(run, ts.registry, rank, world_size, layout="ddp", snapshot_every=10**6)
+    try:
+        snap.restore()
+        raised = ["nothing", ""]
+    except Exception as err:  # noqa: BLE001 - what each rank raises is the result
+        raised = [type(err).__name__, str(err)]
+    snap.close()
+    with open(os.path.join(out, f"rank{rank}.json"), "w") as fh:
+        json.dump(raised, fh)
+
+
+def test_an_allocation_failure_in_the_exchange_is_agreed_not_waited_for(tmp_path) -> None:
+    """Rank 1 runs out of memory for the buffers that carry shared blocks: every rank
+    raises together (rank 1 its own error, the others naming it) instead of the others
+    waiting in the exchange's first collective; the snapshot is not judged corrupt."""
+    run, out = str(tmp_path / "run"), str(tmp_path / "out")
+    os.makedirs(out)
+    run_group(_save, 2, run, "ddp", (3,), BLOCK, tmp_dir=str(tmp_path))
+    run_group(_restore_out_of_memory, 3, run, out, tmp_dir=str(tmp_path))
+    raised = [json.load(open(os.path.join(out, f"rank{r}.json"))) for r in range(3)]
+    assert [kind for kind, _ in raised] == ["RuntimeError"] * 3, raised
+    assert "cannot allocate the buffers" in raised[1][1] and "out of memory" in raised[1][1]
+    for r in (0, 2):
+        assert "rank 1 failed while reading its own blocks" in raised[r][1], raised[r]
+        assert "out of memory" in raised[r][1], raised[r]
+    assert SnapshotStore(run).committed_steps() == [3]  # not quarantined
