@@ -10,6 +10,12 @@ Contract
 * ``ManifestError``: the manifest itself is malformed or names something it must not
   (a path outside the snapshot, a dtype that disagrees with the file). A subclass of
   ``SnapshotIntegrityError``, so it triggers the same fallback.
+* ``SnapshotMisfitError``: a ``ManifestError`` that may be the live code's and not the
+  snapshot's: its state does not fit a registered component (other keys or types) or a
+  registered tensor has another dtype. A code or config change gives it for every snapshot,
+  so restore never quarantines one for it alone: it tries the previous snapshot, and if none
+  fits raises ``SnapshotMismatchError`` with every snapshot left in place (a snapshot
+  restored from an older step still moves the newer ones aside, as any rewind does).
 * ``StorageUnavailableError`` (an ``OSError``): the store did not answer within its deadline
   after retries (HTTP 5xx, throttling, a black-holed endpoint). This is *doubt*, not proof:
   a restore that meets it fails without falling back and without touching any snapshot.
@@ -34,6 +40,10 @@ class SnapshotIntegrityError(ValueError):
 
 class ManifestError(SnapshotIntegrityError):
     """A manifest is malformed or unsafe; it is untrusted input."""
+
+
+class SnapshotMisfitError(ManifestError):
+    """A snapshot's state does not fit the registered components (module contract)."""
 
 
 class StorageUnavailableError(OSError):

@@ -35,10 +35,18 @@ this costs no atomicity; it saves a copy of the model.)
 DCP cannot tell "no state yet" from "never has state": for an optimizer with empty state and
 no gradients it makes the state up with a fake ``optimizer.step()`` at learning rate 0. Run by
 a capture on its side thread, that step would wait on the very capture (``Session``'s
-pre-step hook) and set the learning rates to 0 under the training thread. So a post-step hook
-records whether the last step left any state; once a step has left none (plain SGD),
-``state_dict()`` is the optimizer's own, keyed by FQN, with empty ``state``. Loading never
-needs the fake step: ``Optimizer.load_state_dict`` fills an empty optimizer.
+pre-step hook) and set the learning rates to 0 under the training thread. So for a plain
+model ``state_dict()`` is always the optimizer's own, keyed by FQN (an empty ``state`` when it
+has none yet: no fake step, no moments allocated only to be replaced by a restore); for any
+other model a post-step hook records whether the last step left any state, and once a step
+has left none (plain SGD) the same. Loading never needs the fake step:
+``Optimizer.load_state_dict`` fills an empty optimizer.
+
+An optimizer holds state only for parameters that have had a gradient (an unused head, an
+MoE expert not routed to yet): a snapshot's ``state`` may name a subset of the trainable
+parameters, and loading it leaves the others without state, as the uninterrupted run has
+them (DCP is called with ``strict=False`` for this; ``Optimizer.load_state_dict`` replaces
+the state whole, so the fake step's made-up state of those parameters does not survive).
 """
 
 from __future__ import annotations
@@ -52,6 +60,7 @@ import torch
 from torch import nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import ActivationWrapper
 from torch.distributed.checkpoint.state_dict import (  # _get_fqns: DCP's own parameter names
+    StateDictOptions,
     _get_fqns,
     get_model_state_dict,
     get_optimizer_state_dict,
@@ -156,11 +165,11 @@ class OptimizerState:
         self._stateless = not optimizer.state
 
     def state_dict(self) -> dict[str, Any]:
-        # Before the first step DCP's initialisation makes the state every later snapshot
-        # has; a sharded or wrapped model's state needs DCP.
+        # A sharded or wrapped model's state needs DCP (which makes up a state that has none
+        # yet with its fake step; see the module docstring).
         stateless = self._stateless and not self.optimizer.state
         prefix = plain_prefix(self.model)
-        if stateless or (self.optimizer.state and prefix is not None):
+        if stateless or prefix is not None:
             keyed = self._keyed_by_fqn(prefix)
             if keyed is not None:
                 return keyed
@@ -187,16 +196,16 @@ class OptimizerState:
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         prefix = plain_prefix(self.model)
         loadable = self._positional(state_dict, prefix) if prefix is not None else None
-        if loadable is None:
-            set_optimizer_state_dict(self.model, self.optimizer, state_dict)
+        if loadable is None:  # state of a subset of the parameters is a real state (above)
+            set_optimizer_state_dict(self.model, self.optimizer, state_dict,
+                                     options=StateDictOptions(strict=False))
         else:
             self.optimizer.load_state_dict(loadable)
 
     def _positional(self, state_dict: dict[str, Any], prefix: str) -> dict[str, Any] | None:
         """What DCP hands ``Optimizer.load_state_dict`` for a plain model, when the snapshot's
-        param groups name the live groups' parameters in the same order and its state holds
-        every trainable one (or none); None otherwise (DCP then regroups, or names what is
-        missing)."""
+        param groups name the live groups' parameters in the same order (its state may hold
+        any subset of the trainable ones); None otherwise (DCP then regroups)."""
         groups, state = state_dict.get("param_groups"), state_dict.get("state")
         live = self.optimizer.param_groups
         if not isinstance(groups, list) or not isinstance(state, dict) \
@@ -210,8 +219,6 @@ class OptimizerState:
                 return None
             trainable.extend(n for n, p in zip(names, live_group["params"], strict=True)
                              if p.requires_grad and n is not None)
-        if state and not state.keys() >= set(trainable):
-            return None  # DCP names the parameter whose state is missing
         # Optimizer.load_state_dict pairs saved and live parameters by position; the FQNs
         # stand for the ids. Like DCP, state of frozen or unknown parameters is left out.
         return {"state": {n: state[n] for n in trainable if n in state},

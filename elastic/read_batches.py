@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import operator
 import os
+import warnings
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
@@ -54,6 +55,8 @@ VERIFY_THREADS = max(1, min(4, len(os.sched_getaffinity(0)) if hasattr(os, "sche
 # so the crc32 reads bytes the kernel has just copied while they are still in the CPU's
 # cache: 0.37 GB read + verified on one thread in 47 ms in 32 MiB pieces, 38.5 ms in 1-4 MiB.
 VERIFY_PIECE_BYTES = 4 << 20
+# Copies of at least this many bytes go through torch (``copy_bytes``).
+TORCH_COPY_MIN_BYTES = 1 << 20
 
 
 def snapshot_label(step: int) -> str:
@@ -262,6 +265,18 @@ def _verify_pool() -> ThreadPoolExecutor:
         _POOL.append(ThreadPoolExecutor(max_workers=VERIFY_THREADS,
                                         thread_name_prefix="baton-verify"))
     return _POOL[0]
+
+
+def copy_bytes(dst: memoryview, src: memoryview) -> None:
+    """``dst[:] = src`` (same length); large copies through torch, which uses the process's
+    threads (a 32 MiB copy: 21 GB/s on this 2-core machine against the memoryview's 14)."""
+    if len(dst) < TORCH_COPY_MIN_BYTES:
+        dst[:] = src
+        return
+    with warnings.catch_warnings():  # a source from the RAM tier may be read-only
+        warnings.simplefilter("ignore", UserWarning)
+        source = torch.frombuffer(src, dtype=torch.uint8)
+    torch.frombuffer(dst, dtype=torch.uint8).copy_(source)
 
 
 def copy_staged(p: Placed, raw: memoryview) -> None:

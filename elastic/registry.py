@@ -28,7 +28,8 @@ per-rank tensor state is not supported because it has no meaning at another worl
 Skeletons read from a snapshot are untrusted (DESIGN P8). ``check_state(skeletons)``
 compares each registered component's snapshot skeleton with the skeleton of its live
 ``state_dict()`` *before anything is loaded* (``load`` calls it first; restore calls it
-before reading tensors) and raises ``ManifestError`` naming the component and the path
+before reading tensors) and raises ``SnapshotMisfitError`` (a ``ManifestError``: restore
+does not quarantine a snapshot for it alone) naming the component and the path
 (``data.epoch: expected int, got str``) unless:
 
 * objects have the same keys (also each optimizer param group: the live group's keys);
@@ -57,7 +58,7 @@ from typing import Any, NoReturn, Protocol
 import torch
 from torch import nn
 
-from elastic.errors import ManifestError
+from elastic.errors import ManifestError, SnapshotMisfitError
 from elastic.format import ITEMS_TAG, TENSOR_TAG, TUPLE_TAG, json_kind, short_repr
 from elastic.module_state import ModelState, OptimizerState
 
@@ -185,8 +186,8 @@ class _SkeletonCheck:
         self.where = where
 
     def fail(self, path: str, what: str) -> NoReturn:
-        raise ManifestError(f"{self.where}: state {path}: {what}; the snapshot does not fit "
-                            "the registered component")
+        raise SnapshotMisfitError(f"{self.where}: state {path}: {what}; the snapshot does not "
+                                  "fit the registered component")
 
     def compare(self, exp: Any, got: Any, path: str, null_ok: bool = False) -> None:
         ek, gk = _node_kind(exp), _node_kind(got)
@@ -231,23 +232,28 @@ class _SkeletonCheck:
                             f"{short_repr(unexpected)}")
 
     def optimizer(self, exp: Any, got: Any, path: str) -> None:
-        """DCP's optimizer state: ``state`` as usual; param groups may hold null for any
-        scalar flag, and must name live parameters."""
+        """DCP's optimizer state: ``state`` per parameter, for any subset of the live
+        parameters (an optimizer has state only for those that had a gradient), each entry
+        like a live one; param groups may hold null for any scalar flag, and must name live
+        parameters."""
         if _node_kind(exp) != "dict" or _node_kind(got) != "dict":
             self.compare(exp, got, path)  # not DCP's layout: compare it like any state
             return
         self.same_keys(list(exp), list(got), path)
-        for k in exp:
-            if k != "param_groups":
-                self.compare(exp[k], got[k], f"{path}.{k}")
         groups, live = got.get("param_groups"), exp.get("param_groups")
+        params = {p for g in live if isinstance(g, dict)
+                  for p in g.get("params", []) if isinstance(p, str)} \
+            if isinstance(live, list) else set()
+        for k in exp:
+            if k == "state" and _node_kind(exp[k]) == "dict" and params:
+                self.parameter_states(exp[k], got[k], params, f"{path}.state")
+            elif k != "param_groups":
+                self.compare(exp[k], got[k], f"{path}.{k}")
         if not isinstance(live, list) or not live:
             self.compare(live, groups, f"{path}.param_groups")
             return
         if not isinstance(groups, list):
             self.fail(f"{path}.param_groups", f"expected list, got {_node_kind(groups)}")
-        params = {p for g in live if isinstance(g, dict)
-                  for p in g.get("params", []) if isinstance(p, str)}
         for i, group in enumerate(groups):
             where = f"{path}.param_groups[{i}]"
             self.compare(live[min(i, len(live) - 1)], group, where, null_ok=True)
@@ -257,7 +263,40 @@ class _SkeletonCheck:
                                                  "the optimizer does not have")
 
 
+    def parameter_states(self, exp: dict[str, Any], got: Any, params: set[str],
+                         path: str) -> None:
+        """Each saved entry names a live parameter and is a dict like that parameter's
+        live entry; where it has none yet (no step ran, or the parameter never had a
+        gradient) its kinds are its own (Adafactor keeps other keys for a vector than for a
+        matrix), but every tensor it refers to is its own: named by its path, never another
+        parameter's state or a model weight."""
+        if _node_kind(got) != "dict":
+            self.fail(path, f"expected dict, got {_node_kind(got)}")
+        for name, entry in got.items():
+            where = f"{path}.{name}"
+            if name not in params:
+                self.fail(where, "names a parameter the optimizer does not have")
+            if _node_kind(entry) != "dict":
+                self.fail(where, f"expected dict, got {_node_kind(entry)}")
+            self.compare(exp[name] if name in exp else _own_refs(entry, where), entry, where)
+
+
 _SCALARS = ("bool", "int", "float", "str")
+
+
+def _own_refs(node: Any, path: str) -> Any:
+    """``node`` as it stands at ``path``: every tensor reference renamed to where it
+    stands, the name ``encode_tree`` gives it."""
+    if isinstance(node, dict):
+        if TENSOR_TAG in node:
+            return {TENSOR_TAG: path}
+        if TUPLE_TAG in node and isinstance(node[TUPLE_TAG], list):
+            return {TUPLE_TAG: [_own_refs(v, f"{path}.{i}") for i, v in
+                                enumerate(node[TUPLE_TAG])]}
+        return {k: _own_refs(v, f"{path}.{k}") for k, v in node.items()}
+    if isinstance(node, list):
+        return [_own_refs(v, f"{path}.{i}") for i, v in enumerate(node)]
+    return node
 
 
 def _node_kind(value: Any) -> str:

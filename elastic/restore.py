@@ -11,13 +11,14 @@ here, because a manifest is untrusted input (DESIGN P8):
 * ``check_compatible``: the snapshot's model tensors are the registered model's (else
   ``SnapshotMismatchError`` listing missing, unexpected and shape-mismatched tensors), and
   every component's JSON state fits the live component (``StateRegistry.check_state``; a
-  misfit is ``ManifestError`` naming the component and path).
+  misfit is ``SnapshotMisfitError`` naming the component and path; optimizer state may
+  cover a subset of the parameters).
 * Targets come from the registry's current tensors (``layout.target_piece``); a registered
-  tensor whose dtype differs from the manifest's is ``ManifestError`` (an edited dtype must
-  fail, not load reinterpreted bytes). Optimizer moments that do not exist yet take the
-  layout of their parameter — the tensor named ``<param fqn>`` inside their key with the same
-  global shape — and everything else is a plain CPU tensor (the optimizer's load_state_dict
-  places it).
+  tensor whose dtype differs from the manifest's is ``SnapshotMisfitError`` (a dtype edited
+  in the manifest alone also disagrees with the file's header: ``ManifestError``).
+  Optimizer moments that do not exist yet take the layout of their parameter — the tensor
+  named ``<param fqn>`` inside their key with the same global shape — and everything else is
+  a plain CPU tensor (the optimizer's load_state_dict places it).
 * Before any tensor bytes are read, the safetensors header of every file used is read (one
   small range read per file, cached in the ``ByteSource``: from the first byte up to the
   file's first chunk) and each used chunk must be in it with the manifest's dtype, shape and
@@ -45,7 +46,6 @@ here, because a manifest is untrusted input (DESIGN P8):
   ``SnapshotIntegrityError``.
 
 ``collector_paused()`` is the context a restore runs in: Python's cyclic garbage collector off.
-
 Bad input never surfaces as RuntimeError/KeyError/TypeError/IndexError: every failure is a
 ``SnapshotIntegrityError`` (or its subclass ``ManifestError``), which restore answers by
 falling back to the previous committed snapshot.
@@ -66,7 +66,7 @@ from typing import Any
 
 import torch
 
-from elastic.errors import ManifestError, SnapshotIntegrityError
+from elastic.errors import ManifestError, SnapshotIntegrityError, SnapshotMisfitError
 from elastic.format import (
     MAX_HEADER_BYTES,
     ChunkRecord,
@@ -78,7 +78,7 @@ from elastic.format import (
 )
 from elastic.layout import Piece, Target, target_piece
 from elastic.prefault import prefault
-from elastic.read_batches import Placed, ReadOp, place, read_placed
+from elastic.read_batches import Placed, ReadOp, copy_bytes, place, read_placed
 from elastic.read_batches import snapshot_label as _snap
 from elastic.registry import SnapshotMismatchError, StateRegistry
 from elastic.store import SnapshotStore
@@ -169,7 +169,7 @@ class ByteSource:
                         f"{start + sum(len(b) for b in bufs)}; truncated")
                 pos = 0
                 for buf in bufs:
-                    buf[:] = view[pos: pos + len(buf)]
+                    copy_bytes(buf, view[pos: pos + len(buf)])
                     pos += len(buf)
             reads = rest
             if not reads:
@@ -214,19 +214,18 @@ def check_compatible(registry: StateRegistry, manifest: Manifest,
     """The snapshot holds the registered model (``SnapshotMismatchError``) and its JSON state
     fits every live component (``ManifestError``); nothing is read or loaded. ``templates``
     (and ``live_skeletons``, when given) are the registry's ``flatten()``."""
-    model_keys = registry.module_keys()
-    missing = sorted(k for k in templates if k not in manifest.tensors)
-    unexpected = sorted(k for k in manifest.tensors if k not in templates
-                        and any(k.startswith(m + ".") for m in model_keys))
+    models = tuple(m + "." for m in registry.module_keys())
+    # Only model tensors must all be there: an optimizer has state only for parameters that
+    # had a gradient (the JSON state check says which entries the snapshot may hold).
+    missing = sorted(k for k in templates if k not in manifest.tensors and k.startswith(models))
+    unexpected = sorted(k for k in manifest.tensors if k not in templates and k.startswith(models))
     mismatched = {k: (list(manifest.tensors[k].shape), list(t.shape))
                   for k, t in templates.items()
                   if k in manifest.tensors and tuple(t.shape) != manifest.tensors[k].shape}
     if missing or unexpected or mismatched:
         raise SnapshotMismatchError(
-            f"snapshot {manifest.step} does not match the registered state: "
-            f"missing {missing}, unexpected {unexpected}, "
-            f"shape-mismatched (saved, expected) {mismatched}"
-        )
+            f"snapshot {manifest.step} does not match the registered state: missing "
+            f"{missing}, unexpected {unexpected}, shape-mismatched (saved, expected) {mismatched}")
     registry.check_state(manifest.state, _snap(manifest.step), live=live_skeletons)
 
 
@@ -239,8 +238,9 @@ def plan_targets(manifest: Manifest, templates: dict[str, torch.Tensor]) -> dict
         dtype = str_to_dtype(rec.dtype)
         template = templates.get(key)
         if template is not None and template.dtype != dtype:
-            raise ManifestError(f"{_snap(manifest.step)}: tensor {key!r} is {rec.dtype} in the "
-                                f"manifest but the registered tensor is {template.dtype}")
+            raise SnapshotMisfitError(
+                f"{_snap(manifest.step)}: tensor {key!r} is {rec.dtype} in the manifest but "
+                f"the registered tensor is {template.dtype}")
         if template is None:
             template = _parameter_like(key, rec.shape, templates)
         if template is None:

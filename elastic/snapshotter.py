@@ -61,7 +61,7 @@ import torch.distributed as dist
 
 from elastic.capture import CaptureHandle, Capturer
 from elastic.collectives import agree_max, broadcast_int, grouped
-from elastic.errors import SnapshotIntegrityError, StorageUnavailableError
+from elastic.errors import SnapshotIntegrityError, SnapshotMisfitError, StorageUnavailableError
 from elastic.faults import FaultInjector
 from elastic.format import DEFAULT_BLOCK_BYTES, FORMAT_VERSION, LAYOUTS, Manifest
 from elastic.group_read import group_read_tensors
@@ -98,18 +98,23 @@ def library_versions() -> dict[str, str]:
 
 
 # A restore verdict per snapshot, agreed across ranks by taking the maximum: one rank's doubt
-# (storage unreachable) outranks another's integrity failure, which outranks success.
-_OK, _CORRUPT, _UNREACHABLE = 0, 1, 2
+# (storage unreachable) outranks another's integrity failure, which outranks a misfit (the
+# state does not fit the live components: maybe the code's fault, never quarantined alone),
+# which outranks success.
+_OK, _MISFIT, _CORRUPT, _UNREACHABLE = 0, 1, 2, 3
 
 
 def _attempt(read: Callable[[], T]) -> tuple[T | None, int, str]:
     """``read()`` and the restore verdict on it: a definite integrity failure (checksum,
-    malformed manifest, missing file on a store that answered) is corrupt, storage that did
-    not answer unreachable; a snapshot of another model is raised as is."""
+    malformed manifest, missing file on a store that answered) is corrupt, a state that does
+    not fit the live components a misfit, storage that did not answer unreachable; a
+    snapshot of another model is raised as is."""
     try:
         return read(), _OK, ""
     except SnapshotMismatchError:
         raise
+    except SnapshotMisfitError as err:
+        return None, _MISFIT, str(err)
     except FileNotFoundError as err:  # the store answered: the file is not there
         return None, _CORRUPT, f"missing file: {err}"
     except (SnapshotIntegrityError, ValueError) as err:
@@ -189,8 +194,11 @@ class Snapshotter:
 
         Only a definite integrity failure (checksum, malformed manifest, missing file on a
         store that answered) moves on to the previous snapshot, and the rejected one is
-        quarantined, not deleted. Storage that does not answer within its deadline raises
-        ``StorageUnavailableError`` and changes nothing: restarting later restores it."""
+        quarantined, not deleted. A snapshot whose state does not fit the live components
+        (``SnapshotMisfitError``) is passed over but kept; if no snapshot fits,
+        ``SnapshotMismatchError`` says so and nothing was moved (a code or config change must
+        not cost the run its snapshots). Storage that does not answer within its deadline
+        raises ``StorageUnavailableError`` and changes nothing: restarting later restores it."""
         with collector_paused():
             return self._restore_newest()
 
@@ -200,6 +208,7 @@ class Snapshotter:
         # A group (torch.distributed of this world size) reads each byte once between its
         # ranks (elastic.group_read); the ranks first agree that every one of them can.
         group = grouped() and dist.get_world_size() == self.world_size
+        misfits: list[str] = []
         for step in steps:
             prepared, tensors, verdict, reason = self._read(step, group, ram=True)
             ram_used = prepared is not None and prepared[2].used_ram
@@ -214,6 +223,13 @@ class Snapshotter:
                     f"snapshot {step} of {self.store.run_uri} could not be read"
                     f"{': ' + reason if reason else ' (on another rank)'}; nothing was "
                     "changed or removed: the run restores it once storage answers again")
+            if verdict == _MISFIT:
+                msg = (f"snapshot {step} of {self.store.run_uri} does not fit the registered "
+                       f"state: {reason or 'on another rank'}")
+                self.restore_errors.append(msg)
+                misfits.append(msg)
+                log.warning("%s; kept, trying the previous committed snapshot", msg)
+                continue
             if verdict == _CORRUPT:
                 msg = (f"snapshot {step} of {self.store.run_uri} is unusable: "
                        f"{reason or 'another rank found it corrupt'}")
@@ -231,6 +247,11 @@ class Snapshotter:
             self.restored_world_size = manifest.world_size
             self.coordinator.rewind(step)
             return step
+        if misfits:
+            raise SnapshotMismatchError(
+                f"no committed snapshot of {self.store.run_uri} fits the registered state "
+                "(none was moved; was the code, the model's dtype or a component's state "
+                f"changed?): {misfits[0]}")
         if steps:
             raise SnapshotIntegrityError(
                 f"no committed snapshot of {self.store.run_uri} could be restored (each was "
