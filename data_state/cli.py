@@ -180,6 +180,10 @@ def _prepare(args: argparse.Namespace) -> int:
         name = f" {err.filename!r}" if err.filename else ""
         return _fail("prepare", f"cannot read or write{name} "
                                 f"({type(err).__name__}: {err.strerror or err})")
+    except storage_errors() as err:  # an s3:// source: credentials, endpoint
+        return _fail("prepare", f"cannot read the sources {' '.join(args.paths)} "
+                                f"({type(err).__name__}: {err}); check the AWS credentials "
+                                "and endpoint in the environment")
     elapsed = time.perf_counter() - started
     files, row_inputs = manifest.sources["files"], manifest.sources["row_inputs"]
     rows = sum(r["train_rows"] + r["val_rows"] for r in row_inputs)

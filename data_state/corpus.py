@@ -59,6 +59,7 @@ from data_state.sources import SPLITS, ReadOptions, Unit, plan_units
 from data_state.split_writer import SplitWriter
 from data_state.tokenizer import (
     BYTES,
+    MAX_TRAINED_VOCAB,
     TOKENIZER_FILE,
     HFTokenizer,
     Tokenizer,
@@ -240,7 +241,7 @@ def _with_progress(results: Iterator[UnitResult], units: Sequence[Unit], what: s
 def _train_tokenizer(units: Sequence[Unit], read: ReadOptions, vocab_size: int, *,
                      workers: int, use_ray: bool, progress: bool) -> HFTokenizer:
     """First pass: read the train split's documents (in order) and train a BPE on them."""
-    if vocab_size < 257:  # before reading anything
+    if not 257 <= vocab_size <= MAX_TRAINED_VOCAB:  # refused before reading anything
         train_bpe([], vocab_size)
     job = Job(None, None, read, tokenize=False)
     results = _with_progress(_run(units, job, workers, use_ray), units,

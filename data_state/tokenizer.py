@@ -203,14 +203,18 @@ def _configured_eos(directory: str) -> str | None:
     return eos if isinstance(eos, str) and eos else None
 
 
+MAX_TRAINED_VOCAB = 1 << 20  # the largest LLM vocabularies are ~256 Ki
+
+
 def train_bpe(texts: Iterable[str] | Iterable[list[str]], vocab_size: int, *,
               length: int | None = None) -> HFTokenizer:
     """A byte-level BPE of `vocab_size` ids trained on `texts` (module docstring; batches of
     texts, as lists, are fine too)."""
-    if vocab_size < 257:
+    if not 257 <= vocab_size <= MAX_TRAINED_VOCAB:
         raise ValueError(
             f"--train-tokenizer {vocab_size}: a byte-level BPE needs at least 257 ids (256 "
-            "bytes and <|endoftext|>); typical sizes are 4096 to 65536"
+            f"bytes and <|endoftext|>) and this one at most {MAX_TRAINED_VOCAB}; typical "
+            "sizes are 4096 to 65536"
         )
     tokenizers = _tokenizers_module()
     from tokenizers import decoders, models, pre_tokenizers, trainers

@@ -81,9 +81,18 @@ def _bad_input(args: argparse.Namespace) -> str | None:
         return f"run directory {uri} does not exist"
     out = getattr(args, "out", None)
     if out is not None:
+        if not out:
+            return "--out is empty: name the file (or, with --format hf, the directory) to write"
         parent = os.path.dirname(os.path.abspath(out))
         if not os.path.isdir(parent) or not os.access(parent, os.W_OK):
             return f"--out {out}: directory {parent} does not exist or is not writable"
+        if getattr(args, "format", None) == "safetensors" and os.path.isdir(out):
+            return f"--out {out} is a directory: name the .safetensors file to write"
+        root = os.path.realpath(store.root) + os.sep
+        if store.is_local and os.path.realpath(out).startswith(root):
+            return (f"--out {out} is inside the run directory {uri}, which holds only what "
+                    "Baton writes (a snapshot's own files could be overwritten); write the "
+                    "export elsewhere")
     return None
 
 

@@ -182,8 +182,9 @@ def _parse(data: bytes | None) -> dict[str, Any] | None:
     if not isinstance(record, dict):
         return {}
     expires, epoch = record.get("expires_at"), record.get("epoch")
-    finite = isinstance(expires, (int, float)) and not isinstance(expires, bool) \
-        and math.isfinite(expires)
+    # A float, or an int a float can hold (math.isfinite of a longer one overflows).
+    finite = isinstance(expires, float) and math.isfinite(expires) or (
+        type(expires) is int and abs(expires) < 1 << 63)
     well_formed = (isinstance(record.get("token"), str) and isinstance(record.get("holder"), dict)
                    and finite and type(epoch) is int and epoch >= 0)
     return record if well_formed else {}

@@ -65,6 +65,15 @@ def test_string_where_a_recipe_wants_an_integer(
         ("sketch.keep_gate=1", "sketch.keep_gate", "true or false"),
         ("optim.lr=nan", "optim.lr", "finite"),
         ("model.mlp_recompute=3", "model.mlp_recompute", "must be a string"),
+        # Integers beyond 64 bits (torch and the workers take int64): refused, never an
+        # OverflowError or a worker's failure.
+        ("steps=" + "1" + "0" * 30, "steps", "[-2**63, 2**63)"),
+        ("model.d_model=" + "1" + "0" * 30, "model.d_model", "[-2**63, 2**63)"),
+        ("optim.lr=" + "1" + "0" * 400, "optim.lr", "finite"),
+        ('logging.dir="a\\u0000b"', "logging.dir", "control characters"),
+        ('name="x/../../escaped"', "name", "plain name"),
+        ('name=".."', "name", "plain name"),
+        ("name=1.0", "name", "must be a string"),
     ],
 )
 def test_overrides_of_the_wrong_type(
@@ -74,6 +83,27 @@ def test_overrides_of_the_wrong_type(
         capsys, ["fit", TINY, "--run-dir", str(tmp_path / "r"), "--set", override], 2,
         f"{field}:", wanted,
     )
+
+
+def test_recipes_that_are_not_toml_text_are_one_line(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    deep = tmp_path / "deep.toml"
+    deep.write_text("x = " + "[" * 5000 + "]" * 5000 + "\n")
+    _one_line_error(capsys, ["fit", str(deep), "--run-dir", str(tmp_path / "r")], 2,
+                    f"recipe {deep}", "nested too deeply")
+    binary = tmp_path / "binary.toml"
+    binary.write_bytes(b"steps = 1\n\xff\xfe\x00")
+    _one_line_error(capsys, ["fit", str(binary), "--run-dir", str(tmp_path / "r")], 2,
+                    f"recipe {binary}", "not UTF-8")
+    _one_line_error(capsys, ["fit", TINY, "--run-dir", str(tmp_path / "r"), "--set",
+                             "steps=" + "[" * 3000 + "]" * 3000], 2, "--set steps",
+                    "nested too deeply")
+    _one_line_error(capsys, ["sketch-plan", TINY, "--rows", str(1 << 40)], 2, "--rows")
+    for pace in ("nan", "-1", "inf"):
+        _one_line_error(capsys, ["fit", TINY, "--run-dir", str(tmp_path / "r"), "--pace",
+                                 pace], 2, "--pace")
+    assert not (tmp_path / "r").exists()
 
 
 def test_integers_are_fine_where_a_float_is_expected() -> None:
@@ -182,7 +212,8 @@ def test_data_inspect_of_an_unknown_split(capsys: pytest.CaptureFixture[str],
 def test_every_snapshots_command_refuses_bad_run_uris(
     capsys: pytest.CaptureFixture[str], tmp_path: Path, action: str
 ) -> None:
-    extra = ["--out", str(tmp_path / "m.safetensors")] if action == "export" else []
+    out = tmp_path.parent / f"{tmp_path.name}-m.safetensors"  # outside the run below
+    extra = ["--out", str(out)] if action == "export" else []
     _one_line_error(capsys, ["snapshots", action, "", *extra], 2, "empty")
     _one_line_error(capsys, ["snapshots", action, "gs://bucket/run", *extra], 2,
                     "gs://", "local paths and s3:// only")
@@ -193,6 +224,28 @@ def test_every_snapshots_command_refuses_bad_run_uris(
     if action != "ls":  # an existing run without snapshots: exit 1, as for a missing step
         _one_line_error(capsys, ["snapshots", action, str(tmp_path), *extra], 1,
                         "no committed snapshot")
+
+
+def test_snapshots_export_out_must_be_a_file_outside_the_run(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    from elastic.snapshotter import Snapshotter
+    from elastic.testing import build, train_step
+
+    run = tmp_path / "run"
+    ts = build(seed=1)
+    snap = Snapshotter(str(run), ts.registry, snapshot_every=1)
+    train_step(ts, 1)
+    snap.after_step(1)
+    snap.close()
+    manifest = next(run.glob("snapshots/*/manifest.json"))
+    before = manifest.read_bytes()
+    export = ["snapshots", "export", str(run), "--out"]
+    _one_line_error(capsys, [*export, str(tmp_path)], 2, "is a directory")
+    _one_line_error(capsys, [*export, ""], 2, "--out is empty")
+    _one_line_error(capsys, [*export, str(manifest)], 2, "inside the run directory")
+    assert manifest.read_bytes() == before  # the committed snapshot is untouched
+    assert main([*export, str(tmp_path / "m.safetensors")]) == 0
 
 
 def test_snapshots_export_to_an_unwritable_file(capsys: pytest.CaptureFixture[str],
@@ -298,6 +351,37 @@ def test_metrics_writes_leave_no_partial_final_name(
         p.name for p in parts
     ]
     assert len(read_records(str(tmp_path))) == 4
+
+
+def test_crafted_metrics_and_run_files_never_break_report_or_runs_ls(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    """Edited metrics records (unknown kinds, strings where numbers go, numbers beyond 64
+    bits) and a lease or session log with such a number: `report` and `runs ls` still work,
+    the bad records skipped."""
+    run = tmp_path / "runs" / "r"
+    _fake_run(str(run))
+    big = int("1" + "0" * 400)
+    (run / "metrics" / "part-z-000000.jsonl").write_text("\n".join(json.dumps(r) for r in [
+        {"kind": "note", "time": 3},
+        {"kind": "step", "attempt": 0, "step": 9, "loss": 1.0, "tokens_per_s": 1.0,
+         "world_size": 1, "time": 5.0, "snapshot_stall_s": "x"},
+        {"kind": "step", "attempt": 0, "step": 9, "loss": 1.0, "tokens_per_s": 1.0,
+         "world_size": 1, "time": 5.0, "val_loss": "x"},
+        {"kind": "step", "attempt": 0, "step": 9, "loss": big, "tokens_per_s": 1.0,
+         "world_size": 1, "time": 5.0},
+    ]) + "\n")
+    records = read_records(str(run))
+    assert [r for r in records if r["kind"] == "step" and r["step"] == 9] == []
+    assert main(["report", str(run), "--out", str(tmp_path / "r.png")]) == 0
+    (run / "lease.json").write_text('{"token": "t", "holder": {}, "epoch": 1, '
+                                    f'"expires_at": {big}}}')
+    (run / "sessions.json").write_text('{"sessions": [{"from_step": ' + str(big) +
+                                       ', "schedule": {}}]}')
+    capsys.readouterr()
+    assert main(["runs", "ls", str(tmp_path / "runs")]) == 0
+    out = capsys.readouterr().out
+    assert "Traceback" not in out and out.splitlines()[1].split()[0] == "r"
 
 
 def test_truncated_part_file_is_skipped_with_one_warning(

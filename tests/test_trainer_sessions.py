@@ -347,6 +347,37 @@ def test_until_at_or_before_the_committed_step_is_refused(
     assert "--until 4" in line and "committed step 4" in line and "\n" not in line
 
 
+def test_steps_below_the_committed_step_is_refused_and_a_multi_line_failure_is_one_line(
+    capsys: pytest.CaptureFixture[str], fake_fit: InProcessFit, tmp_path: Path,
+    tiny_dataset: str, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """`steps` below the run's committed step used to be accepted (and the driver then
+    reported a commit failure, exit 1, every time); a driver-side failure whose reason spans
+    lines (a CUDA error's text) is printed on one line."""
+    run = tmp_path / "run"
+    assert _baton(capsys, ["fit", TINY, "--run-dir", str(run), *_sets(tiny_dataset, 12),
+                           "--until", "8"])[0] == 0
+    argv = ["fit", TINY, "--run-dir", str(run), *_sets(tiny_dataset, 6), "--reschedule"]
+    assert main(argv) == 2
+    line = capsys.readouterr().err.strip()
+    assert "steps: the run is at committed step 8" in line and "\n" not in line, line
+    assert max(SnapshotStore(str(run)).committed_steps()) == 8
+
+    import trainer.fit_cli
+    from trainer.commit_watch import FinalCommitError
+
+    def failing(*args: object, **kwargs: object) -> None:
+        raise FinalCommitError("training reached step 12 but its snapshot did not commit; "
+                               "RuntimeError: CUDA error\nCUDA kernel errors might be "
+                               "asynchronously reported\nFix the cause")
+
+    monkeypatch.setattr(trainer.fit_cli, "_fit_interruptibly", failing)
+    assert main(["fit", TINY, "--run-dir", str(run), *_sets(tiny_dataset, 12)]) == 1
+    printed = capsys.readouterr()
+    errors = [ln for ln in (printed.out + printed.err).splitlines() if "error" in ln.lower()]
+    assert len(errors) == 1 and "Fix the cause" in errors[0], errors
+
+
 def test_session_log_is_untrusted(tmp_path: Path) -> None:
     store = SnapshotStore(str(tmp_path))
     (tmp_path / "sessions.json").write_text("{not json")

@@ -108,6 +108,10 @@ class FitConfig:
             f"must be one of {', '.join(_PARALLELISMS)}; got {self.parallelism!r}",
         )
         require(self.steps >= 1, "steps", "must be >= 1")
+        plain_name = self.name == "" or (
+            "/" not in self.name and "\\" not in self.name and self.name not in (".", ".."))
+        require(plain_name, "name", f"must be a plain name (no / or ..), got {self.name!r}: "
+                                    "it names the run's log file and its Ray Train run")
         require(0 <= self.seed < 1 << 63, "seed", "must be in [0, 2**63)")
         require(
             bool(self.snapshots.run_uri),
@@ -217,6 +221,8 @@ def apply_override(raw: dict[str, Any], assignment: str) -> None:
         value = tomllib.loads(f"v = {text}")["v"]
     except tomllib.TOMLDecodeError:
         value = text  # bare words are strings: --set snapshots.run_uri=runs/a
+    except RecursionError:
+        raise ConfigError(f"--set {path}: the value is nested too deeply") from None
     *parents, leaf = path.split(".")
     target = raw
     for part in parents:
@@ -232,9 +238,14 @@ def load_recipe(path: str | Path, overrides: Sequence[str] = ()) -> FitConfig:
     if not path.is_file():
         raise ConfigError(f"recipe {path}: no such file (see recipes/ for examples)")
     try:
-        raw = tomllib.loads(path.read_text())
+        raw = tomllib.loads(path.read_text(encoding="utf-8"))
     except tomllib.TOMLDecodeError as err:
         raise ConfigError(f"recipe {path}: not valid TOML: {err}") from err
+    except UnicodeDecodeError as err:
+        raise ConfigError(f"recipe {path}: not UTF-8 text ({err.reason} at byte {err.start}); "
+                          "a recipe is a TOML text file") from None
+    except RecursionError:
+        raise ConfigError(f"recipe {path}: not valid TOML: nested too deeply") from None
     _resolve_model_paths(raw, path.parent)
     for assignment in overrides:
         apply_override(raw, assignment)

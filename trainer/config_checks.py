@@ -7,6 +7,8 @@ Contract:
   `condition`.
 - `check_types(section_obj, section)` refuses any field of a dataclass whose value does not
   match its annotation (below), and stores an int given for a float field as a float.
+- `finite_number(value)`: a JSON/TOML number (not bool) that is finite, a huge integer
+  included (never `OverflowError`): the check for numbers read from untrusted files.
 - `describe(value)` is how a wrong value reads in an error; `default_of(obj, name)` is a
   dataclass field's default.
 """
@@ -45,9 +47,11 @@ def check_types(obj: Any, section: str = "") -> None:
     field added later is covered without more code). TOML and `--set` give the wrong type
     easily (`steps = "10"`, `--set optim.lr=abc`), and Python would otherwise fail later with
     a `TypeError` traceback, or silently accept `true` as 1. Rules: `bool` is not an integer;
-    an integer field refuses floats (`32.0` too); a float field takes integers (stored as
-    float) but not nan or infinity; `list[str]` wants a list of strings. Raises `ConfigError`
-    naming the dotted field, what it must be and what it got.
+    an integer field refuses floats (`32.0` too) and integers beyond 64 bits (torch and the
+    workers take int64); a float field takes integers (stored as float) but not nan,
+    infinity or one too large for a float; a string field refuses control characters (a NUL
+    in a path); `list[str]` wants a list of strings. Raises `ConfigError` naming the dotted
+    field, what it must be and what it got.
     """
     prefix = f"{section}." if section else ""
     for f in dataclasses.fields(obj):
@@ -56,7 +60,8 @@ def check_types(obj: Any, section: str = "") -> None:
         value = getattr(obj, f.name)
         wanted = _type_mismatch(value, expected)
         if wanted is not None:
-            raise ConfigError(f"{prefix}{f.name}: must be {wanted}, got {describe(value)}")
+            raise ConfigError(f"{prefix}{f.name}: must be {wanted}, got "
+                              f"{describe(value, integer=expected is int)}")
         if expected is float and type(value) is int:
             setattr(obj, f.name, float(value))  # to_dict()/run.json then show one type
 
@@ -73,13 +78,17 @@ def _type_mismatch(value: Any, expected: Any) -> str | None:
     if expected is bool:
         return None if isinstance(value, bool) else "true or false"
     if expected is int:
-        return None if isinstance(value, int) and not isinstance(value, bool) else "an integer"
+        if not isinstance(value, int) or isinstance(value, bool):
+            return "an integer"
+        return None if -INT64 <= value < INT64 else "an integer in [-2**63, 2**63)"
     if expected is float:
         if isinstance(value, bool) or not isinstance(value, int | float):
             return "a number"
-        return None if math.isfinite(value) else "a finite number"
+        return None if finite_number(value) else "a finite number"
     if expected is str:
-        return None if isinstance(value, str) else "a string (in quotes)"
+        if not isinstance(value, str):
+            return "a string (in quotes)"
+        return None if value.isprintable() else "text without control characters"
     if origin is list:
         (item,) = typing.get_args(expected) or (Any,)
         if isinstance(value, list) and all(_type_mismatch(v, item) is None for v in value):
@@ -92,8 +101,22 @@ def _type_mismatch(value: Any, expected: Any) -> str | None:
     return None  # Any and other annotations are not checked
 
 
-def describe(value: Any) -> str:
-    """How a wrong value reads in an error, with the likely fix when there is one."""
+INT64 = 1 << 63
+
+
+def finite_number(value: Any) -> bool:
+    """A number (not bool) that is finite; a huge integer is not (no OverflowError)."""
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        return False
+    try:
+        return math.isfinite(value)
+    except OverflowError:  # an int beyond any float
+        return False
+
+
+def describe(value: Any, *, integer: bool = False) -> str:
+    """How a wrong value reads in an error, with the likely fix when there is one
+    (`integer`: the field wants an integer, so `32.0` reads "write 32")."""
     if isinstance(value, bool):
         return "true" if value else "false"
     if isinstance(value, str):
@@ -104,11 +127,14 @@ def describe(value: Any) -> str:
         if isinstance(parsed, int | float | bool):
             return f"the string {value!r} (remove the quotes)"
         return f"the string {value!r}"
-    if isinstance(value, float) and value.is_integer():
+    if integer and isinstance(value, float) and value.is_integer() and abs(value) < INT64:
         return f"{value!r} (write {int(value)})"
     if isinstance(value, dict):
         return "a table"
-    return f"{value!r} ({type(value).__name__})"
+    text = repr(value)
+    if len(text) > 60:
+        text = f"{text[:20]}...{text[-8:]} ({len(text)} characters)"
+    return f"{text} ({type(value).__name__})"
 
 
 def default_of(obj: Any, name: str) -> Any:

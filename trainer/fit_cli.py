@@ -31,6 +31,7 @@ import contextlib
 import dataclasses
 import json
 import logging
+import math
 import shlex
 import signal
 import sys
@@ -125,9 +126,19 @@ class _Session:
     fork: Any = None  # trainer.fork.ForkPlan
 
 
+MAX_PACE_S = 3600.0  # --pace: seconds of sleep per step (demos and tests)
+
+
 def _parse_session(args: argparse.Namespace, cfg: Any, resumed: int | None) -> _Session:
     """Check the session flags (one-line `ValueError`s naming the flag)."""
     session = _Session()
+    if not (math.isfinite(args.pace) and 0 <= args.pace <= MAX_PACE_S):
+        raise ValueError(f"--pace {args.pace:g}: must be a number of seconds between 0 and "
+                         f"{MAX_PACE_S:g}")
+    if resumed is not None and resumed > cfg.steps:
+        raise ValueError(f"steps: the run is at committed step {resumed}, past steps = "
+                         f"{cfg.steps}; set steps above {resumed}, e.g. --set "
+                         f"steps={resumed + 100} --reschedule")
     if args.time_limit is not None:
         session.time_limit_s = parse_duration(args.time_limit)
     if args.until is not None:
@@ -211,7 +222,7 @@ def _cmd_fit(args: argparse.Namespace) -> int:
     except (LeaseLostError, RunFailedError, FinalCommitError) as err:
         # One line each: the lease was taken over; the worker's message and the restarts;
         # trained to the end, but the end is not committed (and why).
-        console.print(f"[red]error:[/red] {escape(str(err))}")
+        console.print(f"[red]error:[/red] {escape(one_line(err))}")
         if isinstance(err, LeaseLostError):
             outcome = ""  # not ours to record any more
         return 1
@@ -284,11 +295,12 @@ def _fit_interruptibly(cfg: Any, args: argparse.Namespace, session: _Session,
     the second raises KeyboardInterrupt here; SIGTERM exits as Ray's own handler would.
     Ray Train installs its SIGINT handler (abort the run, nothing committed) only when
     `fit` runs in the main thread, hence the thread."""
+    # The budget first: importing Ray takes seconds of the --time-limit too.
+    budget = TimeBudget(session.time_limit_s) if session.time_limit_s is not None else None
     from trainer.on_ray.ray_fit import fit  # imports Ray: only once the input is known to be good
 
     stop = threading.Event()
     done = threading.Event()
-    budget = TimeBudget(session.time_limit_s) if session.time_limit_s is not None else None
     outcome: dict[str, Any] = {}
     terminal = _FitTerminal(cfg)
 

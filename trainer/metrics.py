@@ -67,16 +67,27 @@ class MetricsWriter:
         self._seq += 1
 
 
+# Fields that, when present, must be numbers or null (a diverged loss may be NaN).
+_OPTIONAL_NUMBERS = ("val_loss", "lr", "peak_rss_mb", "snapshot_stall_s")
+
+
 def _is_number(value: Any) -> bool:
-    return isinstance(value, int | float) and not isinstance(value, bool)
+    """A float (NaN and infinities included: a diverged run's loss) or an int of 64 bits
+    (a longer one cannot become a float for a plot or a sum)."""
+    if isinstance(value, bool):
+        return False
+    return isinstance(value, float) or (isinstance(value, int) and abs(value) < 1 << 63)
 
 
 def _valid_record(record: Any) -> bool:
-    """A JSON object with a string `kind`, a numeric `time` if any, and the numeric fields
-    its kind needs (`_NUMERIC_FIELDS`). Unknown kinds are kept for newer readers."""
+    """A JSON object with a string `kind`, a numeric `time` if any, the numeric fields its
+    kind needs (`_NUMERIC_FIELDS`) and numbers (or null) in the optional numeric fields.
+    Unknown kinds are kept for newer readers (summaries and reports skip them)."""
     if not isinstance(record, dict) or not isinstance(record.get("kind"), str):
         return False
     if "time" in record and not _is_number(record["time"]):
+        return False
+    if any(record.get(k) is not None and not _is_number(record[k]) for k in _OPTIONAL_NUMBERS):
         return False
     return all(_is_number(record.get(k)) for k in _NUMERIC_FIELDS.get(record["kind"], ()))
 
@@ -144,6 +155,7 @@ class RunSummary:
 
 
 def summarize(records: list[dict[str, Any]]) -> RunSummary:
+    records = [r for r in records if r["kind"] in _NUMERIC_FIELDS]  # start and step only
     starts = [r for r in records if r["kind"] == "start"]
     steps = [r for r in records if r["kind"] == "step"]
     redone, reached = 0, 0
@@ -155,7 +167,7 @@ def summarize(records: list[dict[str, Any]]) -> RunSummary:
             reached = max(reached, record["step"])
     vals = [r["val_loss"] for r in steps if r.get("val_loss") is not None]
     rates = [r["tokens_per_s"] for r in steps[1:]]  # the first step pays one-off costs
-    stalls = [r["snapshot_stall_s"] for r in steps if "snapshot_stall_s" in r]
+    stalls = [r["snapshot_stall_s"] for r in steps if r.get("snapshot_stall_s") is not None]
     return RunSummary(
         steps=max((r["step"] for r in steps), default=0),
         final_loss=steps[-1]["loss"] if steps else None,

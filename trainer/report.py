@@ -52,7 +52,7 @@ def write_report(run_uri: str, out_png: str | Path) -> RunSummary:
         raise FileNotFoundError(f"run {run_uri!r} has no metrics yet (metrics/part-*.jsonl)")
     starts = [r for r in records if r["kind"] == "start"]
     summary = summarize(records)
-    t0 = min(r["time"] for r in records)
+    t0 = min(r["time"] for r in steps + starts)
 
     fig, axes = plt.subplots(2, 2, figsize=(12, 8))
     ax_loss, ax_speed, ax_world, ax_table = axes.flat

@@ -35,7 +35,6 @@ from __future__ import annotations
 
 import json
 import logging
-import math
 import re
 import time
 from collections import deque
@@ -44,6 +43,7 @@ from typing import Any
 
 from elastic.store import SnapshotStore
 from trainer.config import SCHEDULES, FitConfig
+from trainer.config_checks import INT64, finite_number
 
 log = logging.getLogger("baton.sessions")
 
@@ -130,8 +130,7 @@ def schedule_changes(saved: dict[str, Any] | None, cfg: FitConfig
 
 
 def _number(value: Any) -> bool:
-    return (isinstance(value, int | float) and not isinstance(value, bool)
-            and math.isfinite(value))
+    return finite_number(value) and (not isinstance(value, int) or abs(value) < INT64)
 
 
 def _schedule_value(name: str, value: Any) -> bool:

@@ -63,8 +63,14 @@ def _cmd_sketch_plan(args: argparse.Namespace) -> int:
         report = plan_and_measure(cfg, batch, rank)
     except (ConfigError, FatalRunError, ValueError, OSError) as err:
         return _fail(str(err))
+    except (RuntimeError, MemoryError) as err:  # torch's allocation failure: a model too big
+        return _fail(f"the probe could not run this model on this machine ({err}); try "
+                     "fewer --rows, or a smaller model to plan with")
     print_report(report)
     return 0
+
+
+MAX_PROBE_ROWS = 1 << 22  # tokens per probe microbatch: 4 Mi (a 128 Ki context x 32)
 
 
 def _probe_tokens(cfg: FitConfig, rows: int | None) -> torch.Tensor:
@@ -72,8 +78,9 @@ def _probe_tokens(cfg: FitConfig, rows: int | None) -> torch.Tensor:
     seq = cfg.data.seq_len
     if rows is None:
         return torch.zeros(cfg.data.microbatch_size, seq, dtype=torch.long)
-    if rows < 2:
-        raise ValueError(f"--rows {rows}: must be >= 2 (tokens per microbatch)")
+    if not 2 <= rows <= MAX_PROBE_ROWS:
+        raise ValueError(f"--rows {rows}: must be between 2 and {MAX_PROBE_ROWS} (tokens per "
+                         "microbatch)")
     if rows <= seq:
         return torch.zeros(1, rows, dtype=torch.long)
     if rows % seq:
