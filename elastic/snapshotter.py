@@ -33,16 +33,21 @@ peer nodes); the in-process coordinator of world size 1 gets an in-process store
 
 Busy policy (``on_busy``): when the previous snapshot is still being persisted, ``"skip"``
 (default) skips this snapshot so a slow or dead storage never blocks training, ``"wait"``
-waits for it. ``force=True`` (preemption) always waits. Restore agreement: when
-torch.distributed is initialised, ranks agree (all-reduce MAX of a verdict) that every rank
-read and verified the same snapshot before any rank loads it. With a process group of this
-world size the ranks read together (``elastic.group_read``): each byte the group needs is
-read and verified by one rank and sent to the others, so a DDP restore reads the state once
-in all, not W times; a failure on any rank fails the read on all. A definitely corrupt snapshot
-is reported by name (``restore_errors``), quarantined by the coordinator, and the previous
-committed one is tried (a RAM copy that fails its checks is no verdict on the snapshot: its
-files are read from storage first); storage that does not answer fails the restore and
-touches nothing.
+waits for it; with a process group of this world size the ranks agree (all-reduce MAX), so
+a step is skipped by every rank or by none (a step one rank skipped could never commit, and
+ranks whose persists end at different times could commit almost none). ``force=True``
+(preemption) always waits. A failure report that itself fails (the coordinator or its
+storage gone at that moment) is logged: a failed capture fails its snapshot, not training.
+
+Restore agreement: when torch.distributed is initialised, ranks agree (all-reduce MAX of a
+verdict) that every rank read and verified the same snapshot before any rank loads it. With
+a process group of this world size the ranks read together (``elastic.group_read``): each
+byte the group needs is read and verified by one rank and sent to the others, so a DDP
+restore reads the state once in all, not W times; a failure on any rank fails the read on
+all. A definitely corrupt snapshot is reported by name (``restore_errors``), quarantined by
+the coordinator, and the previous committed one is tried (a RAM copy that fails its checks
+is no verdict on the snapshot: its files are read from storage first); storage that does
+not answer fails the restore and touches nothing.
 
 Generations: every worker-group attempt writes under its own generation number (rank 0
 starts it at the coordinator in ``restore()``, the others receive it by broadcast), so a
@@ -207,7 +212,7 @@ class Snapshotter:
         steps = sorted(self.coordinator.committed_steps(), reverse=True)
         # A group (torch.distributed of this world size) reads each byte once between its
         # ranks (elastic.group_read); the ranks first agree that every one of them can.
-        group = grouped() and dist.get_world_size() == self.world_size
+        group = self._grouped()
         misfits: list[str] = []
         for step in steps:
             prepared, tensors, verdict, reason = self._read(step, group, ram=True)
@@ -340,7 +345,10 @@ class Snapshotter:
         if self._handle is not None:
             raise RuntimeError("begin_capture called twice; call wait_capture() in between")
         self.join_generation()
-        if self.persister.busy():
+        busy = self.persister.busy()
+        if self.on_busy == "skip" and not force and self._grouped():
+            busy = bool(agree_max(int(busy)))  # every rank skips this step, or none does
+        if busy:
             if self.on_busy == "skip" and not force:
                 self.skipped.append(step)
                 log.info("snapshot %d skipped on rank %d: previous still persisting",
@@ -350,11 +358,20 @@ class Snapshotter:
         try:
             self._handle = self.capturer.begin(step)
         except Exception as err:  # a failed capture fails this snapshot, not training
-            self.coordinator.report_failure(step, self.rank, f"capture failed: {err!r}",
-                                            self.generation)
+            self._report_failure(step, f"capture failed: {err!r}")
             log.warning("snapshot %d: capture failed on rank %d: %r", step, self.rank, err)
             return False
         return True
+
+    def _grouped(self) -> bool:
+        return grouped() and dist.get_world_size() == self.world_size
+
+    def _report_failure(self, step: int, reason: str) -> None:
+        try:
+            self.coordinator.report_failure(step, self.rank, reason, self.generation)
+        except Exception as err:  # noqa: BLE001 - the report is bookkeeping (module doc)
+            log.warning("snapshot %d: could not report its failure (%s: %s); it will not "
+                        "commit all the same", step, type(err).__name__, err)
 
     def wait_capture(self) -> None:
         """Block until the pending capture's copies are done, then persist in background.
@@ -365,9 +382,7 @@ class Snapshotter:
         try:
             captured = handle.wait()
         except Exception as err:
-            step = handle.step
-            self.coordinator.report_failure(step, self.rank, f"capture failed: {err!r}",
-                                            self.generation)
+            self._report_failure(handle.step, f"capture failed: {err!r}")
             return
         assert self.generation is not None  # joined in begin_capture
         self.persister.submit(captured, self.generation)

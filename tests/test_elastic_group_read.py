@@ -316,3 +316,34 @@ def test_an_allocation_failure_in_the_exchange_is_agreed_not_waited_for(tmp_path
         assert "rank 1 failed while reading its own blocks" in raised[r][1], raised[r]
         assert "out of memory" in raised[r][1], raised[r]
     assert SnapshotStore(run).committed_steps() == [3]  # not quarantined
+
+
+# ------------------------------------------------------------------ ranks skip together
+
+
+def _skip_when_one_rank_is_busy(rank: int, world_size: int, run: str, out: str) -> None:
+    ts = build(seed=7, layout="ddp", world_size=world_size)
+    snap = Snapshotter(run, ts.registry, rank, world_size, layout="ddp", snapshot_every=2,
+                       durable=False)
+    snap.persister.busy = lambda: rank == 1  # type: ignore[method-assign]  # rank 1 only
+    for step in (1, 2):
+        train_step(ts, step)
+        snap.after_step(step)
+    skipped = list(snap.skipped)
+    snap.persister.busy = lambda: False  # type: ignore[method-assign]
+    for step in (3, 4):
+        train_step(ts, step)
+        snap.after_step(step)
+    snap.close()
+    with open(os.path.join(out, f"rank{rank}.json"), "w") as fh:
+        json.dump(skipped, fh)
+
+
+def test_a_snapshot_is_skipped_by_every_rank_or_none(tmp_path) -> None:
+    """Rank 1 is still persisting at step 2, rank 0 is not: both skip step 2 (a step one rank
+    skipped could never commit), and step 4, when neither is busy, commits."""
+    run, out = str(tmp_path / "run"), str(tmp_path / "out")
+    os.makedirs(out)
+    run_group(_skip_when_one_rank_is_busy, 2, run, out, tmp_dir=str(tmp_path))
+    assert [json.load(open(os.path.join(out, f"rank{r}.json"))) for r in range(2)] == [[2], [2]]
+    assert SnapshotStore(run).committed_steps() == [4]

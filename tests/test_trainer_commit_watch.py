@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import errno
 from pathlib import Path
+from typing import Any
 
 import pytest
 from snapshot_compare import assert_same_state, final_state
@@ -54,7 +55,8 @@ def test_a_warning_without_a_cause_is_followed_by_one_with_it() -> None:
     quiet = {"latest": 8, "failures": [
         {"step": 4, "rank": 0, "reason": "an old failure, before the newest commit"}]}
     first = watch.check(20, quiet)
-    assert first is not None and "no worker reported an error" not in first  # old failure named
+    assert first is not None and "no worker reported an error since the newest commit" in first
+    assert "before it: rank 0 at step 4" in first  # the old failure, named as such
     assert watch.check(21, quiet) is None
     watch = CommitWatch(snapshot_every=4)
     unknown = {"latest": 8, "failures": []}
@@ -113,3 +115,19 @@ def test_disk_full_run_is_not_reported_finished(tmp_path: Path, tiny_dataset: st
     reference = tmp_path / "reference"
     run_worker(_config(reference, tiny_dataset), WorkerEnv())
     assert_same_state(final_state(reference, tmp_path, STEPS), final_state(run, tmp_path, STEPS))
+
+
+def test_a_failure_before_the_newest_commit_is_not_named_as_the_cause() -> None:
+    """A disk that filled at step 3 and was freed before step 4 committed is not why step 6
+    did not commit: the messages name only failures after the newest commit."""
+    old = {"step": 3, "rank": 0, "where": "vm", "reason": "OSError: [Errno 28] ENOSPC"}
+    health: dict[str, Any] = {"latest": 4, "failures": [old], "fenced": None}
+    error = final_commit_error(health, 6)
+    assert error is not None and "no worker reported an error since the newest commit" in error
+    assert "before it: rank 0 on vm at step 3" in error
+    warning = CommitWatch(1).check(4 + STALE_INTERVALS, health)
+    assert warning is not None and "before it" in warning
+    new = {**old, "step": 6, "reason": "PermissionError: EACCES"}
+    health["failures"].append(new)
+    error = final_commit_error(health, 6)
+    assert error is not None and "EACCES" in error and "step 6" in error

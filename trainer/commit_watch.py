@@ -5,7 +5,8 @@ clock, so they test on plain data):
 - `CommitWatch(snapshot_every).check(step, health)` returns a warning line once per stale
   episode: when training is `STALE_INTERVALS` snapshot intervals past the newest committed
   snapshot (or past the step it started from), naming the newest commit and the workers'
-  most recent failure reason (ENOSPC, permission, storage unreachable, a fenced driver).
+  most recent failure reason since that commit (ENOSPC, permission, storage unreachable, a
+  fenced driver; an older one was overcome and is only mentioned as coming before it).
   If no cause was known when it warned (the failing write had not reported yet: persists
   run behind training), it warns once more when one is. It returns None otherwise, and
   re-arms once a new snapshot commits.
@@ -32,12 +33,22 @@ def cause_known(health: dict[str, Any], since: int | None) -> bool:
 
 
 def last_reason(health: dict[str, Any]) -> str:
+    """The newest failure after the newest commit; one from before it was overcome (a
+    snapshot committed after it), so it is only mentioned as such."""
     if health.get("fenced"):
         return f"this driver is fenced: {health['fenced']}"
+    latest = health.get("latest")
     failures = health.get("failures") or []
-    if not failures:
-        return "no worker reported an error (a rank may be stuck or slow)"
-    f = failures[-1]
+    recent = [f for f in failures if latest is None or f.get("step", 0) > latest]
+    if recent:
+        return _failure(recent[-1])
+    if failures:
+        return (f"no worker reported an error since the newest commit (a rank may be stuck "
+                f"or slow; the last one, before it: {_failure(failures[-1])})")
+    return "no worker reported an error (a rank may be stuck or slow)"
+
+
+def _failure(f: dict[str, Any]) -> str:
     where = f" on {f['where']}" if f.get("where") else ""
     who = "the coordinator" if f.get("rank", 0) < 0 else f"rank {f['rank']}"
     return f"{who}{where} at step {f['step']}: {f['reason']}"
