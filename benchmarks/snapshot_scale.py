@@ -29,7 +29,8 @@ the third's commit leaves the first's files as spares). Each ratio is Baton's ti
 baseline's in the same round: the median
 and range over the rounds are printed. Peak memory of a restore is measured in fresh
 processes (one per case), which build the model and optimizer, materialise the optimizer's
-state (a process that holds its training state), then restore: ``growth`` is the peak RSS
+state with one training step (a process that holds its training state, no gradients), then
+restore: ``growth`` is the peak RSS
 above the RSS before the restore, ``peak`` the peak RSS, both divided by the state's size.
 The restore's time in such fresh processes (``--fresh-rounds`` per side, alternating) is
 the restarted worker's case, where every page the restore fills is new; in the long-lived
@@ -52,6 +53,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import gc
 import io
 import itertools
 import json
@@ -400,7 +402,10 @@ def peak_rss() -> int:
 
 def rss_child(mode: str, size: float, workdir: str) -> dict[str, float]:
     model, optim, registry = build(size)
-    registry.flatten()  # materialise the optimizer's state (see the module docstring)
+    # Materialise the optimizer's state with one step (see the module docstring; a fresh
+    # optimizer has none), then free the gradients as a restarted worker has none.
+    train_step(model, optim, 1)
+    optim.zero_grad(set_to_none=True)
     nbytes = state_bytes(registry)
     # Reset the peak (building the model peaked higher than it holds now): Linux only.
     with open("/proc/self/clear_refs", "w") as fh:
@@ -434,21 +439,31 @@ def fresh_children(size: float, workdir: str, rounds: int) -> dict[str, Any]:
     return rss
 
 
+def _save_both(size: float, workdir: str) -> int:
+    """One snapshot and one torch.save of the same state into ``workdir``; the state bytes.
+    Everything it built is dropped on return: while the children restore, this process
+    holds no model, capture image or RAM-tier copy (at 3.4 GB they would crowd the files
+    the children read out of the page cache)."""
+    model, optim, registry = build(size)
+    train_step(model, optim, 1)
+    snap = Snapshotter(os.path.join(workdir, "run"), registry, keep_last=2)
+    snap.after_step(2, force=True)
+    snap.persister.wait()
+    snap.close()
+    torch_save(model, optim, os.path.join(workdir, "state-2.pt"))
+    return state_bytes(registry)
+
+
 def fresh_only(size: float, rounds: int) -> None:
     """One snapshot and one torch.save of the same state, then ``fresh_children``: the
     restarted worker's restore alone, with more rounds than the full run affords."""
-    model, optim, registry = build(size)
-    train_step(model, optim, 1)
     with tempfile.TemporaryDirectory(dir=os.environ.get("BATON_BENCH_DIR")) as workdir:
-        snap = Snapshotter(os.path.join(workdir, "run"), registry, keep_last=2)
-        snap.after_step(2, force=True)
-        snap.persister.wait()
-        snap.close()
-        torch_save(model, optim, os.path.join(workdir, "state-2.pt"))
+        nbytes = _save_both(size, workdir)
+        gc.collect()  # this process's copies of the state are gone before the children run
         seconds = fresh_children(size, workdir, rounds)["fresh_restore_s"]
     r = ratio(seconds["baton"], seconds["torch"])
     below = sum(a < b for a, b in zip(seconds["baton"], seconds["torch"], strict=True))
-    print(f"{state_bytes(registry) / 1e9:.2f} GB, restore in a fresh process / torch.load + "
+    print(f"{nbytes / 1e9:.2f} GB, restore in a fresh process / torch.load + "
           f"load_state_dict in one: {r['median']:.2f}x ({r['min']:.2f}-{r['max']:.2f}), "
           f"Baton faster in {below} of {rounds} rounds; medians "
           f"{statistics.median(seconds['baton']):.3f} s / "

@@ -263,6 +263,9 @@ def _fit_leased(
         try:
             ray.get(monitor.flush.remote())
         finally:
+            # No progress line after the fit has ended (its summary prints next): the
+            # poller's calls are bounded by their 5 s timeouts.
+            poller.join(timeout=15)
             # One monitor per fit: a later fit of the same run in this driver starts from a
             # fresh one (the records are on disk), not from this fit's last record.
             ray.kill(monitor)
@@ -296,7 +299,7 @@ def _poll_progress(monitor: Any, trainer: ElasticTorchTrainer, watch: CommitWatc
         # Every poll, not only on a new step: a stalled run's warning gains its cause when
         # the failing write reports it (`CommitWatch.check` says each thing once).
         warning = watch.check(int(record["step"]), health)
-        if record.get("step") == last_step and warning is None:
+        if done.is_set() or (record.get("step") == last_step and warning is None):
             continue
         last_step = record.get("step")
         if on_progress is not None:
