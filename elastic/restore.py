@@ -39,11 +39,10 @@ here, because a manifest is untrusted input (DESIGN P8):
   its ranks need (1.0× at W=2 → W'=4, against 1.9× alone at GPT-2-small shapes), plus each
   used file's header once per rank that reads from it. On S3 ranges are merged into fewer
   requests only while a request's holes stay within 1/16 of its bytes.
-* ``ByteSource`` is where bytes come from: the RAM tier (peers' stores, file by file;
-  what they do not hold or lost comes from storage) or the store. On a
-  local store it refuses a shard file that is a symbolic link, is not a regular file or whose
-  real path is not in the snapshot's directory (``ManifestError``); a missing file is
-  ``SnapshotIntegrityError``.
+* ``ByteSource`` is where bytes come from: the RAM tier (peers' stores, file by file; what
+  they do not hold or lost comes from storage) or the store. On a local store it refuses a
+  shard file that is a symbolic link, not a regular file or whose real path is not in the
+  snapshot's directory (``ManifestError``); a missing file is ``SnapshotIntegrityError``.
 
 ``collector_paused()`` is the context a restore runs in: Python's cyclic garbage collector off.
 Bad input never surfaces as RuntimeError/KeyError/TypeError/IndexError: every failure is a
@@ -230,10 +229,12 @@ def check_compatible(registry: StateRegistry, manifest: Manifest,
 
 
 def plan_targets(manifest: Manifest, templates: dict[str, torch.Tensor]) -> dict[str, Target]:
-    # State the registry does not hold yet (a fresh optimizer's moments and step counters)
-    # is built on CPU; the optimizer's own load_state_dict moves moments next to their
-    # parameters and keeps non-capturable step counters on CPU, as torch expects.
+    # State the registry does not hold yet (a fresh optimizer's moments, step counters) is
+    # built on CPU; the optimizer's load_state_dict places it, as torch expects.
     targets: dict[str, Target] = {}
+    by_fqn: dict[str, list[tuple[str, torch.Tensor]]] = {}  # "<fqn>" of "<component>.<fqn>"
+    for name, t in templates.items():
+        by_fqn.setdefault(name.split(".", 1)[-1], []).append((name, t))
     for key, rec in manifest.tensors.items():
         dtype = str_to_dtype(rec.dtype)
         template = templates.get(key)
@@ -242,9 +243,8 @@ def plan_targets(manifest: Manifest, templates: dict[str, torch.Tensor]) -> dict
                 f"{_snap(manifest.step)}: tensor {key!r} is {rec.dtype} in the manifest but "
                 f"the registered tensor is {template.dtype}")
         if template is None:
-            template = _parameter_like(key, rec.shape, templates)
-        if template is None:
-            # No allocation here: the bytes are only allocated once the file headers agree.
+            template = _parameter_like(key, rec.shape, by_fqn)
+        if template is None:  # no allocation here: only once the file headers agree
             piece = Piece(key, dtype, rec.shape, (0,) * len(rec.shape), rec.shape)
             targets[key] = Target(piece, torch.device("cpu"), lambda t: t)
         else:
@@ -253,16 +253,16 @@ def plan_targets(manifest: Manifest, templates: dict[str, torch.Tensor]) -> dict
 
 
 def _parameter_like(key: str, shape: tuple[int, ...],
-                    templates: dict[str, torch.Tensor]) -> torch.Tensor | None:
-    # "optim.state.<fqn>.exp_avg" takes the layout of "model.<fqn>" when shapes agree.
-    best: torch.Tensor | None = None
-    best_len = -1
-    for name, t in templates.items():
-        fqn = name.split(".", 1)[-1]
-        if f".{fqn}." in f".{key}." and name != key and tuple(t.shape) == shape \
-                and len(fqn) > best_len:
-            best, best_len = t, len(fqn)
-    return best
+                    by_fqn: dict[str, list[tuple[str, torch.Tensor]]]) -> torch.Tensor | None:
+    # "optim.state.<fqn>.exp_avg" takes the layout of "model.<fqn>" (same shape): the longest
+    # run of its dotted parts naming a template, by index (every moment of a fresh optimizer).
+    parts = key.split(".")
+    for length in range(len(parts), 0, -1):
+        for start in range(len(parts) - length + 1):
+            for name, t in by_fqn.get(".".join(parts[start:start + length]), ()):
+                if name != key and tuple(t.shape) == shape:
+                    return t
+    return None
 
 
 def plan_reads(manifest: Manifest, targets: dict[str, Target]) -> list[ReadOp]:
