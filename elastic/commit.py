@@ -76,6 +76,7 @@ log = logging.getLogger("baton.elastic")
 
 # Reasons kept for the driver's display (newest last).
 _FAILURES_KEPT = 20
+_EVENTS_KEPT = 500
 
 
 @dataclass
@@ -114,7 +115,9 @@ class CommitCore:
         self.pending: dict[int, _Pending] = {}
         self.committing: set[int] = set()
         self.aborted: set[tuple[int, int]] = set()  # (generation, step)
-        self.events: list[str] = []  # human-readable log of aborts, refusals and commits
+        # Human-readable log of aborts, refusals and commits: the newest only (a coordinator
+        # lives as long as the run, thousands of snapshots).
+        self.events: deque[str] = deque(maxlen=_EVENTS_KEPT)
         self.failures: deque[dict[str, Any]] = deque(maxlen=_FAILURES_KEPT)
         self.manifests: dict[int, bytes] = {}  # committed in this process's lifetime
         self.fenced: str | None = None
@@ -378,6 +381,10 @@ class CommitCore:
                        for step in sorted(self.pending) if step < newest]
             old = self.committed[: -self.keep_last]
             self.committed = self.committed[-self.keep_last:]
+            # A receipt of an older generation or of a step before the newest commit is
+            # refused as such: their abort records need not be kept (they would grow forever).
+            self.aborted = {(g, s) for g, s in self.aborted
+                            if g == self.generation and s >= newest}
             self.manifests = {s: m for s, m in self.manifests.items() if s in self.committed}
             for step in old:
                 self.events.append(f"removed old snapshot {step} (keep_last={self.keep_last})")

@@ -187,8 +187,7 @@ class RamStore:
             # may be older than the one it told of before. (Notices overtaking each other
             # can cost a copy, never serve a wrong byte: files are named by generation and
             # every block is checksummed on restore.)
-            if committed is not None:
-                self.committed = committed
+            self.committed = committed  # None: nothing is committed now (quarantined)
             wanted = set(in_flight) | ({committed} if committed is not None else set())
             # A step newer than all the coordinator knew of is a put whose receipt it has
             # not seen yet (this notice was overtaken): not its to drop.

@@ -238,3 +238,55 @@ def test_a_ram_location_indexed_after_a_trim_read_the_state_is_kept(tmp_path: Pa
     assert coord.ram_locations(8) == {late: ["n2"]}
     assert set(coord.ram_locations(6)) == {shard_filename(r, WORLD, generation)
                                            for r in range(WORLD)}
+
+
+def test_a_quarantined_only_commit_does_not_block_the_next_generation_s_ram_copies(
+    tmp_path: Path,
+) -> None:
+    """The only committed snapshot is quarantined (keep_last=1, or no older one): the RAM
+    store must not go on treating it as committed. Before, its copy outlived the new
+    generation and, once that committed, sat as a step "in flight" newer than every put,
+    so the RAM tier refused every copy until training passed the old step."""
+    import numpy as np
+
+    ram = RamStore(cap_bytes=None)
+    coord = LocalCoordinator(SnapshotStore(str(tmp_path / "run")), keep_last=2,
+                             block_bytes=DEFAULT_BLOCK_BYTES, ram_stores=lambda node: ram)
+
+    def snapshot(step: int, generation: int) -> list[bool]:
+        took = [ram.put(step, generation, r["file"], np.full(24, step, np.uint8))
+                for r in _receipts(step, generation)]
+        _write_shards(coord.core.store, step, generation)
+        for r in _receipts(step, generation):
+            r["ram"] = ["local"] if took[r["rank"]] else []
+            coord.report_shard(r)
+        return took
+
+    assert snapshot(10, coord.new_generation()) == [True, True]
+    coord.reject(10, "crc mismatch")
+    assert coord.committed_steps() == [] and ram.committed is None
+    generation = coord.new_generation()  # the group starts again from step 0
+    for step in (2, 4, 6):
+        assert snapshot(step, generation) == [True, True], step
+        assert coord.committed_steps()[-1] == step and sorted(ram.files) == [step]
+        assert coord.ram_locations(step)
+
+
+def test_a_long_run_s_coordinator_keeps_bounded_records(tmp_path: Path) -> None:
+    """Thousands of snapshots, some aborted: the event log and the abort records stay
+    bounded (a coordinator lives as long as the run)."""
+    core = CommitCore(SnapshotStore(str(tmp_path / "run")), block_bytes=DEFAULT_BLOCK_BYTES)
+    generation = core.new_generation()
+    for step in range(1, 1201):
+        receipts = _receipts(step, generation)
+        _write_shards(core.store, step, generation)
+        if step % 3 == 0:
+            core.report(receipts[0])
+            core.fail(step, 1, "disk full")
+        else:
+            for r in receipts:
+                core.report(r)
+    core.settle()
+    assert core.committed == [1198, 1199]  # 1200 was aborted (a multiple of 3)
+    assert len(core.events) <= 500 and len(core.aborted) <= 2
+    assert any("committed step 1199" in e for e in core.events)

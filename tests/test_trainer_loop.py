@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
 import torch
 from snapshot_compare import assert_same_state, final_state
 
@@ -64,3 +65,31 @@ def test_continue_on_another_world_size_and_layout(tmp_path: Path, tiny_dataset:
     assert_same_state(reference, final_state(run, tmp_path, STEPS))
     manifest = SnapshotStore(str(run)).load_manifest(STEPS)
     assert manifest is not None
+
+
+def test_checkpointed_blocks_recompute_the_sketch_derived_for_the_step(
+    tmp_path: Path, tiny_dataset: str, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """With `model.checkpoint_blocks`, backward recomputes each block: every sketched layer
+    call, forward and recompute, takes the seed derived from (seed, step, microbatch, layer)
+    (before, the recompute ran outside it and every block, step and microbatch drew the same
+    seed from the generator checkpointing restores)."""
+    import sketch_ops.blocked
+    import sketch_ops.layer
+    import sketch_ops.seeds as seeds
+
+    calls: list[tuple[str, bool]] = []
+
+    def recording(layer_name: str) -> int:
+        calls.append((layer_name, seeds.active_seed_state() is not None))
+        return seeds.layer_seed(layer_name)
+
+    for module in (sketch_ops.layer, sketch_ops.blocked):  # where layers draw their seeds
+        monkeypatch.setattr(module, "layer_seed", recording)
+    cfg = load_recipe(ROOT / "recipes" / "tiny.toml", [
+        f'snapshots.run_uri="{tmp_path / "run"}"', f'data.uri="{tiny_dataset}"', "steps=2",
+        "eval.every=0", "model.checkpoint_blocks=true"])
+    run_worker(cfg, WorkerEnv())
+    assert calls and all(inside for _, inside in calls), calls
+    layers = {name for name, _ in calls}
+    assert len(calls) >= 2 * len(layers) * 2  # forward and recompute, both steps

@@ -219,9 +219,13 @@ def forward_backward(
     for i in range(passes):
         real = i < len(microbatches)  # padding passes (FSDP2) only keep collectives in step
         mb = microbatches[i] if real else microbatches[-1]
-        with grad_sync(model, cfg.parallelism, last=i == passes - 1):
-            with sketch_seed(cfg.seed, step, mb.index), \
-                    autocast(model, cfg.precision.dtype, env.device):
+        # Backward inside the sketch seed too: with `model.checkpoint_blocks` it recomputes
+        # each block, and the recompute must draw the sketch derived from (seed, step,
+        # microbatch, layer), not one from the global generator (which checkpointing resets
+        # to the same state at every block, step and microbatch).
+        with grad_sync(model, cfg.parallelism, last=i == passes - 1), \
+                sketch_seed(cfg.seed, step, mb.index):
+            with autocast(model, cfg.precision.dtype, env.device):
                 loss = loss_fn(model, mb.tokens.to(env.device))
             scaler.scale(loss * (weight if real else 0.0)).backward()
         step_loss += loss.item() if real else 0.0
