@@ -194,11 +194,16 @@ class _SketchedLinearFn(torch.autograd.Function):
 def autocast_inputs(
     x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """Cast to the autocast dtype when autocast is on (as F.linear would); check dtypes agree."""
+    """Cast to the autocast dtype when autocast is on, as F.linear would (autocast casts
+    floating tensors other than float64); check dtypes agree."""
     if torch.is_autocast_enabled(x.device.type):
         dtype = torch.get_autocast_dtype(x.device.type)
-        x, weight = x.to(dtype), weight.to(dtype)
-        bias = None if bias is None else bias.to(dtype)
+
+        def cast(t: torch.Tensor) -> torch.Tensor:
+            return t.to(dtype) if t.is_floating_point() and t.dtype != torch.float64 else t
+
+        x, weight = cast(x), cast(weight)
+        bias = None if bias is None else cast(bias)
     if x.dtype != weight.dtype or (bias is not None and bias.dtype != weight.dtype):
         raise ValueError(
             f"sketched_linear: input ({x.dtype}), weight ({weight.dtype}) and bias dtypes must "

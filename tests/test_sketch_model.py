@@ -82,3 +82,18 @@ def test_sketched_gpt_is_interchangeable_with_the_plain_one() -> None:
     # Loss and gradients flow through the sketched model.
     sketched.loss(tokens).backward()
     assert all(p.grad is not None and torch.isfinite(p.grad).all() for p in sketched.parameters())
+
+
+def test_under_autocast_a_float64_layer_stays_float64_like_nn_linear() -> None:
+    """Autocast casts floating tensors other than float64: so does a sketched layer (before,
+    its float64 input went to bfloat16: another dtype and precision than nn.Linear's)."""
+    from sketch_ops.seeds import sketch_seed
+
+    torch.manual_seed(0)
+    lin = nn.Linear(6, 5).double()
+    sketched = SketchedLinear.from_linear(lin, rank=100, name="l")
+    x = torch.randn(8, 6, dtype=torch.float64)
+    with sketch_seed(0, 0), torch.autocast("cpu", dtype=torch.bfloat16):
+        want, got = lin(x), sketched(x)
+    assert got.dtype == want.dtype == torch.float64
+    assert torch.allclose(got, want)
