@@ -30,6 +30,7 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from elastic.storage_io import Storage
+from trainer.config_checks import INT64
 
 log = logging.getLogger(__name__)
 
@@ -76,7 +77,7 @@ def _is_number(value: Any) -> bool:
     (a longer one cannot become a float for a plot or a sum)."""
     if isinstance(value, bool):
         return False
-    return isinstance(value, float) or (isinstance(value, int) and abs(value) < 1 << 63)
+    return isinstance(value, float) or (isinstance(value, int) and abs(value) < INT64)
 
 
 def _valid_record(record: Any) -> bool:
