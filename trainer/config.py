@@ -90,11 +90,12 @@ class FitConfig:
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     precision: PrecisionConfig = field(default_factory=PrecisionConfig)
     parallelism: str = "ddp"  # "ddp" (replicated) or "fsdp" (FSDP2 fully_shard)
-    seed: int = 0
+    seed: int = 0  # model init, data order and sketches follow it (never the world size)
     steps: int = 100  # optimizer steps in the whole run (a resumed run continues to this)
     name: str = ""  # Ray Train run name; "" = derived from snapshots.run_uri
     # Python API only: build your own model / loss instead of the built-in GPT.
     model_factory: Callable[[], torch.nn.Module] | None = None
+    # With model_factory: loss_fn(model, tokens) returns the microbatch's scalar loss.
     loss_fn: Callable[[torch.nn.Module, torch.Tensor], torch.Tensor] | None = None
     # Python API only: build your own optimizer from the (wrapped) model instead of
     # optim.name's; optim.lr and the schedule still set its learning rate (trainer.optim).

@@ -88,9 +88,9 @@ class ModelConfig:
     # from dataset.json before the model is built (`trainer.preflight.with_dataset_vocab`);
     # a model built from a recipe alone, with no dataset, gets the byte vocabulary (256).
     vocab_size: int = 0
-    d_model: int = 64
-    n_layers: int = 2
-    n_heads: int = 4
+    d_model: int = 64  # the built-in GPT's width (a multiple of n_heads)
+    n_layers: int = 2  # the built-in GPT's transformer blocks
+    n_heads: int = 4  # the built-in GPT's attention heads
     checkpoint_blocks: bool = False  # recompute each block in backward (activation checkpointing)
     # When the MLP recomputes its hidden activations in backward instead of keeping them
     # (`sketch_ops.gelu_mlp`): "auto" when its proj is sketched (the sketch's memory saving
@@ -103,11 +103,12 @@ class ModelConfig:
     fuse_norms: bool = True
     # A Hugging Face causal LM instead of the built-in GPT (`trainer.hf`; needs
     # `pip install baton-train[hf]`; then d_model, n_layers, n_heads and the two options above
-    # are not used). `hf_config`: a local config.json or model directory, randomly initialised
-    # from `seed`; `model.vocab_size` 0 takes the config's, a set value replaces it.
-    # `init_from`: a local model directory with safetensors weights (fine-tuning); its config
-    # and vocabulary are the model's. Relative paths in a recipe are relative to the recipe.
+    # are not used): a local config.json or model directory, randomly initialised from `seed`;
+    # `model.vocab_size` 0 takes the config's, a set value replaces it. Relative paths in a
+    # recipe are relative to the recipe (here and in init_from).
     hf_config: str = ""
+    # Instead of hf_config: a local model directory with safetensors weights (fine-tuning);
+    # its config and vocabulary are the model's.
     init_from: str = ""
 
     def __post_init__(self) -> None:
@@ -158,7 +159,9 @@ class SketchConfig:
     """BASIS sketched linear layers: one `rank` for every selected layer, or per-layer ranks
     from `memory_budget_mib` (sketch memory per microbatch). Neither set: exact backprop."""
 
-    rank: int = 0
+    rank: int = 0  # R, the sketch's rows in every selected layer (0 and no budget: exact)
+    # Sketch memory per microbatch (MiB) shared over the selected layers, R per layer
+    # proportional to 1/sqrt(in_features) (sketch_ops.policy); not together with rank.
     memory_budget_mib: float = 0.0
     # Module-name globs, or "auto" (a probe step picks the layers whose sketch frees memory:
     # sketch_ops.probe); [] = the built-in GPT's policy (trainer.model.SKETCH_LAYERS), "auto"
@@ -168,10 +171,11 @@ class SketchConfig:
     # Read by "auto" only (a value other than the default is refused where layers are chosen
     # by name): the least share of the probed step's activation bytes a kind of layers (e.g.
     # every block's q/k/v) must free to be sketched, in [0, 1) (`sketch_ops.probe.MIN_SAVING`;
-    # 0 sketches whatever frees anything), and whether a fused SwiGLU MLP also keeps gate's
-    # output and recomputes only up in backward (the default, `sketch_ops.swiglu.KEEP_GATE`:
-    # one n x I tensor more per MLP than keeping only its input, one matmul less).
+    # 0 sketches whatever frees anything).
     min_saving: float = 0.10
+    # Read by "auto" only, as min_saving: whether a fused SwiGLU MLP also keeps gate's output
+    # and recomputes only up in backward (the default, `sketch_ops.swiglu.KEEP_GATE`: one
+    # n x I tensor more per MLP than keeping only its input, one matmul less).
     keep_gate: bool = True
 
     def __post_init__(self) -> None:

@@ -73,7 +73,7 @@ class OptimConfig:
     # same, linearly), "constant" (lr), "wsd" (warmup-stable-decay: lr, then linear to
     # min_lr_ratio * lr over the last decay_fraction of the steps).
     schedule: str = "cosine"
-    warmup_steps: int = 10
+    warmup_steps: int = 10  # linear warmup from 0 to lr over these first steps
     min_lr_ratio: float = 0.1  # the floor of cosine, linear and wsd (constant has none)
     decay_fraction: float = 0.2  # wsd only: the share of `steps` spent decaying
 
@@ -125,9 +125,10 @@ class SnapshotConfig:
     ram_replicas: int = 1
     # An in-flight snapshot not complete after this long is aborted and its files removed.
     pending_timeout_s: float = 600.0
-    # S3: the total deadline of one storage call (a black-holed endpoint fails within it),
-    # and how long transient errors (HTTP 5xx, throttling, timeouts) are retried in all.
+    # S3: the total deadline of one storage call (a black-holed endpoint fails within it).
     storage_timeout_s: float = 30.0
+    # How long transient storage errors (HTTP 5xx, throttling, timeouts) are retried in all;
+    # at least storage_timeout_s.
     storage_retry_s: float = 120.0
 
     def __post_init__(self) -> None:
@@ -146,9 +147,9 @@ class SnapshotConfig:
 class ScalingSettings:
     """How many Ray Train workers, and what each reserves."""
 
-    min_workers: int = 1
-    max_workers: int = 2
-    cpus_per_worker: float = 1.0
+    min_workers: int = 1  # the smallest group Ray Train may run (it waits for this many)
+    max_workers: int = 2  # the largest group; at most data.global_batch / microbatch_size
+    cpus_per_worker: float = 1.0  # CPUs each worker reserves (checked against the nodes)
     use_gpu: bool = False  # one GPU per worker, NCCL; otherwise CPU and gloo
     resize_interval_s: float = 5.0  # how often Ray Train checks whether the group can grow
     # Worker-group restarts allowed after errors (-1 = unlimited). Finite by default: an
@@ -174,7 +175,7 @@ class ScalingSettings:
 class EvalConfig:
     """Validation loss on the held-out split every `every` steps (0 = never)."""
 
-    every: int = 20
+    every: int = 20  # steps between evaluations; 0 = never
     batches: int = 4  # microbatches of the val split per evaluation
 
     def __post_init__(self) -> None:
