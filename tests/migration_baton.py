@@ -1,7 +1,7 @@
 """`tests/migration_standard.py` converted to Baton: a `Session` registers model, optimizer,
 LR schedule and data loader, restores them (warm, resharded) and snapshots them every
 `snapshot_every` steps; `ElasticTorchTrainer` replaces `TorchTrainer`. Nothing else changes
-(the README's "From a Ray Train loop" shows the diff; tests/test_ray_train_migration.py
+(docs/ray-train-loop.md shows the diff; tests/test_ray_train_migration.py
 runs it through a node loss and a scale-up).
 """
 

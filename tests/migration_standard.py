@@ -3,7 +3,7 @@ measures): restore model, optimizer and step from `ray.train.get_checkpoint()`; 
 `snapshot_every` steps rank 0 saves them with `torch.save` and every rank calls
 `ray.train.report(..., checkpoint=...)`. It trains Baton's tiny GPT on Baton's data order,
 so `tests/migration_baton.py` (the same loop converted to Baton) differs only in what is
-saved and restored; the README's "From a Ray Train loop" diff is `diff` of the two files.
+saved and restored; the diff in docs/ray-train-loop.md is `diff` of the two files.
 """
 
 import contextlib

@@ -5,7 +5,7 @@
 
 `fit` imports Ray only when called, so configs can be built and validated without it.
 
-For your own Ray Train loop (README, "From a Ray Train loop"): `trainer.Session` in the
+For your own Ray Train loop (docs/ray-train-loop.md): `trainer.Session` in the
 `train_func`, `trainer.ElasticTorchTrainer` on the driver. Both are loaded on first use, so
 `import trainer` stays free of Ray.
 """
