@@ -4,10 +4,12 @@ Contract
 --------
 A snapshot of step ``s`` of a run lives in ``RUN/snapshots/{s:09d}/``:
 
-* ``shard-{rank:05d}-of-{world_size:05d}-g{generation:06d}.safetensors`` — plain
-  safetensors files (8-byte little-endian header length, JSON header, raw little-endian
-  bytes). Each entry is one *chunk*: a hyper-rectangle of a logical tensor, named
-  ``"<tensor key>@<o0>,<o1>,..."`` after its offsets into the logical tensor.
+* ``shard-{rank:05d}-of-{world_size:05d}-g{generation:06d}.safetensors`` (``shard_filename``
+  writes it, ``parse_shard_name`` reads that grammar back, generations past 999,999 included;
+  both bounded by ``MAX_GENERATION``) — plain safetensors files (8-byte little-endian
+  header length, JSON header, raw little-endian bytes). Each entry is one *chunk*: a
+  hyper-rectangle of a logical tensor, named ``"<tensor key>@<o0>,<o1>,..."`` after its
+  offsets into the logical tensor.
 * ``manifest.json`` — written last; its presence is the commit. It lists every logical
   tensor (``model.<fqn>``, ``optim.state.<fqn>.exp_avg``, ...) with its global shape, dtype
   and the chunks covering it (file, absolute byte range in the file, offsets, shape, crc32
@@ -25,13 +27,12 @@ Nothing read from a snapshot is ever executed or unpickled; JSON and raw bytes o
 
 from __future__ import annotations
 
+import functools
 import json
 import re
 import struct
 from dataclasses import asdict, dataclass, field
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from elastic.errors import ManifestError, SnapshotIntegrityError
 
@@ -41,6 +42,9 @@ try:  # zlib-ng's crc32 is zlib's CRC-32, bit for bit, ~6x faster (carry-less mu
     from zlib_ng.zlib_ng import crc32
 except ImportError:  # pragma: no cover - a platform without a zlib-ng wheel
     from zlib import crc32
+
+if TYPE_CHECKING:
+    import torch
 
 FORMAT_NAME = "baton-snapshot"
 FORMAT_VERSION = 1
@@ -60,36 +64,45 @@ TENSOR_TAG = "__tensor__"
 TUPLE_TAG = "__tuple__"
 ITEMS_TAG = "__items__"  # dicts whose keys are not all strings (e.g. int-keyed)
 
-_DTYPE_TO_ST: dict[torch.dtype, str] = {
-    torch.float64: "F64",
-    torch.float32: "F32",
-    torch.float16: "F16",
-    torch.bfloat16: "BF16",
-    torch.int64: "I64",
-    torch.int32: "I32",
-    torch.int16: "I16",
-    torch.int8: "I8",
-    torch.uint8: "U8",
-    torch.bool: "BOOL",
-}
-_ST_TO_DTYPE: dict[str, torch.dtype] = {v: k for k, v in _DTYPE_TO_ST.items()}
+# Bytes per element of each safetensors dtype name a snapshot may use. A literal table, not
+# torch's: this module is torch-free at import so that the framework-neutral reader
+# (``elastic.portable``) shares it; the torch dtypes are mapped only where torch is used.
 _ST_ITEMSIZE: dict[str, int] = {
-    name: torch.empty((), dtype=dt).element_size() for name, dt in _ST_TO_DTYPE.items()
+    "F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1,
+    "BOOL": 1,
 }
 # The safetensors dtype names a snapshot may use.
-DTYPE_NAMES: frozenset[str] = frozenset(_ST_TO_DTYPE)
+DTYPE_NAMES: frozenset[str] = frozenset(_ST_ITEMSIZE)
+
+
+@functools.cache
+def _torch_dtypes() -> dict[str, torch.dtype]:
+    """Safetensors name -> torch dtype (torch imported on first use only; built once: capture
+    and restore look a dtype up per tensor)."""
+    import torch
+
+    return {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16,
+            "BF16": torch.bfloat16, "I64": torch.int64, "I32": torch.int32,
+            "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8, "BOOL": torch.bool}
+
+
+@functools.cache
+def _torch_names() -> dict[torch.dtype, str]:
+    return {dt: name for name, dt in _torch_dtypes().items()}
 
 
 def dtype_to_str(dtype: torch.dtype) -> str:
-    if dtype not in _DTYPE_TO_ST:
-        raise ValueError(f"dtype {dtype} cannot be snapshotted; supported: {list(_DTYPE_TO_ST)}")
-    return _DTYPE_TO_ST[dtype]
+    names = _torch_names()
+    if dtype not in names:
+        raise ValueError(f"dtype {dtype} cannot be snapshotted; supported: {list(names)}")
+    return names[dtype]
 
 
 def str_to_dtype(name: str) -> torch.dtype:
-    if name not in _ST_TO_DTYPE:
-        raise ManifestError(f"unknown dtype {name!r} in snapshot; known: {sorted(_ST_TO_DTYPE)}")
-    return _ST_TO_DTYPE[name]
+    dtypes = _torch_dtypes()
+    if name not in dtypes:
+        raise ManifestError(f"unknown dtype {name!r} in snapshot; known: {sorted(dtypes)}")
+    return dtypes[name]
 
 
 def itemsize(name: str) -> int:
@@ -101,21 +114,51 @@ def step_dirname(step: int) -> str:
     return f"{step:09d}"
 
 
+# Bounds of the numbers a shard file name carries: a name is written by shard_filename and
+# read by parse_shard_name, one grammar. A run that somehow reaches MAX_GENERATION worker-group
+# attempts is refused in one line (elastic.generation), never named in a form no reader takes.
+MAX_GENERATION = 999_999_999
+MAX_NAMED_WORLD_SIZE = 9_999_999
+# "-gNNNNNN" has at least six digits; the older form without it is what format version 1
+# snapshots made before generations existed.
+SHARD_NAME_RE = re.compile(r"shard-(\d{5,7})-of-(\d{5,7})(?:-g(\d{6,9}))?\.safetensors")
+
+
+def generation_tag(generation: int) -> str:
+    """The part of a file name that says which generation wrote it: ``-gNNNNNN.`` (receipts
+    and temporary files of a shard carry it too)."""
+    if not 0 <= generation <= MAX_GENERATION:
+        raise ValueError(f"generation {generation} is outside [0, {MAX_GENERATION}]")
+    return f"-g{generation:06d}."
+
+
 def shard_filename(rank: int, world_size: int, generation: int) -> str:
     """A shard's file name carries the worker-group generation that wrote it, so a name is
     never reused: a redone step of a later generation writes other files."""
-    return f"shard-{rank:05d}-of-{world_size:05d}-g{generation:06d}.safetensors"
+    if not 0 <= rank < world_size <= MAX_NAMED_WORLD_SIZE:
+        raise ValueError(f"rank {rank} of world size {world_size} cannot be named (world "
+                         f"sizes up to {MAX_NAMED_WORLD_SIZE})")
+    return f"shard-{rank:05d}-of-{world_size:05d}{generation_tag(generation)}safetensors"
 
 
-# The only file names a manifest may list (no directories, no path separators). The older
-# form without "-gNNNNNN" is what format version 1 snapshots made before generations hold.
-SHARD_NAME_RE = re.compile(r"shard-\d{5}-of-\d{5}(?:-g\d{6})?\.safetensors")
+def parse_shard_name(name: object) -> tuple[int, int, int | None] | None:
+    """``(rank, world_size, generation)`` of a shard file name exactly as ``shard_filename``
+    writes it (generation None: the older form without one), else None."""
+    if not isinstance(name, str):
+        return None
+    match = SHARD_NAME_RE.fullmatch(name)
+    if match is None:
+        return None
+    rank, world = int(match.group(1)), int(match.group(2))
+    generation = None if match.group(3) is None else int(match.group(3))
+    canonical = (f"shard-{rank:05d}-of-{world:05d}.safetensors" if generation is None
+                 else f"shard-{rank:05d}-of-{world:05d}-g{generation:06d}.safetensors")
+    return (rank, world, generation) if canonical == name else None
 
 
 def is_shard_name(name: object) -> bool:
     """Whether ``name`` may appear as a file of a manifest: a bare shard file name."""
-    return (isinstance(name, str) and "/" not in name and "\\" not in name
-            and SHARD_NAME_RE.fullmatch(name) is not None)
+    return parse_shard_name(name) is not None
 
 
 def chunk_name(key: str, offsets: tuple[int, ...]) -> str:

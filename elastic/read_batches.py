@@ -34,8 +34,10 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from elastic.errors import SnapshotIntegrityError
-from elastic.format import ChunkRecord, Manifest, crc32, step_dirname
+# snapshot_label is re-exported: elastic.restore and elastic.group_read take it from here.
+from elastic.chunk_checks import snapshot_label as snapshot_label
+from elastic.chunk_checks import verify_blocks
+from elastic.format import ChunkRecord, Manifest
 from elastic.layout import Target
 
 if TYPE_CHECKING:
@@ -57,10 +59,6 @@ VERIFY_THREADS = max(1, min(4, len(os.sched_getaffinity(0)) if hasattr(os, "sche
 VERIFY_PIECE_BYTES = 4 << 20
 # Copies of at least this many bytes go through torch (``copy_bytes``).
 TORCH_COPY_MIN_BYTES = 1 << 20
-
-
-def snapshot_label(step: int) -> str:
-    return f"snapshot {step_dirname(step)}"
 
 
 @dataclass(frozen=True)
@@ -114,26 +112,7 @@ def memory(t: torch.Tensor) -> memoryview:
 def verify(op: ReadOp, parts: list[memoryview], block: int, step: int) -> None:
     """Check the crc32 of every checksum block of ``op``'s bytes, which arrived in
     ``parts`` (consecutive pieces of ``[op.start, op.end)``: a block may span two)."""
-    c0 = op.chunk.byte_range[0]
-    idx, crc, filled = (op.start - c0) // block, 0, 0
-
-    def check() -> None:
-        if idx >= len(op.chunk.crc32) or crc != op.chunk.crc32[idx]:
-            raise SnapshotIntegrityError(
-                f"{snapshot_label(step)}: checksum mismatch in {op.chunk.file}, chunk "
-                f"{op.chunk.name}, block {idx}; the snapshot is corrupt")
-
-    for part in parts:
-        pos = 0
-        while pos < len(part):
-            take = min(block - filled, len(part) - pos)
-            crc = crc32(part[pos: pos + take], crc)
-            pos, filled = pos + take, filled + take
-            if filled == block:
-                check()
-                idx, crc, filled = idx + 1, 0, 0
-    if filled:
-        check()
+    verify_blocks(op.chunk, op.start, parts, block, step)
 
 
 def read_placed(placed: list[Placed], source: ByteSource, manifest: Manifest) -> None:

@@ -57,7 +57,6 @@ import gc
 import math
 import operator
 import os
-import stat
 import threading
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -65,14 +64,11 @@ from typing import Any
 
 import torch
 
+from elastic.chunk_checks import check_headers, check_shard_file
 from elastic.errors import ManifestError, SnapshotIntegrityError, SnapshotMisfitError
 from elastic.format import (
-    MAX_HEADER_BYTES,
-    ChunkRecord,
     Manifest,
     SafetensorsHeader,
-    parse_header,
-    step_dirname,
     str_to_dtype,
 )
 from elastic.layout import Piece, Target, target_piece
@@ -82,10 +78,9 @@ from elastic.read_batches import snapshot_label as _snap
 from elastic.registry import SnapshotMismatchError, StateRegistry
 from elastic.store import SnapshotStore
 
-HEADER_BATCH_BYTES = 64 << 20  # header bytes per read batch (real ones: KiB-MiB per file)
-
 __all__ = ["ByteSource", "SnapshotMismatchError", "allocate", "check_compatible",
-           "check_coverage", "collector_paused", "plan_reads", "plan_targets", "read_tensors"]
+           "check_coverage", "check_headers", "collector_paused", "plan_reads", "plan_targets",
+           "read_tensors"]
 
 
 @contextlib.contextmanager
@@ -187,24 +182,13 @@ class ByteSource:
                                              "missing") from err
 
     def _refuse_links(self, file: str, path: str) -> None:
-        """A local shard must be a regular file inside the snapshot's own directory: a
-        symlink could make restore read any file the process can read into a weight, a FIFO
-        would block its open forever, and a directory would read as unreachable storage."""
+        """A local shard must be a regular file inside the snapshot's own directory
+        (``elastic.chunk_checks.check_shard_file``); checked once per file."""
         if not self.store.is_local or file in self._safe_files:
             return
-        directory = os.path.join(os.path.realpath(self.store.path("snapshots")),
-                                 step_dirname(self.step))
-        if os.path.islink(path) or os.path.dirname(os.path.realpath(path)) != directory:
-            raise ManifestError(f"{_snap(self.step)}: shard file {file} is a symbolic link or "
-                                "resolves outside the snapshot directory; refused")
-        try:
-            regular = stat.S_ISREG(os.stat(path).st_mode)
-        except FileNotFoundError:
-            return  # the read says it is missing
-        if not regular:
-            raise ManifestError(f"{_snap(self.step)}: shard file {file} is not a regular file "
-                                "(a directory, FIFO or device); refused")
-        self._safe_files.add(file)
+        check_shard_file(self.store, self.step, file)
+        if os.path.isfile(path):
+            self._safe_files.add(file)
 
 
 def check_compatible(registry: StateRegistry, manifest: Manifest,
@@ -298,60 +282,6 @@ def plan_reads(manifest: Manifest, targets: dict[str, Target]) -> list[ReadOp]:
             end = min(c1, c0 + -(-(need1 - c0) // block) * block)
             ops.append(ReadOp(key, chunk, start, end, lo, hi, full_tail, need0, need1))
     return ops
-
-
-def check_headers(manifest: Manifest, used: list[tuple[str, ChunkRecord]],
-                  source: ByteSource) -> None:
-    """Each used chunk must be in its file's safetensors header with the manifest's dtype,
-    shape and absolute byte range. Reads each file's header once per ``source``."""
-    snap = _snap(manifest.step)
-    wanted = sorted({chunk.file for _, chunk in used} - set(source.headers))
-    if wanted:
-        # The header ends where the file's first chunk starts (capture writes the data
-        # section right after it), so one range read per file fetches exactly the header.
-        first: dict[str, int] = {}
-        todo = set(wanted)
-        for rec in manifest.tensors.values():
-            for c in rec.chunks:
-                if c.file in todo:
-                    first[c.file] = min(first.get(c.file, c.byte_range[0]), c.byte_range[0])
-        for file in wanted:
-            if not 8 <= first[file] <= 8 + MAX_HEADER_BYTES:
-                raise ManifestError(f"{snap}: the first chunk of {file} starts at byte "
-                                    f"{first[file]}, where no safetensors data section can")
-        # Batches of <= HEADER_BATCH_BYTES (or one file): else a manifest alone could have
-        # every file's header buffer (<= MAX_HEADER_BYTES each) allocated before a read fails.
-        batches: list[list[str]] = [[]]
-        for file in wanted:
-            size = sum(map(first.__getitem__, batches[-1])) + first[file]
-            if batches[-1] and size > HEADER_BATCH_BYTES:
-                batches.append([])
-            batches[-1].append(file)
-        for batch in batches:
-            blobs = source.read_many([(f, 0, first[f]) for f in batch])
-            for file, blob in zip(batch, blobs, strict=True):
-                if len(blob) != first[file]:
-                    raise SnapshotIntegrityError(f"{snap}: {file} ends within its header; "
-                                                 "truncated")
-                source.headers[file] = parse_header(blob, f"{snap}: {file}")
-    for key, chunk in used:
-        header = source.headers[chunk.file]
-        entry = header.entries.get(chunk.name)
-        dtype = manifest.tensors[key].dtype
-        where = f"{snap}: chunk {chunk.name} of {chunk.file}"
-        if entry is None:
-            raise ManifestError(f"{where} is not in the file's safetensors header")
-        if entry.dtype != dtype:
-            raise ManifestError(f"{where} is {entry.dtype} in the file but {dtype} in the "
-                                "manifest")
-        if entry.shape != chunk.shape:
-            raise ManifestError(f"{where} has shape {list(entry.shape)} in the file but "
-                                f"{list(chunk.shape)} in the manifest")
-        span = (header.data_start + entry.data_offsets[0],
-                header.data_start + entry.data_offsets[1])
-        if span != chunk.byte_range:
-            raise ManifestError(f"{where} is at bytes {list(span)} of the file but "
-                                f"{list(chunk.byte_range)} in the manifest")
 
 
 def allocate(targets: dict[str, Target], step: int) -> dict[str, torch.Tensor]:
