@@ -32,15 +32,17 @@ import threading
 from collections import OrderedDict
 from collections.abc import Iterable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
-import torch
 
 from data_state import storage
 from data_state.manifest import MANIFEST_NAME, DatasetError, DatasetManifest
 from data_state.shards import ShardReader
 from data_state.tokenizer import ByteTokenizer, Tokenizer, from_stored
+
+if TYPE_CHECKING:  # torch is imported by batch() only: read() serves numpy without it
+    import torch
 
 _GroupKey = tuple[int, int]  # (shard number, row group number)
 
@@ -176,6 +178,8 @@ class TokenDataset:
 
     def batch(self, indices: Sequence[int] | np.ndarray) -> torch.Tensor:
         """Sequences `indices` as a `(len(indices), seq_len)` int64 tensor, ready for a model."""
+        import torch
+
         return torch.from_numpy(self.read(indices).astype(np.int64))
 
     @property

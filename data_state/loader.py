@@ -37,13 +37,15 @@ import queue
 import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
-import torch
 
 from data_state.cursor import DataCursor, assign_microbatches, steps_per_epoch
 from data_state.order import Permutation
+
+if TYPE_CHECKING:  # torch only as a type: a numpy source needs none (data_state.numpy_source)
+    import torch
 
 
 class SampleSource(Protocol):
@@ -59,7 +61,9 @@ class SampleSource(Protocol):
 
 @dataclass(frozen=True)
 class Microbatch:
-    tokens: torch.Tensor  # (microbatch_size, seq_len), int64
+    # (microbatch_size, seq_len), int64: what the source's batch() gives (a numpy array from
+    # `data_state.numpy_source.NumpySamples`, for JAX)
+    tokens: torch.Tensor
     index: int  # m in [0, num_microbatches): its place in the step (seeds its sketches)
     sample_indices: tuple[int, ...]  # global sample (sequence) indices, row by row
     num_microbatches: int  # M, the same on every worker
