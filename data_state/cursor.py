@@ -11,11 +11,17 @@ Contract:
   `global_batch` positions remain, the epoch ends: that tail (at most `global_batch - 1`
   samples) is not trained this epoch. The order changes every epoch, so a different tail is
   dropped next time and no sample is systematically left out. Positions count samples, not
-  steps, so a run may even resume with a different `global_batch`.
+  steps, so a run may even resume with a different `global_batch`. With `drop_last=False`
+  the tail is trained instead, as one shorter last step (`step_samples`), and the epoch ends
+  when every position was used.
+- `step_samples` is the number of samples of the step at a cursor (`global_batch`, or the
+  tail); it splits into `ceil(step_samples / microbatch_size)` microbatches, the last one
+  short when the tail does not divide.
 - `assign_microbatches` shares a step's microbatches among workers in contiguous, balanced
   blocks: worker `rank` of `world_size` gets microbatches
   `[rank * M // world_size, (rank + 1) * M // world_size)`. Block sizes differ by at most one,
-  so any world size up to M works, including ones that do not divide M. The trainer must
+  so any world size up to M works, including ones that do not divide M (`share` is the same
+  block without that bound: a rank past M gets an empty block). The trainer must
   therefore weight each microbatch's mean loss by `1 / M` and sum gradients over workers (or,
   with DDP/FSDP's gradient average, by `world_size / M`), never by `1 / (its own count)`, so
   uneven blocks give the same update as one worker doing all M.
@@ -65,22 +71,31 @@ class DataCursor:
                 )
         return cls(state["dataset"], state["seed"], state["epoch"], state["samples_consumed"])
 
-    def normalized(self, *, num_samples: int, global_batch: int) -> DataCursor:
-        """This cursor, moved to the next epoch if no full step is left in this one."""
-        if self.samples_consumed + global_batch > num_samples:
+    def normalized(self, *, num_samples: int, global_batch: int,
+                   drop_last: bool = True) -> DataCursor:
+        """This cursor, moved to the next epoch if no step is left in this one (no full step
+        when `drop_last`, no sample at all otherwise)."""
+        left = num_samples - self.samples_consumed
+        if left < (global_batch if drop_last else 1):
             return DataCursor(self.dataset, self.seed, self.epoch + 1, 0)
         return self
 
-    def advanced(self, *, num_samples: int, global_batch: int) -> DataCursor:
+    def advanced(self, *, num_samples: int, global_batch: int,
+                 drop_last: bool = True) -> DataCursor:
         """The cursor after committing the step that starts at this cursor."""
-        moved = DataCursor(
-            self.dataset, self.seed, self.epoch, self.samples_consumed + global_batch
-        )
-        return moved.normalized(num_samples=num_samples, global_batch=global_batch)
+        size = step_samples(self, num_samples=num_samples, global_batch=global_batch)
+        moved = DataCursor(self.dataset, self.seed, self.epoch, self.samples_consumed + size)
+        return moved.normalized(num_samples=num_samples, global_batch=global_batch,
+                                drop_last=drop_last)
 
 
-def steps_per_epoch(num_samples: int, global_batch: int) -> int:
-    return num_samples // global_batch
+def step_samples(cursor: DataCursor, *, num_samples: int, global_batch: int) -> int:
+    """Samples in the step that starts at (normalized) `cursor`: `global_batch`, or the tail."""
+    return min(global_batch, num_samples - cursor.samples_consumed)
+
+
+def steps_per_epoch(num_samples: int, global_batch: int, drop_last: bool = True) -> int:
+    return num_samples // global_batch if drop_last else -(-num_samples // global_batch)
 
 
 def assign_microbatches(num_microbatches: int, *, rank: int, world_size: int) -> range:
@@ -95,4 +110,10 @@ def assign_microbatches(num_microbatches: int, *, rank: int, world_size: int) ->
             "step, so some workers would get no data: lower microbatch_size, raise "
             "global_batch, or use fewer workers"
         )
+    return share(num_microbatches, rank=rank, world_size=world_size)
+
+
+def share(num_microbatches: int, *, rank: int, world_size: int) -> range:
+    """Worker `rank`'s contiguous block of `num_microbatches`; empty for some ranks when
+    `world_size > num_microbatches` (callers that allow idle ranks use this directly)."""
     return range(rank * num_microbatches // world_size, (rank + 1) * num_microbatches // world_size)

@@ -25,7 +25,14 @@ Contract:
 - `reshard(rank=..., world_size=...)` changes this worker's share in place (a resize);
   `load_state_dict` restores a cursor saved under any world size. Both drop prefetched work.
 - Epochs end when fewer than `global_batch` positions remain (the tail is dropped; see
-  `cursor.py`); the next step starts the next epoch's order.
+  `cursor.py`); the next step starts the next epoch's order. `drop_last=False` trains the
+  tail as a shorter last step instead (fewer microbatches, the last one short).
+  `shuffle=False` reads every epoch in dataset order (the cursor's fingerprint says so, so a
+  snapshot of a shuffled run is refused by an in-order loader and back).
+- `pending` is True between `next_step()` and `advance()`: a step was handed out and not
+  committed (`trainer.session.Session` refuses to end a step while its loader is pending).
+- Subclasses choose what a step's part becomes (`_materialize`): token microbatches here,
+  collated items in `data_state.map_loader`.
 - A background thread prefetches up to `prefetch_steps` steps into a bounded queue; errors in
   it (a corrupt shard, say) are raised by `next_step()`. `close()` (or leaving the `with`
   block) stops and joins it; the loader can be used again afterwards (it restarts lazily).
@@ -41,11 +48,19 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 
-from data_state.cursor import DataCursor, assign_microbatches, steps_per_epoch
+from data_state.cursor import (
+    DataCursor,
+    assign_microbatches,
+    share,
+    step_samples,
+    steps_per_epoch,
+)
 from data_state.order import Permutation
 
 if TYPE_CHECKING:  # torch only as a type: a numpy source needs none (data_state.numpy_source)
     import torch
+
+Order = Callable[[np.ndarray], Any]  # positions of an epoch -> sample indices
 
 
 class SampleSource(Protocol):
@@ -71,8 +86,30 @@ class Microbatch:
     epoch: int
 
 
+@dataclass(frozen=True)
+class StepPlan:
+    """Where the step at a cursor lies in its epoch's order, and this rank's part of it."""
+
+    epoch: int
+    step: int  # epoch * steps_per_epoch + step within the epoch
+    first: int  # the step's first position in the epoch's order
+    samples: int  # samples in the step (global_batch, or a kept tail)
+    microbatch_size: int
+    num_microbatches: int  # ceil(samples / microbatch_size)
+    mine: range  # this rank's microbatches (empty: an idle rank)
+
+    def span(self, microbatches: range) -> tuple[int, int]:
+        """Positions [start, stop) of a contiguous block of this step's microbatches."""
+        b = self.microbatch_size
+        start = self.first + min(microbatches.start * b, self.samples)
+        return start, self.first + min(microbatches.stop * b, self.samples)
+
+
 class ResumableLoader:
     """See the module docstring."""
+
+    # Whether ranks past the step's microbatch count may exist (they get an empty part).
+    allow_idle_ranks = False
 
     def __init__(
         self,
@@ -84,6 +121,8 @@ class ResumableLoader:
         rank: int = 0,
         world_size: int = 1,
         prefetch_steps: int = 2,
+        shuffle: bool = True,
+        drop_last: bool = True,
     ) -> None:
         if microbatch_size < 1 or global_batch < 1:
             raise ValueError(
@@ -107,12 +146,16 @@ class ResumableLoader:
         self.dataset = dataset
         self.global_batch, self.microbatch_size = global_batch, microbatch_size
         self.num_microbatches = global_batch // microbatch_size
-        self.steps_per_epoch = steps_per_epoch(len(dataset), global_batch)
+        self.shuffle, self.drop_last = shuffle, drop_last
+        self.steps_per_epoch = steps_per_epoch(len(dataset), global_batch, drop_last)
         self.prefetch_steps = prefetch_steps
-        self._cursor = DataCursor(dataset.fingerprint, seed, 0, 0)
+        # An in-order run's positions name other samples than a shuffled run's: its cursor
+        # must not be taken for the other's.
+        self.fingerprint = dataset.fingerprint + ("" if shuffle else "+in-order")
+        self._cursor = DataCursor(self.fingerprint, seed, 0, 0)
         self.rank, self.world_size = rank, world_size
-        self._mine = assign_microbatches(self.num_microbatches, rank=rank, world_size=world_size)
-        self._pending: list[Microbatch] | None = None
+        self._mine = self._share(rank, world_size)
+        self._pending: Any = None
         self._prefetcher: _Prefetcher | None = None
 
     @property
@@ -122,15 +165,24 @@ class ResumableLoader:
 
     @property
     def microbatches(self) -> range:
-        """Indices of the microbatches this worker trains in every step."""
+        """Indices of the microbatches this worker trains in every full step."""
         return self._mine
+
+    @property
+    def pending(self) -> bool:
+        """Whether `next_step()` handed out a step that `advance()` has not committed."""
+        return self._pending is not None
 
     def next_step(self) -> list[Microbatch]:
         """This worker's microbatches of the step at the committed cursor."""
+        return list(self._fetch())
+
+    def _fetch(self) -> Any:
+        """This worker's part of the step at the committed cursor (`_materialize`'s)."""
         if self._pending is None:
             if self._prefetcher is None:
                 self._prefetcher = _Prefetcher(
-                    build=self._builder(self._mine),
+                    build=self._builder(),
                     start=self._cursor,
                     advance=self._after,
                     depth=self.prefetch_steps,
@@ -142,7 +194,7 @@ class ResumableLoader:
                 raise result
             assert cursor == self._cursor, "prefetcher out of step with the committed cursor"
             self._pending = result
-        return list(self._pending)
+        return self._pending
 
     def advance(self) -> None:
         """Commit the step returned by `next_step()`: call after its optimizer update."""
@@ -156,11 +208,11 @@ class ResumableLoader:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         cursor = DataCursor.from_dict(state)
-        if cursor.dataset != self.dataset.fingerprint:
+        if cursor.dataset != self.fingerprint:
             raise ValueError(
                 f"data cursor is for dataset {cursor.dataset!r} but this loader reads "
-                f"{self.dataset.fingerprint!r} ({self.dataset!r}): resume with the dataset the "
-                "run was started on"
+                f"{self.fingerprint!r} ({self.dataset!r}): resume with the dataset (and the "
+                "shuffle setting) the run was started with"
             )
         if cursor.seed != self._cursor.seed:
             raise ValueError(
@@ -175,12 +227,13 @@ class ResumableLoader:
             )
         self._stop_prefetch()
         self._cursor = cursor.normalized(
-            num_samples=len(self.dataset), global_batch=self.global_batch
+            num_samples=len(self.dataset), global_batch=self.global_batch,
+            drop_last=self.drop_last,
         )
 
     def reshard(self, *, rank: int, world_size: int) -> None:
         """Become worker `rank` of `world_size` from the committed cursor on (a resize)."""
-        mine = assign_microbatches(self.num_microbatches, rank=rank, world_size=world_size)
+        mine = self._share(rank, world_size)
         self._stop_prefetch()
         self.rank, self.world_size, self._mine = rank, world_size, mine
 
@@ -196,7 +249,16 @@ class ResumableLoader:
     # -- internals -----------------------------------------------------------------------
 
     def _after(self, cursor: DataCursor) -> DataCursor:
-        return cursor.advanced(num_samples=len(self.dataset), global_batch=self.global_batch)
+        return cursor.advanced(num_samples=len(self.dataset), global_batch=self.global_batch,
+                               drop_last=self.drop_last)
+
+    def _share(self, rank: int, world_size: int) -> range:
+        """This rank's microbatches of a full step (checked: a rank past them is an error
+        unless the loader allows idle ranks)."""
+        if self.allow_idle_ranks:
+            assign_microbatches(world_size, rank=rank, world_size=world_size)  # rank checks
+            return share(self.num_microbatches, rank=rank, world_size=world_size)
+        return assign_microbatches(self.num_microbatches, rank=rank, world_size=world_size)
 
     def _stop_prefetch(self) -> None:
         self._pending = None
@@ -204,35 +266,51 @@ class ResumableLoader:
             self._prefetcher.close()
             self._prefetcher = None
 
-    def _builder(self, mine: range) -> Callable[[DataCursor], list[Microbatch]]:
-        """A function building this worker's microbatches of the step at a cursor."""
-        b, num_mb, n = self.microbatch_size, self.num_microbatches, len(self.dataset)
-        orders: dict[tuple[int, int], Permutation] = {}
+    def _order(self, seed: int, epoch: int) -> Order:
+        """Positions of epoch `epoch` -> sample indices (the identity when not shuffling)."""
+        if not self.shuffle:
+            return lambda positions: positions
+        return Permutation(len(self.dataset), seed=seed, epoch=epoch)
 
-        def build(cursor: DataCursor) -> list[Microbatch]:
+    def _plan(self, cursor: DataCursor, rank: int, world_size: int) -> StepPlan:
+        b = self.microbatch_size
+        samples = step_samples(cursor, num_samples=len(self.dataset),
+                               global_batch=self.global_batch)
+        count = -(-samples // b)
+        return StepPlan(
+            epoch=cursor.epoch,
+            step=cursor.epoch * self.steps_per_epoch + cursor.samples_consumed // self.global_batch,
+            first=cursor.samples_consumed, samples=samples, microbatch_size=b,
+            num_microbatches=count, mine=share(count, rank=rank, world_size=world_size))
+
+    def _builder(self) -> Callable[[DataCursor], Any]:
+        """A function building this worker's part of the step at a cursor (it runs on the
+        prefetch thread; a reshard replaces it)."""
+        rank, world_size = self.rank, self.world_size
+        orders: dict[tuple[int, int], Order] = {}
+
+        def build(cursor: DataCursor) -> Any:
             key = (cursor.seed, cursor.epoch)
             if key not in orders:
                 orders.clear()
-                orders[key] = Permutation(n, seed=cursor.seed, epoch=cursor.epoch)
-            first = cursor.samples_consumed + mine.start * b
-            indices = np.asarray(orders[key](np.arange(first, first + len(mine) * b)))
-            tokens = self.dataset.batch(indices)
-            step = (
-                cursor.epoch * self.steps_per_epoch + cursor.samples_consumed // self.global_batch
-            )
-            return [
-                Microbatch(
-                    tokens=tokens[j * b : (j + 1) * b],
-                    index=m,
-                    sample_indices=tuple(indices[j * b : (j + 1) * b].tolist()),
-                    num_microbatches=num_mb,
-                    step=step,
-                    epoch=cursor.epoch,
-                )
-                for j, m in enumerate(mine)
-            ]
+                orders[key] = self._order(*key)
+            return self._materialize(self._plan(cursor, rank, world_size), orders[key])
 
         return build
+
+    def _materialize(self, plan: StepPlan, order: Order) -> list[Microbatch]:
+        """This rank's microbatches of the step `plan` describes."""
+        start, stop = plan.span(plan.mine)
+        indices = np.asarray(order(np.arange(start, stop)))
+        tokens = self.dataset.batch(indices)
+        out = []
+        for m in plan.mine:
+            lo, hi = (p - start for p in plan.span(range(m, m + 1)))
+            out.append(Microbatch(tokens=tokens[lo:hi], index=m,
+                                  sample_indices=tuple(indices[lo:hi].tolist()),
+                                  num_microbatches=plan.num_microbatches, step=plan.step,
+                                  epoch=plan.epoch))
+        return out
 
 
 class _Prefetcher:
@@ -243,7 +321,7 @@ class _Prefetcher:
     def __init__(
         self,
         *,
-        build: Callable[[DataCursor], list[Microbatch]],
+        build: Callable[[DataCursor], Any],
         start: DataCursor,
         advance: Callable[[DataCursor], DataCursor],
         depth: int,

@@ -8,6 +8,7 @@ Contract:
   `next_step()` / `advance()` / `state_dict()` / `load_state_dict()` / `reshard()`. So a run
   resized from 2 ranks to 3 still trains every sample of an epoch exactly once, and
   microbatch m of step s holds the same samples at any world size.
+- `shuffle=False` and `drop_last=False` are `ResumableLoader`'s.
 - Each microbatch is `collate_fn([dataset[i] for i in its sample indices])` (default:
   `torch.utils.data.default_collate`), returned as a `MapMicrobatch` whose `batch` is what the
   collate function made; `index`, `sample_indices`, `num_microbatches`, `step`, `epoch` are
@@ -30,9 +31,7 @@ import numpy as np
 import torch
 from torch.utils.data import default_collate
 
-from data_state.cursor import DataCursor
-from data_state.loader import ResumableLoader
-from data_state.order import Permutation
+from data_state.loader import Order, ResumableLoader, StepPlan
 
 
 class MapDataset(Protocol):
@@ -71,6 +70,11 @@ class _MapSource:
         return f"{type(self.dataset).__name__} of {len(self.dataset)} items"
 
 
+def map_source(dataset: MapDataset, fingerprint: str | None = None) -> _MapSource:
+    """`dataset` as a loader's source, named by `fingerprint` (default: class and length)."""
+    return _MapSource(dataset, fingerprint or f"map:{type(dataset).__qualname__}:{len(dataset)}")
+
+
 class MapStyleLoader(ResumableLoader):
     """See the module docstring."""
 
@@ -86,39 +90,26 @@ class MapStyleLoader(ResumableLoader):
         world_size: int = 1,
         prefetch_steps: int = 2,
         fingerprint: str | None = None,
+        shuffle: bool = True,
+        drop_last: bool = True,
     ) -> None:
         self.collate_fn = collate_fn or default_collate
-        source = _MapSource(dataset, fingerprint or f"map:{type(dataset).__qualname__}:"
-                                                    f"{len(dataset)}")
-        super().__init__(source, global_batch=global_batch, microbatch_size=microbatch_size,
-                         seed=seed, rank=rank, world_size=world_size,
-                         prefetch_steps=prefetch_steps)
+        super().__init__(map_source(dataset, fingerprint), global_batch=global_batch,
+                         microbatch_size=microbatch_size, seed=seed, rank=rank,
+                         world_size=world_size, prefetch_steps=prefetch_steps,
+                         shuffle=shuffle, drop_last=drop_last)
         self.items = dataset
 
     def next_step(self) -> list[MapMicrobatch]:  # type: ignore[override]
         """This worker's microbatches of the step at the committed cursor."""
         return super().next_step()  # type: ignore[return-value]
 
-    def _builder(self, mine: range) -> Callable[[DataCursor], list[MapMicrobatch]]:  # type: ignore[override]
-        b, num_mb, n = self.microbatch_size, self.num_microbatches, len(self.items)
-        orders: dict[tuple[int, int], Permutation] = {}
-
-        def build(cursor: DataCursor) -> list[MapMicrobatch]:
-            key = (cursor.seed, cursor.epoch)
-            if key not in orders:
-                orders.clear()
-                orders[key] = Permutation(n, seed=cursor.seed, epoch=cursor.epoch)
-            first = cursor.samples_consumed + mine.start * b
-            indices = np.asarray(orders[key](np.arange(first, first + len(mine) * b))).tolist()
-            step = (cursor.epoch * self.steps_per_epoch
-                    + cursor.samples_consumed // self.global_batch)
-            out = []
-            for j, m in enumerate(mine):
-                picked = indices[j * b:(j + 1) * b]
-                out.append(MapMicrobatch(
-                    batch=self.collate_fn([self.items[i] for i in picked]), index=m,
-                    sample_indices=tuple(picked), num_microbatches=num_mb, step=step,
-                    epoch=cursor.epoch))
-            return out
-
-        return build
+    def _materialize(self, plan: StepPlan, order: Order) -> list[MapMicrobatch]:  # type: ignore[override]
+        out = []
+        for m in plan.mine:
+            picked = np.asarray(order(np.arange(*plan.span(range(m, m + 1))))).tolist()
+            out.append(MapMicrobatch(
+                batch=self.collate_fn([self.items[i] for i in picked]), index=m,
+                sample_indices=tuple(picked), num_microbatches=plan.num_microbatches,
+                step=plan.step, epoch=plan.epoch))
+        return out

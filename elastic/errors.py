@@ -27,6 +27,8 @@ Contract
 * ``FatalRunError``: an error a restart cannot fix (a bad dataset, a recipe that disagrees
   with the run it continues, a worker running other code). The run fails once, with this
   message on the driver, instead of restarting forever.
+* ``ReplicasDivergedError``: a ``FatalRunError``: state that every rank must hold the same
+  (a DDP model, its optimizer) differs between ranks, so no snapshot of it is committed.
 """
 
 from __future__ import annotations
@@ -56,6 +58,10 @@ class FencedError(RuntimeError):
 
 class FatalRunError(RuntimeError):
     """An error that restarting the worker group cannot fix; the run fails once."""
+
+
+class ReplicasDivergedError(FatalRunError):
+    """Replicated state differs between ranks: the snapshot is not committed."""
 
 
 def describe(err: BaseException) -> str:

@@ -188,6 +188,9 @@ class Snapshotter:
         self.restore_errors: list[str] = []
         self.restored_from: tuple[str, int] | None = None  # ("ram" | "storage", step)
         self.restored_world_size: int | None = None  # world size the restored step was saved at
+        # The restored snapshot's JSON state per component (a component registered after
+        # the restore, such as a loader made later, loads its part from here).
+        self.restored_state: dict[str, Any] = {}
         if rank == 0:
             self.store.ensure_run_json({"format_version": FORMAT_VERSION,
                                         **library_versions(), **(run_info or {})})
@@ -250,6 +253,7 @@ class Snapshotter:
             self.registry.load(tensors, manifest.state, checked=True)
             self.restored_from = ("ram" if tier == 1 else "storage", step)
             self.restored_world_size = manifest.world_size
+            self.restored_state = dict(manifest.state)
             self.coordinator.rewind(step)
             return step
         if misfits:

@@ -215,8 +215,11 @@ def test_reshard_in_place_matches_a_fresh_loader(ds: TokenDataset) -> None:
 
 
 def test_prefetch_thread_stops_on_close_and_on_errors(ds: TokenDataset) -> None:
+    earlier = set(threading.enumerate())  # other tests' loaders may still hold theirs
+
     def prefetchers() -> list[threading.Thread]:
-        return [t for t in threading.enumerate() if t.name.startswith("baton-data-prefetch")]
+        return [t for t in threading.enumerate()
+                if t.name.startswith("baton-data-prefetch") and t not in earlier]
 
     with ResumableLoader(ds, global_batch=12, microbatch_size=2, seed=0) as loader:
         loader.next_step()

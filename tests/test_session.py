@@ -243,7 +243,10 @@ class StridedLoader:
 
 
 def _strided_session(run: Path, loader: StridedLoader, *, strict: bool = False) -> Session:
-    model = nn.Linear(2, 1)
+    torch.manual_seed(0)
+    model: nn.Module = nn.Linear(2, 1)
+    if torch.distributed.is_initialized():  # ranks of a group train one DDP model
+        model = nn.parallel.DistributedDataParallel(model)
     return Session(model, torch.optim.SGD(model.parameters(), lr=0.1), data=loader,
                    run_uri=str(run), snapshot_every=100, strict_data=strict)
 

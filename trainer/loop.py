@@ -223,7 +223,7 @@ def forward_backward(
         # each block, and the recompute must draw the sketch derived from (seed, step,
         # microbatch, layer), not one from the global generator (which checkpointing resets
         # to the same state at every block, step and microbatch).
-        with grad_sync(model, cfg.parallelism, last=i == passes - 1), \
+        with grad_sync(model, last=i == passes - 1), \
                 sketch_seed(cfg.seed, step, mb.index):
             with autocast(model, cfg.precision.dtype, env.device):
                 loss = loss_fn(model, mb.tokens.to(env.device))

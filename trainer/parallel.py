@@ -10,8 +10,11 @@ Contract:
   so every rank must run the same number: ranks with fewer microbatches pad with passes
   whose loss weight is zero. DDP only communicates in the last (synchronised) backward, so
   no padding is needed.
-- `grad_sync(model, parallelism, last)` is the context for one backward: gradients are
-  reduced across ranks only on the last pass of a step.
+- `grad_sync(model, last)` is the context for one backward (its forward included): gradients
+  are reduced across ranks only on the last pass of a step (DDP: `no_sync()` around the
+  others; FSDP2: `set_requires_gradient_sync`; anything else, or a single process: nothing).
+- `parallelism_of(model)`: "fsdp" for an FSDP2 model, "ddp" for a DDP one, None otherwise;
+  `unwrapped(model)` is a DDP model's `module`, any other model itself.
 - `loss_weight(world_size, num_microbatches)`: DDP and FSDP2 average gradients over ranks;
   scaling each microbatch's mean loss by `world_size / num_microbatches` turns that average
   into the mean over all microbatches of the step, whatever the world size (promise P1).
@@ -76,17 +79,28 @@ def loss_weight(world_size: int, num_microbatches: int) -> float:
     return world_size / num_microbatches
 
 
+def parallelism_of(model: nn.Module) -> str | None:
+    if isinstance(model, FSDPModule):
+        return "fsdp"
+    return "ddp" if isinstance(model, DistributedDataParallel) else None
+
+
+def unwrapped(model: nn.Module) -> nn.Module:
+    """The module a DDP wrapper trains (FSDP2 shards the module in place: itself)."""
+    return model.module if isinstance(model, DistributedDataParallel) else model
+
+
 @contextlib.contextmanager
-def grad_sync(model: nn.Module, parallelism: str, last: bool) -> Iterator[None]:
+def grad_sync(model: nn.Module, last: bool) -> Iterator[None]:
     if not distributed():
         yield
-    elif parallelism == "ddp":
-        assert isinstance(model, DistributedDataParallel)  # wrap_model made it one
+    elif isinstance(model, DistributedDataParallel):
         with contextlib.nullcontext() if last else model.no_sync():
             yield
-    else:
-        assert isinstance(model, FSDPModule)  # wrap_model's fully_shard made it one
+    elif isinstance(model, FSDPModule):
         model.set_requires_gradient_sync(last)
+        yield
+    else:
         yield
 
 

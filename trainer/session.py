@@ -4,20 +4,37 @@ Usage, inside a Ray Train V2 `train_func` run by
 `trainer.on_ray.elastic_trainer.ElasticTorchTrainer` (or in a single process, or under torchrun,
 with `run_uri=`)::
 
+    session = Session(model, optimizer, scheduler, snapshot_every=10)
+    loader = session.data_loader(dataset, batch_size=64, shuffle=True, seed=0)
+    for epoch in range(loader.epoch, epochs):  # a restored run continues its epoch
+        loader.set_epoch(epoch)
+        for x, y in loader:                    # asking for a batch ends the previous step
+            ...forward, backward, optimizer.step(), scheduler.step()...
+    session.close()  # commits the last step; under ElasticTorchTrainer, returning does it
+
+or, step by step with a loader of its own (`data_state.ResumableLoader`, `MapStyleLoader`)::
+
     session = Session(model, optimizer, scheduler, loader, snapshot_every=10)
     for step in session.steps(total_steps):   # starts at the restored step
         ...forward, backward, optimizer.step(), scheduler.step(), loader.advance()...
-    # leaving the loop normally commits the last step (and waits for it); after a `break`,
-    # call session.close() to do the same
+    # leaving the loop normally commits the last step (under ElasticTorchTrainer: returning
+    # from the training function does); after a `break`, call session.close()
 
 Contract
 --------
+- One open `Session` per process (a second is refused until the first is closed), and at a
+  world size above 1 its model must be the data-parallel one (DDP, e.g. what
+  `ray.train.torch.prepare_model` returns, or FSDP2): an unwrapped model would train one
+  replica per rank and is refused. Both are `UsageError`s (a `FatalRunError`: one line, no
+  restart fixes it). `unwrapped_model` is the model inside the DDP wrapper (the model itself
+  when there is none, as `prepare_model` leaves it at world size 1).
 - Construction registers every component once, under fixed keys (`model`, `optim`, `sched`,
   `data`, `scaler`, each of `extras`, and `trainer` for the session's own step counter), and
   restores the newest committed snapshot into them, resharded to this rank and world size,
-  optimizer warm (`elastic.snapshotter.Snapshotter.restore`). `session.step` is then the
-  number of completed steps (0 for a fresh run). A snapshot that holds another model, or none
-  usable at all, raises `FatalRunError` (a restart cannot fix it). `scaler` (fp16's
+  optimizer warm (`elastic.snapshotter.Snapshotter.restore`). `session.step` is the number
+  of completed steps: the restored step right after construction (0 for a fresh run), then
+  one more at every `step_done()`, the last one after the loop. A snapshot that holds another
+  model, or none usable at all, raises `FatalRunError` (a restart cannot fix it). `scaler` (fp16's
   `torch.amp.GradScaler`) is registered only when enabled, and optionally: a snapshot without
   one (a run that was not fp16) leaves it fresh.
 - Rank and world size come from `torch.distributed` (as Ray Train sets it up), else 0 and 1.
@@ -42,7 +59,14 @@ Contract
   calls `wait_capture()` itself. Without a registered optimizer each capture is synchronous.
 - `close()` commits the current step if no snapshot of it was taken, and flushes; `close(
   commit=False)` (what leaving a `with` block on an exception does) only flushes what is in
-  flight: a half-done step is never captured.
+  flight: a half-done step is never captured. Under `ElasticTorchTrainer` the last step is
+  committed when the training function returns (its wrapper closes the session), not when the
+  loop ends: code after the loop that fails restarts the group from an earlier snapshot and
+  runs the loop again, so a restart never lands past the loop with its variables unset.
+- `data_loader(dataset, batch_size=, ...)`: the elastic `DataLoader` (`trainer.data_loader`),
+  registered as `data` and restored from the snapshot; at most one, made before training.
+- A world-size-free loader handed out a step with `next_step()` that `advance()` did not
+  commit when the step ends (`step_done`): a `UsageError` naming the fix.
 - Data: an object with `reshard(rank=, world_size=)` (`data_state.ResumableLoader`,
   `data_state.map_loader.MapStyleLoader`) is world-size free and is resharded to this rank.
   Any other `state_dict()/load_state_dict()` loader (e.g. torchdata's `StatefulDataLoader`)
@@ -60,15 +84,17 @@ import dataclasses
 import logging
 import threading
 import time
+import weakref
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
-from typing import Any, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from data_state import ResumableLoader
 from elastic.errors import FatalRunError, SnapshotIntegrityError
 from elastic.preemption import PreemptionNotice, PreemptionWatcher
 from elastic.protocol import CoordinatorClient
@@ -76,6 +102,10 @@ from elastic.ram_store import RamTier
 from elastic.registry import SnapshotMismatchError, StateRegistry
 from elastic.snapshotter import Snapshotter
 from trainer.config import SnapshotConfig
+from trainer.parallel import parallelism_of, unwrapped
+
+if TYPE_CHECKING:
+    from trainer.data_loader import ElasticDataLoader
 
 log = logging.getLogger("baton.session")
 
@@ -93,6 +123,10 @@ class PreemptedError(RuntimeError):
     """This worker group stopped on a preemption notice after committing a snapshot."""
 
 
+class UsageError(FatalRunError, ValueError):
+    """A mistake in the training loop's code: the same on every restart (one line)."""
+
+
 @dataclass(frozen=True)
 class WorkerContext:
     """What the driver hands each worker (`ElasticTorchTrainer` installs it)."""
@@ -102,9 +136,13 @@ class WorkerContext:
     ram_tier: RamTier | None = None  # where shards' RAM copies go (stores on peer nodes)
     preemption_notice: Callable[[], Any] | None = None  # the platform's notice, or None
     until: int | None = None  # stop (committing) after this step
+    # The caller closes the session when the training function returns (so the loop's end
+    # does not commit: ElasticTorchTrainer's wrapper does).
+    close_at_return: bool = False
 
 
 _context: WorkerContext | None = None
+_open: weakref.ref[Session] | None = None  # the one open Session of this process
 
 
 @contextlib.contextmanager
@@ -120,6 +158,12 @@ def worker_context(context: WorkerContext) -> Iterator[WorkerContext]:
 
 def current_context() -> WorkerContext | None:
     return _context
+
+
+def open_session() -> Session | None:
+    """The open (not closed) `Session` of this process, if any."""
+    session = _open() if _open is not None else None
+    return session if session is not None and not session.closed else None
 
 
 @runtime_checkable
@@ -167,6 +211,12 @@ class Session:
         context = current_context()
         settings = _settings(snapshots, context, run_uri, snapshot_every)
         self.rank, self.world_size = _rank_and_world_size()
+        _refuse_misuse(model, self.world_size)
+        self.model = model
+        self.optimizer_steps = 0  # optimizer.step() calls (the pre-hook counts them)
+        self._loader: ElasticDataLoader | None = None
+        self._close_at_return = bool(context and context.close_at_return)
+        self._data = data
         self.until = until if until is not None else context.until if context else None
         self._progress = _Progress()
         self.registry = StateRegistry()
@@ -207,6 +257,8 @@ class Session:
         optimizers = [o for o in [optimizer, *(extras or {}).values()]
                       if isinstance(o, torch.optim.Optimizer)]
         self._hooks = [o.register_step_pre_hook(self._before_optimizer_step) for o in optimizers]
+        global _open
+        _open = weakref.ref(self)
         self._pipelined = bool(optimizers)
         self.watcher = PreemptionWatcher(
             external=context.preemption_notice if context else None,
@@ -221,8 +273,42 @@ class Session:
 
     @property
     def step(self) -> int:
-        """Completed steps (the restored step right after construction)."""
+        """Completed steps: the restored step right after construction, then counted up by
+        every `step_done()` (the current step during the loop, the last one after it)."""
         return self._progress.step
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    @property
+    def unwrapped_model(self) -> nn.Module:
+        """The model inside a DDP wrapper, else the model (`prepare_model` does not wrap at
+        world size 1, so Ray's `model.module` fails there)."""
+        return unwrapped(self.model)
+
+    def data_loader(self, dataset: Any, *, batch_size: int, microbatch_size: int = 1,
+                    shuffle: bool = True, seed: int = 0,
+                    collate_fn: Callable[[list[Any]], Any] | None = None,
+                    drop_last: bool = False, num_workers: int = 0,
+                    fingerprint: str | None = None) -> ElasticDataLoader:
+        """The elastic `DataLoader` of this session (`trainer.data_loader`): `batch_size` is
+        the global batch; the data position is restored from the snapshot."""
+        from trainer.data_loader import make_loader
+
+        if self._loader is not None or "data" in self.registry.keys():
+            raise UsageError("Session.data_loader: this session already has its data loader "
+                             "(data=... or an earlier data_loader call): make one")
+        if self._progress.step != self.start_step:
+            raise UsageError("Session.data_loader: make the loader before the first step")
+        loader = make_loader(
+            self, dataset, batch_size=batch_size, microbatch_size=microbatch_size,
+            shuffle=shuffle, seed=seed, collate_fn=collate_fn, drop_last=drop_last,
+            num_workers=num_workers, fingerprint=fingerprint,
+            saved=self.snapshotter.restored_state.get("data"))
+        self.registry.register("data", loader)
+        self._loader = loader
+        return loader
 
     def steps(self, total: int) -> Iterator[int]:
         """Yield the 0-based index of each step still to train, up to `total`; after each,
@@ -233,12 +319,18 @@ class Session:
         while self._progress.step < total:
             yield self._progress.step
             if self.step_done():
-                break
-        self.close()
+                return
+        if not self._close_at_return:
+            self.close()
 
     def step_done(self) -> bool:
         """Count one completed step and act at its boundary (module docstring). Returns True
         when the loop must end (a stop was asked for or `until` was reached)."""
+        if isinstance(self._data, ResumableLoader) and self._data.pending:
+            raise UsageError(
+                f"step {self._progress.step + 1} ends but its data was never committed: call "
+                "loader.advance() after optimizer.step() (or iterate session.data_loader(...), "
+                "which advances itself)")
         self._progress.step += 1
         step = self._progress.step
         notice = self.watcher.poll(step)
@@ -274,6 +366,8 @@ class Session:
         flush what is in flight), then wait for the commit. Idempotent."""
         if self._closed:
             return
+        if commit and self._loader is not None:
+            self._loader.end_open_step()  # a `break` after optimizer.step() ended that step
         self._closed = True
         try:
             step = self._progress.step
@@ -283,6 +377,8 @@ class Session:
         finally:
             for hook in self._hooks:
                 hook.remove()
+            if self._loader is not None:
+                self._loader.close()
             self.watcher.uninstall()
             self.snapshotter.close()
 
@@ -321,6 +417,7 @@ class Session:
             log.warning("%s", message)
 
     def _before_optimizer_step(self, *_: Any) -> None:
+        self.optimizer_steps += 1
         self._wait_capture()
 
     def _wait_capture(self) -> None:
@@ -369,6 +466,21 @@ def _settings(snapshots: SnapshotConfig | None, context: WorkerContext | None,
         raise ValueError("Session: no run directory: pass run_uri=... (or run the loop under "
                          "trainer.ElasticTorchTrainer, which passes it)")
     return settings
+
+
+def _refuse_misuse(model: nn.Module, world_size: int) -> None:
+    """One open Session per process; a data-parallel model above world size 1."""
+    other = open_session()
+    if other is not None:
+        raise UsageError(
+            f"Session: a Session of {other.snapshotter.store.run_uri} (step {other.step}) is "
+            "still open in this process: close() it (or leave its with block) first; a "
+            "process trains one run at a time")
+    if world_size > 1 and parallelism_of(model) is None:
+        raise UsageError(
+            f"Session: the model is not wrapped for data parallelism at world size "
+            f"{world_size}, so each rank would train its own replica: pass the model that "
+            "ray.train.torch.prepare_model(model) returns (DDP), or shard it with fully_shard")
 
 
 def _rank_and_world_size() -> tuple[int, int]:

@@ -1,0 +1,278 @@
+"""`ElasticDataLoader`: a `DataLoader`-shaped loader that is elastic, made by a `Session`.
+
+Usage, inside a training function, after `Session(...)`::
+
+    loader = session.data_loader(dataset, batch_size=64, shuffle=True, seed=0)
+    for epoch in range(loader.epoch, epochs):
+        loader.set_epoch(epoch)
+        for x, y in loader:                    # this rank's share of each global batch
+            loss = criterion(model(x), y)
+            optimizer.zero_grad(); loss.backward(); optimizer.step(); scheduler.step()
+
+Contract:
+- `batch_size` is the global batch: every step trains exactly that many samples over all
+  ranks (with `drop_last=False`, an epoch's tail as one shorter last step), whatever the world
+  size; each rank gets its share (`data_state.share_loader`: fixed microbatches of
+  `microbatch_size` samples, shared out in contiguous blocks). The order depends only on
+  `(seed, epoch)` (`shuffle=False`: dataset order), so a run resized or resumed at any world
+  size trains every sample of an epoch exactly once.
+- Iterating yields one batch per step, from the committed data position to the end of its
+  epoch. Asking for the next batch ends the previous batch's step: the loader advances its
+  cursor, then `session.step_done()` counts the step and acts at its boundary (snapshot when
+  due, preemption, planned resize, stop): nothing to forget. After a stop (the driver's, or
+  `until`) every iteration is empty. Leaving the loop early (`break`) leaves the step open:
+  the next iteration, `set_epoch()` or `session.close()` ends it if an optimizer step ran
+  since its batch was handed out, else the same batch is handed out again.
+- `epoch` is the epoch of the committed data position (a run restored mid-epoch continues
+  that epoch): loop `for epoch in range(loader.epoch, epochs)`. `set_epoch(e)` checks that
+  `e` is that epoch (a loop counting from 0 again after a restore would train extra epochs)
+  and raises a one-line `ValueError` otherwise. `len(loader)` is the number of steps of an
+  epoch.
+- Loss weights: for the gradient average of DDP/FSDP to be the mean over the step's samples,
+  a share's mean loss must count `weight` times (`StepShare.weight`: 1 for an even split, more
+  or less for an uneven one, 0 on an idle rank's stand-in). The loader applies it itself: a
+  forward hook on the model scales the gradient flowing back into its outputs by the current
+  weight (nothing happens at weight 1), so a loss computed from the model's outputs as a mean
+  needs no change. A step whose weight is not 1 and whose batch never went through the
+  model's forward (with gradients on) fails in one line at its end.
+- `microbatches(batch)`: gradient accumulation. It splits the batch just handed out (every
+  tensor along dim 0, per-sample lists too) into pieces of `microbatch_size` samples, gives
+  each its part of the weight, and runs all but the last piece's forward/backward under
+  `trainer.parallel.grad_sync(model, last=False)`: every rank all-reduces exactly once per step,
+  whatever its number of pieces (an idle rank has one, of weight 0). With FSDP2, ranks with
+  fewer pieces add zero-weight passes so that every rank runs as many.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Iterator
+from typing import TYPE_CHECKING, Any, Protocol
+
+import torch
+from torch import nn
+from torch.utils._pytree import tree_leaves
+
+from data_state.share_loader import ShareLoader, StepShare
+from elastic.errors import FatalRunError
+from trainer.parallel import grad_sync, parallelism_of, unwrapped
+from trainer.session import UsageError
+
+if TYPE_CHECKING:
+    from trainer.session import Session
+
+
+def make_loader(session: Session, dataset: Any, *, batch_size: int, microbatch_size: int,
+                shuffle: bool, seed: int, collate_fn: Any, drop_last: bool, num_workers: int,
+                fingerprint: str | None, saved: Any) -> ElasticDataLoader:
+    """`Session.data_loader`'s loader: settings checked under the names the caller used,
+    then the data position of the snapshot the session restored (`saved`), if any."""
+    _check_settings(dataset, batch_size, microbatch_size, seed, num_workers, drop_last)
+    shares = ShareLoader(dataset, global_batch=batch_size, microbatch_size=microbatch_size,
+                         seed=seed, shuffle=shuffle, drop_last=drop_last,
+                         collate_fn=collate_fn, num_workers=num_workers, rank=session.rank,
+                         world_size=session.world_size, fingerprint=fingerprint)
+    if saved is not None:
+        try:
+            shares.load_state_dict(saved)
+        except ValueError as err:  # another dataset, seed or shuffle: the same on a restart
+            shares.close()
+            raise FatalRunError(f"the data loader does not fit the snapshot it continues: "
+                                f"{err}") from err
+    return ElasticDataLoader(session, shares, session.model)
+
+
+def _check_settings(dataset: Any, batch_size: Any, microbatch_size: Any, seed: Any,
+                    num_workers: Any, drop_last: bool) -> None:
+    def whole(name: str, value: Any, low: int) -> None:
+        if isinstance(value, bool) or not isinstance(value, int) or value < low:
+            raise UsageError(f"session.data_loader: {name} must be an integer >= {low}, got "
+                             f"{value!r}")
+
+    whole("batch_size", batch_size, 1)
+    whole("microbatch_size", microbatch_size, 1)
+    whole("num_workers", num_workers, 0)
+    whole("seed", seed, 0)
+    if seed >= 1 << 63:
+        raise UsageError(f"session.data_loader: seed must be below 2**63, got {seed}")
+    if batch_size % microbatch_size:
+        raise UsageError(f"session.data_loader: batch_size ({batch_size}) must be a multiple "
+                         f"of microbatch_size ({microbatch_size})")
+    if not hasattr(dataset, "__len__"):
+        raise UsageError("session.data_loader: the dataset has no len(): pass a map-style "
+                         "Dataset (__len__, __getitem__) or a data_state.TokenDataset")
+    if drop_last and batch_size > len(dataset):
+        raise UsageError(f"session.data_loader: batch_size ({batch_size}) is larger than the "
+                         f"dataset ({len(dataset)} samples) and drop_last=True: no step fits "
+                         "an epoch; lower batch_size or pass drop_last=False")
+    if len(dataset) == 0:
+        raise UsageError("session.data_loader: the dataset is empty")
+
+
+class StepCounter(Protocol):
+    """What the loader needs from its `Session`."""
+
+    optimizer_steps: int  # optimizer.step() calls so far (the session's pre-hook counts them)
+
+    def step_done(self) -> bool: ...
+
+
+class ElasticDataLoader:
+    """See the module docstring."""
+
+    def __init__(self, session: StepCounter, shares: ShareLoader, model: nn.Module) -> None:
+        self._session = session
+        self.shares = shares
+        self._model = model
+        self._handed: StepShare | None = None  # the share of the step still open
+        self._handed_at = 0  # the session's optimizer_steps when it was handed out
+        self._scale = 1.0  # the weight the next forward's gradients get
+        self._forwards = 0  # forwards (with gradients) since the share was handed out
+        self.stopped = False
+        self._hook = unwrapped(model).register_forward_hook(self._on_forward)
+
+    # ------------------------------------------------------------------ DataLoader's face
+
+    def __len__(self) -> int:
+        return self.shares.steps_per_epoch
+
+    @property
+    def epoch(self) -> int:
+        """The epoch of the committed data position."""
+        return self.shares.cursor.epoch
+
+    @property
+    def microbatch_size(self) -> int:
+        return self.shares.microbatch_size
+
+    @property
+    def weight(self) -> float:
+        """The loss weight of the batch handed out last (1 when no step is open)."""
+        return self._handed.weight if self._handed is not None else 1.0
+
+    def set_epoch(self, epoch: int) -> None:
+        self.end_open_step()
+        if not self.stopped and epoch != self.epoch:
+            raise UsageError(
+                f"loader.set_epoch({epoch}): the data position is in epoch {self.epoch} (a "
+                "restored run continues its epoch); loop over range(loader.epoch, epochs)")
+
+    def __iter__(self) -> Iterator[Any]:
+        self.end_open_step()
+        epoch = self.epoch
+        while not self.stopped:
+            share = self.shares.next_step()
+            self._handed, self._handed_at = share, self._session.optimizer_steps
+            self._scale, self._forwards = share.weight, 0
+            yield share.batch
+            self._end_step()  # the loop asked for the next batch: its step is done
+            if self.epoch != epoch:
+                return
+
+    def microbatches(self, batch: Any) -> Iterator[Any]:
+        """Pieces of the batch just handed out, for gradient accumulation (module doc)."""
+        share = self._handed
+        if share is None or batch is not share.batch:
+            raise UsageError("loader.microbatches(batch): pass the batch this loader has just "
+                             "handed out, inside the loop over the loader")
+        count = len(share.sample_indices) or _length(share.batch)
+        pieces = _split(batch, self.microbatch_size, count)
+        passes = len(pieces)
+        if parallelism_of(self._model) == "fsdp":
+            world_size = self.shares.world_size
+            passes = max(passes, -(-share.num_microbatches // world_size))
+        try:
+            for i in range(passes):
+                real = i < len(pieces)
+                piece = pieces[i] if real else pieces[-1]
+                self._scale = share.weight * _length(piece) / count if real else 0.0
+                with grad_sync(self._model, last=i == passes - 1):
+                    yield piece
+        finally:
+            self._scale = share.weight
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.shares.state_dict()
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.shares.load_state_dict(state)
+
+    def reshard(self, *, rank: int, world_size: int) -> None:
+        self.shares.reshard(rank=rank, world_size=world_size)
+
+    def close(self) -> None:
+        self._hook.remove()
+        self.shares.close()
+
+    # ------------------------------------------------------------------ step ends
+
+    def end_open_step(self) -> None:
+        """End a step left open by a `break`: done if an optimizer step ran since its batch
+        was handed out; otherwise its batch is handed out again."""
+        if self._handed is None:
+            return
+        if self._session.optimizer_steps > self._handed_at:
+            self._end_step()
+        else:
+            self._handed = None
+
+    def _end_step(self) -> None:
+        share, self._handed = self._handed, None
+        assert share is not None
+        if share.weight != 1.0 and self._forwards == 0:
+            raise UsageError(
+                f"step {share.step}: this rank's batch carries loss weight {share.weight:.4g} "
+                "but never went through the model's forward, so the weight could not be "
+                "applied: compute the loss from the model passed to Session(...)")
+        self.shares.advance()
+        if self._session.step_done():
+            self.stopped = True
+
+    def _on_forward(self, module: nn.Module, args: Any, output: Any) -> None:
+        if not torch.is_grad_enabled() or self._handed is None:
+            return
+        self._forwards += 1
+        weight = self._scale
+        if weight == 1.0:
+            return  # exactly the plain gradient
+        for tensor in tree_leaves(output):
+            if isinstance(tensor, torch.Tensor) and tensor.requires_grad:
+                tensor.register_hook(functools.partial(_scaled, weight))
+
+
+def _scaled(weight: float, grad: torch.Tensor) -> torch.Tensor:
+    # zeros, not grad * 0: a stand-in's non-finite gradient must not leak into the sum.
+    return grad * weight if weight else torch.zeros_like(grad)
+
+
+def _length(batch: Any) -> int:
+    """The number of samples in a collated batch (its first tensor's dim 0)."""
+    for leaf in tree_leaves(batch):
+        if isinstance(leaf, torch.Tensor) and leaf.dim() > 0:
+            return int(leaf.shape[0])
+    raise ValueError("loader.microbatches: the batch holds no tensor to split")
+
+
+def _split(batch: Any, size: int, count: int) -> list[Any]:
+    """`batch` cut into pieces of `size` samples (of `count`): tensors along dim 0, lists
+    and tuples of `count` non-tensor items (a collated list of strings) by item."""
+    starts = range(0, count, size)
+
+    def cut(value: Any) -> list[Any]:
+        if isinstance(value, torch.Tensor) and value.dim() > 0:
+            return [value[s:s + size] for s in starts]
+        if isinstance(value, dict):
+            parts = {k: cut(v) for k, v in value.items()}
+            return [type(value)({k: p[i] for k, p in parts.items()}) for i in range(len(starts))]
+        if isinstance(value, (list, tuple)):
+            if len(value) == count and not any(isinstance(v, (torch.Tensor, dict, list, tuple))
+                                               for v in value):
+                return [value[s:s + size] for s in starts]
+            columns = [cut(v) for v in value]
+            rebuilt = [[c[i] for c in columns] for i in range(len(starts))]
+            if hasattr(value, "_fields"):  # a named tuple
+                return [type(value)(*r) for r in rebuilt]
+            return [type(value)(r) if isinstance(value, tuple) else r for r in rebuilt]
+        return [value for _ in starts]  # a scalar or other shared value: every piece has it
+
+    return cut(batch)
