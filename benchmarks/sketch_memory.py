@@ -5,7 +5,7 @@ One training step (forward, backward, AdamW update) of the built-in GPT (d_model
 exact backprop (the built-in GPT, norms fused into the linear layers they feed); the same with
 plain modules (no fusion); full per-block checkpointing; exact backprop with the MLP recomputed;
 BASIS with the default policy (`trainer.model.SKETCH_LAYERS`) at each rank; BASIS in every
-linear layer (DESIGN.md §4 as written); the speed mode (every block linear sketched, nothing
+linear layer (docs/design.md §4 as written); the speed mode (every block linear sketched, nothing
 recomputed); BASIS with checkpointing.
 
 Memory: each configuration runs in a fresh subprocess (on CUDA, all in one), which reports

@@ -8,7 +8,7 @@ runs with several seeds (model init, data order and sketches all follow the seed
 reported as mean ± std of the final validation loss over a fixed held-out set.
 
 Configurations (`VARIANTS`): exact backprop, full activation checkpointing, exact backprop with
-the MLP recomputed (the exact baseline at BASIS's memory), BASIS as DESIGN.md §4 writes it at
+the MLP recomputed (the exact baseline at BASIS's memory), BASIS as docs/design.md §4 writes it at
 several R, the ways of closing the gap — which layers are sketched, per-layer R from a memory
 budget, the mean-centred estimator, the learning rate — and a speed mode (every block linear
 sketched, nothing recomputed). Comparisons:
@@ -748,8 +748,9 @@ def probe_key(v: Variant) -> str:
 
 
 def markdown(rows: list[dict[str, Any]]) -> str:
-    """The README's table. Run time is the training time of the runs themselves (two at a
-    time on the two cores) relative to exact's 300 steps: the check on "equal wall time"."""
+    """The report's table (benchmarks/reports/2026-12-03-sketch-quality.md). Run time is the
+    training time of the runs themselves (two at a time on the two cores) relative to exact's
+    300 steps: the check on "equal wall time"."""
     lines = [
         "| configuration | steps × microbatch | val loss (mean ± std) | vs exact | step peak MiB "
         "(× exact) | step time × exact | run time × exact |",

@@ -12,7 +12,7 @@ Public API (see each module's docstring for its contract):
 - ``FaultInjector`` (faults.py): fault injection keyed by (rank, step, phase) for tests.
 - ``elastic.storage_io``: Baton's one storage layer (local and ``s3://``), a leaf module.
 
-The on-disk format is described in format.py and the project README.
+The on-disk format is described in format.py and docs/snapshot-format.md.
 
 The names above are loaded on first use (PEP 562 ``__getattr__``), never at ``import
 elastic``: so ``import elastic.storage_io`` (what ``data_state`` does) loads no torch and no

@@ -20,7 +20,7 @@ Public API:
 - `rms_norm(x, weight, eps)`: Llama's RMSNorm keeping only x and one number per row
   (`rms_norm.py`); `fuse_rms_norms(model) -> list[str]` patches every such norm of any model.
 
-The maths is in DESIGN.md §4; `reference.py` is its executable specification and `kernels.py`
+The maths is in docs/design.md §4; `reference.py` is its executable specification and `kernels.py`
 the CUDA (Triton) implementation, chosen by `dispatch.py`.
 """
 

@@ -18,13 +18,13 @@ Estimators (`estimator=`):
   `dY - 1 μdyᵀ` (μ the row means), plus the exact rank-1 term `n μdy μxᵀ`. The identity
   `dYᵀX = (dY - 1μdyᵀ)ᵀ(X - 1μxᵀ) + n μdy μxᵀ` holds exactly, so only the centred part is
   estimated. Without the scalars it is unbiased for any fixed hash, and its error is the
-  formula of DESIGN.md §4 with the centred matrices in place of X and dY — smaller whenever
+  formula of docs/design.md §4 with the centred matrices in place of X and dY — smaller whenever
   the rows share a common mean (GELU outputs, LayerNorm outputs with their bias). It saves
   μx (N numbers) more; μdy comes free from db.
 
 Approximation: dW is a randomised estimate. Without the scalars it is unbiased for any fixed
 hash; with them (the default, as in BASIS) it is slightly biased but norm-stable. Its error is
-given in DESIGN.md §4. The analysis options `invariant_scalars=False` and
+given in docs/design.md §4. The analysis options `invariant_scalars=False` and
 `balanced_hash=False` (uniform i.i.d. hash) exist to test those statements.
 
 Under autocast the inputs are cast to the autocast dtype first (as `F.linear` would be), and the

@@ -13,7 +13,7 @@ of `sketch_model`). Layer ℓ with N_ℓ input features keeps an R_ℓ × N_ℓ 
 `rows` rows, so the ranks satisfy `Σ R_ℓ N_ℓ · bytes_per_value ≤ memory_budget`, each R_ℓ in
 [1, rows]. `sketch_model(model, memory_budget=..., rows=...)` calls it.
 
-Why R_ℓ ∝ 1/√N_ℓ: at a fixed hash the error of a layer's estimate falls as 1/R_ℓ (DESIGN.md
+Why R_ℓ ∝ 1/√N_ℓ: at a fixed hash the error of a layer's estimate falls as 1/R_ℓ (docs/design.md
 §4: p ≈ 1/R for n ≫ R), while its memory grows as R_ℓ N_ℓ. Minimising Σ c_ℓ / R_ℓ under
 Σ R_ℓ N_ℓ = B gives R_ℓ ∝ √(c_ℓ / N_ℓ); without a measurement of the c_ℓ we take them equal,
 so wide layers (an MLP's 4d-wide down-projection) get fewer rows than narrow ones for the same

@@ -11,7 +11,7 @@ Contract (n rows, R buckets; accumulation in fp32, or fp64 for fp64 inputs — `
 - `weight_grad(dy_sketch, x_sketch, scale, dtype)` is `scale * dy_sketchᵀ @ x_sketch` (M × N),
   computed in `acc_dtype` and returned in `dtype`.
 
-The mean-centred estimator (`estimator="centered"`, DESIGN.md §4 as amended in the README):
+The mean-centred estimator (`estimator="centered"`, docs/design.md §4):
 - `signed_counts(plan)` is `S @ 1` (R,), the signed number of rows in each bucket.
 - `center(sketch, sq_norm, mean, counts, n)` turns `(S @ mat, ||mat||_F^2)` into the same pair
   for the centred matrix `mat - 1 meanᵀ` (S is linear, so `S(mat - 1 meanᵀ) = S mat - (S 1) meanᵀ`,

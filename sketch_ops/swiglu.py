@@ -39,7 +39,7 @@ and up again) plus the sketches (O(n·I) each): ~10 % more MLP time on a CPU, wh
 are the step. `keep_gate` keeps gate's output (one n × I tensor more, 4 n·I bytes in fp32)
 and recomputes only up: 9 matmuls, as exact — the saved dW pays for the recompute. It is the
 default (`KEEP_GATE`) because it meets issue 16's targets together: on the Llama benchmark
-(README, "BASIS on a Hugging Face Llama") 0.51× exact's activation bytes at 0.96-0.97× its
+(benchmarks/reports/2026-12-05-sketch-llama.md) 0.51× exact's activation bytes at 0.96-0.97× its
 step time, against 0.38× at 1.02-1.04× keeping x alone. `keep_gate=False` is for when
 memory matters more than ~5 % of step time.
 

@@ -1,12 +1,15 @@
-"""Docstrings, comments and the README name only files that exist.
+"""Docstrings, comments and the documents (README, docs/, benchmarks/reports/) name only files
+that exist, and the documents link only to files and headings that exist.
 
 A file named in prose (``elastic/format.py``, ``tests/test_sketch_fusions.py``,
 ``recipes/tiny.toml``) must be in the repository: a name with a directory resolves from the
 repository root, the naming file's directory or its parent; a bare name (``policy.py``)
-matches some file of the repository. Documents the README places outside the repository
-(``../shared/DESIGN.md``) count as present by their bare name. Data files a run writes
-(``run.json``, ``manifest.json``, benchmark results) are not checked: only source and
-document types are.
+matches some file of the repository. Documents a page places outside the repository
+(in backticks, under ``../shared/``) count as present by their bare name. Data files a run
+writes (``run.json``, ``manifest.json``, benchmark results) are not checked: only source and
+document types are. A Markdown link (``[text](target#anchor)``) that is not a URL must resolve
+from the linking page's directory, and its anchor must be a heading of the target page (as
+GitHub derives anchors from headings).
 """
 
 from __future__ import annotations
@@ -24,7 +27,9 @@ SCANNED = ("trainer", "elastic", "sketch_ops", "data_state", "tests", "benchmark
 # A path-like word ending in a source or document type, not part of a longer word or URL.
 PATH_RE = re.compile(
     r"(?<![\w./-])((?:\.\./)?(?:[\w.-]+/)*[\w-]+\.(?:py|md|toml|yaml|yml|sh|ini|cfg))(?![\w/]|\.\w)")
-OUTSIDE_RE = re.compile(r"`\.\./[\w.-]+/([\w.-]+)`")  # README: `../shared/DESIGN.md`
+OUTSIDE_RE = re.compile(r"`\.\./[\w.-]+/([\w.-]+)`")  # a page naming a file of ../shared/
+DOCUMENTS = ("README.md", "docs/*.md", "benchmarks/reports/*.md")
+LINK_RE = re.compile(r"\[[^\]]*\]\(([^)\s]+)\)")
 
 
 def _repo_files() -> set[str]:
@@ -54,6 +59,53 @@ def _prose(path: Path) -> Iterator[tuple[int, str]]:
             yield tok.start[0], tok.string
 
 
+def documents() -> list[Path]:
+    """The repository's Markdown pages that the checks cover."""
+    return sorted(p for pattern in DOCUMENTS for p in ROOT.glob(pattern))
+
+
+def _outside_lines(text: str) -> Iterator[tuple[int, str]]:
+    """(line, text) of a Markdown page outside its fenced code blocks."""
+    fenced = False
+    for number, line in enumerate(text.splitlines(), 1):
+        if line.lstrip().startswith("```"):
+            fenced = not fenced
+        elif not fenced:
+            yield number, line
+
+
+def anchor(heading: str) -> str:
+    """The anchor GitHub gives a heading: lower case, punctuation dropped, spaces to dashes."""
+    return re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
+
+
+def anchors(page: Path) -> set[str]:
+    """Every heading anchor of a Markdown page (a repeated heading gets -1, -2, ...)."""
+    seen: dict[str, int] = {}
+    found = set()
+    for _, line in _outside_lines(page.read_text()):
+        match = re.match(r"#{1,6}\s+(.*)", line)
+        if match:
+            base = anchor(match.group(1))
+            found.add(base if base not in seen else f"{base}-{seen[base]}")
+            seen[base] = seen.get(base, 0) + 1
+    return found
+
+
+def _broken_links(page: Path) -> Iterator[str]:
+    for line, text in _outside_lines(page.read_text()):
+        for target in LINK_RE.findall(text):
+            if re.match(r"[a-z]+:", target):  # https:, mailto:
+                continue
+            file_part, _, fragment = target.partition("#")
+            dest = (page.parent / file_part).resolve() if file_part else page
+            where = f"{page.relative_to(ROOT)}:{line}: {target}"
+            if not dest.exists() or ROOT not in dest.parents and dest != ROOT:
+                yield f"{where} (no such file in the repository)"
+            elif fragment and dest.suffix == ".md" and fragment not in anchors(dest):
+                yield f"{where} (no heading with that anchor)"
+
+
 def _missing(path: Path, names: set[str]) -> Iterator[str]:
     for line, text in _prose(path):
         for match in PATH_RE.finditer(text):
@@ -78,8 +130,22 @@ def test_path_finder_reads_prose_only(tmp_path) -> None:
 
 
 def test_prose_names_only_files_that_exist() -> None:
-    readme = ROOT / "README.md"
-    names = _repo_files() | set(OUTSIDE_RE.findall(readme.read_text()))
-    files = [readme] + [p for d in SCANNED for p in sorted((ROOT / d).rglob("*.py"))]
+    pages = documents()
+    assert {"README.md", "design.md", "running.md"} <= {p.name for p in pages}
+    names = _repo_files() | {n for p in pages for n in OUTSIDE_RE.findall(p.read_text())}
+    files = pages + [p for d in SCANNED for p in sorted((ROOT / d).rglob("*.py"))]
     missing = [m for p in files for m in _missing(p, names)]
     assert not missing, "files named but not in the repository:\n" + "\n".join(missing)
+
+
+def test_documents_link_only_to_files_and_headings_that_exist() -> None:
+    broken = [b for page in documents() for b in _broken_links(page)]
+    assert not broken, "broken links:\n" + "\n".join(broken)
+
+
+def test_anchor_follows_github() -> None:
+    assert anchor("4. BASIS sketched linear layers (the maths)") == \
+        "4-basis-sketched-linear-layers-the-maths"
+    assert anchor('Which layers: `include = "auto"` and `baton sketch-plan`') == \
+        "which-layers-include--auto-and-baton-sketch-plan"
+    assert LINK_RE.findall("see [a](b.md#c) and [d](https://x.io)") == ["b.md#c", "https://x.io"]

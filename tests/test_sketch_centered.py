@@ -1,7 +1,7 @@
 """The mean-centred estimator (`estimator="centered"`) and the budget policy (issue 6).
 
 Statistics are proven the way `test_sketch_statistics.py` proves BASIS's: unbiasedness by
-exact enumeration of every sign pattern for a fixed hash, the closed-form error (DESIGN.md §4
+exact enumeration of every sign pattern for a fixed hash, the closed-form error (docs/design.md §4
 with the centred matrices) by Monte Carlo, exactness at R = n. Then the wiring: the layer and
 the fused MLP compute exactly the reference estimate, what they save, and `ranks_for_budget`.
 """

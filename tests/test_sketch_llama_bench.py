@@ -1,5 +1,6 @@
 """benchmarks/sketch_llama.py's smoke mode (`--quick`: a tiny Llama, in this process) runs its
-three phases and writes the ratios and validation figures the README table is made of."""
+three phases and writes the ratios and validation figures its report's table is made of
+(benchmarks/reports/2026-12-05-sketch-llama.md)."""
 
 from __future__ import annotations
 

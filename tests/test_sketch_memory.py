@@ -41,7 +41,7 @@ def test_sketched_gpt_saves_well_under_half_of_exact() -> None:
         sketched_bytes = saved_bytes(lambda: sketched.loss(tokens), sketched)
     # Per block and token, in d-wide rows: exact keeps 14 (the two norm inputs, qkv, attention's
     # output, and GELU's 4d input and output), sketched 6 (the MLP keeps only the residual
-    # input), see the README.
+    # input), see docs/basis.md.
     assert sketched_bytes < 0.5 * exact_bytes
 
 

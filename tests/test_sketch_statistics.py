@@ -1,5 +1,5 @@
 """BASIS estimator statistics: unbiasedness without the scalars (exact enumeration), the
-closed-form error of DESIGN.md §4 (Monte Carlo, balanced and uniform hash), and the effect of
+closed-form error of docs/design.md §4 (Monte Carlo, balanced and uniform hash), and the effect of
 the invariant scalars. Sketches come from `make_plan`, the generator the layers use."""
 
 from __future__ import annotations
