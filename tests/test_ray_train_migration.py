@@ -1,6 +1,6 @@
 """Migration (issue 17, point 3): a standard Ray Train checkpoint loop converted to Baton.
 
-- The diff in docs/ray-train-loop.md ("From a Ray Train loop") is exactly `diff -u` of the loop files
+- The diff in docs/ray-train-loop.md is exactly `diff -u` of the loop files
   `tests/migration_standard.py` and `tests/migration_baton.py` (code, not docstrings), and the
   conversion adds or changes at most 10 lines (the rest is the checkpoint code it deletes).
 - One slow test runs the converted loop with `ElasticTorchTrainer` on a local multi-node
