@@ -18,7 +18,7 @@ A snapshot of step ``s`` of a run lives in ``RUN/snapshots/{s:09d}/``:
 
 This module holds the records, their serialisation and the safetensors header (built by
 ``build_header``, parsed untrusted by ``parse_header``). A manifest is untrusted input
-(DESIGN P8): it is decoded and validated by ``elastic.manifest_check.parse_manifest``,
+(P8, docs/design.md): it is decoded and validated by ``elastic.manifest_check.parse_manifest``,
 whose contract lists every check; anything malformed is one ``ManifestError`` line.
 
 Everything here is pure data and pure functions: no torch.distributed, no storage, no Ray.

@@ -2,7 +2,7 @@
 
 Contract
 --------
-A manifest is untrusted input (DESIGN P8): it may be truncated, edited by hand or crafted.
+A manifest is untrusted input (P8, docs/design.md): it may be truncated, edited by hand or crafted.
 ``parse_manifest(data, where, step)`` decodes the JSON bytes and ``check_manifest(obj, where,
 step)`` checks the decoded JSON; each returns a ``Manifest`` only for a well-formed one;
 anything else raises ``ManifestError``, one line naming the snapshot (``where``), the field

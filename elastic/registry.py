@@ -25,7 +25,7 @@ each tensor is replaced by ``{"__tensor__": name}``. ``load(tensors, skeletons)`
 inverse. Plain (non-DTensor) tensors are assumed identical on every rank (replicated): a
 per-rank tensor state is not supported because it has no meaning at another world size.
 
-Skeletons read from a snapshot are untrusted (DESIGN P8). ``check_state(skeletons)``
+Skeletons read from a snapshot are untrusted (P8, docs/design.md). ``check_state(skeletons)``
 compares each registered component's snapshot skeleton with the skeleton of its live
 ``state_dict()`` *before anything is loaded* (``load`` calls it first; restore calls it
 before reading tensors) and raises ``SnapshotMisfitError`` (a ``ManifestError``: restore

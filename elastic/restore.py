@@ -6,7 +6,7 @@ A restore is ``check_compatible`` → ``plan_targets`` → ``read_tensors`` →
 ``StateRegistry.load``: everything is read and verified before anything is loaded, so a
 failure leaves the registry untouched. The manifest was validated when it was parsed
 (``elastic.manifest_check.parse_manifest``); what it claims about the files is checked
-here, because a manifest is untrusted input (DESIGN P8):
+here, because a manifest is untrusted input (P8, docs/design.md):
 
 * ``check_compatible``: the snapshot's model tensors are the registered model's (else
   ``SnapshotMismatchError`` listing missing, unexpected and shape-mismatched tensors), and

@@ -1,4 +1,4 @@
-"""Manifests are untrusted input (DESIGN P8, issue 13 point 4).
+"""Manifests are untrusted input (P8 of docs/design.md; issue 13 point 4).
 
 A real two-snapshot run (steps 2 and 4, world size 1) is made once; each test copies it,
 hand-edits snapshot 4 (its manifest.json, or a shard file) and checks that the edit is one

@@ -1,7 +1,7 @@
 """Hugging Face causal LMs from a recipe, and snapshots back to a Hugging Face model directory.
 
 Contract:
-- A recipe names a model as data (DESIGN P8): `[model] hf_config = PATH` (a local
+- A recipe names a model as data (P8, docs/design.md): `[model] hf_config = PATH` (a local
   `config.json` or a model directory holding one: random initialisation, seeded by the
   caller like the built-in GPT, so every rank builds the same model) or `init_from = PATH`
   (a local model directory with `config.json` and safetensors weights: fine-tuning). Only
