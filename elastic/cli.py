@@ -8,7 +8,10 @@ directory that does not exist, an ``--out`` that cannot be written. Every error 
 ``error: ...`` on stderr, never a traceback.
 ``ls`` and ``show`` accept ``--json`` for machine-readable output. ``export --format hf``
 writes a Hugging Face model directory (``trainer.hf.export_hf``) for runs of an HF model and
-refuses, in one line, a run of the built-in GPT.
+refuses, in one line, a run of the built-in GPT. ``export --format npz`` writes every logical
+tensor and the JSON state into one ``.npz`` file; ``--format orbax`` the run's JAX train state
+(Flax params, AdamW moments and count) as an Orbax checkpoint in a new directory, with
+``baton.json`` (data cursor, seed, AdamW settings, learning rates): ``trainer.on_jax.export``.
 """
 
 from __future__ import annotations
@@ -53,10 +56,14 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("step", nargs="?", type=int)
     p.add_argument("--out", required=True,
                    help="output FILE.safetensors, or the model directory for --format hf")
-    p.add_argument("--format", choices=("safetensors", "hf"), default="safetensors",
+    p.add_argument("--format", choices=("safetensors", "hf", "orbax", "npz"),
+                   default="safetensors",
                    help="hf: config.json, model.safetensors and the dataset's tokenizer, "
                         "loadable with AutoModelForCausalLM.from_pretrained (runs of "
-                        "[model] hf_config / init_from only; needs baton-train[hf])")
+                        "[model] hf_config / init_from only; needs baton-train[hf]); "
+                        "orbax: the JAX train state as an Orbax checkpoint in a new directory "
+                        "(needs baton-train[jax]); npz: every tensor and the JSON state in one "
+                        ".npz file")
     p.set_defaults(func=_guarded(_export))
 
 
@@ -88,6 +95,10 @@ def _bad_input(args: argparse.Namespace) -> str | None:
             return f"--out {out}: directory {parent} does not exist or is not writable"
         if getattr(args, "format", None) == "safetensors" and os.path.isdir(out):
             return f"--out {out} is a directory: name the .safetensors file to write"
+        if getattr(args, "format", None) == "npz" and os.path.isdir(out):
+            return f"--out {out} is a directory: name the .npz file to write"
+        if getattr(args, "format", None) == "orbax" and os.path.lexists(out):
+            return f"--out {out} exists: name a new directory for the Orbax checkpoint"
         root = os.path.realpath(store.root) + os.sep
         if store.is_local and os.path.realpath(out).startswith(root):
             return (f"--out {out} is inside the run directory {uri}, which holds only what "
@@ -176,6 +187,8 @@ def _export(args: argparse.Namespace) -> int:
     store = SnapshotStore(args.run_uri)
     try:
         step = resolve_step(store, args.step)
+        if args.format in ("orbax", "npz"):
+            return _export_jax(args, step)
         if args.format == "hf":
             from trainer.hf import export_hf  # the trainer's model side (optional extra)
 
@@ -187,4 +200,23 @@ def _export(args: argparse.Namespace) -> int:
     except ValueError as err:
         return _fail(err)
     print(f"wrote {n} tensors of snapshot {step} to {args.out}")
+    return 0
+
+
+def _export_jax(args: argparse.Namespace, step: int) -> int:
+    """``--format npz`` (numpy only) or ``--format orbax`` (JAX's optional extra)."""
+    from trainer.on_jax.export import export_npz, export_orbax
+
+    out = os.path.realpath(args.out)
+    if args.format == "npz":
+        n = export_npz(args.run_uri, step, out)
+        print(f"wrote {n} tensors and the state of snapshot {step} to {args.out}")
+        return 0
+    try:
+        import orbax.checkpoint  # noqa: F401 - only to say what is missing, in one line
+    except ImportError:
+        return _fail("--format orbax needs JAX and Orbax: pip install 'baton-train[jax]'", 2)
+    n = export_orbax(args.run_uri, step, out)
+    print(f"wrote snapshot {step} ({n} parameter arrays, AdamW state) as an Orbax checkpoint "
+          f"to {args.out}")
     return 0

@@ -1,0 +1,28 @@
+"""Continue a Baton run in JAX, and back: Flax parameters, optax AdamW state, the data position.
+
+    from trainer.on_jax import load_train_state, save_train_state
+    state = load_train_state("runs/tiny")          # params, optax.adamw state, step, cursor
+    loader = state.loader()                         # numpy batches, the run's sample order
+    for _ in range(5):
+        tokens = np.concatenate([mb.tokens for mb in loader.next_step()])
+        state.train_step(tokens)
+        loader.advance()
+    state.data = loader.state_dict()
+    save_train_state("runs/tiny", state)            # a PyTorch run continues from here
+
+Modules: ``state`` (snapshot <-> ``JaxTrainState``), ``optim`` (Baton's AdamW as optax),
+``layout_map`` (declared name/layout maps, ready for the built-in GPT and Llama), ``gpt`` and
+``llama`` (their Flax forwards), ``models`` (which one a run has), ``export`` (``baton
+snapshots export --format orbax|npz``). Needs the optional extra ``baton-train[jax]``.
+
+Why under ``trainer``: the adapter composes the snapshot format (``elastic.portable``, which
+needs no torch) with what the trainer knows — its models' parameter names, the optimizer's
+param-group rule, the learning-rate schedule (``trainer.optim.lr_at``, used as is, not
+re-implemented) — and DESIGN's import direction lets only ``trainer`` compose them.
+"""
+
+from __future__ import annotations
+
+from trainer.on_jax.state import JaxTrainState, load_train_state, save_train_state
+
+__all__ = ["JaxTrainState", "load_train_state", "save_train_state"]

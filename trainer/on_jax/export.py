@@ -1,0 +1,91 @@
+"""``baton snapshots export --format orbax|npz``: a snapshot for JAX users' own tools.
+
+Contract
+--------
+* ``export_npz(run_uri, step, out)`` writes every logical tensor of snapshot ``step`` under its
+  snapshot key (``model.<fqn>``, ``optim.state.<fqn>.exp_avg``, ...) in PyTorch layout into
+  one ``.npz`` file, plus ``__state__``: the snapshot's JSON state as a 0-d string array (its
+  ``{"__tensor__": key}`` leaves name the arrays). ``numpy.load(out)`` reads it with
+  ``allow_pickle=False``; no framework is needed. torch-free (``elastic.portable``).
+* ``export_orbax(run_uri, step, out)`` writes the run's JAX train state
+  (``trainer.on_jax.state.load_train_state``: the run's ready layout map) as an Orbax checkpoint
+  in ``out/state`` — ``{"params": <Flax tree>, "opt_state": {"count", "mu", "nu"}, "step"}``,
+  restored by ``orbax.checkpoint.StandardCheckpointer().restore(out / "state")`` with no
+  Baton import — and ``out/baton.json``: the step, the data cursor, the seed, the AdamW
+  settings (b1, b2, eps, weight decay and its mask per Flax path, grad clip), the learning
+  rate of every update (``lrs``), the layout map's name and the recipe. ``out`` must not exist.
+
+Both read through the neutral reader (every byte verified) and write only to ``out``, after
+everything was read: a snapshot that fails a check writes nothing.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Any
+
+import numpy as np
+
+from elastic.portable import PortableRun
+
+
+def export_npz(run_uri: str, step: int, out: str) -> int:
+    """Write snapshot ``step`` as one ``.npz`` file; returns the number of tensors."""
+    snap = PortableRun(run_uri).read(step)
+    arrays: dict[str, Any] = dict(snap.tensors)
+    arrays["__state__"] = np.array(json.dumps(snap.state))
+    tmp = f"{out}.tmp-{os.getpid()}"
+    with open(tmp, "wb") as fh:  # a file object: numpy appends no ".npz" to the name
+        np.savez(fh, **arrays)
+    os.replace(tmp, out)
+    return len(snap.tensors)
+
+
+def export_orbax(run_uri: str, step: int, out: str) -> int:
+    """Write snapshot ``step`` as an Orbax checkpoint of the JAX train state (contract);
+    returns the number of parameter arrays."""
+    import jax
+    import orbax.checkpoint as ocp
+
+    from trainer.on_jax.optim import adam_state
+    from trainer.on_jax.state import load_train_state
+
+    state = load_train_state(run_uri, step)
+    adam = adam_state(state.opt_state)
+    tree = {"params": state.params,
+            "opt_state": {"count": adam.count, "mu": adam.mu, "nu": adam.nu},
+            "step": np.asarray(state.step, dtype=np.int64)}
+    root = os.path.abspath(out)
+    os.makedirs(root)
+    with ocp.StandardCheckpointer() as checkpointer:
+        checkpointer.save(os.path.join(root, "state"), tree)
+        checkpointer.wait_until_finished()
+    mask = state.layout.decayed({n for n in state.layout.torch_names
+                                 if _decays(state.skeleton, n)})
+    info = {"format": "baton-jax-export", "step": state.step, "data": state.data,
+            "seed": state.seed, "layout": state.layout.name,
+            "adamw": {"b1": state.settings.b1, "b2": state.settings.b2,
+                      "eps": state.settings.eps, "weight_decay": state.settings.weight_decay,
+                      "grad_clip": state.settings.grad_clip,
+                      "decayed": sorted("/".join(p) for p, on in _leaves(mask) if on)},
+            "lrs": list(state.settings.lrs), "config": state.config}
+    with open(os.path.join(root, "baton.json"), "w") as fh:
+        json.dump(info, fh, indent=1)
+    return len(jax.tree.leaves(state.params))
+
+
+def _decays(skeleton: dict[str, Any], name: str) -> bool:
+    groups = skeleton["optim"]["param_groups"]
+    return any(name in g["params"] and g["weight_decay"] > 0 for g in groups)
+
+
+def _leaves(tree: dict[str, Any], prefix: tuple[str, ...] = ()) -> list[tuple[tuple[str, ...],
+                                                                             Any]]:
+    out = []
+    for key, value in tree.items():
+        if isinstance(value, dict):
+            out += _leaves(value, (*prefix, key))
+        else:
+            out.append(((*prefix, key), value))
+    return out
