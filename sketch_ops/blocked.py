@@ -8,23 +8,27 @@ Contract:
 - `layer_sketches(layers, n)`: per layer, `(rank, seed, estimator)`: its effective rank, its
   seed for this call (`layer_seed`, drawn in the order given) and estimator for a
   `SketchedLinear`, `(0, 0, "basis")` for a plain layer (rank 0 means an exact dW).
-- `BlockInputSketch(n, rank, seed, width, estimator, device, acc, block_rows)`: `S M` and
-  `||M||²` (and M's column sums for the centred estimator) of an n × width matrix M that
-  arrives in the blocks `row_blocks(n, block_rows)`: `add(block_plan(start, end), rows)` per
-  block. S is linear in the rows, so block
-  sketches add up to the whole sketch. `finish(dtype)` returns what `function.input_sketch`
-  returns: the scaled sketch M̂ (in `dtype`) and, centred, M's row mean.
-- `saved_sketch_weight_grad(dy, dy_sum, x_hat, x_mean, n, rank, seed)`: a sketched layer's
-  dW estimate from its whole output gradient and the input sketch saved in forward (what
+- `BlockInputSketch(n, rank, seed, width, estimator, device, acc, block_rows, dtype)`: `S M`
+  and `||M||²` (and M's column sums for the centred estimator) of an n × width matrix M of
+  `dtype` that arrives in the blocks `row_blocks(n, block_rows)`: `add(start, end, rows)` per
+  block. S is linear in the rows, so block sketches add up to the whole sketch. `finish(dtype)`
+  returns a `SavedSketch`: on the torch path what `function.input_sketch` returns (the scaled
+  sketch M̂ in `dtype` and, centred, M's row mean), on the fused path (`dispatch.fused_on`:
+  CUDA, or `BATON_SKETCH_BACKEND=triton`) the fused kernels' unscaled centred sketch, mean,
+  the invariant scalar's partial sums and the plan's order. There, `add_activated(start, end,
+  pre, "gelu" | "silu_mul", other)` fuses the producer: it computes the block's `gelu(pre)` or
+  `silu(pre) * other` and sketches it in the same pass (`fuses_producer` says whether it can).
+- `saved_sketch_weight_grad(dy, dy_sum, saved, n, rank, seed, dtype)`: a sketched layer's dW
+  estimate in `dtype` from its whole output gradient and the `SavedSketch` of its input (what
   `sketched_linear`'s backward computes).
 - `linear_into(dest, x, weight, bias)`: `dest[...] = F.linear(x, weight, bias)`, the GEMM
   writing into `dest` itself when dtypes and layout allow (a block of the fused output).
-- `BlockWeightGrad(shape, rank, seed, estimator, n, device, acc, block_rows)`: dW = dYᵀX of a
-  layer whose input X and output gradient dY are both at hand in the blocks
+- `BlockWeightGrad(shape, rank, seed, estimator, n, device, acc, block_rows, dtype)`: dW = dYᵀX
+  of a layer whose input X and output gradient dY are both at hand in the blocks
   `row_blocks(n, block_rows)` (a layer recomputed in backward): exact (accumulated `dYᵀX`)
   for rank 0, else the BASIS estimate from the two block sketches. `add(start, end, dy_rows,
-  x_rows)` per block, then `finish(dy_sum)` with dY's column sums (accumulation dtype; needed
-  by the centred estimator only).
+  x_rows)` per block, then `finish(dy_sum, dtype=None)` with dY's column sums (accumulation
+  dtype; read by the torch path's centred estimator only), in `dtype` (default `acc`).
 
 Every result equals what the unfused `sketched_linear` / `nn.Linear` computes from the same
 seed, up to fp32 summation order (sums are accumulated in `acc`, fp32 for low precision; an
@@ -35,13 +39,14 @@ whole product is).
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from . import dispatch
-from .function import input_sketch, weight_grad_estimate
+from .function import fused_weight_grad, input_sketch, weight_grad_estimate
 from .layer import SketchedLinear
 from .seeds import SketchPlan, effective_rank, layer_seed, make_plan
 
@@ -89,6 +94,14 @@ def layer_sketches(
     return ranks, seeds, estimators
 
 
+# What a fused function saves of a sketched layer's input: `(M̂, μ or None, None, None)` from
+# the torch reference (M̂ scaled by γ), `(S̃M unscaled, μ or None, γ's partial sums, the plan's
+# order as int32)` from the fused kernels (`fused_kernels.py`; γ is applied in the GEMM).
+SavedSketch = tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None,
+                    torch.Tensor | None]
+NO_SKETCH: SavedSketch = (None, None, None, None)
+
+
 class BlockInputSketch:
     """The sketch of an n × width matrix accumulated a row block at a time."""
 
@@ -102,8 +115,23 @@ class BlockInputSketch:
         device: torch.device,
         acc: torch.dtype,
         block_rows: int,
+        dtype: torch.dtype,
+        *,
+        order: torch.Tensor | None = None,
     ) -> None:
         self.n, self.block_rows = n, block_rows
+        kernels = dispatch.fused_on(device, dtype) if n else None
+        self.fused: Any = None  # a fused_kernels.BlockSketch on the fused path
+        self.order32: torch.Tensor | None = None  # the plan, saved for backward (fused path)
+        if kernels is not None:
+            self._acts = {"gelu": kernels.ACT_GELU, "silu_mul": kernels.ACT_SILU_MUL}
+            if order is None:  # a plan of our own, saved for backward as int32
+                order = kernels.plan_order(n, seed, device)
+                self.order32 = torch.empty(n, dtype=torch.int32, device=device)
+            self.fused = kernels.BlockSketch(
+                n, effective_rank(rank, n), seed, width, order,
+                center=estimator == "centered", dtype=dtype, order_out=self.order32)
+            return
         self.plan = make_plan(n, rank, seed, device=device)
         self._blocks: list[SketchPlan] | None = None  # the plan's row blocks, split once
         self.sketch = torch.zeros(self.plan.rank, width, dtype=acc, device=device)
@@ -112,9 +140,14 @@ class BlockInputSketch:
             torch.zeros(width, dtype=acc, device=device) if estimator == "centered" else None
         )
 
+    @property
+    def fuses_producer(self) -> bool:
+        """Whether `add_activated` is available (the fused kernels run this sketch)."""
+        return self.fused is not None
+
     def block_plan(self, start: int, end: int) -> SketchPlan:
         """The sketch of rows [start, end), one of `row_blocks(n, block_rows)` (share it between
-        matrices sketched with the same seed)."""
+        matrices sketched with the same seed). Torch reference path only."""
         size = self.block_rows
         if start % size or end != min(start + size, self.n):
             raise ValueError(f"rows [{start}, {end}) are not one of row_blocks({self.n}, {size})")
@@ -122,33 +155,57 @@ class BlockInputSketch:
             self._blocks = self.plan.row_blocks(size)
         return self._blocks[start // size]
 
-    def add(self, block_plan: SketchPlan, rows: torch.Tensor) -> None:
-        part, part_sq = dispatch.bucket_sum(rows, block_plan)
+    def add(self, start: int, end: int, rows: torch.Tensor,
+            block_plan: SketchPlan | None = None) -> None:
+        """Sketch rows [start, end) (`block_plan`: that block's plan, if already at hand)."""
+        if self.fused is not None:
+            self.fused.add(start, end, rows)
+            return
+        part, part_sq = dispatch.bucket_sum(rows, block_plan or self.block_plan(start, end))
         self.sketch += part
         self.sq_norm += part_sq
         if self.row_sum is not None:
             self.row_sum += rows.sum(0, dtype=self.row_sum.dtype)
 
-    def finish(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """`(M̂ in dtype, M's row mean or None)`, as `function.input_sketch` returns them."""
+    def add_activated(self, start: int, end: int, pre: torch.Tensor, act: str,
+                      other: torch.Tensor | None = None) -> torch.Tensor:
+        """The producer fused into the sketch (`fuses_producer` only): rows [start, end) of
+        `gelu(pre)` (written into `pre`) or of `silu(pre) * other` (a new tensor), sketched in
+        the same pass; returns them."""
+        hidden = pre if other is None else torch.empty_like(other)
+        self.fused.add(start, end, pre, act=self._acts[act], other=other, hidden=hidden)
+        return hidden
+
+    def finish(self, dtype: torch.dtype) -> SavedSketch:
+        """What backward needs (`SavedSketch`); on the reference path as `function.input_sketch`
+        returns it, M̂ in `dtype`."""
+        if self.fused is not None:
+            done = self.fused.finish()
+            return done.values, done.mean, done.stats, self.order32
         hat, mean = input_sketch(self.sketch, self.sq_norm, self.row_sum, self.plan, self.n)
-        return hat.to(dtype), mean
+        return hat.to(dtype), mean, None, None
 
 
 def saved_sketch_weight_grad(
     dy: torch.Tensor,
     dy_sum: torch.Tensor | None,
-    x_hat: torch.Tensor,
-    x_mean: torch.Tensor | None,
+    saved: SavedSketch,
     n: int,
     rank: int,
     seed: int,
+    dtype: torch.dtype,
 ) -> torch.Tensor:
-    """A sketched layer's dW estimate (accumulation dtype) from its n-row output gradient and
-    the input sketch `BlockInputSketch.finish` gave in forward."""
+    """A sketched layer's dW estimate (in `dtype`) from its n-row output gradient and what
+    `BlockInputSketch.finish` gave in forward (`dy_sum`, dY's column sums, is read by the
+    reference path's centred estimator only)."""
+    x_hat, x_mean, _, order = saved
+    if order is not None:
+        return fused_weight_grad(dispatch.fused_module(), dy, saved, rank, seed, scalars=True,
+                                 dtype=dtype, need_db=False)[0]
+    assert x_hat is not None
     plan = make_plan(n, rank, seed, device=dy.device)
     dy_sketch, dy_sq = dispatch.bucket_sum(dy, plan)
-    return weight_grad_estimate(dy_sketch, dy_sq, dy_sum, x_hat, x_mean, plan, n)
+    return weight_grad_estimate(dy_sketch, dy_sq, dy_sum, x_hat, x_mean, plan, n).to(dtype)
 
 
 class BlockWeightGrad:
@@ -164,6 +221,7 @@ class BlockWeightGrad:
         device: torch.device,
         acc: torch.dtype,
         block_rows: int,
+        dtype: torch.dtype,
     ) -> None:
         self.n = n
         self.exact = (
@@ -172,14 +230,19 @@ class BlockWeightGrad:
         self.dy_sketch = self.x_sketch = None
         if rank > 0:
             out_features, in_features = shape
-            # dY's centring uses the column sums the caller passes to finish (it needs them
-            # for the bias anyway), so its block sketch skips them.
+            kernels = dispatch.fused_on(device, dtype) if n else None
+            # One plan for both (the fused kernels take its order; the reference path shares
+            # block plans in `add`). The reference centres dY with the column sums the caller
+            # passes to finish (it needs them for the bias anyway); the kernels centre it in
+            # their own pass.
+            order = kernels.plan_order(n, seed, device) if kernels is not None else None
+            dy_estimator = estimator if kernels is not None else "basis"
             self.dy_sketch = BlockInputSketch(
-                n, rank, seed, out_features, "basis", device, acc, block_rows
-            )
+                n, rank, seed, out_features, dy_estimator, device, acc, block_rows, dtype,
+                order=order)
             self.x_sketch = BlockInputSketch(
-                n, rank, seed, in_features, estimator, device, acc, block_rows
-            )
+                n, rank, seed, in_features, estimator, device, acc, block_rows, dtype,
+                order=order)
 
     def add(self, start: int, end: int, dy_rows: torch.Tensor, x_rows: torch.Tensor) -> None:
         if self.exact is not None:
@@ -192,18 +255,26 @@ class BlockWeightGrad:
                 self.exact += (dy_rows.t() @ x_rows).to(self.exact.dtype)
             return
         assert self.dy_sketch is not None and self.x_sketch is not None  # rank > 0
-        block_plan = self.x_sketch.block_plan(start, end)
-        self.dy_sketch.add(block_plan, dy_rows)
-        self.x_sketch.add(block_plan, x_rows)
+        block_plan = None if self.x_sketch.fused is not None else self.x_sketch.block_plan(
+            start, end)
+        self.dy_sketch.add(start, end, dy_rows, block_plan)
+        self.x_sketch.add(start, end, x_rows, block_plan)
 
-    def finish(self, dy_sum: torch.Tensor | None = None) -> torch.Tensor:
-        """dW in the accumulation dtype; `dy_sum` are dY's column sums over all n rows (only
-        read by a sketch with the centred estimator)."""
+    def finish(self, dy_sum: torch.Tensor | None = None,
+               dtype: torch.dtype | None = None) -> torch.Tensor:
+        """dW in `dtype` (default the accumulation dtype); `dy_sum` are dY's column sums over
+        all n rows (only read by the reference path's centred estimator)."""
         if self.exact is not None:
-            return self.exact
+            return self.exact if dtype is None else self.exact.to(dtype)
         assert self.dy_sketch is not None and self.x_sketch is not None  # rank > 0
-        x_hat, x_mean = self.x_sketch.finish(self.x_sketch.sketch.dtype)
-        return weight_grad_estimate(
+        if self.x_sketch.fused is not None:
+            x_done, dy_done = self.x_sketch.fused.finish(), self.dy_sketch.fused.finish()
+            out = dispatch.fused_module().weight_grad(
+                dy_done, x_done, self.n, scale=True, dtype=dtype or x_done.stats.dtype)
+            return out
+        x_hat, x_mean, _, _ = self.x_sketch.finish(self.x_sketch.sketch.dtype)
+        assert x_hat is not None
+        grad = weight_grad_estimate(
             self.dy_sketch.sketch,
             self.dy_sketch.sq_norm,
             dy_sum,
@@ -212,6 +283,7 @@ class BlockWeightGrad:
             self.x_sketch.plan,
             self.n,
         )
+        return grad if dtype is None else grad.to(dtype)
 
 
 def linear_into(dest: torch.Tensor, x: torch.Tensor, weight: torch.Tensor,

@@ -3,7 +3,9 @@
 Contract: `bucket_sum(mat, plan)` and `weight_grad(...)` have the semantics of `reference.py`,
 `row_keys(n, seed, device)` those of `plan_hash.hash_rows`. They use `kernels.py` when the data
 is on CUDA (in fp32/bf16/fp16) and triton imports; otherwise the torch versions (which also
-cover fp64).
+cover fp64). `fused_on(device, dtype)` is the fused sketch path (`fused_kernels.py`: a whole
+sketch in one or two launches, no host sync) under the same rule, or None where the torch
+reference runs; the sketched layer and the fused MLPs take it for balanced plans.
 `BATON_SKETCH_BACKEND` overrides the choice:
 - `auto` (default): as above;
 - `torch`: always the reference (e.g. to rule the kernels out when debugging);
@@ -13,6 +15,7 @@ cover fp64).
 
 from __future__ import annotations
 
+import importlib
 import os
 from functools import cache
 from types import ModuleType
@@ -39,20 +42,22 @@ def backend() -> str:
 
 
 @cache
-def _kernels() -> ModuleType | None:
+def _kernels(name: str = "kernels") -> ModuleType | None:
     try:
-        from . import kernels
+        return importlib.import_module(f"{__package__}.{name}")
     except ImportError:
         return None
-    return kernels
 
 
-def _kernels_on(device: torch.device, dtype: torch.dtype) -> ModuleType | None:
-    """The Triton kernels module to run on data of `dtype` on `device`, or None for torch."""
+def _kernels_on(
+    device: torch.device, dtype: torch.dtype, name: str = "kernels"
+) -> ModuleType | None:
+    """The Triton kernels module `name` to run on data of `dtype` on `device`, or None for
+    torch."""
     choice = backend()
     if choice == "torch" or dtype not in _KERNEL_DTYPES:
         return None
-    kernels = _kernels()
+    kernels = _kernels(name)
     if choice == "triton":
         if kernels is None:
             raise ValueError(f"{BACKEND_ENV}=triton but triton cannot be imported; install it")
@@ -62,6 +67,20 @@ def _kernels_on(device: torch.device, dtype: torch.dtype) -> ModuleType | None:
 
 def _kernels_for(tensor: torch.Tensor) -> ModuleType | None:
     return _kernels_on(tensor.device, tensor.dtype)
+
+
+def fused_module() -> ModuleType:
+    """`fused_kernels` itself, for data the fused path sketched in forward (ValueError without
+    triton)."""
+    kernels = _kernels("fused_kernels")
+    if kernels is None:
+        raise ValueError("the fused sketch path needs triton; install it")
+    return kernels
+
+
+def fused_on(device: torch.device, dtype: torch.dtype) -> ModuleType | None:
+    """`fused_kernels` for data of `dtype` on `device`, or None (the torch reference)."""
+    return _kernels_on(device, dtype, "fused_kernels")
 
 
 def row_keys(n: int, seed: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:

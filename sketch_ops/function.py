@@ -12,6 +12,17 @@ copy) and the seed as a one-element int64 tensor, from which backward regenerate
 centred estimator, the N-vector of row means). Not x, not the hash. Bucket sums and norms
 accumulate in fp32.
 
+Two paths, chosen by `dispatch.fused_on`. The torch reference (CPU, fp64, the uniform hash)
+runs `reference.py`'s functions as above. The fused path (CUDA, fp32/bf16/fp16, balanced plans;
+`fused_kernels.py`) runs a step of the layer in 7 device launches (9 when a narrow layer
+splits its sketches into bucket groups to fill the GPU) and no host read: forward
+the product, the plan's keys and sort, one sketch launch (bucket sums, signs, column sums,
+norms and the centring together); backward dX, one launch sketching dY (and summing its
+columns: db and μdy) and one GEMM on the R-row sketches in the data's dtype with fp32
+accumulation, whose epilogue applies the invariant scalars and the mean term. It saves S̃X
+unscaled (γx is applied in the GEMM), a few partial sums for γx, and the plan's order as int32
+(4n bytes) instead of drawing the plan again in backward.
+
 Estimators (`estimator=`):
 - `"basis"`: the estimate above.
 - `"centered"` (the default): the same sketch of the *centred* rows `X - 1 μxᵀ` and
@@ -33,6 +44,7 @@ sketch runs with autocast off so forward and backward dtypes agree.
 
 from __future__ import annotations
 
+from types import ModuleType
 from typing import Any
 
 import torch
@@ -105,6 +117,47 @@ def weight_grad_estimate(
     return grad
 
 
+def fused_input_sketch(
+    kernels: ModuleType, x2d: torch.Tensor, rank: int, seed: int, centred: bool
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor]:
+    """The fused path's forward sketch of X (`fused_kernels`, three launches: the plan's keys,
+    its sort, the sketch): what backward needs, `(S̃X unscaled in X's dtype, μx or None, the
+    partial sums of the invariant scalar, the plan's order as int32)`."""
+    n = x2d.shape[0]
+    order = kernels.plan_order(n, seed, x2d.device)
+    order32 = torch.empty(n, dtype=torch.int32, device=x2d.device)
+    sketch = kernels.BlockSketch(n, rank, seed, x2d.shape[1], order, center=centred,
+                                 dtype=x2d.dtype, order_out=order32)
+    sketch.add(0, n, x2d)
+    done = sketch.finish()
+    return done.values, done.mean, done.stats, order32
+
+
+def fused_weight_grad(
+    kernels: ModuleType,
+    dy: torch.Tensor,
+    saved: tuple[torch.Tensor | None, ...],
+    rank: int,
+    seed: int,
+    *,
+    scalars: bool,
+    dtype: torch.dtype,
+    need_db: bool,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """`(dW in dtype, db or None)` from dY and what `fused_input_sketch` saved: one launch
+    sketches dY (and sums its columns: db, and μdy when centred), one runs the GEMM."""
+    x_hat, x_mean, stats, order = saved
+    assert x_hat is not None and stats is not None and order is not None
+    n, width = dy.shape
+    db = torch.empty(width, dtype=dy.dtype, device=dy.device) if need_db else None
+    sketch = kernels.BlockSketch(n, rank, seed, width, order, center=x_mean is not None,
+                                 dtype=dy.dtype, sum_out=db)
+    sketch.add(0, n, dy)
+    dw = kernels.weight_grad(sketch.finish(), kernels.Sketch(x_hat, x_mean, stats), n,
+                             scale=scalars, dtype=dtype)
+    return dw, db
+
+
 def check_rank(rank: int) -> None:
     """Raise ValueError unless `rank` is an int >= 1."""
     if isinstance(rank, bool) or not isinstance(rank, int) or rank < 1:
@@ -150,8 +203,12 @@ class _SketchedLinearFn(torch.autograd.Function):
     ) -> torch.Tensor:
         out = F.linear(x2d, weight, bias)
         n = x2d.shape[0]
-        x_hat = x_mean = None
-        if ctx.needs_input_grad[1]:
+        x_hat = x_mean = stats = order = None
+        fused = dispatch.fused_on(x2d.device, x2d.dtype) if balanced_hash and n else None
+        if ctx.needs_input_grad[1] and fused is not None:
+            x_hat, x_mean, stats, order = fused_input_sketch(
+                fused, x2d, rank, seed, estimator == "centered")
+        elif ctx.needs_input_grad[1]:
             plan = make_plan(n, rank, seed, balanced=balanced_hash, device=x2d.device)
             sketch, sq_norm = dispatch.bucket_sum(x2d, plan)
             row_sum = x2d.sum(0, dtype=sketch.dtype) if estimator == "centered" else None
@@ -162,7 +219,7 @@ class _SketchedLinearFn(torch.autograd.Function):
         # The seed travels as a saved tensor, not a ctx attribute: under activation
         # checkpointing the saved tensors come from the recompute, so seed and X̂ stay paired.
         seed_t = torch.tensor(seed, dtype=torch.int64)
-        ctx.save_for_backward(x_hat, x_mean, weight, seed_t)
+        ctx.save_for_backward(x_hat, x_mean, stats, order, weight, seed_t)
         ctx.sketch_args = (n, rank, invariant_scalars, balanced_hash)
         return out
 
@@ -170,14 +227,20 @@ class _SketchedLinearFn(torch.autograd.Function):
     def backward(
         ctx: Any, dy: torch.Tensor
     ) -> tuple[torch.Tensor | None, ...]:
-        x_hat, x_mean, weight, seed_t = ctx.saved_tensors
+        x_hat, x_mean, stats, order, weight, seed_t = ctx.saved_tensors
         n, rank, invariant_scalars, balanced_hash = ctx.sketch_args
         dx = dw = db = None
+        if ctx.needs_input_grad[0]:
+            dx = dy @ weight.to(dy.dtype)
+        fused = dispatch.fused_module() if order is not None else None  # forward's choice
+        if ctx.needs_input_grad[1] and fused is not None:  # db from the sketch's own pass
+            dw, db = fused_weight_grad(
+                fused, dy, (x_hat, x_mean, stats, order), rank, int(seed_t),
+                scalars=invariant_scalars, dtype=weight.dtype, need_db=ctx.needs_input_grad[2])
+            return dx, dw, db, None, None, None, None, None
         dy_sum = None  # column sums of dY: db, and μdy when centred; one pass for both
         if ctx.needs_input_grad[2] or x_mean is not None:
             dy_sum = dy.sum(0, dtype=reference.acc_dtype(dy.dtype))
-        if ctx.needs_input_grad[0]:
-            dx = dy @ weight.to(dy.dtype)
         if ctx.needs_input_grad[1]:
             plan = make_plan(n, rank, int(seed_t), balanced=balanced_hash, device=dy.device)
             dy_sketch, sq_norm = dispatch.bucket_sum(dy, plan)

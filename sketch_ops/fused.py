@@ -17,10 +17,12 @@ still needed, and the fused function recomputes it instead: it walks the rows in
 per block: norm, fc, GELU, proj, and the block's part of proj's input sketch (S is linear in
 the rows, so block sketches add up). Saved: x (n × d; the norm's input, which a LayerNorm keeps
 anyway), proj's R × 4d sketch (plus the hidden row mean for the centred
-estimator) and the two seeds. Backward, per block: recompute the norm and fc's output, the hidden
-gradient `dY W2`, GELU's derivative, the block's slice of dX and its part of `S dH` (or, for a
-plain fc, of the exact `dHᵀ x`). No n × 4d tensor outlives a block. The price is one extra fc
-matmul in backward.
+estimator) and the two seeds. On the fused sketch path (`blocked.BlockInputSketch`, CUDA) the
+GELU and proj's input sketch are one kernel over the block (in place on fc's output: GELU as
+F.gelu computes it, to an ulp), so the sketch costs no pass of its own. Backward, per block:
+recompute the norm and fc's output, the hidden gradient `dY W2`, GELU's derivative, the
+block's slice of dX and its part of `S dH` (or, for a plain fc, of the exact `dHᵀ x`). No
+n × 4d tensor outlives a block. The price is one extra fc matmul in backward.
 
 `recompute=True` with a plain proj is the same recompute with exact gradients (selective
 activation recomputation of the MLP): the same memory as the sketched MLP minus proj's sketch,
@@ -45,6 +47,7 @@ from torch import nn
 
 from . import reference
 from .blocked import (
+    NO_SKETCH,
     BlockInputSketch,
     BlockWeightGrad,
     block_size,
@@ -81,9 +84,8 @@ class _GeluMlpFn(torch.autograd.Function):
         acc = reference.acc_dtype(x2d.dtype)
         size = block_size(n, w1.shape[0], x2d.dtype, x2d.device)
         proj_sketch = (
-            BlockInputSketch(
-                n, ranks[1], seeds[1], w2.shape[1], estimators[1], x2d.device, acc, size
-            )
+            BlockInputSketch(n, ranks[1], seeds[1], w2.shape[1], estimators[1], x2d.device,
+                             acc, size, x2d.dtype)
             if ranks[1] > 0
             else None
         )
@@ -91,18 +93,21 @@ class _GeluMlpFn(torch.autograd.Function):
             rows = x2d[start:end]
             if eps is not None:
                 rows = layer_norm_rows(rows, norm_w, norm_b, eps)[0]
-            hidden = torch.ops.aten.gelu_(F.linear(rows, w1, b1))  # no graph here
+            pre = F.linear(rows, w1, b1)
             del rows
+            if proj_sketch is not None and proj_sketch.fuses_producer:
+                # GELU and proj's input sketch in one pass over the block (in place on pre).
+                hidden = proj_sketch.add_activated(start, end, pre, "gelu")
+            else:
+                hidden = torch.ops.aten.gelu_(pre)  # no graph here
+                if proj_sketch is not None:
+                    proj_sketch.add(start, end, hidden)
             linear_into(out[start:end], hidden, w2, b2)
-            if proj_sketch is not None:
-                proj_sketch.add(proj_sketch.block_plan(start, end), hidden)
-        hidden_hat = hidden_mean = None
-        if proj_sketch is not None:
-            hidden_hat, hidden_mean = proj_sketch.finish(x2d.dtype)
+        saved = proj_sketch.finish(x2d.dtype) if proj_sketch is not None else NO_SKETCH
         # Seeds as a saved tensor: under activation checkpointing they then come from the
         # recompute together with the sketch (see function.py).
         seeds_t = torch.tensor(seeds, dtype=torch.int64)
-        ctx.save_for_backward(x2d, norm_w, norm_b, w1, b1, w2, hidden_hat, hidden_mean, seeds_t)
+        ctx.save_for_backward(x2d, norm_w, norm_b, w1, b1, w2, *saved, seeds_t)
         ctx.ranks, ctx.estimators, ctx.eps = ranks, estimators, eps
         return out
 
@@ -110,7 +115,8 @@ class _GeluMlpFn(torch.autograd.Function):
     def backward(
         ctx: Any, dy: torch.Tensor
     ) -> tuple[torch.Tensor | None, ...]:
-        x2d, norm_w, norm_b, w1, b1, w2, hidden_hat, hidden_mean, seeds_t = ctx.saved_tensors
+        x2d, norm_w, norm_b, w1, b1, w2, *saved, seeds_t = ctx.saved_tensors
+        hidden_hat, hidden_mean, hidden_stats, hidden_order = saved
         need_dx, need_dnw, need_dnb, need_dw1, need_db1, need_dw2, need_db2 = (
             ctx.needs_input_grad[:7]
         )
@@ -120,14 +126,16 @@ class _GeluMlpFn(torch.autograd.Function):
         (rank1, rank2), (estimator1, _) = ctx.ranks, ctx.estimators
         dw2 = db2 = None
         dy_sum = None  # column sums of dY: db2, and μdy when centred; one pass for both
-        if need_db2 or (need_dw2 and hidden_mean is not None):
-            dy_sum = dy.sum(0, dtype=acc)
+        if need_db2 or (need_dw2 and hidden_mean is not None and hidden_order is None):
+            dy_sum = dy.sum(0, dtype=acc)  # (the fused kernels sum dY's columns themselves)
         if need_dw2 and rank2 > 0:
             assert hidden_hat is not None  # saved in forward whenever proj is sketched
-            dw2 = saved_sketch_weight_grad(dy, dy_sum, hidden_hat, hidden_mean, n, rank2, seed2)
+            dw2 = saved_sketch_weight_grad(
+                dy, dy_sum, (hidden_hat, hidden_mean, hidden_stats, hidden_order), n, rank2,
+                seed2, w2.dtype)
         # proj's exact dW from the recomputed hidden rows (recompute with a plain proj).
         proj_exact = (
-            BlockWeightGrad(w2.shape, 0, 0, "basis", n, device, acc, size)
+            BlockWeightGrad(w2.shape, 0, 0, "basis", n, device, acc, size, dy.dtype)
             if need_dw2 and rank2 == 0
             else None
         )
@@ -141,7 +149,7 @@ class _GeluMlpFn(torch.autograd.Function):
         # fc's dW: exact when fc is plain — its input is recomputed anyway, so an exact dW costs
         # no memory, only the n-row matmul; otherwise its BASIS sketch, built block by block.
         fc_grad = (
-            BlockWeightGrad(w1.shape, rank1, seed1, estimator1, n, device, acc, size)
+            BlockWeightGrad(w1.shape, rank1, seed1, estimator1, n, device, acc, size, dy.dtype)
             if need_dw1
             else None
         )
@@ -177,7 +185,7 @@ class _GeluMlpFn(torch.autograd.Function):
                 fc_grad.add(start, end, dh, rows)
         if proj_exact is not None:
             dw2 = proj_exact.finish()
-        dw1 = None if fc_grad is None else fc_grad.finish(dh_sum).to(w1.dtype)
+        dw1 = None if fc_grad is None else fc_grad.finish(dh_sum, w1.dtype)
         dw2 = None if dw2 is None else dw2.to(w2.dtype)
         db1 = dh_sum.to(dy.dtype) if need_db1 else None
         dnw = None if dnw is None else dnw.to(norm_w.dtype)

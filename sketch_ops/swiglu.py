@@ -23,7 +23,10 @@ Contract:
   `SiLUActivation`) is run as `F.silu` and differentiated with `silu_backward` directly, in
   place in the block's temporaries, when all operands share one dtype (the same values, to
   the bit, as the general path, which differentiates the activation through autograd).
-  Otherwise it is the plain composition.
+  Otherwise it is the plain composition. On the fused sketch path (`blocked.BlockInputSketch`,
+  CUDA) with a sketched down and SiLU, the activation, the product and down's input sketch
+  are one kernel over the block (the product as torch rounds it, to an ulp): the sketch costs
+  no pass of its own.
 
 Why: in a Llama MLP exact backprop keeps four n × I tensors (gate's output for the activation,
 the activation's output and up's output for the product, the product for down's weight
@@ -59,6 +62,7 @@ from torch import nn
 
 from . import reference
 from .blocked import (
+    NO_SKETCH,
     BlockInputSketch,
     BlockWeightGrad,
     block_size,
@@ -161,9 +165,8 @@ class _SwigluMlpFn(torch.autograd.Function):
         acc = reference.acc_dtype(x2d.dtype)
         size = block_size(n, w_gate.shape[0], x2d.dtype, x2d.device)
         down_sketch = (
-            BlockInputSketch(
-                n, ranks[2], seeds[2], w_down.shape[1], estimators[2], x2d.device, acc, size
-            )
+            BlockInputSketch(n, ranks[2], seeds[2], w_down.shape[1], estimators[2], x2d.device,
+                             acc, size, x2d.dtype)
             if ranks[2] > 0
             else None
         )
@@ -175,22 +178,25 @@ class _SwigluMlpFn(torch.autograd.Function):
             gate_pre = gate_all[start:end] if gate_all is not None else F.linear(
                 rows, w_gate, b_gate)
             up_out = F.linear(rows, w_up, b_up)
-            if silu and gate_pre.dtype == up_out.dtype == w_down.dtype:
-                hidden = F.silu(gate_pre).mul_(up_out)  # in place: one block temporary less
+            one_dtype = gate_pre.dtype == up_out.dtype == w_down.dtype
+            if silu and one_dtype and down_sketch is not None and down_sketch.fuses_producer:
+                # SiLU, the product and down's input sketch in one pass over the block.
+                hidden = down_sketch.add_activated(start, end, gate_pre, "silu_mul", up_out)
             else:
-                hidden = (_activate(act, gate_pre, autocast) * up_out).to(w_down.dtype)
+                if silu and one_dtype:
+                    hidden = F.silu(gate_pre).mul_(up_out)  # in place: one temporary less
+                else:
+                    hidden = (_activate(act, gate_pre, autocast) * up_out).to(w_down.dtype)
+                if down_sketch is not None:
+                    down_sketch.add(start, end, hidden)
             del up_out
             linear_into(out[start:end], hidden, w_down, b_down)
-            if down_sketch is not None:
-                down_sketch.add(down_sketch.block_plan(start, end), hidden)
-        hidden_hat = hidden_mean = None
-        if down_sketch is not None:
-            hidden_hat, hidden_mean = down_sketch.finish(x2d.dtype)
+        saved = down_sketch.finish(x2d.dtype) if down_sketch is not None else NO_SKETCH
         # Seeds as a saved tensor: under activation checkpointing they then come from the
         # recompute together with the sketch (see function.py).
         seeds_t = torch.tensor(seeds, dtype=torch.int64)
         ctx.save_for_backward(
-            x2d, w_gate, b_gate, w_up, b_up, w_down, hidden_hat, hidden_mean, seeds_t, gate_all
+            x2d, w_gate, b_gate, w_up, b_up, w_down, *saved, seeds_t, gate_all
         )
         ctx.act, ctx.autocast, ctx.ranks, ctx.estimators = act, autocast, ranks, estimators
         ctx.silu = silu
@@ -198,9 +204,8 @@ class _SwigluMlpFn(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, dy: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
-        x2d, w_gate, b_gate, w_up, b_up, w_down, hidden_hat, hidden_mean, seeds_t, gate_all = (
-            ctx.saved_tensors
-        )
+        x2d, w_gate, b_gate, w_up, b_up, w_down, *sketch, seeds_t, gate_all = ctx.saved_tensors
+        hidden_hat, hidden_mean, hidden_stats, hidden_order = sketch
         need_dx, need_dwg, need_dbg, need_dwu, need_dbu, need_dwd, need_dbd = (
             ctx.needs_input_grad[:7]
         )
@@ -209,30 +214,30 @@ class _SwigluMlpFn(torch.autograd.Function):
         seeds = [int(s) for s in seeds_t]
         (rank_gate, rank_up, rank_down), estimators = ctx.ranks, ctx.estimators
         dy_sum = None  # column sums of dY: down's bias, and μdy when centred; one pass for both
-        if need_dbd or (need_dwd and hidden_mean is not None):
-            dy_sum = dy.sum(0, dtype=acc)
+        if need_dbd or (need_dwd and hidden_mean is not None and hidden_order is None):
+            dy_sum = dy.sum(0, dtype=acc)  # (the fused kernels sum dY's columns themselves)
         dw_down = None
         if need_dwd and rank_down > 0:
             assert hidden_hat is not None  # saved in forward whenever down is sketched
             dw_down = saved_sketch_weight_grad(
-                dy, dy_sum, hidden_hat, hidden_mean, n, rank_down, seeds[2]
-            )
+                dy, dy_sum, (hidden_hat, hidden_mean, hidden_stats, hidden_order), n, rank_down,
+                seeds[2], w_down.dtype)
         # Down's exact dW from the recomputed hidden rows (recompute=True with a plain down).
         down_exact = (
-            BlockWeightGrad(w_down.shape, 0, 0, "basis", n, device, acc, size)
+            BlockWeightGrad(w_down.shape, 0, 0, "basis", n, device, acc, size, dy.dtype)
             if need_dwd and rank_down == 0
             else None
         )
         gate_grad = (
             BlockWeightGrad(
-                w_gate.shape, rank_gate, seeds[0], estimators[0], n, device, acc, size
+                w_gate.shape, rank_gate, seeds[0], estimators[0], n, device, acc, size, dy.dtype
             )
             if need_dwg
             else None
         )
         up_grad = (
             BlockWeightGrad(
-                w_up.shape, rank_up, seeds[1], estimators[1], n, device, acc, size
+                w_up.shape, rank_up, seeds[1], estimators[1], n, device, acc, size, dy.dtype
             )
             if need_dwu
             else None
@@ -278,9 +283,9 @@ class _SwigluMlpFn(torch.autograd.Function):
             dw_down = down_exact.finish()
         return (
             dx,
-            None if gate_grad is None else gate_grad.finish(dgate_sum).to(w_gate.dtype),
+            None if gate_grad is None else gate_grad.finish(dgate_sum, w_gate.dtype),
             dgate_sum.to(dy.dtype) if dgate_sum is not None and need_dbg else None,
-            None if up_grad is None else up_grad.finish(dup_sum).to(w_up.dtype),
+            None if up_grad is None else up_grad.finish(dup_sum, w_up.dtype),
             dup_sum.to(dy.dtype) if dup_sum is not None and need_dbu else None,
             None if dw_down is None else dw_down.to(w_down.dtype),
             None if dy_sum is None or not need_dbd else dy_sum.to(dy.dtype),
