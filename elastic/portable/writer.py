@@ -119,8 +119,7 @@ def _write_shard(store: SnapshotStore, step: int, generation: int,
     """Write the one shard file (create-only) and return the checked manifest and its
     bytes, not yet committed."""
     file = shard_filename(0, 1, generation)
-    arrays = {k: np.ascontiguousarray(v, dtype=np.asarray(v).dtype.newbyteorder("<"))
-              for k, v in sorted(tensors.items())}
+    arrays = {k: _little_endian(v) for k, v in sorted(tensors.items())}
     entries, offset = [], 0
     for key, arr in arrays.items():
         entries.append(HeaderEntry(chunk_name(key, (0,) * arr.ndim), dtype_name(arr.dtype, key),
@@ -149,3 +148,11 @@ def _write_shard(store: SnapshotStore, step: int, generation: int,
                                             block_bytes=DEFAULT_BLOCK_BYTES, versions={})
     store.write_shard(step, file, memoryview(image))
     return manifest, data
+
+
+def _little_endian(value: np.ndarray) -> np.ndarray:
+    """``value`` as a C-contiguous little-endian array of its own shape (0-d stays 0-d:
+    ``np.ascontiguousarray`` would make it 1-d)."""
+    arr = np.asarray(value)
+    arr = arr.astype(arr.dtype.newbyteorder("<"), copy=False)
+    return arr if arr.flags.c_contiguous else arr.copy(order="C")
