@@ -67,7 +67,7 @@ def torch_clip_by_global_norm(max_norm: float) -> optax.GradientTransformation:
     def update(updates: Any, state: optax.EmptyState, params: Any = None
                ) -> tuple[Any, optax.EmptyState]:
         del params
-        coef = jnp.minimum(max_norm / (optax.global_norm(updates) + _TORCH_CLIP_EPS), 1.0)
+        coef = jnp.minimum(max_norm / (optax.tree.norm(updates) + _TORCH_CLIP_EPS), 1.0)
         return jax.tree.map(lambda g: g * coef, updates), state
 
     return optax.GradientTransformation(init, update)
