@@ -21,6 +21,11 @@
 #   sketch_memory   benchmarks/sketch_memory.py --device cuda (seq 2048): activation bytes, peak
 #                   GPU memory and step time of BASIS vs exact backprop and checkpointing, and
 #                   a profile of one step of each (top ops, launches, synchronisations)
+#   sketch_fused    benchmarks/sketch_fused.py (built-in GPT, d 1024 and 2048, 4 layers, 8 x 1024
+#                   tokens, bf16 autocast, R = n/16): step time and peak memory of exact, exact
+#                   with the MLP recomputed, BASIS's default plan, every linear sketched (with
+#                   and without the MLP recompute), through the fused sketch kernels; kernels
+#                   and host syncs per step
 #   bf16_fit        `baton fit recipes/llama-tiny.toml` in bf16 on the GPU (local Ray, 1 worker,
 #                   16 steps), uninterrupted, and a second run stopped at step 8 (--until 8) and
 #                   continued (restore from its snapshot); the two must end at the same model and
@@ -29,8 +34,9 @@
 #
 # It writes a JSON summary (per step: ok, exit code, seconds, limit, timed_out, log file and
 # the step's figures) to PATH, each step's output to PATH without .json plus _logs/ (default
-# benchmarks/results/gpu_check_logs/) and sketch_memory's table to sketch_memory_cuda.json
-# beside PATH, and exits 1 if any step failed (2 for a bad argument).
+# benchmarks/results/gpu_check_logs/), sketch_memory's table to sketch_memory_cuda.json and
+# sketch_fused's to sketch_fused_cuda.json beside PATH, and exits 1 if any step failed (2 for a
+# bad argument).
 set -uo pipefail
 
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
@@ -55,8 +61,9 @@ PY=${PYTHON:-$ROOT/.venv/bin/python}
 [ -x "$PY" ] || PY=$(command -v python3)
 
 # name, time limit (s): run in this order.
-# Measured on an H200 (4 December): 6, 29 (4 tests), 25, 34 and 214 s.
-STEPS=("cuda 20" "pytest_gpu 150" "triton_kernels 60" "sketch_memory 90" "bf16_fit 280")
+# Measured on an H200 (4 December): 6, 29 (4 tests), 25, 34 and 214 s; sketch_fused not yet.
+STEPS=("cuda 20" "pytest_gpu 100" "triton_kernels 60" "sketch_memory 60" "sketch_fused 80"
+       "bf16_fit 280")
 if [ -n "$ONLY" ]; then  # --only: the named steps, after cuda (which gates the others)
     selected=("cuda 20")
     for entry in "${STEPS[@]:1}"; do
@@ -139,6 +146,20 @@ rows = json.load(open(sys.argv[1]))["results"]
 keys = ("saved_ratio", "peak_ratio", "time_ratio", "step_s", "saved_bytes", "peak_bytes")
 figures = {f"{r['name']}@{r['seq_len']}": {k: r[k] for k in keys} for r in rows}
 json.dump({"results": sys.argv[1], **figures}, open(os.environ["FIGURES"], "w"))
+EOF
+}
+
+step_sketch_fused() {
+    local out="$RESULTS/sketch_fused_cuda.json"
+    env -u TRITON_INTERPRET -u BATON_SKETCH_BACKEND "$PY" benchmarks/sketch_fused.py \
+        --d-models 1024 2048 --rounds 5 --out "$out" || return 1
+    "$PY" - "$out" <<'EOF'
+import json, os, sys
+summary = json.load(open(sys.argv[1]))
+keys = ("time_ratio", "step_ms", "peak_ratio", "kernels_per_step", "host_syncs_per_step")
+figures = {f"{r['name']}@d{r['d_model']}": {k: r[k] for k in keys} for r in summary["results"]}
+json.dump({"results": sys.argv[1], "device": summary["device"], **figures},
+          open(os.environ["FIGURES"], "w"))
 EOF
 }
 

@@ -18,7 +18,7 @@ from trainer.config import load_recipe
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "benchmarks" / "gpu_check.sh"
-STEPS = ["cuda", "pytest_gpu", "triton_kernels", "sketch_memory", "bf16_fit"]
+STEPS = ["cuda", "pytest_gpu", "triton_kernels", "sketch_memory", "sketch_fused", "bf16_fit"]
 
 
 def _bash(*args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
@@ -44,6 +44,7 @@ def test_the_script_is_valid_bash_and_its_dry_run_lists_the_steps(tmp_path: Path
     for needle in ("-m \"$marks\" -k \"not triton\"", "local marks=\"gpu and not multigpu\"",
                    "-m gpu -k triton",
                    "sketch_memory.py --device cuda", "fit recipes/llama-tiny.toml",
+                   "sketch_fused.py --d-models 1024 2048",
                    "--until 8", "precision.dtype=\"bf16\"", "scaling.use_gpu=true"):
         assert needle in text, needle
     bad = _bash(str(SCRIPT), "--no-such-flag")
@@ -67,6 +68,10 @@ def test_what_the_steps_select_exists(tmp_path: Path) -> None:
                                capture_output=True, text=True, cwd=ROOT, timeout=60).stdout
     for flag in ("--device", "--seq-lens", "--ranks", "--combined-ranks", "--rounds", "--profile",
                  "--out"):
+        assert flag in help_text, flag
+    help_text = subprocess.run([sys.executable, "benchmarks/sketch_fused.py", "--help"],
+                               capture_output=True, text=True, cwd=ROOT, timeout=60).stdout
+    for flag in ("--d-models", "--rounds", "--out"):
         assert flag in help_text, flag
 
     def collected(*args: str) -> set[str]:

@@ -38,3 +38,23 @@ def _run(check: str) -> None:
 @pytest.mark.parametrize("check", ["kernels", "blocks", "layer", "mlps"])
 def test_fused_path_under_interpreter(check: str) -> None:
     _run(check)
+
+
+def test_the_gpu_benchmark_runs_at_toy_size_on_cpu(tmp_path: Path) -> None:
+    """benchmarks/sketch_fused.py (a step of benchmarks/gpu_check.sh) end to end, at toy size
+    on the CPU: every configuration, its ratio to exact and its kernel count are reported."""
+    import json
+
+    out = tmp_path / "fused.json"
+    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "sketch_fused.py"),
+                           "--device", "cpu", "--tiny", "--dtype", "fp32", "--out", str(out)],
+                          capture_output=True, text=True, timeout=240, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = {row["name"]: row for row in json.loads(out.read_text())["results"]}
+    assert list(rows) == ["exact", "exact-recompute", "basis-default", "basis-all",
+                          "basis-all-norecompute"]
+    assert rows["exact"]["time_ratio"] == 1.0 and rows["exact"]["rank"] == 0
+    assert rows["basis-default"]["rank"] == 2 * 16 // 16  # R = n / 16
+    assert all(row["step_ms"] > 0 and row["kernels_per_step"] > 0 for row in rows.values())
+    # More layers sketched, more kernels on the torch reference path.
+    assert rows["basis-all"]["kernels_per_step"] > rows["basis-default"]["kernels_per_step"]
