@@ -28,8 +28,11 @@ from elastic.store import SnapshotStore
 
 
 def snapshot_rows(store: SnapshotStore) -> list[dict[str, Any]]:
-    """One row per step directory: committed ones with size and world, others flagged."""
-    rows = []
+    """One row per step directory: committed ones with size and world, others flagged (a
+    step entry that is a link, refused and left alone, too)."""
+    rows: list[dict[str, Any]] = [
+        {"step": step, "committed": False, "refused": True, "note": why}
+        for step, why in store.refused_steps().items()]
     committed = set(store.committed_steps())
     for step in store.all_steps():
         if step not in committed:
@@ -43,7 +46,7 @@ def snapshot_rows(store: SnapshotStore) -> list[dict[str, Any]]:
         rows.append({"step": step, "committed": True, "world_size": m.world_size,
                      "layout": m.layout, "tensors": len(m.tensors), "bytes": m.nbytes(),
                      "files": len(m.files)})
-    return rows
+    return sorted(rows, key=lambda r: r["step"])
 
 
 def resolve_step(store: SnapshotStore, step: int | None) -> int:

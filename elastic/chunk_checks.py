@@ -67,9 +67,9 @@ def check_shard_file(store: SnapshotStore, step: int, file: str) -> None:
     its open forever, and a directory would read as unreachable storage."""
     if not store.is_local:
         return
-    path = store.step_path(step, file)
-    directory = os.path.join(os.path.realpath(store.path("snapshots")), step_dirname(step))
-    if os.path.islink(path) or os.path.dirname(os.path.realpath(path)) != directory:
+    path, directory = store.step_path(step, file), store.step_path(step)
+    if (os.path.islink(path) or os.path.islink(directory)
+            or os.path.dirname(os.path.realpath(path)) != os.path.realpath(directory)):
         raise ManifestError(f"{snapshot_label(step)}: shard file {file} is a symbolic link or "
                             "resolves outside the snapshot directory; refused")
     try:

@@ -1,11 +1,18 @@
-"""``baton snapshots ls|show|verify|export`` — inspect a run's snapshots from the shell.
+"""``baton snapshots ls|show|verify|export|rewind|restore-quarantined`` — a run's snapshots.
 
 Contract: ``register(subparsers)`` adds the ``snapshots`` group; each command takes a run
 URI (local path or ``s3://bucket/prefix/run``), prints to stdout and returns 0 on success,
 1 when a snapshot is missing or corrupt or storage fails (the message names it on stderr),
 2 for bad input: an empty run URI, another scheme than a local path or ``s3://``, a run
-directory that does not exist, an ``--out`` that cannot be written. Every error is one line
-``error: ...`` on stderr, never a traceback.
+directory that does not exist, an ``--out`` that cannot be written or that resolves (links
+included) inside the run directory. Every error is one line ``error: ...`` on stderr, never a
+traceback.
+``rewind RUN --to STEP`` sets every committed snapshot newer than STEP aside (into
+``quarantine/``, after verifying STEP) and says which and how to bring them back;
+``restore-quarantined RUN [STEP]`` brings set-aside snapshots back when they verify and
+nothing newer was committed since (``elastic.set_aside``; both hold the run lease, so a live
+driver's run is refused in one line, exit 1). ``ls`` lists quarantined snapshots and step
+entries refused as links too.
 ``ls`` and ``show`` accept ``--json`` for machine-readable output. ``export --format hf``
 writes a Hugging Face model directory (``trainer.hf.export_hf``) for runs of an HF model and
 refuses, in one line, a run of the built-in GPT. ``export --format npz`` writes every logical
@@ -26,7 +33,8 @@ from collections.abc import Callable
 from safetensors import SafetensorError
 
 from elastic.catalog import describe, export_model, resolve_step, snapshot_rows, verify
-from elastic.storage_io import storage_errors
+from elastic.lease import LeaseHeldError
+from elastic.storage_io import output_problem, storage_errors
 from elastic.store import SnapshotStore
 
 
@@ -66,6 +74,20 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                         ".npz file")
     p.set_defaults(func=_guarded(_export))
 
+    p = sub.add_parser("rewind", help="set aside every committed snapshot newer than --to "
+                                      "(they stay in quarantine/, restorable)")
+    p.add_argument("run_uri")
+    p.add_argument("--to", dest="to_step", type=int, required=True, metavar="STEP",
+                   help="the committed step the run goes back to (it is verified first)")
+    p.set_defaults(func=_guarded(_rewind))
+
+    p = sub.add_parser("restore-quarantined",
+                       help="move quarantined snapshots back when they verify and nothing "
+                            "newer was committed since they were set aside")
+    p.add_argument("run_uri")
+    p.add_argument("step", nargs="?", type=int)
+    p.set_defaults(func=_guarded(_restore_quarantined))
+
 
 def _fail(err: Exception | str, code: int = 1) -> int:
     print(f"error: {' '.join(str(err).split())}", file=sys.stderr)  # one line: logs are parsed
@@ -99,11 +121,9 @@ def _bad_input(args: argparse.Namespace) -> str | None:
             return f"--out {out} is a directory: name the .npz file to write"
         if getattr(args, "format", None) == "orbax" and os.path.lexists(out):
             return f"--out {out} exists: name a new directory for the Orbax checkpoint"
-        root = os.path.realpath(store.root) + os.sep
-        if store.is_local and os.path.realpath(out).startswith(root):
-            return (f"--out {out} is inside the run directory {uri}, which holds only what "
-                    "Baton writes (a snapshot's own files could be overwritten); write the "
-                    "export elsewhere")
+        problem = output_problem(out, [uri])  # links resolved: never into a run directory
+        if problem:
+            return f"--out {problem}"
     return None
 
 
@@ -120,7 +140,7 @@ def _guarded(command: Callable[[argparse.Namespace], int]) -> Callable[..., int]
                          f"({type(err).__name__}: {err})", 2)
         if problem:
             return _fail(problem, 2)
-        failures: tuple[type[Exception], ...] = (ValueError, SafetensorError,
+        failures: tuple[type[Exception], ...] = (ValueError, SafetensorError, LeaseHeldError,
                                                  *storage_errors())
         try:
             return command(args)
@@ -145,12 +165,39 @@ def _ls(args: argparse.Namespace) -> int:
         return 0
     print(f"{'step':>10}  {'state':<11} {'world':>5}  {'layout':<6} {'MiB':>9}  note")
     for r in rows:
-        state = ("quarantined" if r.get("quarantined")
+        state = ("quarantined" if r.get("quarantined") else "refused" if r.get("refused")
                  else "committed" if r["committed"] else "incomplete")
         mib = f"{r['bytes'] / 2**20:9.2f}" if "bytes" in r else " " * 9
         print(f"{r['step']:>10}  {state:<11} {r.get('world_size', ''):>5}  "
               f"{r.get('layout', ''):<6} {mib}  {r.get('note', '')}")
     return 0
+
+
+def _rewind(args: argparse.Namespace) -> int:
+    from elastic.set_aside import rewind, under_lease
+
+    store = SnapshotStore(args.run_uri)
+    with under_lease(store):
+        moved = rewind(store, args.to_step)
+    print(f"rewound {args.run_uri} to snapshot {args.to_step}: set aside "
+          + ", ".join(f"{step} (in {where})" for step, where in moved)
+          + f"; bring them back with: baton snapshots restore-quarantined {args.run_uri}")
+    return 0
+
+
+def _restore_quarantined(args: argparse.Namespace) -> int:
+    from elastic.set_aside import restore_quarantined, under_lease
+
+    store = SnapshotStore(args.run_uri)
+    with under_lease(store):
+        restored, kept = restore_quarantined(store, args.step)
+    for step in restored:
+        print(f"snapshot {step}: verified and committed again")
+    for step, why in kept:
+        print(f"snapshot {step}: stays quarantined: {why}")
+    if not restored and not kept:
+        print(f"{args.run_uri}: no quarantined snapshots")
+    return 1 if kept else 0
 
 
 def _show(args: argparse.Namespace) -> int:
@@ -192,11 +239,11 @@ def _export(args: argparse.Namespace) -> int:
         if args.format == "hf":
             from trainer.hf import export_hf  # the trainer's model side (optional extra)
 
-            n, tokenizer = export_hf(store, step, args.out)
+            n, tokenizer = export_hf(store, step, os.path.realpath(args.out))
             print(f"wrote snapshot {step} ({n} tensors) as a Hugging Face model with the "
                   f"{tokenizer} tokenizer to {args.out}")
             return 0
-        n = export_model(store, step, args.out)
+        n = export_model(store, step, os.path.realpath(args.out))  # the path checked
     except ValueError as err:
         return _fail(err)
     print(f"wrote {n} tensors of snapshot {step} to {args.out}")

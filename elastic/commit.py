@@ -31,9 +31,10 @@ Contract
   ``max_pending`` newest, is aborted the same way: a stuck rank cannot grow memory or step
   directories without bound.
 * ``reject(step, reason)``: a *definite* integrity failure of a committed snapshot; it is
-  moved to ``RUN/quarantine/`` with the reason, never deleted, and stays committed until
-  the move is done. ``rewind(step)`` (training restarted from ``step``) quarantines any
-  newer committed snapshot the same way: doubt never destroys.
+  moved to ``RUN/quarantine/`` with the reason and the generation, never deleted, and stays
+  committed until the move is done. ``rewind(step)`` (training restarted from ``step``)
+  quarantines any newer committed snapshot the same way (a restore never leaves one: it
+  refuses a snapshot that does not fit the code): doubt never destroys.
 * On construction it rebuilds its view from the store (a restarted coordinator loses no
   committed snapshot) and removes every uncommitted leftover, remembering those steps as
   aborted so that late receipts cannot resurrect a partial snapshot.
@@ -225,16 +226,16 @@ class CommitCore:
                        if rank not in self.pending[step].receipts]
         _run(actions)
 
-    def reject(self, step: int, reason: str) -> None:
-        """A definite integrity failure of committed snapshot ``step``: quarantine it. It
-        stays committed until the quarantine is done: if storage fails the move, the error
-        propagates and no collection takes the snapshot for a leftover (doubt never
-        destroys)."""
+    def reject(self, step: int, reason: str, rewound_to: int | None = None) -> None:
+        """A definite integrity failure of committed snapshot ``step``: quarantine it, with
+        this generation (``elastic.set_aside``). It stays committed until the move is done:
+        if storage fails it, the error propagates (doubt never destroys)."""
         with self._lock:
             if step not in self.committed:
                 return
+            generation = self.generation
         log.warning("snapshot %d quarantined: %s", step, reason)
-        self.store.quarantine_step(step, reason)
+        self.store.quarantine_step(step, reason, generation=generation, rewound_to=rewound_to)
         with self._lock:
             if step in self.committed:
                 self.committed.remove(step)
@@ -242,15 +243,15 @@ class CommitCore:
             self.events.append(f"quarantined snapshot {step}: {reason}")
 
     def rewind(self, step: int) -> None:
-        """Training restarted from ``step``: in-flight newer steps are aborted; a newer
-        committed snapshot (one the restore could not use) is quarantined, never deleted."""
+        """Training restarted from ``step``: newer in-flight steps are aborted; a newer
+        committed one (never left by a restore, which refuses a misfit) is quarantined."""
         with self._lock:
             actions = [self._abort_locked(s, f"training restarted from step {step}")
                        for s in sorted(self.pending) if s > step]
             newer = [s for s in self.committed if s > step]
         _run(actions)
         for s in newer:
-            self.reject(s, f"training restarted from the older step {step}")
+            self.reject(s, f"training restarted from the older step {step}", step)
 
     def latest_committed(self) -> int | None:
         with self._lock:

@@ -12,10 +12,10 @@ Contract
   ``SnapshotIntegrityError``, so it triggers the same fallback.
 * ``SnapshotMisfitError``: a ``ManifestError`` that may be the live code's and not the
   snapshot's: its state does not fit a registered component (other keys or types) or a
-  registered tensor has another dtype. A code or config change gives it for every snapshot,
-  so restore never quarantines one for it alone: it tries the previous snapshot, and if none
-  fits raises ``SnapshotMismatchError`` with every snapshot left in place (a snapshot
-  restored from an older step still moves the newer ones aside, as any rewind does).
+  registered tensor has another dtype. A code or config change (a rollback) gives it for
+  every newer snapshot, so restore never quarantines one for it, nor restores an older one in
+  its place: it raises ``SnapshotMismatchError`` with every snapshot left in place, naming the
+  newest one that fits (going back to it is ``baton snapshots rewind``, ``elastic.set_aside``).
 * ``StorageUnavailableError`` (an ``OSError``): the store did not answer within its deadline
   after retries (HTTP 5xx, throttling, a black-holed endpoint). This is *doubt*, not proof:
   a restore that meets it fails without falling back and without touching any snapshot.

@@ -6,23 +6,27 @@ Contract
   the newest worker-group attempt started on the run, by any coordinator or driver. It only
   grows (``commit.CommitCore.new_generation`` writes ``max(persisted, own) + 1``).
 * ``read_generation(store)`` returns G, 0 when the file does not exist; a file that is not a
-  Baton generation file (bad JSON, missing key, not a non-negative int) raises ``ValueError``
-  with one line naming the file and the fix. It is untrusted input: parsed as JSON only.
-* ``write_generation(store, generation)`` writes it (the store's atomic small-file write).
+  Baton generation file (bad JSON, missing key, not an int in [0, ``MAX_GENERATION``], a link
+  or a FIFO) raises ``ValueError`` / ``OSError`` with one line naming the file and the fix. It
+  is untrusted input: read through ``Storage.read_json`` (bounded) only.
+* ``write_generation(store, generation)`` writes it (the store's atomic small-file write); a
+  generation past ``MAX_GENERATION`` (the most a shard file name carries) is one
+  ``ValueError`` line saying to continue in a new run directory.
 * ``fencing_reason(store, generation, lease_token)`` is why a coordinator at ``generation``
   may no longer commit — a newer generation was started elsewhere, or (when it holds a run
   lease, ``lease_token`` not None) the lease no longer names it, or either could not be read
   — or None. Reading fails closed: a coordinator that cannot tell does not commit.
 * ``delete_generation_files(store, step, generation, world, *, step_committed)`` removes what
   ``generation`` wrote for ``step`` (its shards, receipts and temporary files, found by the
-  ``-gNNNNNN.`` tag in their names, plus the receipts of a ``world``-rank group), and the
+  ``generation_tag`` in their names, plus the receipts of a ``world``-rank group), and the
   whole step directory when nothing else is in it and the step is not committed. Another
   generation's files stay. Storage errors are logged, never raised: deletion is housekeeping.
 * ``collect(store, actions, old, leftover, label)``: a commit's collection, on the
   coordinator's housekeeping thread: run the abort ``actions``, retire the ``old`` committed
   steps (``SnapshotStore.retire_step``), delete every step on storage that ``leftover(step)``
   says is an uncommitted leftover. Storage errors are logged (a later commit retries), and so
-  is any other error (the thread must never lose a bug's report).
+  is any other error (the thread must never lose a bug's report); a step whose directory is
+  refused (a symbolic link: ``RefusedEntryError``) is logged and left alone, the others go.
 * ``remove_failed_manifest(store, step, data)``: after a write of manifest bytes ``data``
   that raised (it may have landed all the same: an S3 PUT whose answer was lost), remove the
   step's manifest if it is on storage and is these bytes; True when the step's manifest is
@@ -37,14 +41,21 @@ run and must carry its generation on) both read the file; neither owns its forma
 
 from __future__ import annotations
 
-import json
 import logging
 import time
 from collections.abc import Callable
 
 from elastic.errors import describe
-from elastic.format import MANIFEST_NAME, RECEIPT_SUFFIX, shard_filename
+from elastic.format import (
+    MANIFEST_NAME,
+    MAX_GENERATION,
+    RECEIPT_SUFFIX,
+    generation_tag,
+    shard_filename,
+    short_repr,
+)
 from elastic.lease import lease_holds
+from elastic.storage_io import RefusedEntryError, is_int64
 from elastic.store import SnapshotStore
 
 GENERATION_NAME = "generation.json"
@@ -55,23 +66,27 @@ log = logging.getLogger("baton.elastic")
 def read_generation(store: SnapshotStore) -> int:
     """The newest generation persisted in the run directory (0 when none was ever started)."""
     path = store.path(GENERATION_NAME)
+    fix = "restore it or remove it if no driver is running"
     try:
-        raw = store.read_file(path)
+        record = store.read_json(path)
     except FileNotFoundError:
         return 0
-    try:
-        value = json.loads(raw)["generation"]
-    except (ValueError, KeyError, TypeError) as err:
-        raise ValueError(
-            f"{path}: not a Baton generation file ({err}); restore it or remove "
-            "it if no driver is running"
-        ) from err
-    if not isinstance(value, int) or isinstance(value, bool) or value < 0:
-        raise ValueError(f"{path}: generation must be a non-negative integer, got {value!r}")
+    except ValueError as err:  # elastic.json_bounds: malformed, too deep, too large
+        raise ValueError(f"not a Baton generation file ({err}); {fix}") from err
+    value = record.get("generation") if isinstance(record, dict) else None
+    if not is_int64(value) or not 0 <= value <= MAX_GENERATION:
+        raise ValueError(f"{path}: generation must be an integer in [0, {MAX_GENERATION}], "
+                         f"got {short_repr(value)}; {fix}")
     return value
 
 
 def write_generation(store: SnapshotStore, generation: int) -> None:
+    if not 0 <= generation <= MAX_GENERATION:
+        raise ValueError(
+            f"{store.path(GENERATION_NAME)}: generation {generation} would pass "
+            f"{MAX_GENERATION}, the most worker-group attempts a run directory can name; "
+            f"continue in a new run directory (baton fit RECIPE --from {store.run_uri} "
+            "--run-dir NEW_DIR)")
     store.write_json(store.path(GENERATION_NAME), {"generation": generation, "time": time.time()})
 
 
@@ -99,7 +114,7 @@ def fencing_reason(store: SnapshotStore, generation: int, lease_token: str | Non
 def delete_generation_files(store: SnapshotStore, step: int, generation: int, world: int | None,
                             *, step_committed: bool) -> None:
     """Remove what ``generation`` wrote for ``step`` (module docstring)."""
-    tag = f"-g{generation:06d}."
+    tag = generation_tag(generation)
     try:
         names = store.step_files(step)
     except OSError as err:  # deletion is housekeeping: never let it fail a report
@@ -139,16 +154,28 @@ def remove_failed_manifest(store: SnapshotStore, step: int, data: bytes) -> bool
 
 def collect(store: SnapshotStore, actions: list[Callable[[], None]], old: list[int],
             leftover: Callable[[int], bool], *, label: str) -> None:
-    """A commit's collection (module docstring); never raises."""
+    """A commit's collection (module docstring); never raises. Each step is its own try: a
+    step refused (a linked directory, left alone) does not keep the others from going."""
     try:
         for action in actions:
             action()
-        for step in old:
-            store.retire_step(step)
-        for step in store.all_steps():
-            if leftover(step):
-                store.delete_step(step)
+        removals = [(store.retire_step, step) for step in old]
+        removals += [(store.delete_step, step) for step in store.all_steps() if leftover(step)]
     except OSError as err:  # retention is housekeeping: a later commit retries it
         log.warning("garbage collection %s failed: %s", label, describe(err))
+        return
     except Exception:  # never lose the thread's report of a bug
         log.exception("garbage collection %s failed", label)
+        return
+    for remove, step in removals:
+        try:
+            remove(step)
+        except RefusedEntryError as err:
+            log.warning("garbage collection %s: snapshot %d left alone: %s", label, step,
+                        err.strerror)
+        except OSError as err:
+            log.warning("garbage collection %s failed: %s", label, describe(err))
+            return
+        except Exception:
+            log.exception("garbage collection %s failed", label)
+            return

@@ -54,6 +54,7 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from elastic.lease_io import LEASE_NAME, LeaseConflict, lease_backend
+from elastic.storage_io import finite_number, is_int64, loads_json
 from elastic.store import SnapshotStore
 
 _ATTEMPTS = 5  # read-then-conditional-write rounds before giving up on a contended lease
@@ -176,17 +177,15 @@ def _parse(data: bytes | None) -> dict[str, Any] | None:
     if data is None:
         return None
     try:
-        record = json.loads(data)
-    except (ValueError, RecursionError):
+        record = loads_json(data, LEASE_NAME)  # bounded: size, depth, numbers
+    except ValueError:
         return {}
     if not isinstance(record, dict):
         return {}
     expires, epoch = record.get("expires_at"), record.get("epoch")
-    # A float, or an int a float can hold (math.isfinite of a longer one overflows).
-    finite = isinstance(expires, float) and math.isfinite(expires) or (
-        type(expires) is int and abs(expires) < 1 << 63)
     well_formed = (isinstance(record.get("token"), str) and isinstance(record.get("holder"), dict)
-                   and finite and type(epoch) is int and epoch >= 0)
+                   and finite_number(expires) and (type(expires) is float or is_int64(expires))
+                   and is_int64(epoch) and epoch >= 0)
     return record if well_formed else {}
 
 

@@ -11,7 +11,8 @@ ETag; local disk: the bytes themselves) and writes only on that version:
   there is no lease. ``read`` and ``replace`` take ``deadline_s``: on S3 the call (retries
   included) ends within it rather than the store's ``retry_deadline_s`` (a renew must end
   before the lease does); local disk calls have no deadline. A local ``lease.json`` that is a
-  symbolic link is never read through: it reads as an unreadable lease (empty bytes).
+  symbolic link, a FIFO or not a regular file, or a lease larger than ``MAX_LEASE_BYTES``, is
+  never read: it reads as an unreadable lease (empty bytes).
 * ``create(data)`` writes the lease only if there is none; ``replace(data, version)`` and
   ``delete(version)`` only if the stored lease is still ``version`` (deleting a lease that is
   already gone is not an error). A failed condition raises ``LeaseConflict``; the lease is
@@ -54,16 +55,17 @@ Atomicity
 from __future__ import annotations
 
 import contextlib
-import errno
 import os
 import uuid
 from collections.abc import Iterator
 from typing import Any, Protocol
 
+from elastic.storage_io import RefusedEntryError
 from elastic.store import SnapshotStore
 
 LEASE_NAME = "lease.json"
 _LOCK_NAME = ".lease.lock"
+MAX_LEASE_BYTES = 1 << 20  # a lease record is ~300 bytes
 
 
 class LeaseConflict(Exception):
@@ -89,13 +91,11 @@ class LocalLeaseBackend:
 
     def read(self, deadline_s: float | None = None) -> tuple[bytes | None, Any]:
         try:
-            data = self.store.read_file(self.path, own=True)
+            data = self.store.read_file(self.path, max_bytes=MAX_LEASE_BYTES)
         except FileNotFoundError:
             return None, None
-        except OSError as err:
-            if err.errno != errno.ELOOP:
-                raise
-            data = b""  # a symbolic link: an unreadable lease (fails closed; force replaces)
+        except (RefusedEntryError, ValueError):
+            data = b""  # a link, a FIFO, a huge file: unreadable (fails closed; force replaces)
         return data, data
 
     @contextlib.contextmanager
@@ -150,9 +150,14 @@ class S3LeaseBackend:
         # One GET gives the bytes and the ETag of the same version (a HEAD then a GET could
         # straddle a write).
         try:
-            resp = self.store.s3_request("read", self.path, "get_object", deadline_s=deadline_s)
+            resp = self.store.s3_request("read", self.path, "get_object", deadline_s=deadline_s,
+                                         max_bytes=MAX_LEASE_BYTES)
         except FileNotFoundError:
             return None, None
+        except ValueError:  # larger than any lease: unreadable (fails closed; force replaces)
+            head = self.store.s3_request("read", self.path, "head_object",
+                                         deadline_s=deadline_s)
+            return b"", head["ETag"]
         return resp["Body"], resp["ETag"]
 
     def _put(self, data: bytes, deadline_s: float | None = None, **condition: str) -> None:

@@ -19,9 +19,15 @@ Local calls run once: no deadline, no retries.
   ``spare_dir`` the temporary file is a spare claimed from it when there is one
   (``elastic.spares``: overwritten whole, then fsynced and renamed the same way).
 * ``fsync_dir(directory)`` makes a rename durable (filesystems that refuse are ignored).
+* **Plain entries only** (``elastic.plain_files``): below ``root`` every open, listing,
+  write, rename and removal refuses a symbolic link on the way (``RefusedEntryError``), and a
+  file is opened non-blocking and read only when it is a regular file (a FIFO never blocks);
+  ``read_file``'s ``max_bytes`` refuses a longer file before reading it. ``follow=True`` (a
+  person's own input files) follows links but still refuses what is not a regular file.
 
-Imports: the standard library, fsspec's local filesystem (recursive listing, removal, copy),
-``elastic.byte_ranges`` and ``elastic.spares``.
+Imports: the standard library, fsspec's local filesystem (removal, copy, listing with
+``follow``), ``elastic.byte_ranges``, ``elastic.json_bounds``, ``elastic.plain_files`` and
+``elastic.spares``.
 """
 
 from __future__ import annotations
@@ -29,6 +35,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import os
+import stat
 import uuid
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -36,64 +43,99 @@ from typing import Any
 import fsspec
 
 from elastic.byte_ranges import short_read
+from elastic.json_bounds import too_large
+from elastic.plain_files import check_below, entry_kind, open_plain
 from elastic.spares import claim as claim_spare
 
 _NO_HARD_LINKS = (errno.EPERM, errno.ENOTSUP, errno.EOPNOTSUPP)
 _O_CLOEXEC = getattr(os, "O_CLOEXEC", 0)
+_O_NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
 _REMOVE_TREE_ATTEMPTS = 3  # walks of a tree that others delete too (remove_tree)
 
 
 class LocalFiles:
-    """Paths of the local filesystem; see the module contract."""
+    """Paths of the local filesystem below ``root``; see the module contract."""
 
-    def __init__(self, options: dict[str, Any]) -> None:
+    def __init__(self, options: dict[str, Any], root: str = "/", *,
+                 follow: bool = False) -> None:
         self.fs: Any = fsspec.filesystem("file", **options)
+        self.root = root
+        self.follow = follow
+
+    def _below(self, path: str, *, final: bool = False) -> None:
+        """Refuse a link on the way to ``path`` (and at it, with ``final``)."""
+        if not self.follow:
+            check_below(self.root, path, final=final)
+
+    def _open(self, path: str) -> Any:
+        """A binary file object of the regular file ``path`` (``plain_files.open_plain``)."""
+        return open(open_plain(self.root, path, follow=self.follow), "rb")
 
     # ------------------------------------------------------------------ reads
 
-    def read_file(self, path: str, *, follow: bool = True) -> bytes:
-        """The whole file; ``follow=False``: a symbolic link at ``path`` is ELOOP."""
-        flags = os.O_RDONLY | (0 if follow else os.O_NOFOLLOW)
-        with open(os.open(path, flags), "rb") as fh:
-            return fh.read()
+    def read_file(self, path: str, max_bytes: int | None = None) -> bytes:
+        """The whole file; more than ``max_bytes`` is refused before it is read."""
+        with self._open(path) as fh:
+            size = os.fstat(fh.fileno()).st_size
+            if max_bytes is not None and size > max_bytes:
+                raise too_large(path, size, max_bytes)
+            data: bytes = fh.read() if max_bytes is None else fh.read(max_bytes + 1)
+        if max_bytes is not None and len(data) > max_bytes:  # it grew while we read
+            raise too_large(path, len(data), max_bytes)
+        return data
 
     def read_range(self, path: str, start: int, end: int) -> bytes:
-        with open(path, "rb") as fh:
+        with self._open(path) as fh:
             fh.seek(start)
             data = fh.read(end - start)
-        if len(data) != end - start:
-            short_read(path, start, end, len(data), os.path.getsize(path))
+            if len(data) != end - start:
+                short_read(path, start, end, len(data), os.fstat(fh.fileno()).st_size)
         return data
 
     def read_into(self, path: str, reads: Sequence[tuple[int, Sequence[memoryview]]],
                   counted: Callable[[int], None]) -> None:
         """Each read's buffers filled from its offset on (``counted(nbytes)`` after each)."""
-        with open(path, "rb") as fh:
+        with self._open(path) as fh:
             for offset, bufs in reads:
                 want = sum(len(b) for b in bufs)
                 got = preadv_exact(fh, list(bufs), offset)
                 if got != want:
-                    short_read(path, offset, offset + want, got, os.path.getsize(path))
+                    short_read(path, offset, offset + want, got, os.fstat(fh.fileno()).st_size)
                 counted(got)
 
     def kind(self, path: str) -> str | None:
-        """"file", "directory" or None (nothing there)."""
-        return ("directory" if os.path.isdir(path) else
-                "file" if os.path.exists(path) else None)
+        """"file", "directory", "link", "other" (FIFO, socket, device) or None."""
+        return entry_kind(self.root, path, follow=self.follow)
 
     def size(self, path: str) -> int:
-        return os.path.getsize(path)
+        with self._open(path) as fh:
+            return os.fstat(fh.fileno()).st_size
 
     def listdir(self, directory: str) -> list[str]:
+        self._below(directory, final=True)
         try:
             return sorted(os.listdir(directory))
         except (FileNotFoundError, NotADirectoryError):
             return []
 
     def find(self, directory: str) -> dict[str, Any]:
-        """Every entry below ``directory``: full path -> fsspec's details."""
-        found: dict[str, Any] = self.fs.find(directory, detail=True)
-        return found
+        """Every regular file below ``directory``: full path -> details (links and other
+        entries are skipped, never followed, unless ``follow``)."""
+        if self.follow:
+            found: dict[str, Any] = self.fs.find(directory, detail=True)
+            return found
+        self._below(directory, final=True)
+        files: dict[str, Any] = {}
+        for parent, _, names in os.walk(directory):  # never descends into a linked directory
+            for name in names:
+                path = os.path.join(parent, name)
+                try:
+                    info = os.lstat(path)
+                except FileNotFoundError:
+                    continue
+                if stat.S_ISREG(info.st_mode):
+                    files[path] = {"name": path, "size": info.st_size, "type": "file"}
+        return files
 
     # ------------------------------------------------------------------ writes
 
@@ -102,6 +144,7 @@ class LocalFiles:
               spare_dir: str | None = None) -> None:
         view = memoryview(data).cast("B")
         directory = os.path.dirname(path)
+        self._below(path)  # never write through a linked directory
         _make_dirs(directory, durable)
         tmp = f"{path}.tmp-{uuid.uuid4().hex[:8]}"
         try:
@@ -109,7 +152,8 @@ class LocalFiles:
             # either way overwritten whole from offset 0.
             fd = None if spare_dir is None else claim_spare(spare_dir, tmp)
             if fd is None:
-                fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | _O_CLOEXEC, 0o644)
+                fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | _O_NOFOLLOW
+                             | _O_CLOEXEC, 0o644)
             try:
                 half = len(view) // 2
                 _write_all(fd, view[:half], 0)
@@ -134,9 +178,11 @@ class LocalFiles:
             fsync_dir(directory)
 
     def makedirs(self, directory: str) -> None:
+        self._below(directory, final=True)
         os.makedirs(directory, exist_ok=True)
 
     def remove(self, path: str) -> None:
+        self._below(path)  # a link itself may go (its target is untouched), not one on the way
         try:
             os.remove(path)
         except FileNotFoundError:
@@ -150,6 +196,7 @@ class LocalFiles:
         # Another deleter may walk the same tree (a second coordinator's collection, its
         # housekeeping thread): an entry that vanished under us is gone as wanted, so walk
         # what is left again; only a tree that keeps failing is an error.
+        self._below(directory, final=True)  # a linked directory is refused, left alone
         for attempt in range(_REMOVE_TREE_ATTEMPTS):
             if not os.path.isdir(directory):
                 return
@@ -161,6 +208,8 @@ class LocalFiles:
                     raise
 
     def copy(self, source: str, target: str, *, nbytes: int = 0) -> None:
+        self._below(source, final=True)
+        self._below(target)
         self.fs.copy(source, target)
 
 

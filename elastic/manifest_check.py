@@ -14,7 +14,7 @@ and what is wrong:
   non-negative ints with at most ``MAX_ELEMENTS`` elements; the chunks of a tensor lie inside
   it and cover it exactly once; a chunk's byte range starts at >= 0 and spans exactly
   prod(shape) x itemsize bytes, with one crc32 per ``block_bytes`` block of that range;
-* every file name (in ``files`` and in chunks) is a bare shard name (``SHARD_NAME_RE``, no
+* every file name (in ``files`` and in chunks) is a bare shard name (``parse_shard_name``, no
   path separator) and every chunk's file is listed in ``files``;
 * ``state`` is a tree of JSON values with well-formed tags; every ``{"__tensor__": name}``
   names a tensor of ``tensors`` under its own component (``"<component>.``...), and every
@@ -28,7 +28,6 @@ components). Pure functions of the JSON: nothing is read, allocated per element 
 
 from __future__ import annotations
 
-import json
 import math
 from collections.abc import Iterator
 from typing import Any, NoReturn
@@ -53,6 +52,8 @@ from elastic.format import (
     json_kind,
     short_repr,
 )
+from elastic.json_bounds import JSONBoundsError
+from elastic.json_bounds import loads as loads_json
 
 # Bounds of a sane manifest. They exist so a crafted manifest fails with a clear error
 # instead of an allocation failure or an overflow deep inside torch or the OS.
@@ -62,18 +63,18 @@ MAX_BLOCK_BYTES = 1 << 30
 MAX_WORLD_SIZE = 1 << 20
 MAX_BYTE_OFFSET = 1 << 62
 MAX_STATE_DEPTH = 64  # JSON nesting of one component's state (real ones are < 10 deep)
+MAX_MANIFEST_BYTES = 1 << 30  # a manifest (or receipt) file; real ones: KiB to tens of MiB
 
 
 def parse_manifest(data: bytes, where: str = MANIFEST_NAME, step: int | None = None
                    ) -> Manifest:
-    """Decode and validate an untrusted ``manifest.json``; ``step``, when given, is the step
-    the manifest must say it is."""
-    try:
-        obj = json.loads(data)
-    except (ValueError, RecursionError) as err:  # JSONDecodeError, UnicodeDecodeError
-        detail = str(err).splitlines()[0] if str(err) else type(err).__name__
-        raise ManifestError(f"{where}: not valid JSON ({detail}); the snapshot is corrupt"
-                            ) from err
+    """Decode (``elastic.json_bounds``: size, depth and number bounds) and validate an
+    untrusted ``manifest.json``; ``step``, when given, is the step the manifest must say it
+    is."""
+    try:  # a snapshot's JSON state may hold inf/nan (a user's sentinel): json.dumps wrote it
+        obj = loads_json(data, where, max_bytes=MAX_MANIFEST_BYTES, nonfinite=True)
+    except JSONBoundsError as err:
+        raise ManifestError(f"{err}; the snapshot is corrupt") from err
     return check_manifest(obj, where, step)
 
 

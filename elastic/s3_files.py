@@ -16,7 +16,8 @@ s3fs filesystem (``fs``):
   a transfer of known size (fsspec's ``sync(..., timeout=)`` cancels it however the endpoint
   misbehaves); a whole call, retries included, ends within about ``retry_deadline_s`` plus
   the same allowance. botocore's and s3fs's own retry loops are off.
-* **Exact reads.** ``read_file`` is one GET, its length checked against Content-Length;
+* **Exact reads.** ``read_file`` is one GET, its length checked against Content-Length (an
+  object longer than its ``max_bytes`` refused before the body is read: ``too_large``);
   ``read_range`` returns exactly the bytes asked for (``elastic.byte_ranges.short_read``
   judges a short answer: truncated object, definite; cut-short response, retried).
 * **Writes.** An object smaller than ``multipart_threshold`` is one ``PUT`` (one ``bytes``
@@ -31,7 +32,7 @@ s3fs filesystem (``fs``):
   (a ``get_object`` body read whole inside the attempt), for what fsspec does not expose.
 
 Imports: the standard library, fsspec (s3fs through it), ``elastic.retry``,
-``elastic.s3_multipart`` and ``elastic.byte_ranges``.
+``elastic.s3_multipart``, ``elastic.byte_ranges`` and ``elastic.json_bounds``.
 """
 
 from __future__ import annotations
@@ -47,6 +48,7 @@ import fsspec
 import fsspec.asyn
 
 from elastic.byte_ranges import short_read
+from elastic.json_bounds import too_large
 from elastic.retry import RetryPolicy, ShortReadError, call_with_retries, http_error
 from elastic.s3_multipart import multipart_upload
 
@@ -92,12 +94,20 @@ class S3Files:
         """Run one s3fs coroutine on fsspec's loop; ``timeout`` cancels it (FSTimeoutError)."""
         return fsspec.asyn.sync(self.fs.loop, method, *args, timeout=timeout, **kwargs)
 
-    async def _get(self, **params: Any) -> dict[str, Any]:
-        """One ``get_object``; the body read whole and checked against Content-Length."""
+    async def _get(self, max_bytes: int | None = None, **params: Any) -> dict[str, Any]:
+        """One ``get_object``; the body read whole and checked against Content-Length (an
+        object longer than ``max_bytes`` is refused before its body is read)."""
         resp = await self.fs._call_s3("get_object", **params)
-        async with resp["Body"] as body:
-            data = await body.read()
         want = resp.get("ContentLength")
+        async with resp["Body"] as body:
+            if max_bytes is not None and (want is None or int(want) > max_bytes):
+                where = f"s3://{params.get('Bucket')}/{params.get('Key')}"
+                data = await body.read(max_bytes + 1)
+                if want is not None or len(data) > max_bytes:
+                    raise too_large(where, int(want) if want is not None else len(data),
+                                    max_bytes)
+            else:
+                data = await body.read()
         if want is not None and len(data) != int(want):
             raise ShortReadError(errno.EIO, f"got {len(data)} of {want} bytes; response cut "
                                  "short", f"{params.get('Bucket')}/{params.get('Key')}")
@@ -126,11 +136,12 @@ class S3Files:
 
     # ------------------------------------------------------------------ reads
 
-    def read_file(self, path: str) -> bytes:
+    def read_file(self, path: str, max_bytes: int | None = None) -> bytes:
         def attempt(timeout: float | None) -> bytes:
             bucket, key, _ = self.fs.split_path(path)
             # One GET (s3fs's cat would HEAD first and split large objects), checked whole.
-            body: bytes = self._aio(timeout, self._get, Bucket=bucket, Key=key)["Body"]
+            body: bytes = self._aio(timeout, self._get, max_bytes, Bucket=bucket,
+                                    Key=key)["Body"]
             return body
 
         return self.call("read", path, attempt)

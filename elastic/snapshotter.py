@@ -31,6 +31,12 @@ read from first. On a Ray cluster pass ``elastic.coordinator.ray_ram_tier(...)``
 peer nodes); the in-process coordinator of world size 1 gets an in-process store (capped at
 ``ram_cap_bytes``) unless ``ram=False``; store groups have none.
 
+Replicas: with a process group of this world size, every capture first compares a
+fingerprint of each replicated model and optimizer tensor across ranks (``elastic.replicas``,
+in the same collective as the busy agreement below); a tensor that differs fails the
+snapshot with ``ReplicasDivergedError`` naming it (reported to the coordinator, nothing
+committed): a snapshot never mixes diverged replicas.
+
 Busy policy (``on_busy``): when the previous snapshot is still being persisted, ``"skip"``
 (default) skips this snapshot so a slow or dead storage never blocks training, ``"wait"``
 waits for it; with a process group of this world size the ranks agree (all-reduce MAX), so
@@ -66,7 +72,12 @@ import torch.distributed as dist
 
 from elastic.capture import CaptureHandle, Capturer
 from elastic.collectives import agree_max, broadcast_int, grouped
-from elastic.errors import SnapshotIntegrityError, SnapshotMisfitError, StorageUnavailableError
+from elastic.errors import (
+    ReplicasDivergedError,
+    SnapshotIntegrityError,
+    SnapshotMisfitError,
+    StorageUnavailableError,
+)
 from elastic.faults import FaultInjector
 from elastic.format import DEFAULT_BLOCK_BYTES, FORMAT_VERSION, LAYOUTS, Manifest
 from elastic.group_read import group_read_tensors
@@ -77,6 +88,8 @@ from elastic.persist import Persister
 from elastic.protocol import CoordinatorClient
 from elastic.ram_store import RamTier, in_process_tier
 from elastic.registry import StateRegistry
+from elastic.replicas import agree as agree_replicas
+from elastic.replicas import divergence_message, fingerprints
 from elastic.restore import (
     ByteSource,
     ReadMany,
@@ -92,7 +105,6 @@ from elastic.version import code_version
 
 log = logging.getLogger("baton.elastic")
 T = TypeVar("T")
-
 
 
 def library_versions() -> dict[str, str]:
@@ -201,12 +213,12 @@ class Snapshotter:
         """Load the newest committed snapshot that every rank can read; return its step.
 
         Only a definite integrity failure (checksum, malformed manifest, missing file on a
-        store that answered) moves on to the previous snapshot, and the rejected one is
-        quarantined, not deleted. A snapshot whose state does not fit the live components
-        (``SnapshotMisfitError``) is passed over but kept; if no snapshot fits,
-        ``SnapshotMismatchError`` says so and nothing was moved (a code or config change must
-        not cost the run its snapshots). Storage that does not answer within its deadline
-        raises ``StorageUnavailableError`` and changes nothing: restarting later restores it."""
+        store that answered) moves on to the previous snapshot, the rejected one quarantined.
+        A snapshot whose state does not fit the live components (``SnapshotMisfitError``) is
+        never restored past nor moved: ``SnapshotMismatchError`` names it and the newest one
+        that fits, for an explicit ``baton snapshots rewind`` (a code change must not cost
+        the run its snapshots). Storage that does not answer within its deadline raises
+        ``StorageUnavailableError`` and changes nothing: a later restart restores it."""
         with collector_paused():
             return self._restore_newest()
 
@@ -216,7 +228,7 @@ class Snapshotter:
         # A group (torch.distributed of this world size) reads each byte once between its
         # ranks (elastic.group_read); the ranks first agree that every one of them can.
         group = self._grouped()
-        misfits: list[str] = []
+        misfit = ""
         for step in steps:
             prepared, tensors, verdict, reason = self._read(step, group, ram=True)
             ram_used = prepared is not None and prepared[2].used_ram
@@ -232,12 +244,11 @@ class Snapshotter:
                     f"{': ' + reason if reason else ' (on another rank)'}; nothing was "
                     "changed or removed: the run restores it once storage answers again")
             if verdict == _MISFIT:
-                msg = (f"snapshot {step} of {self.store.run_uri} does not fit the registered "
-                       f"state: {reason or 'on another rank'}")
-                self.restore_errors.append(msg)
-                misfits.append(msg)
-                log.warning("%s; kept, trying the previous committed snapshot", msg)
-                continue
+                misfit = (f"snapshot {step} of {self.store.run_uri} does not fit the "
+                          f"registered state: {reason or 'on another rank'}")
+                self.restore_errors.append(misfit)
+                self._refuse_rewind(steps, step, misfit)  # returns when no older one fits
+                break
             if verdict == _CORRUPT:
                 msg = (f"snapshot {step} of {self.store.run_uri} is unusable: "
                        f"{reason or 'another rank found it corrupt'}")
@@ -256,16 +267,31 @@ class Snapshotter:
             self.restored_state = dict(manifest.state)
             self.coordinator.rewind(step)
             return step
-        if misfits:
+        if misfit:
             raise SnapshotMismatchError(
                 f"no committed snapshot of {self.store.run_uri} fits the registered state "
                 "(none was moved; was the code, the model's dtype or a component's state "
-                f"changed?): {misfits[0]}")
+                f"changed?): {misfit}")
         if steps:
             raise SnapshotIntegrityError(
                 f"no committed snapshot of {self.store.run_uri} could be restored (each was "
                 "moved to quarantine/): " + "; ".join(self.restore_errors))
         return 0
+
+    def _refuse_rewind(self, steps: list[int], newest: int, misfit: str) -> None:
+        """Refuse (``newest`` does not fit; going back is a person's decision) naming the
+        newest older one that fits, reading no tensor; return when none does."""
+        for step in (s for s in steps if s < newest):
+            _, verdict, reason = _attempt(functools.partial(self._prepare, step, False))
+            if agree_max(verdict) != _OK:
+                self.restore_errors.append(f"snapshot {step}: {reason or 'on another rank'}")
+                continue
+            run, newer = self.store.run_uri, sorted(s for s in steps if step < s <= newest)
+            raise SnapshotMismatchError(
+                f"{misfit}. Nothing was moved. Run the code that wrote snapshot {newest}, or "
+                f"go back to snapshot {step}, the newest that fits this code: baton snapshots "
+                f"rewind {run} --to {step} sets {newer} aside (baton snapshots "
+                f"restore-quarantined {run} brings them back)")
 
     def _read(self, step: int, group: bool, *, ram: bool
               ) -> tuple[tuple[Manifest, dict[str, Target], ByteSource] | None,
@@ -350,8 +376,21 @@ class Snapshotter:
             raise RuntimeError("begin_capture called twice; call wait_capture() in between")
         self.join_generation()
         busy = self.persister.busy()
-        if self.on_busy == "skip" and not force and self._grouped():
-            busy = bool(agree_max(int(busy)))  # every rank skips this step, or none does
+        agreeing = self.on_busy == "skip" and not force
+        models = None
+        if self._grouped():
+            # One collective: every rank skips this step or none does (a step one rank
+            # skipped could never commit), and replicated state that differs between ranks
+            # is never committed as one (elastic.replicas).
+            models = self.registry.flatten(self.registry.model_keys())
+            any_busy, diverged = agree_replicas(int(busy and agreeing),
+                                                *fingerprints(models.tensors, step))
+            if diverged is not None:
+                message = divergence_message(diverged, step)
+                self._report_failure(step, message)
+                log.error("%s", message)
+                raise ReplicasDivergedError(message)
+            busy = bool(any_busy) if agreeing else busy
         if busy:
             if self.on_busy == "skip" and not force:
                 self.skipped.append(step)
@@ -360,7 +399,7 @@ class Snapshotter:
                 return False
             self.persister.wait()
         try:
-            self._handle = self.capturer.begin(step)
+            self._handle = self.capturer.begin(step, models=models)
         except Exception as err:  # a failed capture fails this snapshot, not training
             self._report_failure(step, f"capture failed: {err!r}")
             log.warning("snapshot %d: capture failed on rank %d: %r", step, self.rank, err)

@@ -11,7 +11,8 @@ The layer's modules
 
 Import rule (kept true by ``tests/test_storage_io.py``): these modules import the standard
 library, fsspec, and from Baton only each other, ``elastic.errors``, ``elastic.retry``,
-``elastic.spares`` and ``elastic.s3_multipart`` (which import nothing else of Baton).
+``elastic.spares``, ``elastic.s3_multipart``, ``elastic.plain_files`` and
+``elastic.json_bounds`` (which import nothing else of Baton).
 ``elastic/__init__`` loads its submodules lazily, so ``import elastic.storage_io`` pulls in
 neither torch nor Ray: that is what lets ``data_state`` use it without depending on the rest of
 ``elastic``. No other Baton module imports fsspec or s3fs: every byte Baton stores or loads
@@ -33,11 +34,17 @@ and ``path(*parts)`` joins under it; every method takes such a path (URIs stay `
   raises: fewer bytes from an object long enough is a transient cut-short response
   (``ShortReadError``, retried on S3); an object that ends before ``end`` is a definite
   ``elastic.byte_ranges.TruncatedError`` (a ``SnapshotIntegrityError``, never retried).
-  ``read_file`` is one GET of a whole (small) object, its length checked; with
-  ``own=True`` (a run's own records: ``run.json``, ``sessions.json``, metrics parts) a local
-  path that is a symbolic link is refused (``OSError`` ELOOP, the open itself does not
-  follow it): those files are written by Baton inside the run directory, and a link there
-  would make Baton read outside it (P8).
+  ``read_file`` is one GET of a whole (small) object, its length checked (``max_bytes``: a
+  longer object is refused before it is read, ``JSONBoundsError``).
+* **Plain entries, bounded JSON: one rule for every caller.** Below ``root`` (a run or dataset
+  directory) a local entry is opened, listed, written, moved and removed only when no
+  symbolic link is on the way, and read only when it is a regular file, opened non-blocking
+  first (``elastic.plain_files``: a link is ``RefusedEntryError``, an ``OSError``; a FIFO
+  never blocks). ``read_json(path, where=...)`` is the one way Baton reads a JSON file of a run
+  or dataset directory, local or S3: ``read_file`` under a size bound, then
+  ``elastic.json_bounds.loads`` (size, depth, numbers; one-line ``JSONBoundsError``).
+  ``follow_links=True`` is for a person's own input files (the sources of ``baton data
+  prepare``), which may be links, never for a run or dataset directory.
 * **Range merging.** ``read_ranges(path, ranges)`` fetches many ranges of one object with few
   requests (``elastic.byte_ranges.merge_ranges``); ``hole_limit`` is ``MERGE_HOLE_BYTES`` on
   S3 and 0 on local disk.
@@ -68,8 +75,9 @@ and ``path(*parts)`` joins under it; every method takes such a path (URIs stay `
 * ``stats`` counts reads and writes, so tests can show that a restore touched no storage.
 
 Callers import the layer's names from here (``__all__``: ``TruncatedError``,
-``merge_ranges`` and its constants, ``fsync_dir``, ``storage_errors`` too), whichever module
-defines them.
+``merge_ranges`` and its constants, ``fsync_dir``, ``storage_errors``, ``RefusedEntryError``,
+``output_problem``, ``JSONBoundsError``, ``loads_json`` and the number rules too), whichever
+module defines them.
 """
 
 from __future__ import annotations
@@ -87,14 +95,25 @@ from elastic.byte_ranges import (
     TruncatedError,
     merge_ranges,
 )
+from elastic.json_bounds import (
+    INT64,
+    MAX_JSON_BYTES,
+    JSONBoundsError,
+    finite_number,
+    is_int64,
+)
+from elastic.json_bounds import loads as loads_json
 from elastic.local_files import LocalFiles, fsync_dir
+from elastic.plain_files import RefusedEntryError, output_problem
 from elastic.retry import storage_errors
 from elastic.s3_files import S3Files
 from elastic.s3_multipart import MIN_PART_BYTES
 
 # The layer's public names: callers import them from here, whichever module defines them.
-__all__ = ["MAX_SPAN_BYTES", "MERGE_HOLE_BYTES", "READ_INTO_MAX_WASTE", "IOStats", "Storage",
-           "TruncatedError", "fsync_dir", "merge_ranges", "storage_errors"]
+__all__ = ["INT64", "MAX_JSON_BYTES", "MAX_SPAN_BYTES", "MERGE_HOLE_BYTES",
+           "READ_INTO_MAX_WASTE", "IOStats", "JSONBoundsError", "RefusedEntryError", "Storage",
+           "TruncatedError", "finite_number", "fsync_dir", "is_int64", "loads_json",
+           "merge_ranges", "output_problem", "storage_errors"]
 
 # S3 objects at least this large go up as multipart uploads, in parts of PART_BYTES sent by
 # PART_CONCURRENCY threads: one S3 connection streams ~50-100 MB/s, so a multi-GB shard needs
@@ -117,7 +136,7 @@ class Storage:
     def __init__(self, uri: str, storage_options: dict[str, Any] | None = None, *,
                  timeout_s: float = 30.0, retry_deadline_s: float = 60.0,
                  multipart_threshold: int | None = None, part_bytes: int | None = None,
-                 part_concurrency: int | None = None) -> None:
+                 part_concurrency: int | None = None, follow_links: bool = False) -> None:
         if timeout_s <= 0 or retry_deadline_s <= 0:
             raise ValueError(f"timeout_s ({timeout_s}) and retry_deadline_s "
                              f"({retry_deadline_s}) must be positive")
@@ -132,7 +151,8 @@ class Storage:
         self.is_local, self.root = _locate(uri)
         self.uri = uri.rstrip("/") or "/"
         options = dict(storage_options or {})
-        self._files: LocalFiles | S3Files = LocalFiles(options) if self.is_local else S3Files(
+        self._files: LocalFiles | S3Files = LocalFiles(
+            options, self.root, follow=follow_links) if self.is_local else S3Files(
             options, timeout_s=float(timeout_s), retry_deadline_s=float(retry_deadline_s),
             multipart_threshold=threshold, part_bytes=part, part_concurrency=concurrency)
         self.fs: Any = self._files.fs
@@ -152,13 +172,23 @@ class Storage:
 
     # ------------------------------------------------------------------ reads
 
-    def read_file(self, path: str, *, own: bool = False) -> bytes:
+    def read_file(self, path: str, *, max_bytes: int | None = None) -> bytes:
         """The whole object at ``path`` (meant for small files: one GET under ``timeout_s``);
-        ``own``: a run's own record, never read through a local symbolic link."""
-        data = self._files.read_file(path, follow=not own) if isinstance(
-            self._files, LocalFiles) else self._files.read_file(path)
+        a local one only as a regular file reached without a link (module contract); more
+        than ``max_bytes`` is refused before it is read."""
+        data = self._files.read_file(path, max_bytes)
         self._count(read=len(data))
         return data
+
+    def read_json(self, path: str, *, where: str | None = None,
+                  max_bytes: int = MAX_JSON_BYTES, nonfinite: bool = False) -> Any:
+        """The JSON value of the file at ``path``, read and parsed within bounds (module
+        contract): ``JSONBoundsError`` (a ``ValueError``, one line starting with ``where``,
+        default the path) for a file too large, malformed, too deep or with numbers out of
+        range; ``OSError`` when it cannot be read (``FileNotFoundError``, a refused entry)."""
+        where = where or path
+        return loads_json(self.read_file(path, max_bytes=max_bytes), where,
+                          max_bytes=max_bytes, nonfinite=nonfinite)
 
     def read_range(self, path: str, start: int, end: int) -> bytes:
         """Exactly bytes ``[start, end)`` of ``path`` (see "Exact reads")."""

@@ -14,13 +14,22 @@ S3: one PUT) and create-only writes (``write_file(..., exclusive=True)``). It ne
 never hangs. What it adds:
 
 * A snapshot is *committed* iff its ``manifest.json`` exists. Other step directories are
-  uncommitted leftovers that readers ignore.
+  uncommitted leftovers that readers ignore. A local entry of ``snapshots/`` that is not a
+  real directory (a symbolic link to another run's step) is no step of this run at all:
+  ``all_steps`` leaves it out, so nothing lists, reads, retires, quarantines or removes it
+  (``refused_steps`` says why, one line, logged once); the storage layer's rule
+  (``elastic.plain_files``) refuses every act through a link on top of that.
+* ``load_manifest`` reads at most ``MAX_MANIFEST_BYTES``; a manifest that is a link, a FIFO or
+  another non-regular file is a ``ManifestError`` (the snapshot is unusable, nothing blocks).
 * **Quarantine, never delete.** ``quarantine_step`` moves a rejected snapshot to
   ``RUN/quarantine/<step>[-k]/`` with ``reason.json``. Local: one directory rename (the
   reason is written into the directory first, so it moves with it). S3: claim the target
   by an exclusive create of ``reason.json``, copy every object, check the copies' sizes,
   then delete the originals manifest first; nothing is deleted before its copy exists. A
-  crash mid-way leaves the snapshot committed where it was (and a partial copy).
+  crash mid-way leaves the snapshot committed where it was (and a partial copy). Neither the
+  snapshot's directory nor ``quarantine/`` may be a link. ``reason.json`` records the reason,
+  the time, and when known the run's generation and the step training rewound to;
+  ``unquarantine`` moves a snapshot back (the manifest last), for ``elastic.set_aside``.
 * ``stats`` counts storage reads, so tests can show that a restore touched no storage.
 * **Spares** (local stores): ``retire_step`` — retention's removal of an old snapshot —
   keeps its shard files in ``RUN/spare/`` and ``write_shard`` overwrites one of them instead
@@ -30,6 +39,7 @@ never hangs. What it adds:
 
 from __future__ import annotations
 
+import copy
 import errno
 import json
 import logging
@@ -40,10 +50,16 @@ from collections.abc import Callable
 from typing import Any
 
 from elastic.errors import ManifestError, StorageUnavailableError
-from elastic.format import MANIFEST_NAME, SHARD_NAME_RE, Manifest, step_dirname
-from elastic.manifest_check import parse_manifest
+from elastic.format import MANIFEST_NAME, Manifest, is_shard_name, step_dirname
+from elastic.manifest_check import MAX_MANIFEST_BYTES, parse_manifest
 from elastic.spares import SPARE_DIR, retire
-from elastic.storage_io import Storage, fsync_dir
+from elastic.storage_io import (
+    RefusedEntryError,
+    Storage,
+    finite_number,
+    fsync_dir,
+    is_int64,
+)
 
 log = logging.getLogger("baton.elastic")
 
@@ -62,12 +78,21 @@ class SnapshotStore(Storage):
         super().__init__(run_uri, storage_options, timeout_s=timeout_s,
                          retry_deadline_s=retry_deadline_s)
         self.run_uri = self.uri
+        self._logged: set[str] = set()  # refusals already logged (all_steps runs often)
+        self._relocated: dict[int, str] = {}  # step -> directory it is read from (viewing)
 
     # ------------------------------------------------------------------ paths
 
     def step_path(self, step: int, name: str = "") -> str:
-        base = self.path("snapshots", step_dirname(step))
+        base = self._relocated.get(step) or self.path("snapshots", step_dirname(step))
         return f"{base}/{name}" if name else base
+
+    def viewing(self, step: int, where: str) -> SnapshotStore:
+        """A copy of this store that reads snapshot ``step`` from the directory ``where`` (a
+        quarantined snapshot, verified before it comes back); nothing else differs."""
+        view = copy.copy(self)
+        view._relocated = {**self._relocated, step: where}
+        return view
 
     # ------------------------------------------------------------------ files
 
@@ -83,21 +108,50 @@ class SnapshotStore(Storage):
     # ------------------------------------------------------------------ snapshots
 
     def all_steps(self) -> list[int]:
-        """Every step directory, committed or not, ascending (listings are never cached)."""
-        return sorted(int(n) for n in self.listdir(self.path("snapshots")) if n.isdigit())
+        """Every step directory, committed or not, ascending (listings are never cached).
+        A local entry of ``snapshots/`` that is not a real directory (a symbolic link to
+        another run's snapshot) is no step of this run: logged once, never read, retired,
+        quarantined or removed (``refused_steps``)."""
+        return [step for step, refusal in self._step_entries() if refusal is None]
+
+    def refused_steps(self) -> dict[int, str]:
+        """Step entries that are not real directories: step -> why (one line)."""
+        return {step: refusal for step, refusal in self._step_entries() if refusal is not None}
+
+    def _step_entries(self) -> list[tuple[int, str | None]]:
+        entries = []
+        for name in self.listdir(self.path("snapshots")):
+            if not name.isdigit():
+                continue
+            refusal = None
+            if self.is_local:
+                kind = self._files.kind(self.path("snapshots", name))
+                if kind not in ("directory", None):
+                    refusal = (f"{self.path('snapshots', name)} is "
+                               f"{'a symbolic link' if kind == 'link' else 'not a directory'}"
+                               "; refused and left alone (a snapshot's directory must be a "
+                               "directory inside its run)")
+                    if refusal not in self._logged:
+                        self._logged.add(refusal)
+                        log.warning("%s", refusal)
+            entries.append((int(name), refusal))
+        return sorted(entries)
 
     def committed_steps(self) -> list[int]:
         return [s for s in self.all_steps() if self.exists(self.step_path(s, MANIFEST_NAME))]
 
     def load_manifest(self, step: int) -> Manifest:
+        """Snapshot ``step``'s validated manifest; a manifest that is a link, a FIFO or not a
+        regular file, or beyond the bounds, is a ``ManifestError`` (the snapshot is unusable)."""
         path = self.step_path(step, MANIFEST_NAME)
         try:
-            data = self.read_file(path)
+            data = self.read_file(path, max_bytes=MAX_MANIFEST_BYTES)
         except FileNotFoundError as err:
             raise ValueError(f"{path}: no manifest; snapshot {step} is not committed") from err
-        if self.is_local and os.path.islink(path):
-            raise ManifestError(f"{path}: is a symbolic link; a snapshot's files must be "
-                                "plain files inside it")
+        except RefusedEntryError as err:
+            raise ManifestError(f"snapshot {step}: {err.strerror}") from err
+        except ValueError as err:  # longer than any manifest may be
+            raise ManifestError(f"snapshot {step}: {err}") from err
         return parse_manifest(data, where=path, step=step)
 
     def write_manifest(self, manifest: Manifest, *, data: bytes | None = None,
@@ -121,7 +175,7 @@ class SnapshotStore(Storage):
         if self.is_local:
             self.remove(self.step_path(step, MANIFEST_NAME))  # uncommitted before shards move
             shards = [self.step_path(step, n) for n in self.step_files(step)
-                      if SHARD_NAME_RE.fullmatch(n)]
+                      if is_shard_name(n)]
             retire(shards, self.path(SPARE_DIR), keep=len(shards))
         self.delete_step(step)  # what was not taken as a spare
 
@@ -154,14 +208,14 @@ class SnapshotStore(Storage):
 
     def read_run_json(self) -> dict[str, Any] | None:
         """``run.json`` (untrusted: what a run describes of itself), or None when there is
-        none, it is not a JSON object or it is a symbolic link (logged): every reader treats
-        it as absent."""
+        none, it is not a JSON object within bounds, or it is a link or not a regular file
+        (logged): every reader treats it as absent."""
         path = self.path("run.json")
         if not self.exists(path):
             return None
         try:
-            value = json.loads(self.read_file(path, own=True))
-        except (ValueError, RecursionError, OSError) as err:  # OSError: a link (ELOOP), gone
+            value = self.read_json(path)
+        except (ValueError, OSError) as err:  # bounds, a link, a FIFO, gone
             log.warning("%s is not readable JSON (%s); ignored", path, err)
             return None
         if not isinstance(value, dict):
@@ -171,11 +225,19 @@ class SnapshotStore(Storage):
 
     # ------------------------------------------------------------------ quarantine
 
-    def quarantine_step(self, step: int, reason: str) -> str:
+    def quarantine_step(self, step: int, reason: str, *, generation: int | None = None,
+                        rewound_to: int | None = None) -> str:
         """Move snapshot ``step`` to ``RUN/quarantine/<step>[-k]/`` with ``reason.json``;
-        returns the new location. Never deletes anything that has not been copied."""
+        returns the new location. Never deletes anything that has not been copied.
+        ``generation`` (the run's worker-group generation when it was set aside: whatever a
+        later one commits is another history) and ``rewound_to`` (the step training went
+        back to) are recorded for ``elastic.set_aside.restore_quarantined``."""
         source = self.step_path(step)
-        record = {"step": step, "reason": str(reason), "time": time.time()}
+        record: dict[str, Any] = {"step": step, "reason": str(reason), "time": time.time()}
+        if generation is not None:
+            record["generation"] = generation
+        if rewound_to is not None:
+            record["rewound_to"] = rewound_to
         body = json.dumps(record, indent=1).encode()
         if self.is_local:
             return self._quarantine_local(step, source, body)
@@ -189,11 +251,11 @@ class SnapshotStore(Storage):
         return [self.path(QUARANTINE_DIR, n) for n in names if n not in taken]
 
     def _quarantine_local(self, step: int, source: str, body: bytes) -> str:
-        if not os.path.isdir(source):
-            raise FileNotFoundError(errno.ENOENT, f"snapshot {step} has no directory", source)
+        self._plain_directory(source, f"snapshot {step} has no directory")
         # Written inside the snapshot first, so the one rename moves snapshot and reason.
         self.write_file(os.path.join(source, REASON_NAME), body)
-        os.makedirs(self.path(QUARANTINE_DIR), exist_ok=True)
+        self.makedirs(self.path(QUARANTINE_DIR))
+        self._plain_directory(self.path(QUARANTINE_DIR), "no quarantine directory")
         for target in self._quarantine_targets(step):
             try:
                 os.rename(source, target)  # fails if a non-empty target appeared meanwhile
@@ -205,6 +267,38 @@ class SnapshotStore(Storage):
             fsync_dir(self.path(QUARANTINE_DIR))
             return target
         raise FileExistsError(errno.EEXIST, "no free quarantine name", source)
+
+    def _plain_directory(self, path: str, missing: str) -> None:
+        """Refuse to move into or out of ``path`` unless it is a real directory: a link
+        would move a snapshot across the run's boundary."""
+        kind = self._files.kind(path)
+        if kind is None:
+            raise FileNotFoundError(errno.ENOENT, missing, path)
+        if kind != "directory":
+            raise RefusedEntryError(errno.ELOOP, f"{path} is not a real directory (a link or "
+                                    "a file); refused and left alone", path)
+
+    def unquarantine(self, where: str, step: int) -> None:
+        """Move the quarantined snapshot at ``where`` back to ``snapshots/<step>/``, which
+        must not exist; its manifest arrives last (local: one rename; S3: copies, the
+        manifest's last, then the quarantined objects are removed). The caller checked
+        that it verifies and may come back (``elastic.set_aside``)."""
+        target = self.step_path(step)
+        if self.exists(target) or self.exists(f"{target}/{MANIFEST_NAME}"):
+            raise FileExistsError(errno.EEXIST, f"snapshot {step} exists again", target)
+        if self.is_local:
+            self._plain_directory(where, f"{where} is gone")
+            self.makedirs(self.path("snapshots"))
+            os.rename(where, target)
+            fsync_dir(self.path("snapshots"))
+            fsync_dir(self.path(QUARANTINE_DIR))
+            self.remove(f"{target}/{REASON_NAME}")
+            return
+        objects = {n: size for n, size in self.find(where).items() if n != REASON_NAME}
+        names = sorted(objects, key=lambda n: n == MANIFEST_NAME)  # the manifest last
+        for name in names:
+            self.copy(f"{where}/{name}", f"{target}/{name}", nbytes=objects[name])
+        self.remove_many([f"{where}/{n}" for n in names] + [f"{where}/{REASON_NAME}"])
 
     def _quarantine_s3(self, step: int, source: str, body: bytes) -> str:
         objects = {n: s for n, s in self.find(source).items() if n != REASON_NAME}
@@ -237,28 +331,30 @@ class SnapshotStore(Storage):
         raise FileExistsError(errno.EEXIST, "no free quarantine name", self.step_path(step))
 
     def quarantined(self) -> list[dict[str, Any]]:
-        """Rows ``{"step", "where", "reason", "time"}`` for every quarantined snapshot, by
-        step. ``reason.json`` is untrusted input: an unreadable one gives reason None."""
+        """Rows ``{"step", "where", "reason", "time", "generation", "rewound_to"}`` for every
+        quarantined snapshot, by step. ``reason.json`` is untrusted input: what cannot be
+        read of it is None."""
         rows = []
         for name in self.listdir(self.path(QUARANTINE_DIR)):
             match = re.fullmatch(r"(\d+)(?:-\d+)?", name)
             if match is None:
                 continue
             where = self.path(QUARANTINE_DIR, name)
-            reason, when = _read_reason(self, f"{where}/{REASON_NAME}")
-            rows.append({"step": int(match.group(1)), "where": where, "reason": reason,
-                         "time": when})
+            rows.append({"step": int(match.group(1)), "where": where,
+                         **_read_reason(self, f"{where}/{REASON_NAME}")})
         return sorted(rows, key=lambda r: (r["step"], r["where"]))
 
 
-def _read_reason(store: SnapshotStore, path: str) -> tuple[str | None, float | None]:
+def _read_reason(store: SnapshotStore, path: str) -> dict[str, Any]:
+    """What ``reason.json`` says: reason, time, generation and rewound_to (None if not)."""
     try:
-        record = json.loads(store.read_file(path))
-    except (FileNotFoundError, ValueError):
-        return None, None
-    if not isinstance(record, dict):
-        return None, None
+        record = store.read_json(path)
+    except (OSError, ValueError):  # absent, a link, a FIFO, malformed: nothing known
+        record = None
+    record = record if isinstance(record, dict) else {}
     reason, when = record.get("reason"), record.get("time")
-    return (reason if isinstance(reason, str) else None,
-            float(when) if isinstance(when, int | float) and not isinstance(when, bool)
-            else None)
+    generation, rewound = record.get("generation"), record.get("rewound_to")
+    return {"reason": reason if isinstance(reason, str) else None,
+            "time": float(when) if finite_number(when) else None,
+            "generation": generation if is_int64(generation) and generation >= 0 else None,
+            "rewound_to": rewound if is_int64(rewound) and rewound >= 0 else None}

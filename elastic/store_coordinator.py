@@ -15,13 +15,13 @@ There is no RAM tier in this mode (``ram_locations`` names no store).
 
 from __future__ import annotations
 
-import json
 import time
 from typing import Any
 
 from elastic.faults import FaultInjector
 from elastic.format import RECEIPT_SUFFIX, shard_filename
 from elastic.local_coordinator import LocalCoordinator
+from elastic.manifest_check import MAX_MANIFEST_BYTES
 from elastic.store import SnapshotStore
 
 
@@ -130,9 +130,12 @@ class StoreCoordinator:
                 path = self._receipt_path(step, r, world, generation)
                 if not self.store.exists(path):
                     continue
-                try:
-                    receipt = json.loads(self.store.read_file(path))
-                except (ValueError, FileNotFoundError) as err:  # half-seen or removed meanwhile
+                try:  # bounded: a receipt is a file of the run directory like any other
+                    receipt = self.store.read_json(path, max_bytes=MAX_MANIFEST_BYTES,
+                                                   nonfinite=True)
+                    if not isinstance(receipt, dict):
+                        raise ValueError(f"{path}: not a JSON object")
+                except (ValueError, OSError) as err:  # half-seen, removed meanwhile, a link
                     self.local.report_failure(step, r, f"unreadable receipt: {err}", generation)
                     break
                 if "failed" in receipt:

@@ -255,15 +255,16 @@ def test_snapshots_export_to_an_unwritable_file(capsys: pytest.CaptureFixture[st
 
 
 def test_report_of_bad_runs(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
-    out = str(tmp_path / "r.png")
+    out, run = str(tmp_path / "r.png"), tmp_path / "run"
+    run.mkdir()
     _one_line_error(capsys, ["report", "", "--out", out], 2, "empty")
     _one_line_error(capsys, ["report", "gs://b/run", "--out", out], 2, "gs://", "s3://")
     _one_line_error(capsys, ["report", str(tmp_path / "nope"), "--out", out], 2,
                     "does not exist")
-    _one_line_error(capsys, ["report", str(tmp_path), "--out", out], 2, "no metrics")
-    (tmp_path / "metrics").mkdir()
-    (tmp_path / "metrics" / "part-x-000000.jsonl").write_text('{"kind": "step", "st')
-    _one_line_error(capsys, ["report", str(tmp_path), "--out", out], 2, "no metrics")
+    _one_line_error(capsys, ["report", str(run), "--out", out], 2, "no metrics")
+    (run / "metrics").mkdir()
+    (run / "metrics" / "part-x-000000.jsonl").write_text('{"kind": "step", "st')
+    _one_line_error(capsys, ["report", str(run), "--out", out], 2, "no metrics")
 
 
 def test_report_to_an_unwritable_file(capsys: pytest.CaptureFixture[str],

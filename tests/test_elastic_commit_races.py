@@ -161,10 +161,10 @@ def test_a_manifest_that_is_not_this_commits_is_never_removed(tmp_path: Path) ->
 class _FlakyQuarantine(SnapshotStore):
     down = False
 
-    def quarantine_step(self, step: int, reason: str) -> None:
+    def quarantine_step(self, step: int, reason: str, **record: Any) -> str:
         if self.down:
             raise StorageUnavailableError("moving the snapshot to quarantine/: unreachable")
-        super().quarantine_step(step, reason)
+        return super().quarantine_step(step, reason, **record)
 
 
 def test_a_snapshot_whose_quarantine_failed_stays_committed_and_in_place(

@@ -35,6 +35,7 @@ from elastic.format import (
     step_dirname,
 )
 from elastic.manifest_check import parse_manifest
+from elastic.registry import SnapshotMismatchError
 from elastic.restore import (
     ByteSource,
     check_compatible,
@@ -123,6 +124,21 @@ def _assert_falls_back(run: Path, refs: dict[int, Any], match: str) -> list[str]
     return snap.restore_errors
 
 
+def _assert_refuses_to_go_back(run: Path, match: str) -> None:
+    """State that does not fit the live components: restore refuses in one line naming
+    snapshot 4, what does not fit and snapshot 2 (the newest that fits, for an explicit
+    rewind); nothing is restored past it and nothing moves (issue 29)."""
+    ts = build(seed=11)
+    snap = Snapshotter(str(run), ts.registry)
+    with pytest.raises(SnapshotMismatchError) as info:
+        snap.restore()
+    text = str(info.value)
+    assert "\n" not in text and match in text, text
+    assert "snapshot 4" in text and f"rewind {run} --to 2" in text, text
+    store = SnapshotStore(str(run))
+    assert store.committed_steps() == [2, 4] and store.quarantined() == []
+
+
 def _assert_refused(run: Path, match: str, tmp_path: Path) -> None:
     """verify and export raise one ManifestError line naming snapshot 4; export writes
     nothing; the CLI prints that one line and exits 1."""
@@ -179,9 +195,10 @@ def test_parent_path_is_never_read(run, pristine, tmp_path, monkeypatch) -> None
     for name in ("read_range", "read_file"):
         original = getattr(SnapshotStore, name)
 
-        def spy(self: SnapshotStore, path: str, *args: Any, _orig: Any = original) -> Any:
+        def spy(self: SnapshotStore, path: str, *args: Any, _orig: Any = original,
+                **kwargs: Any) -> Any:
             reads.append(path)
-            return _orig(self, path, *args)
+            return _orig(self, path, *args, **kwargs)
 
         monkeypatch.setattr(SnapshotStore, name, spy)
     _assert_refused(run, "not a bare shard file name", tmp_path)
@@ -302,7 +319,7 @@ def test_consistent_dtype_edit_disagrees_with_header_and_model(run, pristine,
 
     _edit(run, edit)
     _assert_refused(run, "is F32 in the file but F16 in the manifest", tmp_path)
-    _assert_falls_back(run, pristine[1], "F16 in the manifest but the registered tensor")
+    _assert_refuses_to_go_back(run, "F16 in the manifest but the registered tensor")
 
 
 def test_byte_range_not_matching_shape(run, pristine, tmp_path) -> None:
@@ -415,7 +432,7 @@ def test_state_must_fit_live_components(run, pristine, edit: Edit, match: str) -
     with pytest.raises(ManifestError) as info:
         check_compatible(ts.registry, manifest, ts.registry.flatten().tensors)
     assert match in str(info.value) and "\n" not in str(info.value), str(info.value)
-    _assert_falls_back(run, pristine[1], match)
+    _assert_refuses_to_go_back(run, match)
 
 
 def test_registry_load_checks_everything_before_loading(pristine) -> None:

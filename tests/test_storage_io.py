@@ -300,8 +300,8 @@ def test_only_the_storage_layer_imports_fsspec_or_s3fs() -> None:
 
 def test_the_storage_layer_is_a_leaf() -> None:
     """The layer's modules import from Baton only each other, elastic.errors, elastic.retry,
-    elastic.spares and elastic.s3_multipart, which import no other Baton module but
-    elastic.errors;
+    elastic.spares, elastic.s3_multipart, elastic.plain_files and elastic.json_bounds, which
+    import no other Baton module but elastic.errors;
     data_state imports nothing from elastic but the layer's interface (storage_io);
     importing the layer loads neither torch nor Ray."""
     baton = ("trainer", "elastic", "sketch_ops", "data_state")
@@ -311,12 +311,16 @@ def test_the_storage_layer_is_a_leaf() -> None:
 
     leaf = ROOT / "elastic"
     assert baton_imports(leaf / "storage_io.py") == {
-        "elastic.byte_ranges", "elastic.local_files", "elastic.retry", "elastic.s3_files",
-        "elastic.s3_multipart"}
-    assert baton_imports(leaf / "s3_files.py") == {"elastic.byte_ranges", "elastic.retry",
-                                                   "elastic.s3_multipart"}
-    assert baton_imports(leaf / "local_files.py") == {"elastic.byte_ranges", "elastic.spares"}
+        "elastic.byte_ranges", "elastic.json_bounds", "elastic.local_files",
+        "elastic.plain_files", "elastic.retry", "elastic.s3_files", "elastic.s3_multipart"}
+    assert baton_imports(leaf / "s3_files.py") == {"elastic.byte_ranges", "elastic.json_bounds",
+                                                   "elastic.retry", "elastic.s3_multipart"}
+    assert baton_imports(leaf / "local_files.py") == {"elastic.byte_ranges",
+                                                      "elastic.json_bounds",
+                                                      "elastic.plain_files", "elastic.spares"}
     assert baton_imports(leaf / "spares.py") == set()
+    assert baton_imports(leaf / "plain_files.py") == set()
+    assert baton_imports(leaf / "json_bounds.py") == set()
     assert baton_imports(leaf / "byte_ranges.py") == {"elastic.errors", "elastic.retry"}
     assert baton_imports(leaf / "s3_multipart.py") == set()
     assert baton_imports(leaf / "retry.py") == {"elastic.errors"}

@@ -8,7 +8,8 @@ Contract:
 - `check_types(section_obj, section)` refuses any field of a dataclass whose value does not
   match its annotation (below), and stores an int given for a float field as a float.
 - `finite_number(value)`: a JSON/TOML number (not bool) that is finite, a huge integer
-  included (never `OverflowError`): the check for numbers read from untrusted files.
+  included (never `OverflowError`): the check for numbers read from untrusted files. It and
+  `INT64` are the storage layer's number rules (`elastic.json_bounds`), re-exported here.
 - `describe(value)` is how a wrong value reads in an error; `default_of(obj, name)` is a
   dataclass field's default.
 """
@@ -18,11 +19,15 @@ from __future__ import annotations
 import collections.abc
 import dataclasses
 import functools
-import math
 import tomllib
 import types
 import typing
 from typing import Any
+
+from elastic.storage_io import INT64, finite_number
+
+__all__ = ["INT64", "ConfigError", "check_types", "default_of", "describe", "finite_number",
+           "require"]
 
 
 class ConfigError(ValueError):
@@ -99,19 +104,6 @@ def _type_mismatch(value: Any, expected: Any) -> str | None:
     if isinstance(expected, type) and dataclasses.is_dataclass(expected):
         return None if isinstance(value, expected) else f"a {expected.__name__}"
     return None  # Any and other annotations are not checked
-
-
-INT64 = 1 << 63
-
-
-def finite_number(value: Any) -> bool:
-    """A number (not bool) that is finite; a huge integer is not (no OverflowError)."""
-    if isinstance(value, bool) or not isinstance(value, int | float):
-        return False
-    try:
-        return math.isfinite(value)
-    except OverflowError:  # an int beyond any float
-        return False
 
 
 def describe(value: Any, *, integer: bool = False) -> str:

@@ -29,10 +29,11 @@ import uuid
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from elastic.storage_io import Storage
-from trainer.config_checks import INT64
+from elastic.storage_io import INT64, MAX_JSON_BYTES, Storage, loads_json
 
 log = logging.getLogger(__name__)
+
+MAX_PART_BYTES = MAX_JSON_BYTES  # one flush writes ~20 records: KiB; a larger part is refused
 
 # Fields `summarize` and the report read from each kind; a record without them is invalid.
 _NUMERIC_FIELDS: dict[str, tuple[str, ...]] = {
@@ -93,14 +94,14 @@ def _valid_record(record: Any) -> bool:
     return all(_is_number(record.get(k)) for k in _NUMERIC_FIELDS.get(record["kind"], ()))
 
 
-def _parse_part(text: str) -> tuple[list[dict[str, Any]], int]:
+def _parse_part(text: str, where: str) -> tuple[list[dict[str, Any]], int]:
     """The valid records of one part file and the number of lines that were not."""
     records, bad = [], 0
     for line in text.splitlines():
         if not line.strip():
             continue
-        try:
-            record = json.loads(line)
+        try:  # bounded (depth, numbers): a crafted line is a bad line, never a traceback
+            record = loads_json(line, where, nonfinite=True)
         except ValueError:
             record = None
         if _valid_record(record):
@@ -121,12 +122,12 @@ def read_records(run_uri: str) -> list[dict[str, Any]]:
         if not fnmatch.fnmatchcase(name, "part-*.jsonl"):
             continue
         path = f"{root}/{name}"
-        try:
-            text = io.read_file(path, own=True).decode("utf-8")
-        except (OSError, UnicodeDecodeError) as err:
+        try:  # a link or a FIFO is refused, not followed or waited on (elastic.storage_io)
+            text = io.read_file(path, max_bytes=MAX_PART_BYTES).decode("utf-8")
+        except (OSError, ValueError) as err:  # ValueError: too large, not UTF-8
             skipped.append(f"{path.rsplit('/', 1)[-1]} ({type(err).__name__})")
             continue
-        part, bad = _parse_part(text)
+        part, bad = _parse_part(text, path)
         records.extend(part)
         if bad:
             skipped.append(f"{path.rsplit('/', 1)[-1]} ({bad} bad line(s))")

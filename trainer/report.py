@@ -6,12 +6,16 @@ own colour, so steps redone after a failure show as overlapping segments), token
 second, world size over wall time with each restart marked, and a summary table. Returns
 the `RunSummary`. Raises `ValueError` for a run URI that is empty or not a local path or
 s3:// (the only schemes Baton supports), `FileNotFoundError` naming the run if it does not
-exist or has no valid metrics yet, and `OSError` naming `out_png` if it cannot be written.
+exist or has no valid metrics yet, `OSError` naming `out_png` if it cannot be written, and
+`ValueError` if `out_png` resolves (links included) inside the run directory: a report is
+never written over a run's own files (an `--out` that is a link to a manifest would destroy
+a committed snapshot); it is written to the resolved path it was checked at.
 Invalid metrics records are skipped with a warning (`trainer.metrics.read_records`).
 """
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import matplotlib
@@ -19,7 +23,7 @@ import matplotlib
 matplotlib.use("Agg")  # files only; never needs a display
 import matplotlib.pyplot as plt  # noqa: E402
 
-from elastic.storage_io import Storage, storage_errors  # noqa: E402
+from elastic.storage_io import Storage, output_problem, storage_errors  # noqa: E402
 from trainer.metrics import RunSummary, read_records, summarize  # noqa: E402
 from trainer.terminal import summary_rows  # noqa: E402
 
@@ -46,6 +50,10 @@ def _check_run_uri(run_uri: str) -> None:
 
 def write_report(run_uri: str, out_png: str | Path) -> RunSummary:
     _check_run_uri(run_uri)
+    problem = output_problem(str(out_png), [run_uri])  # links resolved, before any work
+    if problem:
+        raise ValueError(f"--out {problem}")
+    out_png = os.path.realpath(out_png)  # the place checked, whatever a link says later
     records = read_records(run_uri)
     steps = [r for r in records if r["kind"] == "step"]
     if not steps:

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 import time
 from typing import Any
@@ -78,9 +77,7 @@ def list_runs(directory: str, *, now: float | None = None) -> list[dict[str, Any
     for name in store.listdir(store.root):
         path = store.path(name)
         if name.startswith(".") or not store.isdir(path):
-            continue
-        if store.is_local and os.path.islink(path):
-            continue  # a run listed under DIR must lie inside DIR
+            continue  # a link is no directory here (elastic.storage_io): a run lies inside DIR
         run = SnapshotStore(f"{store.run_uri}/{name}")
         if not any(run.exists(run.path(m)) for m in _RUN_MARKERS):
             continue

@@ -33,7 +33,6 @@ Contract:
 
 from __future__ import annotations
 
-import json
 import logging
 import re
 import time
@@ -41,9 +40,9 @@ from collections import deque
 from collections.abc import Callable
 from typing import Any
 
+from elastic.storage_io import INT64, finite_number
 from elastic.store import SnapshotStore
 from trainer.config import SCHEDULES, FitConfig
-from trainer.config_checks import INT64, finite_number
 
 log = logging.getLogger("baton.sessions")
 
@@ -159,8 +158,8 @@ def read_sessions(store: SnapshotStore) -> list[dict[str, Any]]:
     try:
         if not store.exists(path):
             return []
-        raw = json.loads(store.read_file(path, own=True))
-    except (ValueError, OSError, RecursionError) as err:
+        raw = store.read_json(path)  # bounded; a link or a FIFO is refused, never waited on
+    except (ValueError, OSError) as err:
         log.warning("%s: unreadable (%s); the session log is ignored", path, err)
         return []
     entries = raw.get("sessions") if isinstance(raw, dict) else None

@@ -1,0 +1,224 @@
+"""A code rollback never costs a run its newest snapshots; going back is explicit (issue 29).
+
+Code v2 trains a run to step 8; code v1, whose state no longer fits snapshots 6 and 8 (a
+component's state changed type), starts on it: the restore refuses in one line naming
+snapshot 8, what does not fit and snapshot 4 (the newest that fits), and nothing moves; v2
+then restores 8, bitwise. With an explicit ``baton snapshots rewind RUN --to 4`` the newer
+steps are set aside (reported, with the command that brings them back), v1 restores 4, and
+``baton snapshots restore-quarantined`` brings them back verifying, so v2 restores 8 again;
+unless the run trained on from 4 meanwhile, which would mix two histories: then they stay.
+Also: a run whose generation passes 999,999 still commits (writer and reader agree on the
+shard names), and one that would pass the last nameable generation is one line.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from elastic.format import MAX_GENERATION, step_dirname
+from elastic.generation import GENERATION_NAME, read_generation
+from elastic.lease import RunLease
+from elastic.registry import SnapshotMismatchError
+from elastic.snapshotter import Snapshotter
+from elastic.store import SnapshotStore
+from elastic.testing import TrainState, build, full_state, json_state, train_step
+from trainer.cli import main
+
+
+class Mode:
+    """A component whose state changed type between code versions: v1 keeps an int, v2 a
+    string (and, fresh, a null: it loads v1's int and converts it)."""
+
+    def __init__(self, version: int) -> None:
+        self.version = version
+        self.value: Any = 0 if version == 1 else None
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"mode": self.value}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        value = state["mode"]
+        self.value = f"v2-{value}" if self.version == 2 and isinstance(value, int) else value
+
+
+def _code(version: int, seed: int) -> TrainState:
+    ts = build(seed=seed)
+    ts.registry.register("mode", Mode(version))
+    return ts
+
+
+def _snapshotter(run: Path, ts: TrainState) -> Snapshotter:
+    return Snapshotter(str(run), ts.registry, snapshot_every=2, keep_last=5, durable=False,
+                       block_bytes=256, split_min_bytes=64)
+
+
+def _train(run: Path, ts: TrainState, first: int, last: int) -> None:
+    snap = _snapshotter(run, ts)
+    assert snap.restore() == first - 1
+    for step in range(first, last + 1):
+        train_step(ts, step)
+        snap.after_step(step)
+        snap.persister.wait()
+    snap.close()
+
+
+@pytest.fixture
+def rolled_back(tmp_path: Path) -> tuple[Path, dict[str, torch.Tensor], Any]:
+    """v1 trains to 4, v2 (which converts v1's state) from 4 to 8: committed 2, 4, 6, 8."""
+    run = tmp_path / "run"
+    _train(run, _code(1, seed=0), 1, 4)
+    v2 = _code(2, seed=1)
+    _train(run, v2, 5, 8)
+    assert SnapshotStore(str(run)).committed_steps() == [2, 4, 6, 8]
+    return run, full_state(v2), json_state(v2)
+
+
+def _restores_8_bitwise(run: Path, final: dict[str, torch.Tensor], js: Any) -> None:
+    v2 = _code(2, seed=7)
+    snap = _snapshotter(run, v2)
+    assert snap.restore() == 8 and snap.restore_errors == []
+    snap.close()
+    for key, value in final.items():
+        assert torch.equal(full_state(v2)[key], value), key
+    assert json_state(v2) == js and v2.registry._components["mode"].value == "v2-0"
+
+
+def _verifies(capsys: pytest.CaptureFixture[str], run: Path, steps: list[int]) -> None:
+    for step in steps:
+        assert main(["snapshots", "verify", str(run), str(step)]) == 0, capsys.readouterr()
+    capsys.readouterr()
+
+
+def test_old_code_refuses_in_one_line_and_moves_nothing(
+        rolled_back: tuple[Path, dict[str, torch.Tensor], Any],
+        capsys: pytest.CaptureFixture[str]) -> None:
+    run, final, js = rolled_back
+    store = SnapshotStore(str(run))
+    files = {s: sorted(store.step_files(s)) for s in store.committed_steps()}
+    v1 = _code(1, seed=3)
+    snap = _snapshotter(run, v1)
+    with pytest.raises(SnapshotMismatchError) as info:
+        snap.restore()
+    snap.close()
+    text = str(info.value)
+    assert "\n" not in text, text
+    assert f"snapshot 8 of {run} does not fit" in text and "state mode.mode" in text, text
+    assert f"baton snapshots rewind {run} --to 4 sets [6, 8] aside" in text, text
+    assert {s: sorted(store.step_files(s)) for s in store.committed_steps()} == files
+    assert store.quarantined() == [] and not (run / "quarantine").exists()
+    _restores_8_bitwise(run, final, js)
+    _verifies(capsys, run, [2, 4, 6, 8])
+
+
+def test_an_explicit_rewind_sets_aside_and_restore_quarantined_brings_back(
+        rolled_back: tuple[Path, dict[str, torch.Tensor], Any],
+        capsys: pytest.CaptureFixture[str]) -> None:
+    run, final, js = rolled_back
+    assert main(["snapshots", "rewind", str(run), "--to", "4"]) == 0
+    said = " ".join(capsys.readouterr().out.split())
+    assert "set aside 6" in said and "8 (in" in said, said
+    assert f"baton snapshots restore-quarantined {run}" in said, said
+    store = SnapshotStore(str(run))
+    assert store.committed_steps() == [2, 4]
+    assert [(r["step"], r["rewound_to"]) for r in store.quarantined()] == [(6, 4), (8, 4)]
+    v1 = _code(1, seed=3)  # the old code now restores 4, and only reads
+    snap = _snapshotter(run, v1)
+    assert snap.restore() == 4
+    snap.close()
+    assert main(["snapshots", "restore-quarantined", str(run)]) == 0
+    said = capsys.readouterr().out
+    assert "snapshot 6: verified" in said and "snapshot 8: verified" in said, said
+    assert store.committed_steps() == [2, 4, 6, 8] and store.quarantined() == []
+    _verifies(capsys, run, [2, 4, 6, 8])
+    _restores_8_bitwise(run, final, js)
+
+
+def test_set_aside_snapshots_stay_once_the_run_trained_on(
+        rolled_back: tuple[Path, dict[str, torch.Tensor], Any],
+        capsys: pytest.CaptureFixture[str]) -> None:
+    """After a rewind the old code trains 5..6 and commits a new 6: bringing the set-aside
+    6 and 8 back would mix two histories, so both stay (and still verify where they are);
+    a live driver's lease refuses the command before it looks."""
+    run, _, _ = rolled_back
+    assert main(["snapshots", "rewind", str(run), "--to", "4"]) == 0
+    capsys.readouterr()
+    _train(run, _code(1, seed=3), 5, 6)
+    store = SnapshotStore(str(run))
+    new_6 = store.load_manifest(6).files
+    lease = RunLease(store)
+    lease.acquire()
+    try:
+        assert main(["snapshots", "restore-quarantined", str(run)]) == 1
+        err = capsys.readouterr().err.strip()
+        assert len(err.splitlines()) == 1 and "lease" in err, err
+    finally:
+        lease.release()
+    assert main(["snapshots", "restore-quarantined", str(run)]) == 1
+    said = " ".join(capsys.readouterr().out.split())
+    assert "snapshot 6: stays quarantined: step 6 is committed again" in said, said
+    assert "snapshot 8: stays quarantined: snapshot 6 was committed after" in said, said
+    assert store.committed_steps() == [2, 4, 6] and store.load_manifest(6).files == new_6
+    assert [r["step"] for r in store.quarantined()] == [6, 8]
+    _verifies(capsys, run, [2, 4, 6])
+    for row in store.quarantined():
+        from elastic.catalog import verify
+
+        verify(store.viewing(row["step"], row["where"]), row["step"])
+
+
+def test_a_corrupt_quarantined_snapshot_stays(tmp_path: Path,
+                                              capsys: pytest.CaptureFixture[str]) -> None:
+    run = tmp_path / "run"
+    _train(run, _code(1, seed=0), 1, 4)
+    assert main(["snapshots", "rewind", str(run), "--to", "2"]) == 0
+    store = SnapshotStore(str(run))
+    where = Path(store.quarantined()[0]["where"])
+    shard = next(where.glob("shard-*"))
+    data = bytearray(shard.read_bytes())
+    data[-1] ^= 0xFF
+    shard.write_bytes(bytes(data))
+    capsys.readouterr()
+    assert main(["snapshots", "restore-quarantined", str(run), "4"]) == 1
+    said = capsys.readouterr().out
+    assert "snapshot 4: stays quarantined: it does not verify" in said, said
+    assert store.committed_steps() == [2] and [r["step"] for r in store.quarantined()] == [4]
+
+
+# ---------------------------------------------------------------- generations past 999,999
+
+
+def test_a_generation_past_999999_still_commits(tmp_path: Path,
+                                                capsys: pytest.CaptureFixture[str]) -> None:
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / GENERATION_NAME).write_text(json.dumps({"generation": 999_999, "time": 0}))
+    ts = _code(1, seed=0)
+    _train(run, ts, 1, 4)
+    store = SnapshotStore(str(run))
+    assert store.committed_steps() == [2, 4] and read_generation(store) == 1_000_000
+    assert store.load_manifest(4).files == ["shard-00000-of-00001-g1000000.safetensors"]
+    _verifies(capsys, run, [2, 4])
+    again = _code(1, seed=5)
+    snap = _snapshotter(run, again)
+    assert snap.restore() == 4
+    snap.close()
+    for key, value in full_state(ts).items():
+        assert torch.equal(full_state(again)[key], value), key
+
+
+def test_the_last_nameable_generation_is_one_line(tmp_path: Path) -> None:
+    run = tmp_path / "run"
+    _train(run, _code(1, seed=0), 1, 2)
+    (run / GENERATION_NAME).write_text(json.dumps({"generation": MAX_GENERATION}))
+    snap = _snapshotter(run, _code(1, seed=1))
+    with pytest.raises(ValueError) as info:
+        snap.restore()
+    text = str(info.value)
+    assert "\n" not in text and "new run directory" in text and "--from" in text, text
+    assert read_generation(SnapshotStore(str(run))) == MAX_GENERATION  # nothing written
+    assert (run / "snapshots" / step_dirname(2) / "manifest.json").exists()

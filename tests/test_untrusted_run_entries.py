@@ -1,0 +1,279 @@
+"""What a run or dataset directory holds is untrusted, entries included (issue 29).
+
+Links, FIFOs and deeply nested JSON where Baton expects its own files: a symlinked step
+directory pointing into another run, an ``--out`` that is a link into a committed snapshot,
+``run.json`` / ``sessions.json`` / ``manifest.json`` as FIFOs, a 100,000-deep JSON value in
+a metrics line or a run file. Each test ends on storage: the other run's snapshots intact
+and verifying, the manifest's bytes unchanged, no reader left blocked on a FIFO (a watcher
+thread opens each FIFO for writing whenever a reader holds it: that both unblocks a hung
+open and records it, so a hang fails the test instead of the suite), no traceback.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+
+from elastic.format import MANIFEST_NAME, step_dirname
+from elastic.snapshotter import Snapshotter
+from elastic.store import SnapshotStore
+from elastic.testing import TrainState, build, full_state, train_step
+from trainer.cli import main
+from trainer.metrics import MetricsWriter, read_records
+
+DEEP = b"[" * 100_000 + b"]" * 100_000
+
+
+def _train(snap: Snapshotter, ts: TrainState, first: int, last: int) -> None:
+    """Train steps ``first..last``, snapshots when due (in process, no Ray)."""
+    for step in range(first, last + 1):
+        train_step(ts, step)
+        snap.after_step(step)
+        snap.persister.wait()
+
+
+def _run(run: Path, last: int, *, keep_last: int, seed: int = 0
+         ) -> tuple[Snapshotter, TrainState]:
+    """A run trained to ``last`` with a snapshot every 2 steps; its snapshotter still open."""
+    ts = build(seed=seed)
+    snap = Snapshotter(str(run), ts.registry, snapshot_every=2, keep_last=keep_last,
+                       durable=False, block_bytes=256, split_min_bytes=64)
+    _train(snap, ts, 1, last)
+    return snap, ts
+
+
+def _files(step_dir: Path) -> dict[str, bytes]:
+    return {p.name: p.read_bytes() for p in sorted(step_dir.iterdir())}
+
+
+def _verifies(capsys: pytest.CaptureFixture[str], run: Path, steps: list[int]) -> None:
+    """`baton snapshots verify` passes for every step of ``run`` listed."""
+    for step in steps:
+        assert main(["snapshots", "verify", str(run), str(step)]) == 0, capsys.readouterr()
+    capsys.readouterr()
+
+
+@contextlib.contextmanager
+def fifo_watch(*fifos: Path) -> Iterator[list[str]]:
+    """Yield a list that records each FIFO a reader held open: a writer's non-blocking open
+    succeeds only then, and it ends a reader's blocked open (the reader then sees EOF)."""
+    blocked: list[str] = []
+    done = threading.Event()
+
+    def watch() -> None:
+        while not done.wait(0.05):
+            for fifo in fifos:
+                try:
+                    fd = os.open(fifo, os.O_WRONLY | os.O_NONBLOCK)
+                except OSError:  # ENXIO: no reader has it open
+                    continue
+                blocked.append(str(fifo))
+                os.close(fd)
+
+    thread = threading.Thread(target=watch, daemon=True)
+    thread.start()
+    try:
+        yield blocked
+    finally:
+        done.set()
+        thread.join(timeout=5)
+
+
+# ---------------------------------------------------------------- a symlinked step directory
+
+
+@pytest.fixture
+def other(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> Path:
+    """Another run, committed at steps 2, 4 and 6."""
+    run = tmp_path / "other"
+    snap, _ = _run(run, 6, keep_last=5, seed=5)
+    snap.close()
+    assert SnapshotStore(str(run)).committed_steps() == [2, 4, 6]
+    return run
+
+
+def test_retention_never_acts_through_a_linked_step_directory(
+        tmp_path: Path, other: Path, capsys: pytest.CaptureFixture[str],
+        caplog: pytest.LogCaptureFixture) -> None:
+    """RUN/snapshots/000000006 replaced by a link to the other run's step 6 while the run
+    trains on: when step 6 ages out, retention must leave it (and the other run) alone."""
+    theirs = other / "snapshots" / step_dirname(6)
+    before = _files(theirs)
+    run = tmp_path / "run"
+    snap, ts = _run(run, 6, keep_last=2)
+    snap.coordinator.flush(10)  # the collection after 6 is done
+    assert SnapshotStore(str(run)).committed_steps() == [4, 6]
+    mine = run / "snapshots" / step_dirname(6)
+    for path in mine.iterdir():
+        path.unlink()
+    mine.rmdir()
+    mine.symlink_to(theirs, target_is_directory=True)
+    with caplog.at_level(logging.WARNING, logger="baton.elastic"):
+        _train(snap, ts, 7, 12)  # step 6 ages out at the commit of 10
+        snap.close()
+    assert _files(theirs) == before  # their manifest and shard, byte for byte
+    assert os.path.islink(mine) and os.readlink(mine) == str(theirs)  # left alone
+    spare = run / "spare"
+    their_inodes = {p.stat().st_ino for p in theirs.iterdir()}
+    assert not spare.exists() or not {p.stat().st_ino for p in spare.iterdir()} & their_inodes
+    store = SnapshotStore(str(run))
+    assert store.committed_steps() == [10, 12] and 6 in store.refused_steps()
+    refusals = [r.getMessage() for r in caplog.records if "symbolic link" in r.getMessage()]
+    assert refusals and all("\n" not in m for m in refusals), refusals
+    _verifies(capsys, other, [2, 4, 6])
+    _verifies(capsys, run, [10, 12])
+    assert main(["snapshots", "ls", str(run)]) == 0
+    listing = capsys.readouterr().out
+    assert "refused" in listing and "symbolic link" in listing
+
+
+def test_a_linked_newest_step_is_no_snapshot_of_the_run(
+        tmp_path: Path, other: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """The link is the newest step when the run restarts: it restores its own step 4, never
+    reads, quarantines or writes into the other run's step 6, and commits a real 6 of its
+    own (the link is moved aside by nobody: the write into it is refused)."""
+    theirs = other / "snapshots" / step_dirname(6)
+    before = _files(theirs)
+    run = tmp_path / "run"
+    snap, ts = _run(run, 4, keep_last=5)
+    snap.close()
+    at_4 = full_state(ts)
+    (run / "snapshots" / step_dirname(6)).symlink_to(theirs, target_is_directory=True)
+    ts2 = build(seed=9)
+    snap2 = Snapshotter(str(run), ts2.registry, snapshot_every=2, keep_last=5, durable=False,
+                        block_bytes=256, split_min_bytes=64)
+    assert snap2.restore() == 4 and snap2.restore_errors == []
+    for key, value in at_4.items():
+        assert torch.equal(full_state(ts2)[key], value), key
+    _train(snap2, ts2, 5, 8)
+    snap2.close()
+    assert _files(theirs) == before and not (run / "quarantine").exists()
+    assert SnapshotStore(str(run)).committed_steps() == [2, 4, 8]  # 6: its write refused
+    _verifies(capsys, other, [2, 4, 6])
+    _verifies(capsys, run, [2, 4, 8])
+
+
+# ---------------------------------------------------------------- outputs through links
+
+
+def test_report_and_export_never_write_through_a_link_into_the_run(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    run = tmp_path / "run"
+    snap, _ = _run(run, 4, keep_last=5)
+    snap.close()
+    writer = MetricsWriter(str(run), flush_every=1)
+    writer.add({"kind": "start", "attempt": 0, "step": 0, "world_size": 1, "time": 1.0})
+    writer.add({"kind": "step", "attempt": 0, "step": 1, "loss": 2.0, "tokens_per_s": 3.0,
+                "world_size": 1, "time": 2.0})
+    manifest = run / "snapshots" / step_dirname(4) / MANIFEST_NAME
+    before = manifest.read_bytes()
+    link = tmp_path / "out.png"
+    link.symlink_to(manifest)
+    into = tmp_path / "into"  # a linked directory on the way
+    into.symlink_to(manifest.parent, target_is_directory=True)
+    for argv in (["report", str(run), "--out", str(link)],
+                 ["report", str(run), "--out", str(into / MANIFEST_NAME)],
+                 ["snapshots", "export", str(run), "--out", str(link)],
+                 ["snapshots", "export", str(run), "--out", str(into / "w.safetensors")]):
+        assert main(argv) == 2, argv
+        err = capsys.readouterr().err.strip()
+        assert len(err.splitlines()) == 1 and "Traceback" not in err, err
+        assert "inside the run directory" in err and "--out" in err, err
+    assert manifest.read_bytes() == before and not (into / "w.safetensors").exists()
+    _verifies(capsys, run, [2, 4])
+    out = tmp_path / "elsewhere.png"  # a link to a place outside the run is followed
+    target = tmp_path / "real.png"
+    out.symlink_to(target)
+    assert main(["report", str(run), "--out", str(out)]) == 0
+    assert target.read_bytes()[:4] == b"\x89PNG"
+
+
+# ---------------------------------------------------------------- FIFOs
+
+
+def test_run_files_that_are_fifos_never_block_runs_ls(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    runs = tmp_path / "runs"
+    snap, _ = _run(runs / "a", 4, keep_last=5)
+    snap.close()
+    (runs / "a" / "sessions.json").write_text('{"sessions": []}')
+    for name in ("run.json", "sessions.json"):
+        (runs / "a" / name).unlink()
+        os.mkfifo(runs / "a" / name)
+    fifos = [runs / "a" / "run.json", runs / "a" / "sessions.json"]
+    with fifo_watch(*fifos) as blocked:
+        assert main(["runs", "ls", str(runs)]) == 0
+        assert main(["runs", "ls", str(runs), "--json"]) == 0
+    out = capsys.readouterr()
+    assert blocked == [] and "Traceback" not in out.err
+    rows = json.loads(out.out.split("\n", 2)[-1][out.out.split("\n", 2)[-1].index("["):])
+    assert [(r["run"], r["step"]) for r in rows] == [("a", 4)]
+    _verifies(capsys, runs / "a", [2, 4])
+
+
+def test_a_manifest_that_is_a_fifo_never_blocks_ls_verify_or_restore(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    run = tmp_path / "run"
+    snap, _ = _run(run, 4, keep_last=5)
+    snap.close()
+    manifest = run / "snapshots" / step_dirname(4) / MANIFEST_NAME
+    manifest.unlink()
+    os.mkfifo(manifest)
+    with fifo_watch(manifest) as blocked:
+        assert main(["snapshots", "ls", str(run)]) == 0
+        listing = capsys.readouterr().out
+        assert main(["snapshots", "verify", str(run), "4"]) == 1
+        err = capsys.readouterr().err.strip()
+        ts = build(seed=2)
+        restorer = Snapshotter(str(run), ts.registry)
+        step = restorer.restore()  # a definite failure: set aside, the previous one used
+        restorer.close()
+    assert blocked == []
+    assert "a FIFO" in listing and len(err.splitlines()) == 1 and "a FIFO" in err, err
+    assert step == 2 and "a FIFO" in restorer.restore_errors[0]
+    quarantined = SnapshotStore(str(run)).quarantined()
+    assert [r["step"] for r in quarantined] == [4]  # moved inside the run, never deleted
+    assert (Path(quarantined[0]["where"]) / MANIFEST_NAME).is_fifo()
+    _verifies(capsys, run, [2])
+
+
+# ---------------------------------------------------------------- deeply nested JSON
+
+
+def test_deeply_nested_json_in_run_files_is_skipped_in_one_line(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str],
+        caplog: pytest.LogCaptureFixture) -> None:
+    runs = tmp_path / "runs"
+    run = runs / "a"
+    snap, _ = _run(run, 4, keep_last=5)
+    snap.close()
+    writer = MetricsWriter(str(run), flush_every=1)
+    writer.add({"kind": "start", "attempt": 0, "step": 0, "world_size": 1, "time": 1.0})
+    writer.add({"kind": "step", "attempt": 0, "step": 1, "loss": 2.0, "tokens_per_s": 3.0,
+                "world_size": 1, "time": 2.0})
+    (run / "metrics" / "part-z-000000.jsonl").write_bytes(DEEP + b"\n")
+    with caplog.at_level(logging.WARNING):
+        assert [r["step"] for r in read_records(str(run)) if r["kind"] == "step"] == [1]
+    assert any("part-z-000000.jsonl" in r.getMessage() for r in caplog.records)
+    assert main(["report", str(run), "--out", str(tmp_path / "r.png")]) == 0
+    assert "Traceback" not in capsys.readouterr().err
+    for name in ("run.json", "sessions.json", "lease.json"):
+        (run / name).write_bytes(DEEP)
+    assert main(["runs", "ls", str(runs)]) == 0
+    out = capsys.readouterr()
+    assert "Traceback" not in out.out + out.err and out.out.splitlines()[1].split()[0] == "a"
+    (run / "lease.json").unlink()
+    (run / "generation.json").write_bytes(b'{"generation": ' + DEEP + b"}")
+    ts = build(seed=2)
+    with pytest.raises(ValueError) as info:  # the coordinator cannot start: one line
+        Snapshotter(str(run), ts.registry).restore()
+    assert "generation.json" in str(info.value) and "\n" not in str(info.value)
+    _verifies(capsys, run, [2, 4])
