@@ -141,8 +141,10 @@ class Capturer:
     def close(self) -> None:
         self._pool.shutdown(wait=True)
 
-    def begin(self, step: int) -> CaptureHandle:
-        """Take the small, loop-mutated state now; copy models/optimizers on the side thread."""
+    def begin(self, step: int, models: FlatState | None = None) -> CaptureHandle:
+        """Take the small, loop-mutated state now; copy models/optimizers on the side thread.
+        ``models``: the registry's models and optimizers flattened just now, if the caller
+        has them (the snapshotter's replica check does)."""
         self.faults.hit(self.rank, step, "capture")
         model_keys = self.registry.model_keys()
         other = self.registry.flatten([k for k in self.registry.keys() if k not in model_keys])
@@ -154,7 +156,7 @@ class Capturer:
         # Which tensors this snapshot reads is decided now, with the buffers above: FSDP2
         # swaps unsharded parameters into its modules during forward/backward, and a forward
         # may reassign a buffer (whose new tensor could even reuse a frozen one's address).
-        flat = self.registry.flatten(model_keys)
+        flat = models if models is not None else self.registry.flatten(model_keys)
         ready = None
         if torch.cuda.is_available() and torch.cuda.is_initialized():
             ready = torch.cuda.Event()

@@ -35,8 +35,9 @@ Contract:
   weight (nothing happens at weight 1), so a loss computed from the model's outputs as a mean
   needs no change. A step whose weight is not 1 and whose batch never went through the
   model's forward (with gradients on) fails in one line at its end.
-- `microbatches(batch)`: gradient accumulation. It splits the batch just handed out (every
-  tensor along dim 0, per-sample lists too) into pieces of `microbatch_size` samples, gives
+- `microbatches(batch)`: gradient accumulation. It splits the batch just handed out (or its
+  parts, `[x, y]`: every tensor along dim 0, per-sample lists too) into pieces of
+  `microbatch_size` samples, gives
   each its part of the weight, and runs all but the last piece's forward/backward under
   `trainer.parallel.grad_sync(model, last=False)`: every rank all-reduces exactly once per step,
   whatever its number of pieces (an idle rank has one, of weight 0). With FSDP2, ranks with
@@ -146,6 +147,12 @@ class ElasticDataLoader:
         return self.shares.microbatch_size
 
     @property
+    def sample_indices(self) -> tuple[int, ...]:
+        """Dataset indices of the batch handed out last, while its step is open (empty on an
+        idle rank: its batch is a stand-in): for audits of which samples a rank trained."""
+        return self._handed.sample_indices if self._handed is not None else ()
+
+    @property
     def weight(self) -> float:
         """The loss weight of the batch handed out last (1 when no step is open)."""
         return self._handed.weight if self._handed is not None else 1.0
@@ -172,10 +179,10 @@ class ElasticDataLoader:
     def microbatches(self, batch: Any) -> Iterator[Any]:
         """Pieces of the batch just handed out, for gradient accumulation (module doc)."""
         share = self._handed
-        if share is None or batch is not share.batch:
+        count = len(share.sample_indices) or _length(share.batch) if share is not None else 0
+        if share is None or _length(batch) != count:
             raise UsageError("loader.microbatches(batch): pass the batch this loader has just "
-                             "handed out, inside the loop over the loader")
-        count = len(share.sample_indices) or _length(share.batch)
+                             "handed out (or its parts, e.g. [x, y]), inside the loop over it")
         pieces = _split(batch, self.microbatch_size, count)
         passes = len(pieces)
         if parallelism_of(self._model) == "fsdp":

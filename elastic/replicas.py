@@ -1,0 +1,112 @@
+"""Replica fingerprints: a cheap check, at each snapshot, that state every rank must hold the
+same (a DDP model, its optimizer moments) is the same on every rank.
+
+Why: a snapshot of replicated state is written in pieces, each by one rank
+(`elastic.layout.owned_pieces`). If the replicas diverged (a model nobody wrapped in DDP, a
+rank-dependent update), the committed snapshot would mix them tensor by tensor — even one
+weight's moments from different ranks — and every checksum would still pass.
+
+Contract:
+- `fingerprints(tensors, step, samples=SAMPLES)` -> `(names, values)`: for every replicated
+  tensor of `tensors` (any tensor but a sharded DTensor; a replicated DTensor's local
+  tensor), sorted by name, `samples` elements at positions derived from `(name, step)` only
+  (the same on every rank for the same shapes; others at the next snapshot, so a long run
+  samples much of each tensor), as the int64 bit patterns of their float64 values (every
+  dtype compares exactly; equal values give equal patterns). `values` is an int64 CPU tensor
+  of `len(names) * samples` entries. Cost: one small gather per tensor, no copy of a tensor.
+- `agree(busy, names, values)` (every rank calls it, with the same names): one all-reduce
+  (MAX) of `[busy, values, ~values]`; returns `(busy on any rank, the first name whose
+  fingerprint differs between ranks or None)`. Without a process group of more than one rank
+  it returns `(busy, None)`.
+- `divergence_message(name, step)` is the one line the snapshot fails with.
+"""
+
+from __future__ import annotations
+
+import functools
+import zlib
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor, Shard
+
+from elastic.collectives import group_device, grouped
+
+SAMPLES = 4  # elements per tensor and snapshot: a diverged replica differs almost everywhere
+# Odd 64-bit constants (splitmix64's): consecutive steps and samples land far apart.
+_STEP_MIX, _SAMPLE_MIX = 0x9E3779B97F4A7C15, 0xBF58476D1CE4E5B9
+
+
+def _replicated(tensor: torch.Tensor) -> torch.Tensor | None:
+    if isinstance(tensor, DTensor):
+        if any(isinstance(p, Shard) for p in tensor.placements):
+            return None  # each rank holds its own shard: nothing to compare
+        tensor = tensor.to_local()
+    return tensor if tensor.numel() > 0 and not tensor.is_complex() else None
+
+
+@functools.lru_cache(maxsize=65536)
+def _name_seed(name: str) -> int:
+    return zlib.crc32(name.encode())
+
+
+def _numpy_view(tensor: torch.Tensor) -> np.ndarray | None:
+    """A CPU tensor as a numpy array without a copy (None: on a device, or no numpy dtype)."""
+    if tensor.device.type != "cpu" or tensor.dtype in (torch.bfloat16, torch.float8_e4m3fn,
+                                                       torch.float8_e5m2):
+        return None
+    return tensor.detach().numpy()
+
+
+def fingerprints(tensors: dict[str, torch.Tensor], step: int,
+                 samples: int = SAMPLES) -> tuple[list[str], torch.Tensor]:
+    chosen = [(name, t) for name in sorted(tensors)
+              if (t := _replicated(tensors[name])) is not None]
+    names = [name for name, _ in chosen]
+    if not chosen:
+        return names, torch.zeros(0, dtype=torch.int64)
+    # Every tensor's positions at once (uint64 arithmetic wraps, as intended).
+    seeds = np.array([_name_seed(name) for name in names], dtype=np.uint64)
+    numels = np.array([t.numel() for _, t in chosen], dtype=np.uint64)
+    mixed = (seeds[:, None] + np.uint64(step * _STEP_MIX % 2**64)
+             + np.arange(samples, dtype=np.uint64)[None, :] * np.uint64(_SAMPLE_MIX))
+    positions = (mixed % numels[:, None]).astype(np.int64)
+    out = np.empty((len(chosen), samples), dtype=np.float64)
+    on_devices: dict[torch.device, list[tuple[int, torch.Tensor]]] = {}
+    with torch.no_grad():
+        for i, (_, tensor) in enumerate(chosen):
+            where = np.unravel_index(positions[i], tuple(tensor.shape)) if tensor.dim() else ()
+            array = _numpy_view(tensor)
+            if array is not None:
+                out[i] = array[where] if array.ndim else array
+                continue
+            index = tuple(torch.from_numpy(w).to(tensor.device) for w in where)
+            values = tensor[index] if index else tensor.reshape(1).expand(samples)
+            on_devices.setdefault(tensor.device, []).append((i, values.to(torch.float64)))
+    for rows in on_devices.values():  # one copy to the CPU per device
+        gathered = torch.stack([values for _, values in rows]).cpu().numpy()
+        out[[i for i, _ in rows]] = gathered
+    return names, torch.from_numpy(out.reshape(-1).view(np.int64).copy())
+
+
+def agree(busy: int, names: list[str], values: torch.Tensor) -> tuple[int, str | None]:
+    if not grouped():
+        return busy, None
+    mine = torch.cat([torch.tensor([busy], dtype=torch.int64), values, ~values])
+    box = mine.to(group_device())
+    dist.all_reduce(box, op=dist.ReduceOp.MAX)
+    reduced = box.cpu()
+    count = values.numel()
+    highest, lowest = reduced[1:1 + count], ~reduced[1 + count:]
+    differs = (highest != lowest).reshape(len(names), -1).any(dim=1) if names else None
+    first = None
+    if differs is not None and bool(differs.any()):
+        first = names[int(torch.nonzero(differs)[0, 0])]
+    return int(reduced[0]), first
+
+
+def divergence_message(name: str, step: int) -> str:
+    return (f"snapshot {step} not committed: {name} differs between ranks (replicated state "
+            "diverged: a model not wrapped in DDP/FSDP, or a rank-dependent update); the "
+            "previous committed snapshot is intact")
