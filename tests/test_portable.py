@@ -189,8 +189,14 @@ MANIFEST_EDITS = {
         samples={"__tensor__": "model.inp.weight"}),
     "tensor referenced by no state": lambda obj: obj["state"]["model"].pop("inp.weight"),
 }
+def _manifest_is_fifo(run_dir: Path) -> None:
+    (_snapdir(run_dir) / MANIFEST_NAME).unlink()
+    os.mkfifo(_snapdir(run_dir) / MANIFEST_NAME)
+
+
 FILE_EDITS = {"flipped byte": _flip_a_data_byte, "truncated shard": _truncate,
-              "symlinked shard": _link_shard, "shard is a FIFO": _shard_is_fifo}
+              "symlinked shard": _link_shard, "shard is a FIFO": _shard_is_fifo,
+              "manifest is a FIFO": _manifest_is_fifo}
 
 
 def _both_refuse(run_dir: Path) -> str:
@@ -236,8 +242,20 @@ def test_crafted_shard_is_refused_as_by_pytorch(run, case: str) -> None:  # noqa
     finally:
         done.set()
     expected = {"flipped byte": "checksum mismatch", "truncated shard": "truncated",
-                "symlinked shard": "symbolic link", "shard is a FIFO": "not a regular file"}
+                "symlinked shard": "symbolic link", "shard is a FIFO": "not a regular file",
+                "manifest is a FIFO": "FIFO"}
     assert expected[case] in message, message
+
+
+def test_a_linked_step_directory_is_no_snapshot_for_either(run, tmp_path) -> None:  # noqa: F811
+    elsewhere = tmp_path / "elsewhere"
+    shutil.move(str(_snapdir(run)), elsewhere)
+    _snapdir(run).symlink_to(elsewhere)
+    store = SnapshotStore(str(run))
+    assert PortableRun(str(run)).committed_steps() == store.committed_steps() == [2]
+    with pytest.raises(ValueError, match="not a committed snapshot"):
+        PortableRun(str(run)).read(4)
+    assert baton_main(["snapshots", "verify", str(run), "4"]) == 1
 
 
 def test_bad_manifest_json_is_one_line(run) -> None:  # noqa: F811
