@@ -76,11 +76,18 @@ class LocalFiles:
     def read_file(self, path: str, max_bytes: int | None = None) -> bytes:
         """The whole file; more than ``max_bytes`` is refused before it is read."""
         with self._open(path) as fh:
+            if max_bytes is None:
+                whole: bytes = fh.read()
+                return whole
             size = os.fstat(fh.fileno()).st_size
-            if max_bytes is not None and size > max_bytes:
+            if size > max_bytes:
                 raise too_large(path, size, max_bytes)
-            data: bytes = fh.read() if max_bytes is None else fh.read(max_bytes + 1)
-        if max_bytes is not None and len(data) > max_bytes:  # it grew while we read
+            # Its size and one byte more (a buffer that large is allocated up front, so never
+            # max_bytes): a file that grew meanwhile is read on, within the bound.
+            data = fh.read(size + 1)
+            if len(data) > size:
+                data += fh.read(max_bytes + 1 - len(data))
+        if len(data) > max_bytes:
             raise too_large(path, len(data), max_bytes)
         return data
 

@@ -51,5 +51,6 @@ def test_metrics_on_s3_and_report_png(s3_bucket: str, tmp_path: Path) -> None:
 
 
 def test_report_of_an_empty_run_names_it(tmp_path: Path) -> None:
+    (tmp_path / "run").mkdir()
     with pytest.raises(FileNotFoundError, match="no metrics"):
-        write_report(str(tmp_path), tmp_path / "r.png")
+        write_report(str(tmp_path / "run"), tmp_path / "r.png")

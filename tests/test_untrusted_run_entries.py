@@ -15,12 +15,14 @@ import contextlib
 import json
 import logging
 import os
+import stat
 import threading
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import torch
+from inprocess_fit import InProcessFit
 
 from elastic.format import MANIFEST_NAME, step_dirname
 from elastic.snapshotter import Snapshotter
@@ -30,6 +32,7 @@ from trainer.cli import main
 from trainer.metrics import MetricsWriter, read_records
 
 DEEP = b"[" * 100_000 + b"]" * 100_000
+TINY = str(Path(__file__).resolve().parents[1] / "recipes" / "tiny.toml")
 
 
 def _train(snap: Snapshotter, ts: TrainState, first: int, last: int) -> None:
@@ -72,10 +75,11 @@ def fifo_watch(*fifos: Path) -> Iterator[list[str]]:
         while not done.wait(0.05):
             for fifo in fifos:
                 try:
-                    fd = os.open(fifo, os.O_WRONLY | os.O_NONBLOCK)
-                except OSError:  # ENXIO: no reader has it open
+                    fd = os.open(fifo, os.O_WRONLY | os.O_NONBLOCK | os.O_NOFOLLOW)
+                except OSError:  # ENXIO: no reader has it open (or it is gone)
                     continue
-                blocked.append(str(fifo))
+                if stat.S_ISFIFO(os.fstat(fd).st_mode):  # not a file written there since
+                    blocked.append(str(fifo))
                 os.close(fd)
 
     thread = threading.Thread(target=watch, daemon=True)
@@ -277,3 +281,28 @@ def test_deeply_nested_json_in_run_files_is_skipped_in_one_line(
         Snapshotter(str(run), ts.registry).restore()
     assert "generation.json" in str(info.value) and "\n" not in str(info.value)
     _verifies(capsys, run, [2, 4])
+
+
+def test_baton_fit_over_a_manifest_that_is_a_fifo(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str], fake_fit: InProcessFit,
+        tiny_dataset: str) -> None:
+    """`baton fit`'s pre-flight reads the newest manifest (its data cursor): a FIFO there
+    neither blocks it nor the restore, which sets that snapshot aside and continues from the
+    one before; the run ends committed and verifying."""
+    run = tmp_path / "run"
+    sets = ["--set", f'data.uri="{tiny_dataset}"', "--set", "steps=12", "--set",
+            "eval.every=0", "--set", "snapshots.keep_last=3"]
+    assert main(["fit", TINY, "--run-dir", str(run), *sets, "--until", "8"]) == 0
+    assert SnapshotStore(str(run)).committed_steps() == [4, 8]
+    manifest = run / "snapshots" / step_dirname(8) / MANIFEST_NAME
+    manifest.unlink()
+    os.mkfifo(manifest)
+    capsys.readouterr()
+    with fifo_watch(manifest) as blocked:
+        code = main(["fit", TINY, "--run-dir", str(run), *sets])
+    out = capsys.readouterr()
+    assert blocked == [] and code == 0, out.err[-2000:]
+    assert "Traceback" not in out.out + out.err
+    store = SnapshotStore(str(run))
+    assert store.committed_steps()[-1] == 12 and [r["step"] for r in store.quarantined()] == [8]
+    _verifies(capsys, run, store.committed_steps())
