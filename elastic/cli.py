@@ -6,7 +6,9 @@ URI (local path or ``s3://bucket/prefix/run``), prints to stdout and returns 0 o
 2 for bad input: an empty run URI, another scheme than a local path or ``s3://``, a run
 directory that does not exist, an ``--out`` that cannot be written or that resolves (links
 included) inside the run directory. Every error is one line ``error: ...`` on stderr, never a
-traceback.
+traceback. A run URI may also be a snapshot's directory, ``RUN/snapshots/000001200`` (what a
+``ray.train.Checkpoint`` of the run points at): the command reads run ``RUN`` at that step
+(``elastic.snapshot_ref``).
 ``rewind RUN --to STEP`` sets every committed snapshot newer than STEP aside (into
 ``quarantine/``, after verifying STEP) and says which and how to bring them back;
 ``restore-quarantined RUN [STEP]`` brings set-aside snapshots back when they verify and
@@ -34,6 +36,7 @@ from safetensors import SafetensorError
 
 from elastic.catalog import describe, export_model, resolve_step, snapshot_rows, verify
 from elastic.lease import LeaseHeldError
+from elastic.snapshot_ref import split_snapshot_dir
 from elastic.storage_io import output_problem, storage_errors
 from elastic.store import SnapshotStore
 
@@ -133,6 +136,15 @@ def _guarded(command: Callable[[argparse.Namespace], int]) -> Callable[..., int]
 
     @functools.wraps(command)
     def run(args: argparse.Namespace) -> int:
+        named = split_snapshot_dir(args.run_uri or "")
+        if named is not None:  # a snapshot's directory (a ray.train.Checkpoint's): its run
+            given = getattr(args, "step", None)
+            if given is not None and given != named[1]:
+                return _fail(f"{args.run_uri} is snapshot {named[1]} but step {given} was "
+                             "given: pass the run directory with a step, or the snapshot's", 2)
+            args.run_uri = named[0]
+            if hasattr(args, "step"):
+                args.step = named[1]
         try:
             problem = _bad_input(args)
         except storage_errors() as err:  # S3 credentials, endpoint, permissions

@@ -15,6 +15,7 @@
 from __future__ import annotations
 
 import dataclasses
+import logging
 import shutil
 from pathlib import Path
 from typing import Any
@@ -95,6 +96,40 @@ def test_a_stop_on_a_preemption_notice_is_not_charged_to_max_failures() -> None:
     assert policy.make_decision(_group_error({0: ValueError("x")})) == FailureDecision.RAISE
 
 
+def test_a_group_that_cannot_start_is_charged_to_max_failures_and_said(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Ray Train retries a start that times out forever by default (a controller error):
+    here it shares `max_failures` with the worker errors, and every failed start is logged
+    with the count; before each start the controller says what it waits for, how long."""
+    from ray.train.v2._internal.exceptions import WorkerGroupStartupTimeoutError
+    from ray.train.v2._internal.execution.scaling_policy import ResizeDecision
+    from ray.train.v2.api.exceptions import ControllerError
+
+    from trainer.on_ray.failures import StartReport
+
+    policy = FatalAwareFailurePolicy(FailureConfig(max_failures=2))
+    logger = logging.getLogger("ray.train.baton_scaling")  # Ray's loggers do not propagate
+    logger.addHandler(caplog.handler)
+    with caplog.at_level("INFO", logger="ray.train.baton_scaling"):
+        StartReport().before_controller_execute_resize_decision(
+            ResizeDecision(num_workers=2, resources_per_worker={"CPU": 1.0}))
+        assert policy.make_decision(_group_error({0: OSError("reset")})) == FailureDecision.RETRY
+        start = ControllerError(WorkerGroupStartupTimeoutError(num_workers=2))
+        assert policy.make_decision(start) == FailureDecision.RETRY
+        assert policy.make_decision(start) == FailureDecision.RAISE  # 3 failures > 2
+    logger.removeHandler(caplog.handler)
+    lines = [r.getMessage() for r in caplog.records]
+    assert ("Baton: starting a worker group of 2 worker(s) ({CPU: 1} each); waiting up to 60 s "
+            "for Ray to place and start them (RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S)") in lines
+    assert any(line.startswith("Baton: the worker group did not start (The worker group "
+                               "startup timed out after 60.0 seconds waiting for 2 workers); "
+                               "failure 2 of max_failures=2: retrying") for line in lines), lines
+    assert lines[-1].endswith("failure 3 of max_failures=2: giving up")
+    failed = run_failed_error(start)
+    assert "\n" not in str(failed) and "timed out after 60.0 seconds" in str(failed)
+
+
 def test_an_error_without_a_verdict_is_still_one_line() -> None:
     error = _group_error({0: FatalRunError("bad\ndataset")})
     failed = run_failed_error(error)
@@ -125,6 +160,13 @@ def test_ray_train_internals_it_relies_on_are_there() -> None:
     assert "failure_policy=create_failure_policy(" in inspect.getsource(DataParallelTrainer.fit)
     assert type(create_failure_policy(FailureConfig())) is DefaultFailurePolicy
     assert "_base_exc" in inspect.getsource(WorkerGroupPollStatus.errors.fget)
+    # A start failure is charged with Ray Train's count of worker-group failures; the start
+    # report runs in the controller hook before every worker-group start.
+    assert DefaultFailurePolicy(FailureConfig())._worker_group_failures == 0
+    from ray.train.v2._internal.execution.controller.controller import TrainController
+
+    assert '"before_controller_execute_resize_decision", decision' in inspect.getsource(
+        TrainController._execute_resize_decision)
 
 
 def test_max_failures_is_finite_by_default() -> None:

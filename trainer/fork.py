@@ -2,7 +2,8 @@
 
 Contract:
 - `parse_source("RUN@STEP")` splits `baton fit --from`'s value: a run URI and an optional
-  committed step (`RUN` alone: its newest committed snapshot).
+  committed step (`RUN` alone: its newest committed snapshot; a snapshot's directory
+  `RUN/snapshots/000000200`, a `ray.train.Checkpoint`'s, names both).
 - `plan_fork(cfg, source, step, data_cursor)` makes every check that needs no writing, before
   the lease and before Ray; each failure is one `RunDirError` (a `ValueError`) line naming the
   field or flag and the fix:
@@ -52,6 +53,7 @@ from typing import Any
 
 from elastic.format import Manifest, crc32_blocks, parse_header
 from elastic.generation import GENERATION_NAME
+from elastic.snapshot_ref import split_snapshot_dir
 from elastic.store import SnapshotStore
 from trainer.config import FitConfig
 from trainer.optim import optimizer_change
@@ -91,7 +93,11 @@ class ForkResult:
 
 
 def parse_source(text: str) -> tuple[str, int | None]:
-    """`RUN` or `RUN@STEP` (the step: a number >= 0)."""
+    """`RUN`, `RUN@STEP` (the step: a number >= 0) or a snapshot's directory,
+    `RUN/snapshots/<step>` (what a `ray.train.Checkpoint` of the run points at)."""
+    named = split_snapshot_dir(text)
+    if named is not None:
+        return named
     uri, sep, tail = text.rpartition("@")
     if not sep or "/" in tail:
         uri, tail = text, ""

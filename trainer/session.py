@@ -22,12 +22,10 @@ or, step by step with a loader of its own (`data_state.ResumableLoader`, `MapSty
 
 Contract
 --------
-- One open `Session` per process (a second is refused until the first is closed), and at a
-  world size above 1 its model must be the data-parallel one (DDP, e.g. what
-  `ray.train.torch.prepare_model` returns, or FSDP2): an unwrapped model would train one
-  replica per rank and is refused. Both are `UsageError`s (a `FatalRunError`: one line, no
-  restart fixes it). `unwrapped_model` is the model inside the DDP wrapper (the model itself
-  when there is none, as `prepare_model` leaves it at world size 1).
+- Refused, each in one line (`UsageError`, `trainer.session_setup`): a second open Session in
+  the process, and above world size 1 a model that is neither DDP (what
+  `ray.train.torch.prepare_model` returns) nor FSDP2. `unwrapped_model` is the model inside a
+  DDP wrapper (the model itself at world size 1, where `prepare_model` does not wrap).
 - Construction registers every component once, under fixed keys (`model`, `optim`, `sched`,
   `data`, `scaler`, each of `extras`, and `trainer` for the session's own step counter), and
   restores the newest committed snapshot into them, resharded to this rank and world size,
@@ -38,10 +36,10 @@ Contract
   `torch.amp.GradScaler`) is registered only when enabled, and optionally: a snapshot without
   one (a run that was not fp16) leaves it fresh.
 - Rank and world size come from `torch.distributed` (as Ray Train sets it up), else 0 and 1.
-  The run directory, the coordinator, snapshot settings, the platform's preemption notice
-  and an `until` step come from the worker context `ElasticTorchTrainer` installs
-  (`worker_context`); explicit arguments win; without either, `run_uri` is required and the
-  coordinator is in-process (`Snapshotter` picks one).
+  Run directory (`run_uri`: also the run's newest snapshot's directory or
+  `ray.train.Checkpoint`), coordinator, snapshot settings, preemption notice and `until` come
+  from the worker context `ElasticTorchTrainer` installs; explicit arguments win; without
+  either, `run_uri` is required and the coordinator is in-process.
 - `step_done()` ends a step (call it after the optimizer, scheduler and loader moved on;
   `steps(total)` calls it for you). It counts the step, then at this step boundary, agreed
   across ranks (`elastic.preemption.PreemptionWatcher`):
@@ -58,15 +56,14 @@ Contract
   optimizer step pre-hook on every registered optimizer that waits for it, so a loop never
   calls `wait_capture()` itself. Without a registered optimizer each capture is synchronous.
 - `close()` commits the current step if no snapshot of it was taken, and flushes; `close(
-  commit=False)` (what leaving a `with` block on an exception does) only flushes what is in
-  flight: a half-done step is never captured. Under `ElasticTorchTrainer` the last step is
-  committed when the training function returns (its wrapper closes the session), not when the
-  loop ends: code after the loop that fails restarts the group from an earlier snapshot and
-  runs the loop again, so a restart never lands past the loop with its variables unset.
+  commit=False)` (leaving a `with` block on an exception) only flushes: a half-done step is
+  never captured. Under `ElasticTorchTrainer` the last step is committed when the training
+  function returns, not when the loop ends: code after the loop that fails restarts the group
+  from an earlier snapshot and runs the loop again (never past it with its variables unset).
 - `data_loader(dataset, batch_size=, ...)`: the elastic `DataLoader` (`trainer.data_loader`),
   registered as `data` and restored from the snapshot; at most one, made before training.
-- A world-size-free loader handed out a step with `next_step()` that `advance()` did not
-  commit when the step ends (`step_done`): a `UsageError` naming the fix.
+  A `ResumableLoader` whose `next_step()` was not `advance()`d when the step ends: a
+  `UsageError` naming the fix.
 - Data: an object with `reshard(rank=, world_size=)` (`data_state.ResumableLoader`,
   `data_state.map_loader.MapStyleLoader`) is world-size free and is resharded to this rank.
   Any other `state_dict()/load_state_dict()` loader (e.g. torchdata's `StatefulDataLoader`)
@@ -79,30 +76,32 @@ Nothing here imports Ray; `trainer.on_ray.elastic_trainer` is the Ray side.
 
 from __future__ import annotations
 
-import contextlib
-import dataclasses
 import logging
 import threading
 import time
-import weakref
 from collections.abc import Callable, Iterator, Mapping
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any
 
 import torch
-import torch.distributed as dist
 from torch import nn
-from torch.distributed.tensor import DTensor
 
 from data_state import ResumableLoader
 from elastic.errors import FatalRunError, SnapshotIntegrityError
 from elastic.preemption import PreemptionNotice, PreemptionWatcher
 from elastic.protocol import CoordinatorClient
-from elastic.ram_store import RamTier
 from elastic.registry import SnapshotMismatchError, StateRegistry
 from elastic.snapshotter import Snapshotter
+from trainer import session_setup as setup
 from trainer.config import SnapshotConfig
-from trainer.parallel import parallelism_of, unwrapped
+from trainer.parallel import unwrapped
+from trainer.session_setup import (  # noqa: F401 - the public names of trainer.session
+    UsageError,
+    WorkerContext,
+    current_context,
+    open_session,
+    run_directory,
+    worker_context,
+)
 
 if TYPE_CHECKING:
     from trainer.data_loader import ElasticDataLoader
@@ -111,7 +110,6 @@ log = logging.getLogger("baton.session")
 
 # The session's own state in the snapshot (the key Baton's loop has always used).
 PROGRESS_KEY = "trainer"
-DEFAULT_SNAPSHOT_EVERY = 100
 # Asking the platform for a preemption notice is a barrier across workers: not every step.
 PREEMPTION_CHECK_EVERY = 5
 # After the snapshot for a planned resize, how long to wait for the teardown before training
@@ -123,55 +121,6 @@ class PreemptedError(RuntimeError):
     """This worker group stopped on a preemption notice after committing a snapshot."""
 
 
-class UsageError(FatalRunError, ValueError):
-    """A mistake in the training loop's code: the same on every restart (one line)."""
-
-
-@dataclass(frozen=True)
-class WorkerContext:
-    """What the driver hands each worker (`ElasticTorchTrainer` installs it)."""
-
-    snapshots: SnapshotConfig  # run directory and snapshot settings
-    coordinator: CoordinatorClient | None = None  # the run's coordinator (Ray actor client)
-    ram_tier: RamTier | None = None  # where shards' RAM copies go (stores on peer nodes)
-    preemption_notice: Callable[[], Any] | None = None  # the platform's notice, or None
-    until: int | None = None  # stop (committing) after this step
-    # The caller closes the session when the training function returns (so the loop's end
-    # does not commit: ElasticTorchTrainer's wrapper does).
-    close_at_return: bool = False
-
-
-_context: WorkerContext | None = None
-_open: weakref.ref[Session] | None = None  # the one open Session of this process
-
-
-@contextlib.contextmanager
-def worker_context(context: WorkerContext) -> Iterator[WorkerContext]:
-    """Make `context` what every `Session` created inside the block starts from."""
-    global _context
-    previous, _context = _context, context
-    try:
-        yield context
-    finally:
-        _context = previous
-
-
-def current_context() -> WorkerContext | None:
-    return _context
-
-
-def open_session() -> Session | None:
-    """The open (not closed) `Session` of this process, if any."""
-    session = _open() if _open is not None else None
-    return session if session is not None and not session.closed else None
-
-
-@runtime_checkable
-class WorldSizeFree(Protocol):
-    """A loader whose state holds no rank: it is told its share (`data_state.ResumableLoader`,
-    `data_state.map_loader.MapStyleLoader`)."""
-
-    def reshard(self, *, rank: int, world_size: int) -> None: ...
 
 
 class _Progress:
@@ -199,7 +148,7 @@ class Session:
         *,
         extras: Mapping[str, Any] | None = None,
         scaler: torch.amp.GradScaler | None = None,
-        run_uri: str | None = None,
+        run_uri: Any = None,
         snapshot_every: int | None = None,
         snapshots: SnapshotConfig | None = None,
         until: int | None = None,
@@ -209,9 +158,11 @@ class Session:
         run_info: dict[str, Any] | None = None,
     ) -> None:
         context = current_context()
-        settings = _settings(snapshots, context, run_uri, snapshot_every)
-        self.rank, self.world_size = _rank_and_world_size()
-        _refuse_misuse(model, self.world_size)
+        settings = setup.settings(snapshots, context,
+                             None if run_uri is None else setup.run_directory(run_uri),
+                             snapshot_every)
+        self.rank, self.world_size = setup.rank_and_world_size()
+        setup.refuse_misuse(model, self.world_size)
         self.model = model
         self.optimizer_steps = 0  # optimizer.step() calls (the pre-hook counts them)
         self._loader: ElasticDataLoader | None = None
@@ -226,7 +177,7 @@ class Session:
         if scheduler is not None:
             self.registry.register("sched", scheduler)
         if data is not None:
-            if isinstance(data, WorldSizeFree):
+            if isinstance(data, setup.WorldSizeFree):
                 data.reshard(rank=self.rank, world_size=self.world_size)
             self.registry.register("data", data)
         if scaler is not None and scaler.is_enabled():
@@ -237,7 +188,7 @@ class Session:
         self.registry.register(PROGRESS_KEY, self._progress)
         self.snapshotter = Snapshotter(
             settings.run_uri, self.registry, rank=self.rank, world_size=self.world_size,
-            layout=layout or _layout_of(model),
+            layout=layout or setup.layout_of(model),
             coordinator=coordinator or (context.coordinator if context else None),
             snapshot_every=settings.snapshot_every, keep_last=settings.keep_last,
             ram=settings.ram_copy_mib != 0 and settings.ram_replicas != 0,
@@ -249,7 +200,9 @@ class Session:
         )
         self.coordinator: CoordinatorClient = self.snapshotter.coordinator
         self.start_step = self._restore()
-        self._check_data(data, strict_data)
+        if self.rank == 0 or strict_data:
+            setup.check_data(data, self.snapshotter.restored_world_size, self.world_size,
+                             strict_data)
         self.stall_s = 0.0  # training time spent waiting on snapshots so far
         self.stopped_at: int | None = None  # the step a stop (driver or `until`) ended at
         self._captured: int | None = self.start_step if self.start_step else None
@@ -257,8 +210,7 @@ class Session:
         optimizers = [o for o in [optimizer, *(extras or {}).values()]
                       if isinstance(o, torch.optim.Optimizer)]
         self._hooks = [o.register_step_pre_hook(self._before_optimizer_step) for o in optimizers]
-        global _open
-        _open = weakref.ref(self)
+        setup.note_open(self)
         self._pipelined = bool(optimizers)
         self.watcher = PreemptionWatcher(
             external=context.preemption_notice if context else None,
@@ -400,22 +352,6 @@ class Session:
             # a restart would silently train from step 0, so stop and let a person look.
             raise FatalRunError(str(err)) from err
 
-    def _check_data(self, data: Any, strict: bool) -> None:
-        saved = self.snapshotter.restored_world_size
-        if data is None or saved is None or saved == self.world_size:
-            return
-        if isinstance(data, WorldSizeFree):
-            return  # world-size free: its cursor means the same samples at any world size
-        message = (
-            f"the data loader's position was saved at world size {saved} and restores at "
-            f"{self.world_size}: {type(data).__name__} keeps a per-rank position, so samples "
-            "may repeat or be skipped until its epoch ends. Use data_state.ResumableLoader or "
-            "data_state.map_loader.MapStyleLoader for exactly-once data at any world size")
-        if strict:
-            raise FatalRunError(message)
-        if self.rank == 0:
-            log.warning("%s", message)
-
     def _before_optimizer_step(self, *_: Any) -> None:
         self.optimizer_steps += 1
         self._wait_capture()
@@ -449,46 +385,3 @@ class Session:
         raise PreemptedError(
             f"preempted at step {notice.step} ({notice.source}); its snapshot is committed "
             "and training resumes from it")
-
-
-def _settings(snapshots: SnapshotConfig | None, context: WorkerContext | None,
-              run_uri: str | None, snapshot_every: int | None) -> SnapshotConfig:
-    base = snapshots or (context.snapshots if context else None)
-    if base is None:
-        base = SnapshotConfig(snapshot_every=DEFAULT_SNAPSHOT_EVERY)
-    changes: dict[str, Any] = {}
-    if run_uri is not None:
-        changes["run_uri"] = run_uri
-    if snapshot_every is not None:
-        changes["snapshot_every"] = snapshot_every
-    settings = dataclasses.replace(base, **changes)
-    if not settings.run_uri:
-        raise ValueError("Session: no run directory: pass run_uri=... (or run the loop under "
-                         "trainer.ElasticTorchTrainer, which passes it)")
-    return settings
-
-
-def _refuse_misuse(model: nn.Module, world_size: int) -> None:
-    """One open Session per process; a data-parallel model above world size 1."""
-    other = open_session()
-    if other is not None:
-        raise UsageError(
-            f"Session: a Session of {other.snapshotter.store.run_uri} (step {other.step}) is "
-            "still open in this process: close() it (or leave its with block) first; a "
-            "process trains one run at a time")
-    if world_size > 1 and parallelism_of(model) is None:
-        raise UsageError(
-            f"Session: the model is not wrapped for data parallelism at world size "
-            f"{world_size}, so each rank would train its own replica: pass the model that "
-            "ray.train.torch.prepare_model(model) returns (DDP), or shard it with fully_shard")
-
-
-def _rank_and_world_size() -> tuple[int, int]:
-    if dist.is_available() and dist.is_initialized():
-        return dist.get_rank(), dist.get_world_size()
-    return 0, 1
-
-
-def _layout_of(model: nn.Module) -> str:
-    """FSDP2 shards parameters as DTensors; anything else is replicated (DDP or one rank)."""
-    return "fsdp" if any(isinstance(p, DTensor) for p in model.parameters()) else "ddp"

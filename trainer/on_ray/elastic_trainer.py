@@ -23,6 +23,17 @@ Contract:
     other Baton code is a `FatalRunError`; `BATON_SKIP_CODE_CHECK=1` turns it off) and the
     worker context every `trainer.session.Session` starts from (run directory, snapshot
     settings, coordinator, Ray Train's preemption notice, `until`).
+- Ray Train's conventions: `fit()` returns Ray Train's `Result` whose `checkpoint` is a
+  `ray.train.Checkpoint` of the newest committed snapshot's directory (`RUN/snapshots/<step>`;
+  None when nothing was committed), which `Session(run_uri=...)`, `baton fit --from` and
+  `baton snapshots ...` accept and `Checkpoint.as_directory()` opens (`manifest.json` and
+  safetensors shards). `run_uri` may be such a checkpoint too (`session.run_directory`).
+  A fixed `ScalingConfig(num_workers=N)`, N > 1, becomes `(1, N)` with a warning saying so: a
+  fixed size would wait, after a node loss, for a group the cluster can no longer hold
+  (`(N, N)` keeps it fixed, and a group that cannot start counts against `max_failures`).
+- On every worker, the session the training function left open is closed (committing its
+  last step) when the function returns: code after the training loop runs before that commit,
+  so if it fails the group restarts from an earlier snapshot and runs the loop again.
 - Stops: `until` ends the workers (committing) after that step; `request_stop()` — or setting
   the `stop` event passed in — asks the coordinator, and the workers commit the step they are
   at and end normally. `trainer.stopped_at` is then the step they stopped at (else None).
@@ -36,12 +47,13 @@ from __future__ import annotations
 import dataclasses
 import os
 import threading
+import warnings
 from collections.abc import Callable
 from typing import Any
 
 import ray
 import ray.train
-from ray.train.v2.api.config import RunConfig
+from ray.train.v2.api.config import RunConfig, ScalingConfig
 
 from elastic.errors import FatalRunError
 from elastic.lease import LeaseLostError, RunLease
@@ -50,7 +62,7 @@ from elastic.version import code_version
 from trainer.config import SnapshotConfig
 from trainer.on_ray.resize import SnapshotBeforeResize
 from trainer.on_ray.scaling import BatonTorchTrainer
-from trainer.session import WorkerContext, worker_context
+from trainer.session import WorkerContext, open_session, run_directory, worker_context
 
 # Set to 1 to let workers run other code than the driver: only for a checkout that is edited
 # while a local cluster trains from it (a worker started after the edit would be refused).
@@ -78,6 +90,38 @@ def ray_preemption_notice() -> Any:
     return ray.train.get_preemption_info()
 
 
+def elastic_scaling(scaling: ScalingConfig) -> ScalingConfig:
+    """A fixed `num_workers=N` (N > 1) as `(1, N)`, with a warning that says so."""
+    workers = scaling.num_workers
+    if isinstance(workers, bool) or not isinstance(workers, int) or workers <= 1:
+        return scaling
+    warnings.warn(
+        f"ElasticTorchTrainer: ScalingConfig(num_workers={workers}) is a fixed size, which "
+        f"after a node loss waits for {workers} workers the cluster may no longer hold; "
+        f"training elastically with num_workers=(1, {workers}) instead (pass "
+        f"num_workers=({workers}, {workers}) to keep the size fixed)", UserWarning,
+        stacklevel=3)
+    return dataclasses.replace(scaling, num_workers=(1, workers))
+
+
+def snapshot_checkpoint(run_uri: str) -> ray.train.Checkpoint | None:
+    """The newest committed snapshot of the run as a `ray.train.Checkpoint` (None: none)."""
+    store = SnapshotStore(run_uri)
+    steps = store.committed_steps()
+    if not steps:
+        return None
+    where = store.step_path(steps[-1])
+    if store.is_local:
+        return ray.train.Checkpoint(os.path.abspath(where))
+    import pyarrow.fs
+
+    # The endpoint Baton's S3 access uses (elastic.s3_files), for pyarrow's client too.
+    endpoint = os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL")
+    filesystem = pyarrow.fs.S3FileSystem(endpoint_override=endpoint) if endpoint \
+        else pyarrow.fs.S3FileSystem()
+    return ray.train.Checkpoint(where.removeprefix("s3://"), filesystem=filesystem)
+
+
 class ElasticTorchTrainer(BatonTorchTrainer):
     """See the module docstring."""
 
@@ -96,7 +140,7 @@ class ElasticTorchTrainer(BatonTorchTrainer):
     ) -> None:
         settings = snapshots or SnapshotConfig()
         if run_uri is not None:
-            settings = dataclasses.replace(settings, run_uri=run_uri)
+            settings = dataclasses.replace(settings, run_uri=run_directory(run_uri))
         if not settings.run_uri:
             raise ValueError("ElasticTorchTrainer: pass run_uri=... (where the run's "
                              "snapshots live: a local path or s3://bucket/prefix/NAME)")
@@ -116,6 +160,9 @@ class ElasticTorchTrainer(BatonTorchTrainer):
         self.health: dict[str, Any] = {}  # the coordinator's health() when fit() returned
         self.stopped_at: int | None = None
         self._lease_token: str | None = None
+        scaling = torch_trainer_kwargs.get("scaling_config")
+        if scaling is not None:
+            torch_trainer_kwargs["scaling_config"] = elastic_scaling(scaling)
         super().__init__(train_loop_per_worker, run_config=run_config, **torch_trainer_kwargs)
 
     def request_stop(self) -> None:
@@ -133,6 +180,7 @@ class ElasticTorchTrainer(BatonTorchTrainer):
         lease.start_renewing()
         try:
             result = self._fit_leased(lease)
+            result.checkpoint = snapshot_checkpoint(self.snapshots.run_uri)
         except BaseException as err:
             if lease.lost:  # the failure is most likely the refused commits: say why
                 raise LeaseLostError(lease.lost) from err
@@ -191,7 +239,7 @@ class ElasticTorchTrainer(BatonTorchTrainer):
 
     def _get_train_func(self) -> Callable[[], Any]:
         inner = super()._get_train_func()
-        context = WorkerContext(snapshots=self.snapshots, until=self.until)
+        context = WorkerContext(snapshots=self.snapshots, until=self.until, close_at_return=True)
         driver_version = None if os.environ.get(SKIP_CODE_CHECK_ENV) == "1" else code_version()
         lease_token = self._lease_token
 
@@ -213,6 +261,10 @@ class ElasticTorchTrainer(BatonTorchTrainer):
             with worker_context(dataclasses.replace(
                     context, coordinator=coordinator, ram_tier=ram_tier,
                     preemption_notice=ray_preemption_notice)):
-                return inner()
+                result = inner()
+                session = open_session()
+                if session is not None:
+                    session.close()  # the last step, committed once the function returned
+                return result
 
         return train_func_in_session_context

@@ -8,9 +8,14 @@ Contract:
   continues, a worker on other code) is RAISEd at once, without a retry; and a group that
   stopped on a preemption notice after committing its snapshot (`trainer.session.PreemptedError`)
   is charged to `max_preemption_failures`, as Ray Train charges its own preemptions, not to
-  `max_failures` (it lost no work). Everything else is Ray Train's decision. When it RAISEs,
+  `max_failures` (it lost no work); and a worker group that could not start (Ray Train's
+  `WorkerGroupStartupTimeoutError` / `WorkerGroupStartupFailedError`, which Ray Train
+  retries forever by default) is charged to `max_failures` with the worker-group failures,
+  and logged with the count. Everything else is Ray Train's decision. When it RAISEs,
   it writes its verdict (restarts so far, fatal or not, the worker's message) into the
   error Ray Train hands the driver.
+- `StartReport` (a controller callback) logs, before each worker-group start, what the
+  controller waits for and for how long: the workers, their resources, the start timeout.
 - `fatal_message(error)`, `stopped_on_preemption_notice(error)`, `last_error_message(error)`
   read a `TrainingFailedError` (each worker's exception, its cause chain, else the traceback
   text Ray Train kept); messages are one line, at most `_MESSAGE_CHARS`.
@@ -25,16 +30,27 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import re
 from typing import Any
 
+from ray.train.v2._internal.constants import (
+    DEFAULT_WORKER_GROUP_START_TIMEOUT_S,
+    WORKER_GROUP_START_TIMEOUT_S_ENV_VAR,
+)
+from ray.train.v2._internal.exceptions import (
+    WorkerGroupStartupFailedError,
+    WorkerGroupStartupTimeoutError,
+)
+from ray.train.v2._internal.execution.callback import ControllerCallback
 from ray.train.v2._internal.execution.failure_handling import (
     DefaultFailurePolicy,
     FailureDecision,
     FailurePolicy,
 )
+from ray.train.v2._internal.execution.scaling_policy import ResizeDecision
 from ray.train.v2.api.config import FailureConfig
-from ray.train.v2.api.exceptions import TrainingFailedError, WorkerGroupError
+from ray.train.v2.api.exceptions import ControllerError, TrainingFailedError, WorkerGroupError
 
 from elastic.errors import FatalRunError
 
@@ -84,6 +100,18 @@ def fatal_message(error: TrainingFailedError) -> str | None:
         if found:
             return _one_line(found.group(1))
     return None
+
+
+def start_failure(error: TrainingFailedError) -> bool:
+    """Whether the worker group could not start (placement or start-up timed out/failed)."""
+    return isinstance(error, ControllerError) and isinstance(
+        error.controller_failure, (WorkerGroupStartupTimeoutError, WorkerGroupStartupFailedError))
+
+
+def start_timeout_s() -> float:
+    """How long Ray Train waits for a worker group to start (its environment variable)."""
+    return float(os.environ.get(WORKER_GROUP_START_TIMEOUT_S_ENV_VAR,
+                                DEFAULT_WORKER_GROUP_START_TIMEOUT_S))
 
 
 def stopped_on_preemption_notice(error: TrainingFailedError) -> bool:
@@ -156,6 +184,7 @@ class FatalAwareFailurePolicy(FailurePolicy):
         self._inner = inner or DefaultFailurePolicy(failure_config)
         self.restarts = 0  # RETRY decisions so far: the worker-group restarts of this fit
         self._preemptions = 0
+        self.start_failures = 0  # worker groups that could not start
 
     def make_decision(self, training_failed_error: TrainingFailedError) -> FailureDecision:
         error = training_failed_error
@@ -166,6 +195,8 @@ class FatalAwareFailurePolicy(FailurePolicy):
             logger.error("Baton: a worker hit an error no restart can fix; failing the run: %s",
                          fatal)
             decision = FailureDecision.RAISE
+        elif start_failure(error):
+            decision = self._decide_start_failure(error)
         elif stopped_on_preemption_notice(error):
             self._preemptions += 1
             limit = self.failure_config.max_preemption_failures
@@ -180,6 +211,23 @@ class FatalAwareFailurePolicy(FailurePolicy):
             self.restarts += 1
         elif decision == FailureDecision.RAISE:
             self._write_verdict(error, fatal)
+        return decision
+
+    def _decide_start_failure(self, error: TrainingFailedError) -> FailureDecision:
+        """Charged to `max_failures`, with the worker-group failures Ray Train counted: a
+        group that cannot start (a fixed size after a node loss, resources the cluster
+        lacks) must not be retried forever in silence."""
+        self.start_failures += 1
+        # Ray Train's own count of worker-group failures (a pinned internal: see the tests).
+        failures = self.start_failures + int(getattr(self._inner, "_worker_group_failures", 0))
+        limit = self.failure_config.max_failures
+        decision = (FailureDecision.RETRY if limit == -1 or failures <= limit
+                    else FailureDecision.RAISE)
+        reason = _one_line(str(getattr(error, "controller_failure", error))).split(". ")[0]
+        logger.warning("Baton: the worker group did not start (%s); failure %d of "
+                       "max_failures=%s: %s", reason, failures,
+                       "unlimited" if limit == -1 else limit,
+                       "retrying" if decision == FailureDecision.RETRY else "giving up")
         return decision
 
     def _write_verdict(self, error: TrainingFailedError, fatal: str | None) -> None:
@@ -197,3 +245,15 @@ class FatalAwareFailurePolicy(FailurePolicy):
             f"{_VERDICT_MARK}{json.dumps(verdict)}\n{error._error_message}"
         )
         error.args = (f"Training failed due to worker errors:\n{error._error_message}",)
+
+
+class StartReport(ControllerCallback):
+    """Before each worker-group start, one line: what the controller now waits for, and for
+    how long (a start that cannot be placed otherwise waits in silence)."""
+
+    def before_controller_execute_resize_decision(self, decision: ResizeDecision) -> None:
+        resources = ", ".join(f"{k}: {v:g}" for k, v in
+                              sorted(decision.resources_per_worker.items()))
+        logger.info("Baton: starting a worker group of %d worker(s) ({%s} each); waiting up "
+                    "to %g s for Ray to place and start them (%s)", decision.num_workers,
+                    resources, start_timeout_s(), WORKER_GROUP_START_TIMEOUT_S_ENV_VAR)

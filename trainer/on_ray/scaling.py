@@ -28,8 +28,9 @@ Contract:
   worker often ended before it grew), and a draining node would be grown onto and wait out
   the start timeout. (Draining nodes the group runs on are the preemption path's: counted.)
 - `BatonTorchTrainer` is `TorchTrainer` with that policy and `failures.FatalAwareFailurePolicy`
-  (an error no restart can fix fails the run once) in place of Ray Train's default ones (a
-  fixed size keeps Ray Train's fixed scaling policy). Its `fit()` raises
+  (an error no restart can fix fails the run once; a group that cannot start counts against
+  `max_failures`) in place of Ray Train's default ones (a fixed size keeps Ray Train's fixed
+  scaling policy), and `failures.StartReport` among the controller callbacks. Its `fit()` raises
   `failures.RunFailedError` (a `TrainingFailedError`) whose message is one line: the worker's
   message and the number of restarts.
 
@@ -69,6 +70,7 @@ from ray.train.v2.torch.torch_trainer import TorchTrainer  # Train V2 (what ray.
 from trainer.on_ray.failures import (
     FatalAwareFailurePolicy,
     RunFailedError,
+    StartReport,
     run_failed_error,
 )
 
@@ -233,6 +235,8 @@ class BatonTorchTrainer(TorchTrainer):
             controller_init_kwargs["failure_policy"] = FatalAwareFailurePolicy(
                 failures.failure_config
             )
+        callbacks = controller_init_kwargs.get("callbacks") or []
+        controller_init_kwargs["callbacks"] = [*callbacks, StartReport()]
         return super()._initialize_and_run_controller(**controller_init_kwargs)
 
     def fit(self) -> Any:
