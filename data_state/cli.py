@@ -2,9 +2,10 @@
 
 Contract: `register(subparsers)` adds the `data` group with two commands; each sets
 `func(args) -> int` (0 on success). Errors in user input print one line on stderr naming the
-field or file and return 2 (a `--out` that cannot be written is found before any source is
-read; a URI that is not a prepared dataset directory, an unsupported scheme or an unknown
-split is named as such); nothing here executes code from a dataset.
+field or file and return 2 (a `--out` that cannot be written, or that resolves (links
+included) inside a local source or a Baton run directory other than its `data/`, is found
+before any source is read; a URI that is not a prepared dataset directory, an unsupported
+scheme or an unknown split is named as such); nothing here executes code from a dataset.
 
     baton data prepare --out URI [--seq-len N] [--val-fraction F] [--max-bytes N]
                        [--tokenizer PATH | --train-tokenizer VOCAB] [--eos-token TEXT]
@@ -30,7 +31,7 @@ from data_state import storage
 from data_state.corpus import prepare_corpus
 from data_state.dataset import TokenDataset, read_manifest
 from data_state.manifest import DatasetManifest
-from elastic.storage_io import storage_errors
+from elastic.storage_io import output_problem, storage_errors
 
 
 def register(subparsers: Any) -> None:
@@ -147,8 +148,34 @@ def _check_writable(out: str) -> None:
         os.rmdir(directory)
 
 
+def _out_problem(out: str, sources: list[str]) -> str | None:
+    """Why a local `--out` must not be written, links resolved: inside a local source (the
+    prepare would read what it writes) or inside a Baton run directory (one holding
+    `run.json`) anywhere but its `data/`, where `baton fit` prepares the default corpus."""
+    if "://" in out and not out.startswith("file://"):
+        return None
+    bases = [s.removeprefix("file://").split("*")[0].split("?")[0].split("[")[0]
+             for s in sources if "://" not in s or s.startswith("file://")]
+    problem = output_problem(out, [b for b in bases if b], what="the source")
+    if problem:
+        return problem
+    path = os.path.realpath(out.removeprefix("file://"))
+    below: list[str] = []
+    while True:
+        if os.path.isfile(os.path.join(path, "run.json")) and below[-1:] != ["data"]:
+            return output_problem(out, [path])
+        parent = os.path.dirname(path)
+        if parent == path:
+            return None
+        below.append(os.path.basename(path))
+        path = parent
+
+
 def _prepare(args: argparse.Namespace) -> int:
     started = time.perf_counter()
+    problem = _out_problem(args.out, args.paths)
+    if problem:
+        return _fail("prepare", f"--out {problem}")
     try:
         _check_writable(args.out)
     except ValueError as err:  # empty or unsupported URI

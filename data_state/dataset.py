@@ -40,6 +40,7 @@ from data_state import storage
 from data_state.manifest import MANIFEST_NAME, DatasetError, DatasetManifest
 from data_state.shards import ShardReader
 from data_state.tokenizer import ByteTokenizer, Tokenizer, from_stored
+from elastic.storage_io import MAX_JSON_BYTES, RefusedEntryError
 
 if TYPE_CHECKING:  # torch is imported by batch() only: read() serves numpy without it
     import torch
@@ -56,12 +57,14 @@ def read_manifest(uri: str, storage_options: Mapping[str, Any] | None = None) ->
 def _load_manifest(fs: storage.Storage, root: str, uri: str) -> DatasetManifest:
     path = storage.join(root, MANIFEST_NAME)
     try:
-        text = fs.read_file(path)
+        text = fs.read_file(path, max_bytes=MAX_JSON_BYTES)
     except FileNotFoundError:
         raise DatasetError(
             f"{path} not found: {uri} is not a prepared dataset (run "
             f"`baton data prepare --out {uri}`)"
         ) from None
+    except (RefusedEntryError, ValueError) as err:  # a link, a FIFO, larger than any manifest
+        raise DatasetError(f"{err}: prepare the dataset again") from None
     return DatasetManifest.from_json(text, where=path)
 
 

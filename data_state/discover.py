@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import fnmatch
 import glob
-import json
 import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -91,7 +90,7 @@ def _discover_local(source: str) -> list[InputFile]:
         base = os.path.normpath(source)
         marker = [n for n in ("state.json", "dataset_dict.json") if os.path.isfile(f"{base}/{n}")]
         if marker:
-            store, root = storage.resolve(base)
+            store, root = storage.resolve(base, follow_links=True)  # a person's own input
             return _saved_dataset(store, root, base)
         return [
             _input(f"{base}/{rel}", path, os.path.getsize(path))
@@ -140,7 +139,7 @@ def _saved_dataset(store: storage.Storage, path: str, name: str) -> list[InputFi
 
 def _json(store: storage.Storage, path: str) -> dict[str, Any]:
     try:
-        raw = json.loads(store.read_file(path))
+        raw = store.read_json(path)  # bounded: size, depth, numbers
     except (OSError, ValueError) as err:
         raise ValueError(f"{path} is not readable JSON ({err})") from None
     if not isinstance(raw, dict):

@@ -36,6 +36,8 @@ import re
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from elastic.storage_io import loads_json
+
 FORMAT = "baton.tokens/1"
 MANIFEST_NAME = "dataset.json"
 TOKEN_DTYPES = ("uint8", "uint16", "uint32")
@@ -112,12 +114,10 @@ class DatasetManifest:
 
     @classmethod
     def from_json(cls, text: str | bytes, *, where: str = MANIFEST_NAME) -> DatasetManifest:
-        try:
-            raw = json.loads(text)
-        except (json.JSONDecodeError, UnicodeDecodeError) as err:
-            raise DatasetError(
-                f"{where} is not valid JSON ({err}): prepare the dataset again"
-            ) from None
+        try:  # bounded (size, depth, numbers): a crafted file is one line, never a traceback
+            raw = loads_json(text, where)
+        except ValueError as err:
+            raise DatasetError(f"{err}: prepare the dataset again") from None
         if not isinstance(raw, dict) or raw.get("format") != FORMAT:
             found = raw.get("format") if isinstance(raw, dict) else type(raw).__name__
             raise DatasetError(f"{where}: format is {found!r}, expected {FORMAT!r}")

@@ -148,7 +148,9 @@ def _locate(uri: str, options: Mapping[str, Any] | None) -> tuple[storage.Storag
     scheme, sep, rest = uri.partition("://")
     base = f"{scheme}://{rest.split('/', 1)[0]}" if sep and scheme != "file" else "/"
     if base not in _storages:
-        _storages[base] = storage.resolve(base, options)[0]
+        # The sources are a person's own files (a cache of links, say), not a run or dataset
+        # directory: links are followed; what is not a regular file is still refused.
+        _storages[base] = storage.resolve(base, options, follow_links=True)[0]
     io = _storages[base]
     return io, (rest if sep and scheme != "file" else os.path.abspath(rest or uri))
 

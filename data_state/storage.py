@@ -9,11 +9,14 @@ modules, and `elastic/__init__` loads nothing eagerly): `data_state` imports it 
 else from Baton, and `elastic` never imports `data_state`.
 
 Contract (what the data side adds on top):
-- `resolve(uri, storage_options, *, retry_deadline_s=60.0)` returns `(Storage, root)`; `uri`
-  is a plain local path, `file://...` or `s3://bucket/prefix` (anything else: `ValueError`
-  naming the scheme). Explicit `storage_options` win over the environment. On S3 a request
-  that keeps failing transiently raises `StorageUnavailableError` (an `OSError`) after
-  `retry_deadline_s`.
+- `resolve(uri, storage_options, *, retry_deadline_s=60.0, follow_links=False)` returns
+  `(Storage, root)`; `uri` is a plain local path, `file://...` or `s3://bucket/prefix`
+  (anything else: `ValueError` naming the scheme). Below a dataset directory nothing is read,
+  written or removed through a link, and only regular files are read (the storage layer's
+  rule); `follow_links=True` is for the sources of `baton data prepare` only (a person's own
+  files, maybe a cache of links), where links are followed but FIFOs are still refused.
+  Explicit `storage_options` win over the environment. On S3 a request that keeps failing
+  transiently raises `StorageUnavailableError` (an `OSError`) after `retry_deadline_s`.
 - `read_span(io, path, start, end)` returns exactly bytes `[start, end)`; a missing or
   truncated file is a `DatasetError` naming it and the fix.
 - `write_atomic(io, path, data)`: the file appears whole or not at all.
@@ -44,12 +47,13 @@ __all__ = ["MERGE_HOLE_BYTES", "RangeFile", "Storage", "TruncatedError", "join",
 
 
 def resolve(uri: str, storage_options: Mapping[str, Any] | None = None, *,
-            retry_deadline_s: float = 60.0) -> tuple[Storage, str]:
+            retry_deadline_s: float = 60.0, follow_links: bool = False) -> tuple[Storage, str]:
     """The storage holding `uri` and the path of `uri` inside it (no trailing slash)."""
     if not uri:
         raise ValueError("dataset URI is empty: pass a local directory or s3://bucket/prefix")
     try:
-        io = Storage(uri, dict(storage_options or {}), retry_deadline_s=retry_deadline_s)
+        io = Storage(uri, dict(storage_options or {}), retry_deadline_s=retry_deadline_s,
+                     follow_links=follow_links)
     except ValueError as err:
         if "unsupported URI scheme" not in str(err):
             raise

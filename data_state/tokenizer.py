@@ -29,12 +29,13 @@ Contract:
 
 from __future__ import annotations
 
-import json
 import os
 from collections.abc import Iterable, Sequence
 from typing import Any
 
 import numpy as np
+
+from elastic.storage_io import loads_json
 
 BYTES = "bytes"
 TOKENIZER_FILE = "tokenizer.json"
@@ -194,7 +195,7 @@ def _configured_eos(directory: str) -> str | None:
     config = os.path.join(directory, "tokenizer_config.json")
     try:
         with open(config, "rb") as handle:
-            raw = json.loads(handle.read())
+            raw = loads_json(handle.read(), config)  # bounded: a deep file is no traceback
     except (OSError, ValueError):
         return None
     eos = raw.get("eos_token") if isinstance(raw, dict) else None

@@ -92,7 +92,7 @@ def loads(data: bytes | str, where: str, *, max_bytes: int = MAX_JSON_BYTES,
         raise JSONBoundsError(f"{where}: nested more than {max_depth} levels deep") from None
     except ValueError as err:  # JSONDecodeError, UnicodeDecodeError
         detail = " ".join(str(err).split())[:200] or type(err).__name__
-        raise JSONBoundsError(f"{where}: not valid JSON ({detail})") from None
+        raise JSONBoundsError(f"{where} is not valid JSON ({detail})") from None
     if type(value) is int and not -_INT_LIMIT < value < _INT_LIMIT:
         raise JSONBoundsError(f"{where}: an integer of more than {MAX_INT_DIGITS} digits")
     problem = _out_of_bounds(value, max_depth) if isinstance(value, dict | list) else None

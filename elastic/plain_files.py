@@ -17,6 +17,8 @@ where the run lives):
 * ``check_below(root, path, final=...)`` refuses a path whose directories below the root (and,
   with ``final``, the entry itself) include a symbolic link: the check before a listing, a
   write, a rename or a removal.
+* ``open_append(root, path)``: the same rule for a file Baton appends to inside a run (Ray's
+  messages in ``RUN/logs/ray.log``).
 * ``entry_kind(root, path)`` is ``"file"``, ``"directory"``, ``"link"``, ``"other"`` (a FIFO,
   socket or device) or None, never following a link below the root.
 * A refusal is ``RefusedEntryError`` (an ``OSError``), one line naming the entry and why.
@@ -164,17 +166,38 @@ def _open_component(directory: int, name: str, where: str, flags: int) -> int:
         raise
 
 
-def output_problem(out: str, run_dirs: Iterable[str]) -> str | None:
+def open_append(root: str, path: str) -> int:
+    """A write descriptor appending to ``path`` below ``root`` (created when absent): no link
+    on the way or at it, non-blocking (a FIFO is refused, never waited on), a regular file."""
+    check_below(root, path)
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | _NOFOLLOW | _NONBLOCK
+                     | _CLOEXEC, 0o644)
+    except OSError as err:
+        if err.errno == errno.ELOOP:
+            raise _link(path) from None
+        if err.errno == errno.ENXIO:  # a FIFO nobody reads
+            raise _not_regular(path, stat.S_IFIFO) from None
+        raise
+    mode = os.fstat(fd).st_mode
+    if not stat.S_ISREG(mode):
+        os.close(fd)
+        raise _not_regular(path, mode)
+    return fd
+
+
+def output_problem(out: str, run_dirs: Iterable[str], *,
+                   what: str = "the run directory") -> str | None:
     """Why the local output path ``out`` must not be written (it resolves, links included,
-    inside one of ``run_dirs``: local paths; other URIs are skipped), or None."""
-    target = os.path.realpath(out)
+    inside one of ``run_dirs``: local paths; other URIs are skipped), or None. ``what``
+    names those directories in the message."""
+    target = os.path.realpath(out.removeprefix("file://"))
     for run in run_dirs:
         if not run or "://" in run and not run.startswith("file://"):
             continue
         base = os.path.realpath(run.removeprefix("file://"))
         if target == base or target.startswith(base.rstrip("/") + "/"):
             shown = "" if target == os.path.abspath(out) else f" (it resolves to {target})"
-            return (f"{out} is inside the run directory {run}{shown}, which holds only what "
-                    "Baton writes (a committed snapshot's files could be overwritten); write "
-                    "it elsewhere")
+            return (f"{out} is inside {what} {run}{shown}, which holds only what Baton writes "
+                    "(a committed snapshot's files could be overwritten); write it elsewhere")
     return None

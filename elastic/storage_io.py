@@ -76,8 +76,8 @@ and ``path(*parts)`` joins under it; every method takes such a path (URIs stay `
 
 Callers import the layer's names from here (``__all__``: ``TruncatedError``,
 ``merge_ranges`` and its constants, ``fsync_dir``, ``storage_errors``, ``RefusedEntryError``,
-``output_problem``, ``JSONBoundsError``, ``loads_json`` and the number rules too), whichever
-module defines them.
+``check_below``, ``open_append``, ``output_problem``, ``JSONBoundsError``, ``loads_json`` and
+the number rules too), whichever module defines them.
 """
 
 from __future__ import annotations
@@ -104,7 +104,7 @@ from elastic.json_bounds import (
 )
 from elastic.json_bounds import loads as loads_json
 from elastic.local_files import LocalFiles, fsync_dir
-from elastic.plain_files import RefusedEntryError, output_problem
+from elastic.plain_files import RefusedEntryError, check_below, open_append, output_problem
 from elastic.retry import storage_errors
 from elastic.s3_files import S3Files
 from elastic.s3_multipart import MIN_PART_BYTES
@@ -112,8 +112,8 @@ from elastic.s3_multipart import MIN_PART_BYTES
 # The layer's public names: callers import them from here, whichever module defines them.
 __all__ = ["INT64", "MAX_JSON_BYTES", "MAX_SPAN_BYTES", "MERGE_HOLE_BYTES",
            "READ_INTO_MAX_WASTE", "IOStats", "JSONBoundsError", "RefusedEntryError", "Storage",
-           "TruncatedError", "finite_number", "fsync_dir", "is_int64", "loads_json",
-           "merge_ranges", "output_problem", "storage_errors"]
+           "TruncatedError", "check_below", "finite_number", "fsync_dir", "is_int64",
+           "loads_json", "merge_ranges", "open_append", "output_problem", "storage_errors"]
 
 # S3 objects at least this large go up as multipart uploads, in parts of PART_BYTES sent by
 # PART_CONCURRENCY threads: one S3 connection streams ~50-100 MB/s, so a multi-GB shard needs

@@ -306,3 +306,73 @@ def test_baton_fit_over_a_manifest_that_is_a_fifo(
     store = SnapshotStore(str(run))
     assert store.committed_steps()[-1] == 12 and [r["step"] for r in store.quarantined()] == [8]
     _verifies(capsys, run, store.committed_steps())
+
+
+# ---------------------------------------------------------------- datasets
+
+
+def test_data_commands_refuse_outputs_into_runs_and_sources_and_bad_manifests(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    run = tmp_path / "run"
+    snap, _ = _run(run, 4, keep_last=5)
+    snap.close()
+    step_4 = run / "snapshots" / step_dirname(4)
+    before = _files(step_4)
+    source = tmp_path / "texts"
+    source.mkdir()
+    (source / "a.txt").write_text("hello world, a document of some words. " * 50)
+    link = tmp_path / "out-link"
+    link.symlink_to(step_4, target_is_directory=True)
+    for out in (str(link), str(step_4), str(source / "prepared")):
+        assert main(["data", "prepare", "--out", out, "--seq-len", "8", "--quiet",
+                     str(source)]) == 2, out
+        err = capsys.readouterr().err.strip()
+        assert len(err.splitlines()) == 1 and "--out" in err and "inside" in err, err
+    assert _files(step_4) == before and not (source / "prepared").exists()
+    _verifies(capsys, run, [2, 4])
+    data = run / "data"  # a run's own data/ is where baton fit prepares the default corpus
+    assert main(["data", "prepare", "--out", str(data), "--seq-len", "8", "--quiet",
+                 "--val-fraction", "0", str(source)]) == 0
+    manifest = data / "dataset.json"
+    for bad in ("deep", "fifo"):
+        manifest.unlink()
+        if bad == "deep":
+            manifest.write_bytes(DEEP)
+        else:
+            os.mkfifo(manifest)
+        with fifo_watch(manifest) as blocked:
+            assert main(["data", "inspect", str(data)]) == 2
+        err = capsys.readouterr().err.strip()
+        assert blocked == [] and len(err.splitlines()) == 1 and "Traceback" not in err, err
+        assert ("nested more than" if bad == "deep" else "a FIFO") in err, err
+
+
+def test_the_drivers_ray_log_never_blocks_on_a_fifo_nor_writes_through_a_link(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """RUN/logs/ray.log is appended to by the driver: a FIFO there would block it, a link
+    would append Ray's messages to a manifest. Both are refused; the lines go to the
+    terminal instead."""
+    from trainer.on_ray.ray_messages import _FileSink
+
+    run = tmp_path / "run"
+    snap, _ = _run(run, 4, keep_last=5)
+    snap.close()
+    manifest = run / "snapshots" / step_dirname(4) / MANIFEST_NAME
+    before = manifest.read_bytes()
+    (run / "logs").mkdir()
+    os.mkfifo(run / "logs" / "ray.log")
+    told: list[str] = []
+    with fifo_watch(run / "logs" / "ray.log") as blocked:
+        _FileSink(run / "logs" / "ray.log", told.append, run).write("raylet", ["node lost"])
+    assert blocked == [] and "node lost" in capsys.readouterr().err
+    assert len(told) == 1 and "cannot go to" in told[0] and "a FIFO" in told[0], told
+    (run / "logs" / "ray.log").unlink()
+    (run / "logs" / "ray.log").symlink_to(manifest)
+    _FileSink(run / "logs" / "ray.log", told.append, run).write("raylet", ["node lost"])
+    (run / "logs" / "ray.log").unlink()
+    (run / "logs").rmdir()
+    (run / "logs").symlink_to(manifest.parent, target_is_directory=True)
+    _FileSink(run / "logs" / "ray.log", told.append, run).write("raylet", ["node lost"])
+    assert manifest.read_bytes() == before and not (manifest.parent / "ray.log").exists()
+    assert all("symbolic link" in t for t in told[1:]), told
+    _verifies(capsys, run, [2, 4])

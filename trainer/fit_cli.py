@@ -99,13 +99,14 @@ class _FitTerminal:
 
     def __init__(self, cfg: Any) -> None:
         from trainer.on_ray.monitor import RunFeed
-        from trainer.on_ray.ray_messages import ray_log_path, ray_messages_to
+        from trainer.on_ray.ray_messages import ray_log_path, ray_log_root, ray_messages_to
         from trainer.terminal import ProgressDisplay
 
         self.feed = RunFeed(cfg, ProgressDisplay(cfg.steps, console))
         self._ray_messages = contextlib.ExitStack()
         self._ray_messages.enter_context(ray_messages_to(
-            ray_log_path(cfg), lambda text: console.print(escape(text), highlight=False)))
+            ray_log_path(cfg), lambda text: console.print(escape(text), highlight=False),
+            ray_log_root(cfg)))
 
     def __call__(self, record: dict[str, Any]) -> None:
         self.feed(record)

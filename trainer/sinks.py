@@ -27,6 +27,7 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any, Protocol
 
+from elastic.storage_io import check_below
 from trainer.config import LoggingConfig
 
 log = logging.getLogger("baton.sinks")
@@ -205,6 +206,9 @@ def open_sinks(settings: LoggingConfig, run_uri: str, run_name: str) -> SinkSet:
     sinks: dict[str, MetricsSink] = {}
     for name, open_sink in openers.items():
         try:
+            # Their libraries write there themselves: a link on the way inside the run would
+            # send their files anywhere, so it is refused first (RefusedEntryError).
+            check_below(run_uri.removeprefix("file://"), str(root / name), final=True)
             sinks[name] = open_sink()
         except Exception as err:  # noqa: BLE001 - an unwritable log dir never stops a fit
             log.warning("%s sink not opened (%s: %s); the fit continues without it",

@@ -82,7 +82,7 @@ def run_demo(recipe: str, run_dir: str) -> int:
     from trainer.on_ray.local_cluster import LocalCluster
     from trainer.on_ray.monitor import NAMESPACE, RunFeed
     from trainer.on_ray.ray_fit import fit
-    from trainer.on_ray.ray_messages import ray_log_path, ray_messages_to
+    from trainer.on_ray.ray_messages import ray_log_path, ray_log_root, ray_messages_to
     from trainer.report import write_report
     from trainer.terminal import ProgressDisplay, fmt_mib, fmt_ratio, print_summary
 
@@ -100,7 +100,8 @@ def run_demo(recipe: str, run_dir: str) -> int:
 
     # Ray's messages about the node this demo kills go to a file, not between the progress.
     with ray_messages_to(ray_log_path(cfg),
-                         lambda text: console.print(escape(text), highlight=False)):
+                         lambda text: console.print(escape(text), highlight=False),
+                         ray_log_root(cfg)):
         cluster = LocalCluster(worker_nodes=2, cpus_per_node=cfg.scaling.cpus_per_worker)
         ray.init(address=cluster.address, namespace=NAMESPACE, log_to_driver=False)
         # Node changes happen on the main thread (Ray installs signal handlers there), so the

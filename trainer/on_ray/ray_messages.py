@@ -14,13 +14,15 @@ once, at the first such message, with a line naming the file:
 On exit everything is put back. Workers' own output is not affected: the driver connects
 with `log_to_driver=False`, so it never reaches this terminal; it stays in Ray's session
 logs. `ray_log_path(cfg)` is where a fit's file lives: RUN/<logging.dir>/ray.log for a local
-run directory, the system temp directory for an s3:// run.
+run directory, the system temp directory for an s3:// run; `root` (`ray_log_root(cfg)`: the
+run directory) is where no link may be on the way to it (`elastic.plain_files.open_append`).
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
+import sys
 import tempfile
 import threading
 import time
@@ -28,34 +30,54 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+from elastic.storage_io import check_below, open_append
 from trainer.config import FitConfig
+
+
+def ray_log_root(cfg: FitConfig) -> Path:
+    """The directory below which nothing on the way to `ray_log_path` may be a link."""
+    run_uri = cfg.snapshots.run_uri
+    if "://" in run_uri and not run_uri.startswith("file://"):
+        return Path(tempfile.gettempdir())
+    return Path(run_uri.removeprefix("file://"))
 
 
 def ray_log_path(cfg: FitConfig) -> Path:
     run_uri = cfg.snapshots.run_uri
     if "://" in run_uri and not run_uri.startswith("file://"):
-        return Path(tempfile.gettempdir()) / f"baton-{cfg.run_name}-ray.log"
-    return Path(run_uri.removeprefix("file://")) / cfg.logging.dir / "ray.log"
+        return ray_log_root(cfg) / f"baton-{cfg.run_name}-ray.log"
+    return ray_log_root(cfg) / cfg.logging.dir / "ray.log"
 
 
 class _FileSink:
-    """Appends lines to `path` (created on first use), and tells `notice` once."""
+    """Appends lines to `path` (created on first use), and tells `notice` once. Nothing on
+    the way below `root` (the run directory) may be a link, and `path` must be a regular file
+    (`elastic.plain_files.open_append`: a FIFO there never blocks the driver); where it
+    cannot be written, the lines go to the terminal, as Ray would have printed them."""
 
-    def __init__(self, path: Path, notice: Callable[[str], None]) -> None:
-        self.path = path
+    def __init__(self, path: Path, notice: Callable[[str], None], root: Path) -> None:
+        self.path, self.root = path, root
         self._notice = notice
         self._told = False
         self._lock = threading.Lock()
 
     def write(self, source: str, lines: list[str]) -> None:
         stamp = time.strftime("%Y-%m-%d %H:%M:%S")
+        text = "".join(f"{stamp} ({source}) {line}\n" for line in lines)
         with self._lock:
-            self.path.parent.mkdir(parents=True, exist_ok=True)
-            with self.path.open("a", encoding="utf-8") as out:
-                out.writelines(f"{stamp} ({source}) {line}\n" for line in lines)
+            try:
+                check_below(str(self.root), str(self.path.parent), final=True)
+                self.path.parent.mkdir(parents=True, exist_ok=True)
+                with open(open_append(str(self.root), str(self.path)), "a",
+                          encoding="utf-8") as out:
+                    out.write(text)
+                where = f"are in {self.path}"
+            except OSError as err:
+                sys.stderr.write(text)
+                where = f"cannot go to {self.path} ({err.strerror or err}): shown here"
             tell, self._told = not self._told, True
         if tell:
-            self._notice(f"Ray's own messages (node failures, connection lines) are in {self.path}")
+            self._notice(f"Ray's own messages (node failures, connection lines) {where}")
 
 
 class _ToFile(logging.Handler):
@@ -72,10 +94,11 @@ class _ToFile(logging.Handler):
 
 
 @contextlib.contextmanager
-def ray_messages_to(path: Path, notice: Callable[[str], None]) -> Iterator[Path]:
+def ray_messages_to(path: Path, notice: Callable[[str], None],
+                    root: Path | None = None) -> Iterator[Path]:
     from ray._private import worker as ray_worker
 
-    sink = _FileSink(path, notice)
+    sink = _FileSink(path, notice, root if root is not None else path.parent)
     ray_logger = logging.getLogger("ray")
     handlers_before = list(ray_logger.handlers)
     terminal = [h for h in ray_logger.handlers if isinstance(h, logging.StreamHandler)
