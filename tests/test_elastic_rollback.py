@@ -25,6 +25,7 @@ from elastic.generation import GENERATION_NAME, read_generation
 from elastic.lease import RunLease
 from elastic.registry import SnapshotMismatchError
 from elastic.snapshotter import Snapshotter
+from elastic.storage_io import JSONBoundsError
 from elastic.store import SnapshotStore
 from elastic.testing import TrainState, build, full_state, json_state, train_step
 from trainer.cli import main
@@ -222,3 +223,50 @@ def test_the_last_nameable_generation_is_one_line(tmp_path: Path) -> None:
     assert "\n" not in text and "new run directory" in text and "--from" in text, text
     assert read_generation(SnapshotStore(str(run))) == MAX_GENERATION  # nothing written
     assert (run / "snapshots" / step_dirname(2) / "manifest.json").exists()
+
+
+# ---------------------------------------------------------------- the same on s3://
+
+
+def test_rewind_and_restore_quarantined_on_s3(s3_bucket: str,
+                                              capsys: pytest.CaptureFixture[str]) -> None:
+    """The refusal, the rewind and the way back through a real S3 API: the set-aside
+    snapshots are copied back manifest last and verify; huge or deeply nested run files
+    there are read within bounds (one line, no traceback)."""
+    run = f"s3://{s3_bucket}/runs/r"
+
+    def train(ts: TrainState, first: int, last: int) -> None:
+        snap = Snapshotter(run, ts.registry, snapshot_every=2, keep_last=5, ram=False,
+                           block_bytes=256, split_min_bytes=64)
+        assert snap.restore() == first - 1
+        for step in range(first, last + 1):
+            train_step(ts, step)
+            snap.after_step(step)
+            snap.persister.wait()
+        snap.close()
+
+    train(_code(1, seed=0), 1, 4)
+    v2 = _code(2, seed=1)
+    train(v2, 5, 8)
+    final = full_state(v2)
+    with pytest.raises(SnapshotMismatchError, match="--to 4 sets \\[6, 8\\] aside"):
+        Snapshotter(run, _code(1, seed=3).registry, ram=False).restore()
+    store = SnapshotStore(run)
+    assert store.committed_steps() == [2, 4, 6, 8] and store.quarantined() == []
+    assert main(["snapshots", "rewind", run, "--to", "4"]) == 0
+    assert store.committed_steps() == [2, 4] and len(store.quarantined()) == 2
+    assert main(["snapshots", "restore-quarantined", run]) == 0
+    assert store.committed_steps() == [2, 4, 6, 8] and store.quarantined() == []
+    assert main(["snapshots", "verify", run, "8"]) == 0
+    capsys.readouterr()
+    again = _code(2, seed=9)
+    assert Snapshotter(run, again.registry, ram=False).restore() == 8
+    for key, value in final.items():
+        assert torch.equal(full_state(again)[key], value), key
+    store.write_file(store.path("sessions.json"), b"[" * 100_000 + b"]" * 100_000)
+    store.write_file(store.path("run.json"), b" " * 4096 + b"{}")
+    with pytest.raises(JSONBoundsError, match="4098 bytes, more than the 1000"):
+        store.read_json(store.path("run.json"), max_bytes=1000)  # refused before the body
+    assert main(["runs", "ls", f"s3://{s3_bucket}/runs"]) == 0
+    out = capsys.readouterr()
+    assert "Traceback" not in out.out + out.err and out.out.splitlines()[1].split()[0] == "r"

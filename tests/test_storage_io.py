@@ -8,6 +8,7 @@ fsspec/s3fs. Each test states the promise it checks.
 from __future__ import annotations
 
 import ast
+import math
 import os
 import subprocess
 import sys
@@ -24,6 +25,8 @@ from elastic.lease_io import LEASE_NAME, LeaseConflict, lease_backend
 from elastic.storage_io import (
     MAX_SPAN_BYTES,
     MERGE_HOLE_BYTES,
+    JSONBoundsError,
+    RefusedEntryError,
     Storage,
     TruncatedError,
     merge_ranges,
@@ -360,3 +363,73 @@ def test_local_remove_tree_tolerates_another_deleter(tmp_path: Path,
     assert not tree.exists() and len(calls) == 2
     files.remove_tree(str(tree))  # gone: nothing to do, not an error
     assert len(calls) == 2
+
+
+# ---------------------------------------------------------------- plain entries only (P8)
+
+
+def test_nothing_below_the_root_is_read_written_or_removed_through_a_link(
+        tmp_path: Path) -> None:
+    """One rule in the layer (elastic.plain_files), for every caller: below the root no
+    symbolic link is followed, by any operation; the file behind the link is untouched."""
+    outside = tmp_path / "outside"
+    (outside / "d").mkdir(parents=True)
+    (outside / "d" / "f").write_bytes(b"theirs")
+    root = tmp_path / "run"
+    root.mkdir()
+    (root / "d").symlink_to(outside / "d", target_is_directory=True)
+    (root / "f").symlink_to(outside / "d" / "f")
+    storage = Storage(str(root))
+    linked_dir, linked_file = storage.path("d"), storage.path("f")
+    attempts = [
+        lambda: storage.read_file(f"{linked_dir}/f"),
+        lambda: storage.read_file(linked_file),
+        lambda: storage.read_range(linked_file, 0, 2),
+        lambda: storage.read_into(linked_file, [(0, [memoryview(bytearray(2))])]),
+        lambda: storage.size(linked_file),
+        lambda: storage.listdir(linked_dir),
+        lambda: storage.find(linked_dir),
+        lambda: storage.write_file(f"{linked_dir}/g", b"ours"),
+        lambda: storage.makedirs(f"{linked_dir}/sub"),
+        lambda: storage.remove(f"{linked_dir}/f"),
+        lambda: storage.remove_tree(linked_dir),
+        lambda: storage.exists(f"{linked_dir}/f"),
+    ]
+    for attempt in attempts:
+        with pytest.raises(RefusedEntryError, match="symbolic link"):
+            attempt()
+    assert storage.isfile(linked_file) is False and storage.isdir(linked_dir) is False
+    assert storage.exists(linked_file)  # there, as a link: never read through
+    assert sorted(p.name for p in (outside / "d").iterdir()) == ["f"]
+    assert (outside / "d" / "f").read_bytes() == b"theirs"
+    # A person's own files (Storage(follow_links=True), the sources of data prepare): links
+    # are followed there.
+    assert Storage(str(root), follow_links=True).read_file(linked_file) == b"theirs"
+
+
+@pytest.mark.parametrize("follow", [False, True])
+def test_a_fifo_is_refused_without_blocking(tmp_path: Path, follow: bool) -> None:
+    os.mkfifo(tmp_path / "fifo")
+    storage = Storage(str(tmp_path), follow_links=follow)
+    for attempt in (lambda: storage.read_file(storage.path("fifo")),
+                    lambda: storage.read_range(storage.path("fifo"), 0, 1),
+                    lambda: storage.read_json(storage.path("fifo"))):
+        with pytest.raises(RefusedEntryError, match="a FIFO, not a regular file"):
+            attempt()  # were the open to block, the test would hang (its timeout fails it)
+    assert not storage.isfile(storage.path("fifo")) and storage.exists(storage.path("fifo"))
+
+
+def test_read_json_is_bounded(tmp_path: Path) -> None:
+    storage = Storage(str(tmp_path))
+    cases = {b"[" * 100_000 + b"]" * 100_000: "nested more than 128 levels deep",
+             b'{"a": NaN}': "NaN is not a number", b"[1e999]": "beyond the float range",
+             b"[" + b"9" * 41 + b"]": "more than 40 digits", b'{"a": 1': "is not valid JSON",
+             b" " * 64 + b"{}": "66 bytes, more than the 10"}
+    for data, match in cases.items():
+        storage.write_file(storage.path("x.json"), data)
+        with pytest.raises(JSONBoundsError, match=match) as info:
+            storage.read_json(storage.path("x.json"), max_bytes=10 if b" " in data else
+                              1 << 20)
+        assert "\n" not in str(info.value) and str(info.value).startswith(storage.path("x"))
+    storage.write_file(storage.path("x.json"), b'{"loss": NaN}')
+    assert math.isnan(storage.read_json(storage.path("x.json"), nonfinite=True)["loss"])
