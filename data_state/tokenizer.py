@@ -193,6 +193,8 @@ def load_tokenizer(spec: str, *, eos_token: str | None = None) -> Tokenizer:
 def _configured_eos(directory: str) -> str | None:
     """`eos_token` from a `tokenizer_config.json` in `directory` (plain JSON), if any."""
     config = os.path.join(directory, "tokenizer_config.json")
+    if not os.path.isfile(config):  # absent, or a FIFO whose open would block
+        return None
     try:
         with open(config, "rb") as handle:
             raw = loads_json(handle.read(), config)  # bounded: a deep file is no traceback

@@ -103,7 +103,10 @@ class LocalLeaseBackend:
         import fcntl  # POSIX only; imported here so the module imports everywhere
 
         os.makedirs(self.directory, exist_ok=True)
-        fd = os.open(self.lock_path, os.O_RDWR | os.O_CREAT, 0o644)
+        # Never through a link (a dangling one would create a file outside the run), never
+        # blocking (a FIFO in its place).
+        fd = os.open(self.lock_path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK
+                     | os.O_CLOEXEC, 0o644)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX)
             yield

@@ -26,6 +26,7 @@ from inprocess_fit import InProcessFit
 
 from elastic.format import MANIFEST_NAME, step_dirname
 from elastic.snapshotter import Snapshotter
+from elastic.storage_io import RefusedEntryError
 from elastic.store import SnapshotStore
 from elastic.testing import TrainState, build, full_state, train_step
 from trainer.cli import main
@@ -163,6 +164,25 @@ def test_a_linked_newest_step_is_no_snapshot_of_the_run(
     assert SnapshotStore(str(run)).committed_steps() == [2, 4, 8]  # 6: its write refused
     _verifies(capsys, other, [2, 4, 6])
     _verifies(capsys, run, [2, 4, 8])
+
+
+def test_a_linked_snapshots_directory_is_refused_whole(
+        tmp_path: Path, other: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """RUN/snapshots itself a link to the other run's: every command refuses the run in one
+    line; nothing of the other run is read as this run's, moved or removed."""
+    before = {s: _files(other / "snapshots" / step_dirname(s)) for s in (2, 4, 6)}
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "snapshots").symlink_to(other / "snapshots", target_is_directory=True)
+    assert main(["snapshots", "ls", str(run)]) == 1
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "symbolic link" in err, err
+    with pytest.raises(RefusedEntryError, match="symbolic link"):
+        Snapshotter(str(run), build(seed=1).registry).restore()
+    assert main(["runs", "ls", str(tmp_path)]) == 0
+    assert "Traceback" not in capsys.readouterr().err
+    assert {s: _files(other / "snapshots" / step_dirname(s)) for s in (2, 4, 6)} == before
+    _verifies(capsys, other, [2, 4, 6])
 
 
 # ---------------------------------------------------------------- outputs through links

@@ -29,7 +29,7 @@ import uuid
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from elastic.storage_io import INT64, MAX_JSON_BYTES, Storage, loads_json
+from elastic.storage_io import INT64, MAX_JSON_BYTES, RefusedEntryError, Storage, loads_json
 
 log = logging.getLogger(__name__)
 
@@ -118,7 +118,12 @@ def read_records(run_uri: str) -> list[dict[str, Any]]:
     root = io.path("metrics")
     records: list[dict[str, Any]] = []
     skipped: list[str] = []  # "name (why)" of each part file with something skipped
-    for name in io.listdir(root):  # [] when there is no metrics directory
+    try:
+        names = io.listdir(root)  # [] when there is no metrics directory
+    except RefusedEntryError as err:  # a link in its place: nothing of it is read
+        log.warning("metrics of %s: %s; no records read", run_uri, err.strerror)
+        names = []
+    for name in names:
         if not fnmatch.fnmatchcase(name, "part-*.jsonl"):
             continue
         path = f"{root}/{name}"
