@@ -7,6 +7,9 @@ Contract: `with LaunchCounter() as count: ...` records, for the code inside the 
   keyed `triton.<kernel>`; `count.total` is their sum;
 - `count.syncs`: the ops that read a device value on the host (`aten._local_scalar_dense`:
   `.item()`, `int(t)`, `bool(t)`), which stall the host until the device catches up.
+With `scopes` (qualified function names, e.g. `SKETCH_SCOPES`), kernels launched inside those
+functions are counted apart, in `count.sketch_scoped`: `baton sketch-plan` counts a step on the
+CPU, where sketches take the torch reference, and puts the fused path's launches in their place.
 Tensors made from Python values (`torch.tensor(...)`, aten `lift_fresh`) live on the host in a
 real run (the layers keep their seeds in such CPU tensors), so ops that only read such tensors
 are neither kernels nor syncs. This lets a CPU-only test count what the same code launches on a
@@ -19,6 +22,7 @@ It counts aten ops, as a `TorchDispatchMode` sees them: one aten op may be sever
 
 from __future__ import annotations
 
+import sys
 import weakref
 from collections import Counter
 from collections.abc import Callable
@@ -45,13 +49,33 @@ def _tensors(tree: Any) -> list[torch.Tensor]:
     return [t for t in tree_flatten(tree)[0] if isinstance(t, torch.Tensor)]
 
 
+# Functions (qualified names) of the torch reference's sketch work: what the fused path replaces
+# by its own launches (`sketch_scoped`).
+SKETCH_SCOPES = frozenset({
+    "make_plan", "input_sketch", "weight_grad_estimate", "saved_sketch_weight_grad",
+    "BlockInputSketch.__init__", "BlockInputSketch.add", "BlockInputSketch.finish",
+    "BlockInputSketch.block_plan", "BlockWeightGrad.finish",
+})
+
+
+def _in_scope(scopes: frozenset[str]) -> bool:
+    frame = sys._getframe(2)
+    while frame is not None:
+        if frame.f_code.co_qualname in scopes:
+            return True
+        frame = frame.f_back  # type: ignore[assignment]
+    return False
+
+
 class LaunchCounter(TorchDispatchMode):
     """Counts kernels and host syncs (module docstring)."""
 
-    def __init__(self) -> None:
+    def __init__(self, scopes: frozenset[str] = frozenset()) -> None:
         super().__init__()
         self.kernels: Counter[str] = Counter()
         self.syncs: Counter[str] = Counter()
+        self.scopes = scopes
+        self.sketch_scoped = 0  # kernels launched inside `scopes` (not in `kernels`)
         self._host: dict[int, weakref.ref[torch.Tensor]] = {}  # id -> the tensor, weakly
         self._patched: list[tuple[Any, Callable[..., Any]]] = []
 
@@ -70,7 +94,10 @@ class LaunchCounter(TorchDispatchMode):
         elif name in SYNC_OPS:
             self.syncs[name] += 1
         elif name not in NO_KERNEL and not getattr(func, "is_view", False):
-            self.kernels[name] += 1
+            if self.scopes and _in_scope(self.scopes):
+                self.sketch_scoped += 1
+            else:
+                self.kernels[name] += 1
         return out
 
     def _on_host(self, tensor: torch.Tensor) -> bool:

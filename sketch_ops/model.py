@@ -30,7 +30,10 @@ Contract:
   linears it feeds are sketched its output is kept by nobody; both matched by structure,
   values and gradients unchanged),
   then returns `probe.plan_sketch`'s `AutoPlan` with the patched module names in
-  `plan.fused`.
+  `plan.fused`. With `max_quality_cost > 0` (default `MAX_QUALITY_COST`, 0) it then also
+  sketches the classes of layers whose sketch the cost model predicts makes the step faster on
+  `rates`' device with a measured gradient error of at most `max_quality_cost`
+  (`speed_plan.extend_for_speed`; `plan.speed` says why for each class).
 
 Call `sketch_model` before wrapping the model in DDP/FSDP, so names have no wrapper prefix.
 Why this is not in `layer.py`: the fusions build on `SketchedLinear`, and "auto" builds on
@@ -44,13 +47,17 @@ from typing import Any
 
 from torch import nn
 
+from .cost import Rates, device_rates
 from .function import check_estimator, check_rank
 from .layer import SketchedLinear
 from .policy import AUTO, Include, ranks_for_budget, selector
 from .probe import MIN_SAVING, AutoPlan, LossFn, plan_sketch
 from .rms_norm import fuse_rms_norms
+from .speed_plan import extend_for_speed
 from .swiglu import KEEP_GATE
 from .swiglu_find import fuse_swiglu_mlps
+
+MAX_QUALITY_COST = 0.0  # "auto" sketches for memory only unless the user accepts a cost
 
 
 def fuse_structures(model: nn.Module, *, keep_gate: bool = KEEP_GATE) -> list[str]:
@@ -67,13 +74,38 @@ def auto_plan(
     estimator: str = "centered",
     min_saving: float = MIN_SAVING,
     keep_gate: bool = KEEP_GATE,
+    max_quality_cost: float = MAX_QUALITY_COST,
+    rates: Rates | None = None,
+    quality_batch: Any = None,
 ) -> AutoPlan:
-    """Fuse the model's structures in place, then probe which layers to sketch."""
+    """Fuse the model's structures in place, probe which layers to sketch for memory, then,
+    with `max_quality_cost > 0`, which more for speed (`speed_plan`; `rates` default: the
+    model's device's, `cost.device_rates`; the errors are measured on `quality_batch`,
+    default `probe_batch`)."""
+    check_max_quality_cost(max_quality_cost)
     fused = fuse_structures(model, keep_gate=keep_gate)
     plan = plan_sketch(model, probe_batch, rank=rank, loss_fn=loss_fn, estimator=estimator,
                        min_saving=min_saving)
     plan.fused = fused
+    if max_quality_cost > 0:
+        if rates is None:
+            weight = next(model.parameters())
+            rates = device_rates(weight.device, weight.dtype)
+        batch = probe_batch if quality_batch is None else quality_batch
+        plan.speed = extend_for_speed(model, batch, plan, rank=rank, loss_fn=loss_fn,
+                                      estimator=estimator, rates=rates,
+                                      max_quality_cost=max_quality_cost)
     return plan
+
+
+def check_max_quality_cost(value: float) -> None:
+    """Raise ValueError unless `value` is a finite number >= 0."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not (
+            0 <= value < float("inf")):
+        raise ValueError(
+            f"sketch: max_quality_cost must be a finite number >= 0 (the largest relative RMS "
+            f"gradient error a layer sketched for speed may have; 0 sketches for memory only), "
+            f"got {value!r}")
 
 
 def sketch_model(
@@ -88,12 +120,16 @@ def sketch_model(
     loss_fn: LossFn | None = None,
     min_saving: float = MIN_SAVING,
     keep_gate: bool = KEEP_GATE,
+    max_quality_cost: float = MAX_QUALITY_COST,
+    rates: Rates | None = None,
+    quality_batch: Any = None,
 ) -> list[str]:
     """Swap the selected `nn.Linear`s of `model` for `SketchedLinear`s; return their names.
 
     Give either `rank` or `memory_budget` (bytes of sketches per microbatch of `rows` rows,
     shared out by `policy.ranks_for_budget`). `include="auto"` needs `probe_batch`;
-    `min_saving` is its threshold and `keep_gate` its SwiGLU mode (read only by "auto")."""
+    `min_saving` is its threshold, `keep_gate` its SwiGLU mode, `max_quality_cost`, `rates`
+    and `quality_batch` its speed rule (read only by "auto")."""
     check_estimator(estimator)
     if (rank is None) == (memory_budget is None):
         raise ValueError("sketch_model: give exactly one of rank= and memory_budget=")
@@ -106,7 +142,9 @@ def sketch_model(
         # Under a memory budget the ranks come after the choice: price each sketch at R = 1.
         include = auto_plan(model, probe_batch, rank=1 if rank is None else rank,
                             loss_fn=loss_fn, estimator=estimator,
-                            min_saving=min_saving, keep_gate=keep_gate).include
+                            min_saving=min_saving, keep_gate=keep_gate,
+                            max_quality_cost=max_quality_cost, rates=rates,
+                            quality_batch=quality_batch).include
     if memory_budget is not None:
         if rows is None:
             raise ValueError(

@@ -82,6 +82,7 @@ class AutoPlan:
     exact_bytes: int = 0  # measured by the probe: activation bytes of the step as it ran
     rows: int = 0  # rows (tokens) of the largest linear input seen
     fused: list[str] = field(default_factory=list)  # modules patched before the probe
+    speed: list[Any] = field(default_factory=list)  # speed_plan.SpeedChoice per judged class
 
     @property
     def sketched(self) -> list[str]:

@@ -11,6 +11,7 @@ downloaded, imported from the model directory or executed.
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -151,7 +152,8 @@ class ModelConfig:
         self.vocab_size = self.vocab_size or vocab
 
 
-_AUTO_ONLY_FIELDS = ("min_saving", "keep_gate")  # SketchConfig fields read by "auto" only
+# SketchConfig fields read by "auto" only
+_AUTO_ONLY_FIELDS = ("min_saving", "keep_gate", "max_quality_cost")
 
 
 @dataclass
@@ -177,6 +179,12 @@ class SketchConfig:
     # and recomputes only up in backward (the default, `sketch_ops.swiglu.KEEP_GATE`: one
     # n x I tensor more per MLP than keeping only its input, one matmul less).
     keep_gate: bool = True
+    # Read by "auto" only, as min_saving: the largest gradient error a kind of layers may have
+    # to be sketched for speed alone, when the cost model (sketch_ops.cost: the device's GEMM
+    # rate and bandwidth) predicts the step gets faster. The error is a layer's relative RMS
+    # error sqrt(E|dW_sketch - dW|^2) / |dW| at its R, measured on a probe batch of random
+    # token ids (sketch_ops.speed_plan). 0 (the default) sketches for memory alone.
+    max_quality_cost: float = 0.0
 
     def __post_init__(self) -> None:
         check_types(self, "sketch")
@@ -203,6 +211,10 @@ class SketchConfig:
         require(0 <= self.min_saving < 1, "sketch.min_saving",
                  f"must be a share of the step's activation bytes in [0, 1), got "
                  f"{self.min_saving!r} (e.g. 0.1; 0 sketches whatever frees anything)")
+        require(math.isfinite(self.max_quality_cost) and self.max_quality_cost >= 0,
+                 "sketch.max_quality_cost",
+                 f"must be a finite number >= 0 (a relative gradient error; 0 sketches for "
+                 f"memory only), got {self.max_quality_cost!r}")
 
     def auto_only_fields(self) -> list[str]:
         """The fields only include = "auto" reads that are set away from their defaults."""

@@ -117,7 +117,8 @@ def build_model(cfg: FitConfig, device: torch.device | None = None) -> nn.Module
 def probe_args(cfg: FitConfig, model: nn.Module) -> dict[str, Any]:
     """`sketch_model`'s probe for `include="auto"`: one microbatch of token id 0 (what is saved
     for backward depends on shapes, not values) through the run's loss, under its autocast,
-    and the recipe's `sketch.min_saving` / `sketch.keep_gate`."""
+    and the recipe's `sketch.min_saving` / `sketch.keep_gate` (and `max_quality_cost`'s
+    `speed_args` when it is set)."""
     device = next(model.parameters()).device
     tokens = torch.zeros(cfg.data.microbatch_size, cfg.data.seq_len, dtype=torch.long,
                          device=device)
@@ -127,8 +128,28 @@ def probe_args(cfg: FitConfig, model: nn.Module) -> dict[str, Any]:
         with autocast(model, cfg.precision.dtype, device):
             return run_loss(model, batch)
 
-    return {"probe_batch": tokens, "loss_fn": probe_loss,
-            "min_saving": cfg.sketch.min_saving, "keep_gate": cfg.sketch.keep_gate}
+    args = {"probe_batch": tokens, "loss_fn": probe_loss,
+                "min_saving": cfg.sketch.min_saving, "keep_gate": cfg.sketch.keep_gate}
+    if cfg.sketch.max_quality_cost > 0:
+        args.update(speed_args(cfg, model, tokens.shape))
+    return args
+
+
+def speed_args(cfg: FitConfig, model: nn.Module, shape: torch.Size) -> dict[str, Any]:
+    """auto's speed rule (`sketch.max_quality_cost`): the device's rates, modelled (never timed:
+    every rank and restart decides alike) for the run's dtype, and random token ids (seeded by
+    the run's seed) to measure gradient errors on, all-zero tokens being degenerate there."""
+    from sketch_ops.cost import device_rates
+
+    device = next(model.parameters()).device
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(cfg.precision.dtype,
+                                                                 torch.float32)
+    vocab = min((m.num_embeddings for m in model.modules() if isinstance(m, nn.Embedding)),
+                default=1)
+    generator = torch.Generator().manual_seed(cfg.seed)
+    tokens = torch.randint(0, vocab, tuple(shape), generator=generator).to(device)
+    return {"max_quality_cost": cfg.sketch.max_quality_cost, "quality_batch": tokens,
+            "rates": device_rates(device, dtype, measure=False)}
 
 
 @dataclass

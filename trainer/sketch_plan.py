@@ -12,8 +12,15 @@ prediction for the plan and the plan as measured (`sketch_ops.memory.saved_bytes
 of the sketched model), with their ratios. R is `sketch.rank`, else `--rank`; a recipe with
 `sketch.memory_budget_mib` gets its per-layer ranks from the budget (the probe prices each
 sketch at R = 1); the recipe's `sketch.min_saving` and `sketch.keep_gate` are auto's
-threshold and SwiGLU mode, as in a run. `--set KEY=VALUE` overrides the recipe as in `baton
-fit`. A bad recipe, a missing extra or a bad flag is one line on stderr, exit 2.
+threshold and SwiGLU mode, as in a run. It also builds exact backprop with the MLPs recomputed
+(`mlp_recompute = "always"`, or a Hugging Face model's SwiGLU MLPs fused with `recompute=True`)
+and prints, for exact, exact recompute and the plan, the activation bytes (measured) and the
+step time predicted by `sketch_ops.cost` (GEMM and attention FLOPs counted on the probe step,
+passes over the activation bytes, each sketch's passes and launches) with this machine's
+measured rates, or a GPU's modelled ones (`--target h100`), in the recipe's dtype; the output
+says which. With `sketch.max_quality_cost > 0` "auto" also sketches for speed on those rates
+(`sketch_ops.speed_plan`), as a run does on its device. `--set KEY=VALUE` overrides the recipe
+as in `baton fit`. A bad recipe, a missing extra or a bad flag is one line on stderr, exit 2.
 """
 
 from __future__ import annotations
@@ -44,6 +51,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                       help="sketch rank when the recipe sets none (sketch.rank wins)")
     plan.add_argument("--set", dest="overrides", action="append", default=[],
                       metavar="KEY=VALUE", help="override a recipe value, e.g. sketch.rank=64")
+    plan.add_argument("--target", metavar="GPU",
+                      help="predict the step time (and plan sketch.max_quality_cost's speed "
+                           "rule) for this GPU (h100, h200, a100; modelled rates) instead of "
+                           "this machine (measured)")
     plan.set_defaults(func=_cmd_sketch_plan)
 
 
@@ -60,7 +71,7 @@ def _cmd_sketch_plan(args: argparse.Namespace) -> int:
         cfg = load_recipe(args.recipe, ['snapshots.run_uri="sketch-plan"', *args.overrides])
         batch = _probe_tokens(cfg, args.rows)
         rank = _rank(cfg, args.rank)
-        report = plan_and_measure(cfg, batch, rank)
+        report = plan_and_measure(cfg, batch, rank, _rates(cfg, args.target))
     except (ConfigError, FatalRunError, ValueError, OSError) as err:
         return _fail(str(err))
     except (RuntimeError, MemoryError) as err:  # torch's allocation failure: a model too big
@@ -103,6 +114,31 @@ def _rank(cfg: FitConfig, flag: int | None) -> int | None:
     return flag
 
 
+def _rates(cfg: FitConfig, target: str | None) -> Any:
+    """The rates the step time is predicted with: --target's modelled, else this CPU's."""
+    from sketch_ops.cost import device_rates, target_rates
+
+    dtype = _train_dtype(cfg)
+    if target is not None:
+        return target_rates(target, dtype)
+    return device_rates(torch.device("cpu"), dtype)
+
+
+def _train_dtype(cfg: FitConfig) -> torch.dtype:
+    return {"bf16": torch.bfloat16, "fp16": torch.float16}.get(cfg.precision.dtype,
+                                                               torch.float32)
+
+
+@dataclasses.dataclass
+class Measured:
+    """One configuration's step, as probed: activation bytes and GEMM/attention FLOPs."""
+
+    saved_bytes: int
+    flops: float
+    launches: int  # device kernels of the step (aten ops and Triton launches)
+    sketch_launches: int = 0  # of which in the torch reference's sketch functions
+
+
 @dataclasses.dataclass
 class PlanReport:
     plan: Any  # sketch_ops.probe.AutoPlan
@@ -113,15 +149,21 @@ class PlanReport:
     recipe_layers: list[str] | None  # what the recipe's own include selects, when not auto
     min_saving: float  # the recipe's sketch.min_saving and sketch.keep_gate
     keep_gate: bool
+    max_quality_cost: float = 0.0
+    rates: Any = None  # sketch_ops.cost.Rates the times are predicted with
+    itemsize: int = 4  # bytes per value in the training dtype
+    steps: dict[str, Measured | None] = dataclasses.field(default_factory=dict)
 
 
-def plan_and_measure(cfg: FitConfig, batch: torch.Tensor, rank: int | None) -> PlanReport:
-    """Build the recipe's model, measure exact backprop, apply "auto", measure again."""
+def plan_and_measure(cfg: FitConfig, batch: torch.Tensor, rank: int | None,
+                     rates: Any = None) -> PlanReport:
+    """Build the recipe's model, measure exact backprop (and exact recompute), apply "auto",
+    measure again; `rates` (`sketch_ops.cost.Rates`) predict the step times and are auto's
+    speed rule's when the recipe sets `sketch.max_quality_cost`."""
     from sketch_ops import SketchedLinear, sketch_model, sketch_seed
-    from sketch_ops.memory import saved_bytes
     from sketch_ops.model import auto_plan
     from sketch_ops.policy import selector
-    from trainer.loop import build_model, loss_function
+    from trainer.loop import build_model, loss_function, speed_args
     from trainer.model import SKETCH_LAYERS
 
     exact_cfg = dataclasses.replace(cfg, sketch=dataclasses.replace(
@@ -138,10 +180,16 @@ def plan_and_measure(cfg: FitConfig, batch: torch.Tensor, rank: int | None) -> P
         select = selector(include)
         recipe_layers = [n for n, m in model.named_modules()
                          if type(m) is nn.Linear and n and select(n, m)]
-    exact = saved_bytes(lambda: step(model), model)
+    exact = measure_step(model, step)
+    recompute = _exact_recompute(exact_cfg, step)
+    speed: dict[str, Any] = {}
+    if cfg.sketch.max_quality_cost > 0:
+        speed = speed_args(cfg, model, batch.shape)  # a run's rates on this machine ...
+        if rates is not None and rates.source == "modelled":
+            speed["rates"] = rates  # ... or --target's: never timings, as in a run
     plan = auto_plan(model, batch, rank=1 if rank is None else rank, loss_fn=loss,
                      estimator=cfg.sketch.estimator, min_saving=cfg.sketch.min_saving,
-                     keep_gate=cfg.sketch.keep_gate)
+                     keep_gate=cfg.sketch.keep_gate, **speed)
     if rank is not None:
         sketch_model(model, rank=rank, include=plan.include, estimator=cfg.sketch.estimator)
     elif plan.sketched:
@@ -150,9 +198,44 @@ def plan_and_measure(cfg: FitConfig, batch: torch.Tensor, rank: int | None) -> P
     ranks = {name: module.rank for name, module in model.named_modules()
              if isinstance(module, SketchedLinear)}
     with sketch_seed(cfg.seed, 0):
-        measured = saved_bytes(lambda: step(model), model)
-    return PlanReport(plan, int(batch.numel()), ranks, exact, measured, recipe_layers,
-                      cfg.sketch.min_saving, cfg.sketch.keep_gate)
+        planned = measure_step(model, step)
+    return PlanReport(plan, int(batch.numel()), ranks, exact.saved_bytes, planned.saved_bytes,
+                      recipe_layers, cfg.sketch.min_saving, cfg.sketch.keep_gate,
+                      cfg.sketch.max_quality_cost, rates, _train_dtype(cfg).itemsize,
+                      {"exact": exact, "exact recompute": recompute, "plan": planned})
+
+
+def _exact_recompute(exact_cfg: FitConfig, step: Any) -> Measured | None:
+    """Exact backprop with the MLPs recomputed in backward: the built-in GPT's
+    `mlp_recompute = "always"`, a Hugging Face model's SwiGLU MLPs fused with `recompute=True`
+    (and its RMSNorms fused, as "auto" does); None for a `model_factory` model."""
+    from sketch_ops import fuse_rms_norms, fuse_swiglu_mlps
+    from trainer.loop import build_model
+
+    if exact_cfg.model_factory is not None:
+        return None
+    if exact_cfg.model.is_hf:
+        model = build_model(exact_cfg)
+        fuse_swiglu_mlps(model, recompute=True, keep_gate=exact_cfg.sketch.keep_gate)
+        fuse_rms_norms(model)
+    else:
+        model = build_model(dataclasses.replace(exact_cfg, model=dataclasses.replace(
+            exact_cfg.model, mlp_recompute="always")))
+    return measure_step(model, step)
+
+
+def measure_step(model: nn.Module, step: Any) -> Measured:
+    """One step of `model`: its activation bytes, FLOPs and kernel launches."""
+    from sketch_ops.cost import count_flops
+    from sketch_ops.launch_count import SKETCH_SCOPES, LaunchCounter
+    from sketch_ops.memory import saved_bytes
+
+    for param in model.parameters():
+        param.grad = None  # every step alike: no accumulation into an earlier step's grads
+    with LaunchCounter(SKETCH_SCOPES) as launches:
+        saved, flops = count_flops(lambda: saved_bytes(lambda: step(model), model))
+    return Measured(saved, flops, launches.total + launches.sketch_scoped,
+                    launches.sketch_scoped)
 
 
 def print_report(report: PlanReport) -> None:
@@ -166,8 +249,11 @@ def print_report(report: PlanReport) -> None:
     header = ("layer", "in->out", "decision", "R", "input", "freed", "why")
     widths = [max(len(h), *(len(r[i]) for r in rows)) if rows else len(h)
               for i, h in enumerate(header)]
+    speed = (f", max_quality_cost {report.max_quality_cost:g}" if report.max_quality_cost
+             else "")
     print(f"sketch plan (include = \"auto\", min_saving {report.min_saving:g}"
-          f", keep_gate {str(report.keep_gate).lower()}), {report.rows} tokens per microbatch")
+          f", keep_gate {str(report.keep_gate).lower()}{speed}), {report.rows} tokens per "
+          "microbatch")
     if plan.fused:
         print(f"fused first: {len(plan.fused)} modules ({_summarise(plan.fused)})")
     for row in (header, *rows):
@@ -183,10 +269,55 @@ def print_report(report: PlanReport) -> None:
           f"({plan.predicted_bytes / exact:.2f}x exact), measured {_mib(report.measured_bytes)} "
           f"MiB ({report.measured_bytes / exact:.2f}x exact); measured / predicted "
           f"{report.measured_bytes / max(1, plan.predicted_bytes):.2f}")
+    if report.rates is not None:
+        print_times(report)
     if report.recipe_layers is not None and sorted(report.recipe_layers) != sorted(plan.sketched):
         print(f"note: the recipe's sketch.include selects {len(report.recipe_layers)} other "
               f"layer(s) ({_summarise(report.recipe_layers)}); set sketch.include = \"auto\" "
               "for this plan")
+
+
+def print_times(report: PlanReport) -> None:
+    """Predicted step time and activation bytes of exact, exact recompute and the plan."""
+    from sketch_ops.cost import (
+        FUSED_SKETCH_LAUNCHES,
+        activation_traffic,
+        sketch_overhead_s,
+        step_time_s,
+    )
+
+    rates, plan, scale = report.rates, report.plan, report.itemsize / 4
+    sketched = [layer for layer in plan.layers if layer.name in report.ranks]
+    overhead = sum(sketch_overhead_s(report.rows, layer.in_features, layer.out_features,
+                                     report.itemsize, rates, launches=False)
+                   for layer in sketched)
+    # The probe ran the sketches on the torch path; the fused path launches its own instead.
+    planned = report.steps["plan"]
+    assert planned is not None
+    launch_fix = (len(sketched) * FUSED_SKETCH_LAUNCHES - planned.sketch_launches
+                  if rates.fused_path else 0)
+    print(f"predicted step ({rates.describe()}; activation bytes of the fp32 probe x {scale:g} "
+          "for the training dtype):")
+    base = report.steps["exact"]
+    assert base is not None
+    exact_bytes = base.saved_bytes * scale
+    base_s = step_time_s(base.flops, activation_traffic(exact_bytes, exact_bytes), rates,
+                         launches=base.launches)
+    for name, step in report.steps.items():
+        if step is None:
+            print(f"  {name:<16} n/a (a model_factory model)")
+            continue
+        traffic = activation_traffic(exact_bytes, step.saved_bytes * scale)
+        plan_step = name == "plan"
+        seconds = step_time_s(step.flops, traffic, rates, overhead if plan_step else 0.0,
+                              step.launches + (launch_fix if plan_step else 0))
+        print(f"  {name:<16} {seconds * 1e3:9.3f} ms {seconds / base_s:6.2f}x exact   "
+              f"activation {_mib(step.saved_bytes)} MiB {step.saved_bytes / base.saved_bytes:.2f}"
+              f"x exact")
+    print("  (time: GEMM and attention FLOPs counted on the probe step at the GEMM rate; "
+          "passes over exact's activation bytes, and twice over the bytes not kept, at the "
+          "bandwidth; the step's kernel launches, counted; each sketch's passes; no "
+          "optimizer, loss or communication)")
 
 
 def _mib(n: int) -> str:
