@@ -140,6 +140,24 @@ def _block_grads(act: nn.Module, autocast: AutocastState, gate_pre: torch.Tensor
     return dgate, dup
 
 
+def _weight_grad(need: bool, weight: torch.Tensor, rank: int, seed: int, estimator: str,
+                 blocks: tuple[int, torch.device, torch.dtype, int, torch.dtype]
+                 ) -> BlockWeightGrad | None:
+    """A layer's block-accumulated dW (`blocks`: n, device, acc, block rows, data dtype)."""
+    n, device, acc, size, dtype = blocks
+    if not need:
+        return None
+    return BlockWeightGrad(weight.shape, rank, seed, estimator, n, device, acc, size, dtype)
+
+
+def _column_sums(need_bias: bool, sketched: bool, estimator: str, weight: torch.Tensor,
+                 acc: torch.dtype) -> torch.Tensor | None:
+    """Zeros to sum an output gradient's columns into: for the bias, and for a centred sketch."""
+    if need_bias or (sketched and estimator == "centered"):
+        return torch.zeros(weight.shape[0], dtype=acc, device=weight.device)
+    return None
+
+
 class _SwigluMlpFn(torch.autograd.Function):
     """Rank 0 in `ranks` means that layer (gate, up, down) is plain: exact dW."""
 
@@ -222,38 +240,16 @@ class _SwigluMlpFn(torch.autograd.Function):
             dw_down = saved_sketch_weight_grad(
                 dy, dy_sum, (hidden_hat, hidden_mean, hidden_stats, hidden_order), n, rank_down,
                 seeds[2], w_down.dtype)
+        blocks = (n, device, acc, size, dy.dtype)
         # Down's exact dW from the recomputed hidden rows (recompute=True with a plain down).
-        down_exact = (
-            BlockWeightGrad(w_down.shape, 0, 0, "basis", n, device, acc, size, dy.dtype)
-            if need_dwd and rank_down == 0
-            else None
-        )
-        gate_grad = (
-            BlockWeightGrad(
-                w_gate.shape, rank_gate, seeds[0], estimators[0], n, device, acc, size, dy.dtype
-            )
-            if need_dwg
-            else None
-        )
-        up_grad = (
-            BlockWeightGrad(
-                w_up.shape, rank_up, seeds[1], estimators[1], n, device, acc, size, dy.dtype
-            )
-            if need_dwu
-            else None
-        )
+        down_exact = _weight_grad(need_dwd and rank_down == 0, w_down, 0, 0, "basis", blocks)
+        gate_grad = _weight_grad(need_dwg, w_gate, rank_gate, seeds[0], estimators[0], blocks)
+        up_grad = _weight_grad(need_dwu, w_up, rank_up, seeds[1], estimators[1], blocks)
         # Column sums of gate's and up's output gradients: their biases, and μdy for a centred
         # sketch; skipped when neither needs them (a Llama's plain, bias-free gate and up).
-        dgate_sum = (
-            torch.zeros(w_gate.shape[0], dtype=acc, device=device)
-            if need_dbg or (need_dwg and rank_gate > 0 and estimators[0] == "centered")
-            else None
-        )
-        dup_sum = (
-            torch.zeros(w_up.shape[0], dtype=acc, device=device)
-            if need_dbu or (need_dwu and rank_up > 0 and estimators[1] == "centered")
-            else None
-        )
+        dgate_sum = _column_sums(need_dbg, need_dwg and rank_gate > 0, estimators[0], w_gate,
+                                 acc)
+        dup_sum = _column_sums(need_dbu, need_dwu and rank_up > 0, estimators[1], w_up, acc)
         dx = torch.empty(x2d.shape, dtype=dy.dtype, device=device) if need_dx else None
         for start, end in row_blocks(n, size):
             rows, dy_rows = x2d[start:end], dy[start:end]
