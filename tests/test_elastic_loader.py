@@ -183,6 +183,32 @@ def test_a_break_after_the_optimizer_step_ends_that_step(tmp_path: Path) -> None
         assert first[0].shape == (8, 3)
 
 
+def test_under_a_trainer_the_last_step_commits_when_the_function_returns(
+    tmp_path: Path,
+) -> None:
+    """`ElasticTorchTrainer`'s wrapper closes the session after the training function: the
+    loop's end commits nothing, and a snapshot due at an epoch's last step is taken one step
+    later, so a failure in the code after the loop restarts inside the loop."""
+    from trainer.config import SnapshotConfig
+    from trainer.session import WorkerContext, worker_context
+
+    settings = SnapshotConfig(run_uri=str(tmp_path), snapshot_every=5)
+    with worker_context(WorkerContext(snapshots=settings, close_at_return=True)):
+        model, optimizer, _ = _parts()
+        session = Session(model, optimizer)
+    loader = session.data_loader(_dataset(), batch_size=8, seed=5)  # 5 steps an epoch
+    for epoch in range(loader.epoch, 2):
+        loader.set_epoch(epoch)
+        for x, y in loader:
+            nn.functional.mse_loss(model(x), y).backward()
+            optimizer.step()
+            optimizer.zero_grad()
+    session.snapshotter.persister.wait()
+    assert session.step == 10 and SnapshotStore(str(tmp_path)).committed_steps() == [6]
+    session.close()  # what the wrapper does once the function returned
+    assert SnapshotStore(str(tmp_path)).committed_steps()[-1] == 10
+
+
 def test_a_loader_step_never_advanced_fails_the_step_in_one_line(tmp_path: Path) -> None:
     model, optimizer, _ = _parts()
     loader = MapStyleLoader(_dataset(), global_batch=8, microbatch_size=2, seed=3)

@@ -115,7 +115,7 @@ class StepCounter(Protocol):
 
     optimizer_steps: int  # optimizer.step() calls so far (the session's pre-hook counts them)
 
-    def step_done(self) -> bool: ...
+    def step_done(self, *, boundary: bool = False) -> bool: ...
 
 
 class ElasticDataLoader:
@@ -231,8 +231,9 @@ class ElasticDataLoader:
                 f"step {share.step}: this rank's batch carries loss weight {share.weight:.4g} "
                 "but never went through the model's forward, so the weight could not be "
                 "applied: compute the loss from the model passed to Session(...)")
+        epoch = self.epoch
         self.shares.advance()
-        if self._session.step_done():
+        if self._session.step_done(boundary=self.epoch != epoch):
             self.stopped = True
 
     def _on_forward(self, module: nn.Module, args: Any, output: Any) -> None:

@@ -167,6 +167,7 @@ class Session:
         self.optimizer_steps = 0  # optimizer.step() calls (the pre-hook counts them)
         self._loader: ElasticDataLoader | None = None
         self._close_at_return = bool(context and context.close_at_return)
+        self._postponed = False  # a snapshot due at an epoch's end, taken one step later
         self._data = data
         self.until = until if until is not None else context.until if context else None
         self._progress = _Progress()
@@ -270,14 +271,17 @@ class Session:
             return
         while self._progress.step < total:
             yield self._progress.step
-            if self.step_done():
+            if self.step_done(boundary=self._progress.step + 1 >= total):
                 return
         if not self._close_at_return:
             self.close()
 
-    def step_done(self) -> bool:
+    def step_done(self, *, boundary: bool = False) -> bool:
         """Count one completed step and act at its boundary (module docstring). Returns True
-        when the loop must end (a stop was asked for or `until` was reached)."""
+        when the loop must end (a stop was asked for or `until` was reached). `boundary`: the
+        step ends an epoch or the loop; when the training function's return commits the last
+        step (under ElasticTorchTrainer), a snapshot due there is taken one step later, so
+        that no restart lands past the end of the loop with nothing left to train."""
         if isinstance(self._data, ResumableLoader) and self._data.pending:
             raise UsageError(
                 f"step {self._progress.step + 1} ends but its data was never committed: call "
@@ -296,10 +300,19 @@ class Session:
             # Commit exactly this step (P6): the run continues (or is exported) from here.
             self.snapshotter.after_step(step, force=True)
             self._captured = step
-        elif self.snapshotter.begin_capture_if_due(step):
-            self._captured = step  # its copies overlap the next step's forward/backward
-            if not self._pipelined:
-                self._wait_capture()
+        elif self._close_at_return and boundary and self.snapshotter.due(step):
+            self._postponed = True  # taken at the next step boundary (see the docstring)
+        else:
+            if self._postponed:
+                self.coordinator.poll()
+                begun = self.snapshotter.begin_capture(step)
+            else:
+                begun = self.snapshotter.begin_capture_if_due(step)
+            self._postponed = False
+            if begun:
+                self._captured = step  # its copies overlap the next step's forward/backward
+                if not self._pipelined:
+                    self._wait_capture()
         self.stall_s += time.perf_counter() - started
         if stopping:
             self._stop(step)
