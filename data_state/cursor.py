@@ -100,20 +100,21 @@ def steps_per_epoch(num_samples: int, global_batch: int, drop_last: bool = True)
 
 def assign_microbatches(num_microbatches: int, *, rank: int, world_size: int) -> range:
     """The microbatch indices worker `rank` trains in every step (see module docstring)."""
-    if world_size < 1:
-        raise ValueError(f"world_size must be >= 1, got {world_size}")
-    if not 0 <= rank < world_size:
-        raise ValueError(f"rank must be in [0, world_size={world_size}), got {rank}")
+    mine = share(num_microbatches, rank=rank, world_size=world_size)
     if world_size > num_microbatches:
         raise ValueError(
             f"world_size {world_size} is larger than the {num_microbatches} microbatches of a "
             "step, so some workers would get no data: lower microbatch_size, raise "
             "global_batch, or use fewer workers"
         )
-    return share(num_microbatches, rank=rank, world_size=world_size)
+    return mine
 
 
 def share(num_microbatches: int, *, rank: int, world_size: int) -> range:
     """Worker `rank`'s contiguous block of `num_microbatches`; empty for some ranks when
     `world_size > num_microbatches` (callers that allow idle ranks use this directly)."""
+    if world_size < 1:
+        raise ValueError(f"world_size must be >= 1, got {world_size}")
+    if not 0 <= rank < world_size:
+        raise ValueError(f"rank must be in [0, world_size={world_size}), got {rank}")
     return range(rank * num_microbatches // world_size, (rank + 1) * num_microbatches // world_size)

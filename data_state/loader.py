@@ -255,10 +255,8 @@ class ResumableLoader:
     def _share(self, rank: int, world_size: int) -> range:
         """This rank's microbatches of a full step (checked: a rank past them is an error
         unless the loader allows idle ranks)."""
-        if self.allow_idle_ranks:
-            assign_microbatches(world_size, rank=rank, world_size=world_size)  # rank checks
-            return share(self.num_microbatches, rank=rank, world_size=world_size)
-        return assign_microbatches(self.num_microbatches, rank=rank, world_size=world_size)
+        pick = share if self.allow_idle_ranks else assign_microbatches
+        return pick(self.num_microbatches, rank=rank, world_size=world_size)
 
     def _stop_prefetch(self) -> None:
         self._pending = None
