@@ -14,6 +14,8 @@ Measured in one run, on this machine, with the built-in GPT at about 25M paramet
     snapshotting every 10 steps (pipelined, persist in background), median step time ratio.
 (c) restore time of the whole state: from the coordinator's RAM copy, from local disk
     (page cache warm: an optimistic "storage"), and from an S3 API on 127.0.0.1 (moto).
+(d) the replica check a snapshot adds at world size > 1 (fingerprints of every replicated
+    tensor, ``elastic.replicas``), against the pipelined stall and the step.
 
 Targets: Baton's pipelined stall <= 1/20 of torch.save+fsync and below DCP's async stall;
 throughput overhead <= 3 % with a snapshot every 10 steps; restore from RAM <= 1/3 of restore
@@ -101,6 +103,16 @@ def baton_pipelined_stall(run: Run, root: str, snapshots: int, every: int) -> li
     snap.close()
     stalls = [began[s] + waited[s + 1] for s in sorted(began) if s + 1 in waited]
     return stalls[1:]  # the first capture allocates and touches the image: not typical
+
+
+def replica_check(run: Run, reps: int) -> list[float]:
+    """What a snapshot adds at world size > 1: the fingerprints of every replicated model and
+    optimizer tensor (``elastic.replicas``), computed at ``begin_capture`` from the state the
+    capture reads anyway (their all-reduce is the busy agreement's, with ~20 KiB more)."""
+    from elastic.replicas import fingerprints
+
+    tensors = run.registry.flatten(run.registry.model_keys()).tensors
+    return [timed(lambda i=i: fingerprints(tensors, i)) for i in range(reps)]
 
 
 def baton_blocking_stall(run: Run, root: str, reps: int) -> list[float]:
@@ -232,6 +244,7 @@ def main() -> int:
                               "step_s": step_s, "torch": torch.__version__}
     res["baton_pipelined_stall_s"] = statistics.median(
         baton_pipelined_stall(run, f"{tmp}/pipe", reps, every=3))
+    res["replica_check_s"] = statistics.median(replica_check(run, 10 * reps))
     res["baton_blocking_stall_s"] = statistics.median(
         baton_blocking_stall(run, f"{tmp}/block", reps))
     res["torch_save_fsync_s"] = statistics.median(torch_save_stall(run, f"{tmp}/ts.pt", reps))
@@ -252,6 +265,9 @@ def main() -> int:
         "baton_pipelined_over_dcp_async": res["baton_pipelined_stall_s"]
         / res["dcp_async_save_stall_s"],
         "throughput_overhead": res["throughput"]["overhead"],
+        "replica_check_over_pipelined_stall": res["replica_check_s"]
+        / res["baton_pipelined_stall_s"],
+        "replica_check_over_step": res["replica_check_s"] / step_s,
         "restore_ram_over_local_disk": restore["ram_s"] / restore["local_disk_s"],
     }
     if "s3_s" in restore:
