@@ -50,6 +50,9 @@ _DIRECTORY = getattr(os, "O_DIRECTORY", 0)
 class RefusedEntryError(OSError):
     """An entry below a run or dataset directory is a link or not a regular file."""
 
+    def __str__(self) -> str:  # the one line itself, without "[Errno N]" and the path again
+        return self.strerror or super().__str__()
+
 
 def _link(path: str) -> RefusedEntryError:
     return RefusedEntryError(
@@ -62,7 +65,8 @@ def _not_regular(path: str, mode: int) -> RefusedEntryError:
     what = ("a directory" if stat.S_ISDIR(mode) else "a FIFO" if stat.S_ISFIFO(mode)
             else "a socket" if stat.S_ISSOCK(mode) else "a device")
     return RefusedEntryError(errno.EINVAL, f"{path} is {what}, not a regular file; refused "
-                             "(only files Baton wrote belong there)", path)
+                             "(Baton reads only regular files and never waits on a FIFO)",
+                             path)
 
 
 def parts_below(root: str, path: str) -> list[str] | None:

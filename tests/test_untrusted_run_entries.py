@@ -396,3 +396,25 @@ def test_the_drivers_ray_log_never_blocks_on_a_fifo_nor_writes_through_a_link(
     assert manifest.read_bytes() == before and not (manifest.parent / "ray.log").exists()
     assert all("symbolic link" in t for t in told[1:]), told
     _verifies(capsys, run, [2, 4])
+
+
+def test_a_models_config_json_deep_or_a_fifo_is_one_config_error(tmp_path: Path) -> None:
+    """A recipe's `model.hf_config` is a person's file (a link into a hub cache is fine),
+    read through the same bounded reader: never a RecursionError, never a hang."""
+    from trainer.config_checks import ConfigError
+    from trainer.config_model import raw_hf_config
+
+    config = tmp_path / "model" / "config.json"
+    config.parent.mkdir()
+    (tmp_path / "real.json").write_text('{"model_type": "llama"}')
+    config.symlink_to(tmp_path / "real.json")
+    assert raw_hf_config(str(config.parent), "model.hf_config") == {"model_type": "llama"}
+    config.unlink()
+    config.write_bytes(DEEP)
+    with pytest.raises(ConfigError, match="nested more than"):
+        raw_hf_config(str(config.parent), "model.hf_config")
+    config.unlink()
+    os.mkfifo(config)
+    with fifo_watch(config) as blocked, pytest.raises(ConfigError, match="a FIFO") as info:
+        raw_hf_config(str(config.parent), "model.hf_config")
+    assert blocked == [] and "\n" not in str(info.value)

@@ -10,12 +10,12 @@ downloaded, imported from the model directory or executed.
 
 from __future__ import annotations
 
-import json
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from elastic.storage_io import Storage
 from trainer.config_checks import ConfigError, check_types, default_of, require
 
 # The values of ModelConfig.mlp_recompute.
@@ -62,9 +62,10 @@ def check_local_source(path: str, field_name: str, *, weights: bool) -> Path:
 
 def raw_hf_config(path: str, field_name: str) -> dict[str, Any]:
     """The JSON object of the model's config.json (plain data: nothing is imported)."""
-    try:
-        raw = json.loads(config_file(Path(path)).read_text())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
+    file = config_file(Path(path))
+    try:  # a person's file, maybe a link (a hub cache); never a FIFO; bounded like a run's
+        raw = Storage(str(file), follow_links=True).read_json(str(file))
+    except (OSError, ValueError) as err:
         raise ConfigError(f"{field_name}: {path} is not a readable JSON config "
                           f"({' '.join(str(err).split())})") from err
     if not isinstance(raw, dict):
