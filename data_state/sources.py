@@ -335,7 +335,7 @@ def _jsonl_rows(piece: Piece, options: ReadOptions, out: UnitText) -> Iterator[t
             except UnicodeDecodeError:
                 yield key, ("not UTF-8",)
                 continue
-            except ValueError:
+            except (ValueError, RecursionError):  # a crafted line nested 100,000 deep
                 yield key, ("invalid JSON",)
                 continue
             if not isinstance(row, dict):

@@ -418,3 +418,13 @@ def test_a_models_config_json_deep_or_a_fifo_is_one_config_error(tmp_path: Path)
     with fifo_watch(config) as blocked, pytest.raises(ConfigError, match="a FIFO") as info:
         raw_hf_config(str(config.parent), "model.hf_config")
     assert blocked == [] and "\n" not in str(info.value)
+
+
+def test_a_source_row_nested_100000_deep_is_a_skipped_row(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    source = tmp_path / "rows.jsonl"
+    source.write_bytes(b'{"text": "a document of a few words"}\n' * 100 + DEEP + b"\n")
+    assert main(["data", "prepare", "--out", str(tmp_path / "out"), "--seq-len", "8",
+                 "--quiet", "--val-fraction", "0", str(source)]) == 0
+    out = capsys.readouterr()
+    assert "1 rows skipped: invalid JSON" in out.out and "Traceback" not in out.err
