@@ -57,7 +57,7 @@ from torch.utils._pytree import tree_leaves
 from data_state.share_loader import ShareLoader, StepShare
 from elastic.errors import FatalRunError
 from trainer.parallel import grad_sync, parallelism_of, unwrapped
-from trainer.session import UsageError
+from trainer.session_setup import UsageError
 
 if TYPE_CHECKING:
     from trainer.session import Session
