@@ -428,3 +428,27 @@ def test_a_source_row_nested_100000_deep_is_a_skipped_row(
                  "--quiet", "--val-fraction", "0", str(source)]) == 0
     out = capsys.readouterr()
     assert "1 rows skipped: invalid JSON" in out.out and "Traceback" not in out.err
+
+
+def test_baton_demo_removes_only_a_directory_an_earlier_demo_made(
+        tmp_path: Path, other: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """`baton demo --run-dir X` starts from an empty X: it removes X only when an earlier
+    demo made it; a real run there, a link or a file is refused in one line, untouched."""
+    from trainer.on_ray.demo import DEMO_MARK, fresh_demo_dir
+
+    before = {s: _files(other / "snapshots" / step_dirname(s)) for s in (2, 4, 6)}
+    link = tmp_path / "link"
+    link.symlink_to(other, target_is_directory=True)
+    for place in (other, link):
+        with pytest.raises(ValueError, match="--run-dir") as info:
+            fresh_demo_dir(place)
+        assert "\n" not in str(info.value)
+    assert main(["demo", "--run-dir", str(other)]) == 2  # refused before Ray starts
+    assert "--run-dir" in capsys.readouterr().err
+    assert {s: _files(other / "snapshots" / step_dirname(s)) for s in (2, 4, 6)} == before
+    _verifies(capsys, other, [2, 4, 6])
+    demo = tmp_path / "demo"
+    fresh_demo_dir(demo)
+    (demo / "snapshots").mkdir()
+    fresh_demo_dir(demo)  # an earlier demo's: removed and made again
+    assert sorted(p.name for p in demo.iterdir()) == [DEMO_MARK]

@@ -8,7 +8,9 @@ restarts, steps redone, snapshot stall, the events (the demo's node changes and 
 restart, as announced during the run), memory saved by sketching, where the report PNG is.
 During the run it shows what `baton fit` shows (`trainer.terminal`: progress bar or plain
 lines, restart events); Ray's own messages about the killed node go to RUN/logs/ray.log.
-The run directory is fresh each time (`--run-dir` is cleared first).
+The run directory is fresh each time: one an earlier demo made (marked `.baton-demo`) is
+removed first; anything else there (a real run, a link, other files) is refused in one line.
+The report PNG goes beside it (`runs/demo-report.png`), never into the run directory.
 """
 
 from __future__ import annotations
@@ -76,6 +78,26 @@ def activation_bytes(cfg: FitConfig) -> tuple[int, int]:
     return sizes[0], sizes[1]
 
 
+DEMO_MARK = ".baton-demo"  # in a run directory the demo made, so the next demo may remove it
+
+
+def fresh_demo_dir(run_dir: Path) -> None:
+    """Start the demo from nothing in `run_dir`: an earlier demo's directory (marked) is
+    removed, anything else is refused in one line (`ValueError`) and left as it is: a real
+    run's snapshots, a link to anywhere, a file, a directory holding other things."""
+    if run_dir.is_symlink() or run_dir.exists() and not run_dir.is_dir():
+        raise ValueError(f"--run-dir {run_dir} is a link or a file; the demo removes and "
+                         "remakes its directory: pass a plain path")
+    if run_dir.exists() and any(run_dir.iterdir()):
+        if not (run_dir / DEMO_MARK).is_file():
+            raise ValueError(f"--run-dir {run_dir} holds something `baton demo` did not make "
+                             "(a run?); the demo removes its directory first: pass another "
+                             "--run-dir, or remove that one yourself")
+        shutil.rmtree(run_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / DEMO_MARK).write_text("made by baton demo: the next demo removes it\n")
+
+
 def run_demo(recipe: str, run_dir: str) -> int:
     import ray
 
@@ -86,7 +108,7 @@ def run_demo(recipe: str, run_dir: str) -> int:
     from trainer.report import write_report
     from trainer.terminal import ProgressDisplay, fmt_mib, fmt_ratio, print_summary
 
-    shutil.rmtree(run_dir, ignore_errors=True)
+    fresh_demo_dir(Path(run_dir))
     cfg = load_recipe(recipe, [f'snapshots.run_uri="{Path(run_dir).resolve()}"'])
     console.print("[bold]Baton demo[/bold]: local cluster of a head and 2 worker nodes")
     outcome: dict[str, Any] = {}
@@ -125,7 +147,8 @@ def run_demo(recipe: str, run_dir: str) -> int:
     if "error" in outcome:
         raise outcome["error"]
     result = outcome["result"]
-    png = Path(run_dir) / "report.png"
+    # Beside the run, not in it: a run directory holds only what training writes there.
+    png = Path(run_dir).parent / f"{Path(run_dir).name}-report.png"
     write_report(cfg.snapshots.run_uri, png)
     exact, sketched = activation_bytes(cfg)
     summary = result.summary.to_dict()
