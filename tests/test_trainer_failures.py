@@ -8,8 +8,13 @@
   seq_len, model shape or dataset, naming the field, both values and the fix; the worker
   (`run_worker`, in-process) refuses the same recipe with the same words, as `FatalRunError`.
 - `code_version()` changes when a source file changes; a worker on other code is refused.
-- One slow test on a real Ray cluster: a dataset corrupted after pre-flight fails the fit once
-  (one worker-group start, no restart) with the worker's message on the driver.
+- A worker group that cannot start is charged to `max_failures` (Ray Train would retry it
+  forever) and logged with the count; before each start the controller says what it waits
+  for and how long.
+- Two slow tests on a real Ray cluster: a dataset corrupted after pre-flight fails the fit once
+  (one worker-group start, no restart) with the worker's message on the driver; a group asking
+  for a resource no node has ends the fit after `max_failures`, in one line, with both starts
+  and both failures in the controller's log.
 """
 
 from __future__ import annotations
@@ -391,3 +396,44 @@ def test_a_fatal_worker_error_fails_the_fit_once(
     assert "corrupt" in str(failed) and str(failed).endswith("(after 0 restarts)")
     starts = [r for r in read_records(cfg.snapshots.run_uri) if r["kind"] == "start"]
     assert len(starts) == 1, f"Ray Train restarted the worker group: {starts}"
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_a_group_that_cannot_start_ends_the_fit_at_max_failures_and_says_why(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A worker group Ray cannot place (a resource no node has) is not retried forever: each
+    failed start counts against `max_failures`, the fit fails in one line, and the
+    controller's log said before each start what it waited for and how long."""
+    import ray
+    from ray.train import RunConfig, ScalingConfig
+
+    from trainer.on_ray.elastic_trainer import SKIP_CODE_CHECK_ENV, ElasticTorchTrainer
+    from trainer.on_ray.local_cluster import LocalCluster
+    from trainer.on_ray.monitor import NAMESPACE
+
+    monkeypatch.setenv(SKIP_CODE_CHECK_ENV, "1")
+    local = LocalCluster(worker_nodes=1)
+    monkeypatch.setenv("RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S", "3")  # to the controller
+    try:
+        ray.init(address=local.address, namespace=NAMESPACE, log_to_driver=False)
+        logs = Path(ray._private.worker.global_worker.node.get_logs_dir_path())
+        trainer = ElasticTorchTrainer(
+            lambda: None, run_uri=str(tmp_path / "run"),
+            scaling_config=ScalingConfig(num_workers=1,
+                                         resources_per_worker={"CPU": 1, "not_here": 1}),
+            run_config=RunConfig(name="no-start", storage_path=str(tmp_path / "ray"),
+                                 failure_config=FailureConfig(max_failures=1)))
+        with pytest.raises(RunFailedError) as info:
+            trainer.fit()
+    finally:
+        ray.shutdown()
+        local.shutdown()
+    assert "\n" not in str(info.value)
+    assert "timed out after 3.0 seconds waiting for 1 workers" in str(info.value)
+    said = "".join(p.read_text(errors="replace") for p in logs.rglob("*app-controller*.log"))
+    assert said.count("Baton: starting a worker group of 1 worker(s) ({CPU: 1, not_here: 1} "
+                      "each); waiting up to 3 s") == 2, said[-2000:]
+    assert "failure 1 of max_failures=1: retrying" in said
+    assert "failure 2 of max_failures=1: giving up" in said
