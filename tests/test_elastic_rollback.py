@@ -270,3 +270,38 @@ def test_rewind_and_restore_quarantined_on_s3(s3_bucket: str,
     assert main(["runs", "ls", f"s3://{s3_bucket}/runs"]) == 0
     out = capsys.readouterr()
     assert "Traceback" not in out.out + out.err and out.out.splitlines()[1].split()[0] == "r"
+
+
+def test_a_sessions_rollback_is_the_runs_one_line_fatal_error(tmp_path: Path) -> None:
+    """In a training loop (`trainer.Session`, what `baton fit` and a Ray Train loop run):
+    the refusal is a `FatalRunError` (the run fails once, with this line), nothing moves."""
+    from elastic.errors import FatalRunError
+    from trainer.session import Session
+
+    run = str(tmp_path / "run")
+
+    def session(version: int) -> tuple[Session, torch.optim.Optimizer]:
+        torch.manual_seed(0)
+        model = torch.nn.Linear(4, 2)
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        return Session(model, optimizer, extras={"mode": Mode(version)}, run_uri=run,
+                       snapshot_every=2), optimizer
+
+    for version, steps in ((1, 4), (2, 8)):
+        s, optimizer = session(version)
+        with s:
+            for _ in s.steps(steps):
+                optimizer.zero_grad()
+                s.model(torch.ones(1, 4)).sum().backward()
+                optimizer.step()
+    store = SnapshotStore(run)
+    committed = store.committed_steps()
+    assert committed[-1] == 8
+    with pytest.raises(FatalRunError) as info:
+        session(1)
+    text = str(info.value)
+    assert "\n" not in text and "snapshot 8" in text and "--to 4" in text, text
+    assert store.committed_steps() == committed and store.quarantined() == []
+    s, _ = session(2)
+    assert s.step == 8
+    s.close(commit=False)
