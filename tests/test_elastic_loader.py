@@ -162,6 +162,49 @@ def test_it_iterates_like_a_dataloader(tmp_path: Path) -> None:
         assert sorted(order) == list(range(ITEMS)) and order != list(range(ITEMS))
 
 
+def test_settings_threads_collation_and_accumulation(tmp_path: Path) -> None:
+    """Bad settings are one line naming the argument; `num_workers` threads read the same
+    batches; `collate_fn` is the user's; `microbatches` splits tensors and per-sample lists
+    and its pieces' gradients add up to the whole batch's."""
+    model, optimizer, _ = _parts()
+    with Session(model, optimizer, run_uri=str(tmp_path / "a")) as session:
+        with pytest.raises(UsageError, match=r"batch_size \(64\) is larger than the dataset "
+                                             r"\(38 samples\) and drop_last=True"):
+            session.data_loader(_dataset(), batch_size=64, drop_last=True)
+        with pytest.raises(UsageError, match=r"batch_size \(8\) must be a multiple of "
+                                             r"microbatch_size \(3\)"):
+            session.data_loader(_dataset(), batch_size=8, microbatch_size=3)
+
+    def collate(items: list[Any]) -> dict[str, Any]:
+        return {"x": torch.stack([x for x, _ in items]), "y": torch.stack([y for _, y in items]),
+                "name": [f"item{float(x[0]):.3f}" for x, _ in items]}
+
+    batches = {}
+    for threads in (0, 2):
+        model, optimizer, _ = _parts()
+        with Session(model, optimizer, run_uri=str(tmp_path / f"t{threads}")) as session:
+            loader = session.data_loader(_dataset(), batch_size=8, microbatch_size=2,
+                                         collate_fn=collate, num_workers=threads, seed=2)
+            batch = next(iter(loader))
+            batches[threads] = batch
+            with pytest.raises(UsageError, match="inside the loop over it"):
+                list(loader.microbatches(batch))  # the forwards would run unweighted
+            pieces = []
+            for piece in loader.microbatches(batch):  # each piece's gradient counts a quarter
+                nn.functional.mse_loss(model(piece["x"]), piece["y"]).backward()
+                pieces.append(piece)
+            assert [len(p["name"]) for p in pieces] == [2, 2, 2, 2]
+            assert sum((p["name"] for p in pieces), []) == batch["name"]
+            accumulated = [p.grad.clone() for p in model.parameters()]
+            optimizer.zero_grad()
+            nn.functional.mse_loss(model(batch["x"]), batch["y"]).backward()
+            for a, b in zip(accumulated, (p.grad for p in model.parameters()), strict=True):
+                torch.testing.assert_close(a, b)
+            optimizer.zero_grad()
+    assert batches[0]["name"] == batches[2]["name"]
+    assert torch.equal(batches[0]["x"], batches[2]["x"])
+
+
 def test_a_break_after_the_optimizer_step_ends_that_step(tmp_path: Path) -> None:
     model, optimizer, _ = _parts()
     session = Session(model, optimizer, run_uri=str(tmp_path), snapshot_every=100)

@@ -41,7 +41,8 @@ Contract:
   each its part of the weight, and runs all but the last piece's forward/backward under
   `trainer.parallel.grad_sync(model, last=False)`: every rank all-reduces exactly once per step,
   whatever its number of pieces (an idle rank has one, of weight 0). With FSDP2, ranks with
-  fewer pieces add zero-weight passes so that every rank runs as many.
+  fewer pieces add zero-weight passes so that every rank runs as many. A piece whose forward
+  did not run inside the loop over it (`list(loader.microbatches(...))`) is a `UsageError`.
 """
 
 from __future__ import annotations
@@ -193,8 +194,13 @@ class ElasticDataLoader:
                 real = i < len(pieces)
                 piece = pieces[i] if real else pieces[-1]
                 self._scale = share.weight * _length(piece) / count if real else 0.0
+                before = self._forwards
                 with grad_sync(self._model, last=i == passes - 1):
                     yield piece
+                if self._forwards == before:  # list(...) of the pieces, or a skipped one
+                    raise UsageError(
+                        "loader.microbatches: run each piece's forward and backward inside "
+                        "the loop over it (its weight and gradient sync apply only there)")
         finally:
             self._scale = share.weight
 
