@@ -106,16 +106,20 @@ _INT_LIMIT = 10 ** MAX_INT_DIGITS
 
 def _out_of_bounds(value: Any, limit: int) -> str | None:
     """What of ``value`` is beyond the bounds (nesting deeper than ``limit``, an integer of
-    more than ``MAX_INT_DIGITS`` digits), or None. Iterative: the check must not recurse."""
-    stack: list[tuple[Any, int]] = [(value, 0)]
-    while stack:
-        node, depth = stack.pop()
-        children: Any = node.values() if isinstance(node, dict) else node
-        if depth + 1 > limit:
+    more than ``MAX_INT_DIGITS`` digits), or None. Level by level, iterative: the check must
+    not recurse, and it touches each element once (a manifest holds ~10^5 of them)."""
+    level, depth = [value], 0
+    while level:
+        depth += 1
+        if depth > limit:
             return f"nested more than {limit} levels deep"
-        for child in children:
-            if isinstance(child, dict | list):
-                stack.append((child, depth + 1))
-            elif type(child) is int and not -_INT_LIMIT < child < _INT_LIMIT:
-                return f"an integer of more than {MAX_INT_DIGITS} digits"
+        below: list[Any] = []
+        for node in level:
+            for child in node.values() if type(node) is dict else node:
+                kind = type(child)
+                if kind is dict or kind is list:
+                    below.append(child)
+                elif kind is int and not -_INT_LIMIT < child < _INT_LIMIT:
+                    return f"an integer of more than {MAX_INT_DIGITS} digits"
+        level = below
     return None
