@@ -149,34 +149,36 @@ def _check_writable(out: str) -> None:
 
 
 def _out_problem(out: str, sources: list[str]) -> str | None:
-    """Why a local `--out` must not be written, links resolved: inside a local source (the
-    prepare would read what it writes) or inside a Baton run directory (one holding
-    `run.json`) anywhere but its `data/`, where `baton fit` prepares the default corpus."""
-    if "://" in out and not out.startswith("file://"):
-        return None
-    bases = [s.removeprefix("file://").split("*")[0].split("?")[0].split("[")[0]
-             for s in sources if "://" not in s or s.startswith("file://")]
-    problem = output_problem(out, [b for b in bases if b], what="the source")
-    if problem:
-        return problem
-    path = os.path.realpath(out.removeprefix("file://"))
-    below: list[str] = []
-    while True:
-        if os.path.isfile(os.path.join(path, "run.json")) and below[-1:] != ["data"]:
-            return output_problem(out, [path])
-        parent = os.path.dirname(path)
-        if parent == path:
-            return None
-        below.append(os.path.basename(path))
-        path = parent
+    """Why `--out` must not be written: it resolves (links included) inside a local source
+    (the prepare would read what it writes), or inside a Baton run directory (one holding
+    `run.json`, local or on S3) anywhere but its `data/`, where `baton fit` prepares the
+    default corpus."""
+    remote = "://" in out and not out.startswith("file://")
+    if not remote:
+        bases = [s.removeprefix("file://").split("*")[0].split("?")[0].split("[")[0]
+                 for s in sources if "://" not in s or s.startswith("file://")]
+        problem = output_problem(out, [b for b in bases if b], what="the source")
+        if problem:
+            return problem
+    fs, root = storage.resolve(out)
+    parts = (os.path.realpath(root) if fs.is_local else root).split("/")
+    # From the deepest ancestor up to the bucket (or /): a run directory above `out`, and
+    # the name just below it on the way to `out`.
+    for depth in range(len(parts), 0, -1):
+        ancestor = "/".join(parts[:depth]) or "/"
+        if fs.isfile(storage.join(ancestor, "run.json")) and parts[depth: depth + 1] != ["data"]:
+            shown = ancestor if fs.is_local else f"{out.split('://', 1)[0]}://{ancestor}"
+            return (f"{out} is inside the run directory {shown}, which holds only what Baton "
+                    "writes there (a run's own dataset goes in its data/); write it elsewhere")
+    return None
 
 
 def _prepare(args: argparse.Namespace) -> int:
     started = time.perf_counter()
-    problem = _out_problem(args.out, args.paths)
-    if problem:
-        return _fail("prepare", f"--out {problem}")
     try:
+        problem = _out_problem(args.out, args.paths)
+        if problem:
+            return _fail("prepare", f"--out {problem}")
         _check_writable(args.out)
     except ValueError as err:  # empty or unsupported URI
         return _fail("prepare", f"--out: {err}")

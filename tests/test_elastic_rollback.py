@@ -228,7 +228,7 @@ def test_the_last_nameable_generation_is_one_line(tmp_path: Path) -> None:
 # ---------------------------------------------------------------- the same on s3://
 
 
-def test_rewind_and_restore_quarantined_on_s3(s3_bucket: str,
+def test_rewind_and_restore_quarantined_on_s3(s3_bucket: str, tmp_path: Path,
                                               capsys: pytest.CaptureFixture[str]) -> None:
     """The refusal, the rewind and the way back through a real S3 API: the set-aside
     snapshots are copied back manifest last and verify; huge or deeply nested run files
@@ -270,6 +270,13 @@ def test_rewind_and_restore_quarantined_on_s3(s3_bucket: str,
     assert main(["runs", "ls", f"s3://{s3_bucket}/runs"]) == 0
     out = capsys.readouterr()
     assert "Traceback" not in out.out + out.err and out.out.splitlines()[1].split()[0] == "r"
+    source = tmp_path / "a.txt"  # a dataset is never prepared into a run's snapshot
+    source.write_text("a document of a few words. " * 100)
+    assert main(["data", "prepare", "--out", f"{run}/snapshots/{step_dirname(8)}", "--quiet",
+                 "--seq-len", "8", "--val-fraction", "0", str(source)]) == 2
+    err = capsys.readouterr().err
+    assert "inside the run directory" in err and len(err.strip().splitlines()) == 1, err
+    assert main(["snapshots", "verify", run, "8"]) == 0
 
 
 def test_a_sessions_rollback_is_the_runs_one_line_fatal_error(tmp_path: Path) -> None:

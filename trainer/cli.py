@@ -23,7 +23,7 @@ import sys
 # group does not take the whole CLI down.
 _COMMAND_GROUPS: tuple[str, ...] = (
     "data_state.cli",  # baton data prepare|inspect
-    "elastic.cli",  # baton snapshots ls|show|verify|export
+    "elastic.cli",  # baton snapshots ls|show|verify|export|rewind|restore-quarantined
     "trainer.fit_cli",  # baton fit|report|demo
     "trainer.runs",  # baton runs ls
     "trainer.sketch_plan",  # baton sketch-plan
