@@ -4,7 +4,8 @@ Contract:
 - `block_size(n, width, dtype, device)`: the rows per block of a fused function on n rows (at
   most BLOCK_ROWS on the CPU, more on a GPU; spread evenly over the blocks n needs), and
   `row_blocks(n, size)` the `[start, end)` ranges it walks, so that no n × hidden tensor
-  outlives a block.
+  outlives a block. Inside `gpu_blocks(dtype)` it gives a GPU's blocks whatever the device (a
+  plan for a GPU counts a GPU step's ops on the CPU).
 - `layer_sketches(layers, n)`: per layer, `(rank, seed, estimator)`: its effective rank, its
   seed for this call (`layer_seed`, drawn in the order given) and estimator for a
   `SketchedLinear`, `(0, 0, "basis")` for a plain layer (rank 0 means an exact dW).
@@ -38,7 +39,8 @@ whole product is).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -64,6 +66,8 @@ def block_size(n: int, width: int, dtype: torch.dtype, device: torch.device) -> 
     are made equal (the last up to k - 1 rows shorter): a ragged tail block runs its matmuls at a
     fraction of the rate (4 112 rows on one CPU thread: 17.1 ms per n·256·688 matmul in
     blocks of 2 048, 2 048 and 16 rows, 16.3 ms in blocks of 1 371, 1 371 and 1 370)."""
+    if _blocks_as_on:  # planning for a GPU on the CPU: the GPU's blocks
+        device, dtype = torch.device("cuda"), _blocks_as_on[-1]
     if device.type == "cpu":
         most = BLOCK_ROWS
     else:
@@ -72,6 +76,20 @@ def block_size(n: int, width: int, dtype: torch.dtype, device: torch.device) -> 
     if n <= most:
         return max(n, 1)
     return -(-n // -(-n // most))  # ceil(n / number of blocks)
+
+
+_blocks_as_on: list[torch.dtype] = []
+
+
+@contextmanager
+def gpu_blocks(dtype: torch.dtype) -> Iterator[None]:
+    """Inside, `block_size` gives the blocks a GPU would use for data of `dtype` (so a step on
+    the CPU launches the ops a GPU step would: `baton sketch-plan --target`)."""
+    _blocks_as_on.append(dtype)
+    try:
+        yield
+    finally:
+        _blocks_as_on.pop()
 
 
 def row_blocks(n: int, size: int) -> list[tuple[int, int]]:

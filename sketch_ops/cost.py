@@ -2,7 +2,8 @@
 error formula, for `include="auto"` (`speed_plan.py`) and `baton sketch-plan`.
 
 Contract:
-- `Rates(gemm_flops, bandwidth, launch_s, device, source, fused_path)`: a device's sustained
+- `Rates(gemm_flops, bandwidth, launch_s, device, source, fused_path, itemsize)`: a device's
+  sustained
   GEMM rate (FLOP/s in the training dtype), memory bandwidth (bytes/s), the cost of one more
   kernel launch (s), and where the figures come from (`source`: "modelled" from a datasheet
   table, "measured" here by a micro-benchmark, or "given"). `fused_path` says whether sketched
@@ -29,11 +30,12 @@ Contract:
   (`activation_traffic(exact_bytes, kept_bytes)`: `TRAFFIC_PASSES` passes over exact
   backprop's activation bytes — written in forward, read in backward, their gradients written —
   and `RECOMPUTE_PASSES` over the bytes a configuration recomputes instead of keeping), plus
-  `extra_s` (the sketches' overheads), plus `launches` kernel launches (the step's ops as
-  `launch_count.LaunchCounter` counts them). A model of the step, not a measurement: it leaves
-  out the optimizer, the loss and communication, and assumes no overlap.
-- `relative_error(...)`: DESIGN §4's `E||dŴ - dW||² / ||dW||²` of one layer's estimate at
-  rank R from the moments of its input X and output gradient dY (centred first for the
+  `extra_s` (the sketches' overheads), plus a start-and-tail time per kernel for its
+  `launches` (the step's ops as `launch_count.LaunchCounter` counts them); on a GPU, at least
+  the host's time to launch them (it runs ahead of the device). A model of the step, not a
+  measurement: it leaves out the optimizer, the loss and communication.
+- `relative_error(...)`: the `E||dŴ - dW||² / ||dW||²` of docs/design.md §4 for one layer's
+  estimate at rank R from the moments of its input X and output gradient dY (centred first for the
   centred estimator), without the invariant scalars; its square root is the relative RMS error
   that `sketch.max_quality_cost` bounds.
 """
@@ -55,7 +57,8 @@ from torch.utils.flop_counter import flop_registry, sdpa_backward_flop_count, sd
 
 GEMM_EFFICIENCY = 0.7  # sustained share of a datasheet's dense GEMM peak
 BANDWIDTH_EFFICIENCY = 0.85  # sustained share of its memory bandwidth
-GPU_LAUNCH_S = 6e-6  # one more kernel in a step (launch and tail), a GPU
+GPU_LAUNCH_S = 6e-6  # the host's time to launch one kernel (eager PyTorch), a GPU
+GPU_TAIL_S = 2e-6  # the device's time lost per kernel (start and tail), a GPU
 CPU_OP_S = 10e-6  # one more op on the CPU (dispatch and a small kernel)
 TRAFFIC_PASSES = 3  # passes over exact's activation bytes per step (module docstring)
 RECOMPUTE_PASSES = 2  # an activation not kept is written and read again in backward
@@ -82,11 +85,24 @@ class Rates:
     device: str
     source: str  # "modelled", "measured" or "given"
     fused_path: bool  # sketched layers take the fused kernels there
+    itemsize: int = 4  # bytes per value of the training dtype the rates are for
+
+    @property
+    def asynchronous(self) -> bool:
+        """A GPU runs kernels while the host launches the next: a step takes the longer of
+        the two. A CPU runs each op as it is called."""
+        return self.fused_path
+
+    @property
+    def tail_s(self) -> float:
+        """The device's time lost per kernel."""
+        return GPU_TAIL_S if self.asynchronous else self.launch_s
 
     def describe(self) -> str:
         return (f"{self.source}: {self.device}, GEMM {self.gemm_flops / 1e12:.3g} TFLOP/s, "
                 f"memory {self.bandwidth / 1e9:.3g} GB/s, {self.launch_s * 1e6:.3g} µs per "
-                f"launch, sketches on the {'fused' if self.fused_path else 'torch'} path")
+                f"launch ({self.tail_s * 1e6:.3g} µs on the device), sketches on the "
+                f"{'fused' if self.fused_path else 'torch'} path")
 
 
 def target_rates(name: str, dtype: torch.dtype) -> Rates:
@@ -95,7 +111,7 @@ def target_rates(name: str, dtype: torch.dtype) -> Rates:
         if key.lower() in name.lower():
             peak = peaks.get(dtype, peaks[torch.float32])
             return Rates(peak * GEMM_EFFICIENCY, bandwidth * BANDWIDTH_EFFICIENCY, GPU_LAUNCH_S,
-                         key, "modelled", True)
+                         key, "modelled", True, dtype.itemsize)
     raise ValueError(f"no rates for a GPU named {name!r}; known: "
                      f"{', '.join(k.lower() for k in KNOWN_GPUS)}")
 
@@ -113,7 +129,7 @@ def device_rates(device: torch.device, dtype: torch.dtype, *, measure: bool = Tr
     if device.type == "cuda":
         return dataclasses.replace(target_rates("A100", dtype), device=f"{name} (as an A100)")
     flops, bandwidth = NOMINAL_CPU
-    return Rates(flops, bandwidth, CPU_OP_S, "cpu (nominal)", "modelled", False)
+    return Rates(flops, bandwidth, CPU_OP_S, "cpu (nominal)", "modelled", False, dtype.itemsize)
 
 
 @cache
@@ -139,7 +155,7 @@ def _measured(device: torch.device, dtype: torch.dtype, name: str) -> Rates:
     bandwidth = 2 * block.numel() / best(block.clone)  # read and write
     on_gpu = device.type == "cuda"
     return Rates(flops, bandwidth, GPU_LAUNCH_S if on_gpu else CPU_OP_S, name, "measured",
-                 on_gpu)
+                 on_gpu, dtype.itemsize)
 
 
 def gemm_s(flops: float, nbytes: float, rates: Rates) -> float:
@@ -225,8 +241,9 @@ def activation_traffic(exact_bytes: float, kept_bytes: float) -> float:
 def step_time_s(flops: float, traffic_bytes: float, rates: Rates, extra_s: float = 0.0,
                 launches: int = 0) -> float:
     """A step's modelled time (module docstring)."""
-    return (flops / rates.gemm_flops + traffic_bytes / rates.bandwidth + extra_s
-            + launches * rates.launch_s)
+    device = (flops / rates.gemm_flops + traffic_bytes / rates.bandwidth + extra_s
+              + launches * rates.tail_s)
+    return max(device, launches * rates.launch_s) if rates.asynchronous else device
 
 
 def balanced_collision(n: int, rank: int) -> float:

@@ -8,8 +8,9 @@ it leaves exact (the same names up to block indices, e.g. every block's q_proj),
   sketched at its rank (`cost.layer_delta_s` with the device's `rates`, from the shapes the
   layers ran with), summed over the class; and
 - quality: each layer's relative RMS gradient error sqrt(E||dŴ - dW||²)/||dW|| at its rank,
-  from DESIGN §4's formula evaluated on the probe batch's own X and dY (`cost.relative_error`;
-  centred moments for the centred estimator), the largest in the class;
+  from the formula of docs/design.md §4 evaluated on the probe batch's own X and dY
+  (`cost.relative_error`; centred moments for the centred estimator), the largest in the
+  class;
 to sketch the class when the sketch is faster and its error is at most `max_quality_cost`.
 Chosen layers become "sketch" in the plan ("for speed: ..."), their freed bytes negative (the
 sketch's cost: their inputs are kept anyway); every class left exact adds why to its reason.
@@ -183,8 +184,10 @@ def judge(key: str, names: list[str], stats: Mapping[str, LayerStats],
         return SpeedChoice(key, names, 0.0, math.nan, False,
                            "not one linear call per step: its error is not measured",
                            dict(stats))
+    # The training dtype's size: a CPU probe may run in fp32 for a bf16 run on a GPU.
     delta = sum(layer_delta_s(s.rows, s.in_features, s.out_features, rank_of(name),
-                              s.itemsize, rates) for name, s in zip(names, members, strict=True))
+                              rates.itemsize, rates)
+                for name, s in zip(names, members, strict=True))
     error = max(math.sqrt(s.error_sq) for s in members)
     chosen = delta < 0 and error <= max_quality_cost
     timing = (f"{'faster' if delta < 0 else 'slower'} by {abs(delta) * 1e6:.3g} µs per step "

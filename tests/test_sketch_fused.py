@@ -46,7 +46,7 @@ def test_the_gpu_benchmark_runs_at_toy_size_on_cpu(tmp_path: Path) -> None:
     import json
 
     out = tmp_path / "fused.json"
-    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "sketch_fused.py"),
+    proc = subprocess.run([sys.executable, "-m", "benchmarks.sketch_fused",
                            "--device", "cpu", "--tiny", "--dtype", "fp32", "--out", str(out)],
                           capture_output=True, text=True, timeout=240, cwd=ROOT)
     assert proc.returncode == 0, proc.stderr[-3000:]

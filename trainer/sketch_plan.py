@@ -180,8 +180,9 @@ def plan_and_measure(cfg: FitConfig, batch: torch.Tensor, rank: int | None,
         select = selector(include)
         recipe_layers = [n for n, m in model.named_modules()
                          if type(m) is nn.Linear and n and select(n, m)]
-    exact = measure_step(model, step)
-    recompute = _exact_recompute(exact_cfg, step)
+    gpu = _gpu_dtype(rates)
+    exact = measure_step(model, step, gpu)
+    recompute = _exact_recompute(exact_cfg, step, gpu)
     speed: dict[str, Any] = {}
     if cfg.sketch.max_quality_cost > 0:
         speed = speed_args(cfg, model, batch.shape)  # a run's rates on this machine ...
@@ -198,14 +199,15 @@ def plan_and_measure(cfg: FitConfig, batch: torch.Tensor, rank: int | None,
     ranks = {name: module.rank for name, module in model.named_modules()
              if isinstance(module, SketchedLinear)}
     with sketch_seed(cfg.seed, 0):
-        planned = measure_step(model, step)
+        planned = measure_step(model, step, gpu)
     return PlanReport(plan, int(batch.numel()), ranks, exact.saved_bytes, planned.saved_bytes,
                       recipe_layers, cfg.sketch.min_saving, cfg.sketch.keep_gate,
                       cfg.sketch.max_quality_cost, rates, _train_dtype(cfg).itemsize,
                       {"exact": exact, "exact recompute": recompute, "plan": planned})
 
 
-def _exact_recompute(exact_cfg: FitConfig, step: Any) -> Measured | None:
+def _exact_recompute(exact_cfg: FitConfig, step: Any, gpu: torch.dtype | None
+                     ) -> Measured | None:
     """Exact backprop with the MLPs recomputed in backward: the built-in GPT's
     `mlp_recompute = "always"`, a Hugging Face model's SwiGLU MLPs fused with `recompute=True`
     (and its RMSNorms fused, as "auto" does); None for a `model_factory` model."""
@@ -221,18 +223,30 @@ def _exact_recompute(exact_cfg: FitConfig, step: Any) -> Measured | None:
     else:
         model = build_model(dataclasses.replace(exact_cfg, model=dataclasses.replace(
             exact_cfg.model, mlp_recompute="always")))
-    return measure_step(model, step)
+    return measure_step(model, step, gpu)
 
 
-def measure_step(model: nn.Module, step: Any) -> Measured:
-    """One step of `model`: its activation bytes, FLOPs and kernel launches."""
+def _gpu_dtype(rates: Any) -> torch.dtype | None:
+    """For rates of a GPU (the fused path), a dtype of their size: the blocks to count with."""
+    if rates is None or not rates.fused_path:
+        return None
+    return torch.bfloat16 if rates.itemsize == 2 else torch.float32
+
+
+def measure_step(model: nn.Module, step: Any, gpu: torch.dtype | None = None) -> Measured:
+    """One step of `model`: its activation bytes, FLOPs and kernel launches (with `gpu`, the
+    fused MLPs walk a GPU's row blocks for data of that dtype, so the launches are a GPU's)."""
+    import contextlib
+
+    from sketch_ops.blocked import gpu_blocks
     from sketch_ops.cost import count_flops
     from sketch_ops.launch_count import SKETCH_SCOPES, LaunchCounter
     from sketch_ops.memory import saved_bytes
 
     for param in model.parameters():
         param.grad = None  # every step alike: no accumulation into an earlier step's grads
-    with LaunchCounter(SKETCH_SCOPES) as launches:
+    blocks = gpu_blocks(gpu) if gpu is not None else contextlib.nullcontext()
+    with blocks, LaunchCounter(SKETCH_SCOPES) as launches:
         saved, flops = count_flops(lambda: saved_bytes(lambda: step(model), model))
     return Measured(saved, flops, launches.total + launches.sketch_scoped,
                     launches.sketch_scoped)
