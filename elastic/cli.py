@@ -35,7 +35,7 @@ from collections.abc import Callable
 from safetensors import SafetensorError
 
 from elastic.catalog import describe, export_model, resolve_step, snapshot_rows, verify
-from elastic.lease import LeaseHeldError
+from elastic.lease import LeaseHeldError, LeaseLostError
 from elastic.snapshot_ref import split_snapshot_dir
 from elastic.storage_io import output_problem, storage_errors
 from elastic.store import SnapshotStore
@@ -153,7 +153,7 @@ def _guarded(command: Callable[[argparse.Namespace], int]) -> Callable[..., int]
         if problem:
             return _fail(problem, 2)
         failures: tuple[type[Exception], ...] = (ValueError, SafetensorError, LeaseHeldError,
-                                                 *storage_errors())
+                                                 LeaseLostError, *storage_errors())
         try:
             return command(args)
         except failures as err:
@@ -189,8 +189,8 @@ def _rewind(args: argparse.Namespace) -> int:
     from elastic.set_aside import rewind, under_lease
 
     store = SnapshotStore(args.run_uri)
-    with under_lease(store):
-        moved = rewind(store, args.to_step)
+    with under_lease(store) as lease:
+        moved = rewind(store, args.to_step, lease)
     print(f"rewound {args.run_uri} to snapshot {args.to_step}: set aside "
           + ", ".join(f"{step} (in {where})" for step, where in moved)
           + f"; bring them back with: baton snapshots restore-quarantined {args.run_uri}")
@@ -201,8 +201,8 @@ def _restore_quarantined(args: argparse.Namespace) -> int:
     from elastic.set_aside import restore_quarantined, under_lease
 
     store = SnapshotStore(args.run_uri)
-    with under_lease(store):
-        restored, kept = restore_quarantined(store, args.step)
+    with under_lease(store) as lease:
+        restored, kept = restore_quarantined(store, args.step, lease)
     for step in restored:
         print(f"snapshot {step}: verified and committed again")
     for step, why in kept:

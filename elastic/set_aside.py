@@ -27,8 +27,10 @@ not fit and the newest one that does). Going back is a person's decision, made h
   The manifest arrives last (``SnapshotStore.unquarantine``). Returns ``(restored steps,
   [(step, why it stayed)])``; each reason is one line.
 * ``under_lease(store)``: a context manager that holds the run lease for the block (a
-  command run by hand: ``baton snapshots rewind`` / ``restore-quarantined``), so neither ever
-  runs beside a live driver (``LeaseHeldError``, one line, names it).
+  command run by hand: ``baton snapshots rewind`` / ``restore-quarantined``), renewed while
+  it lasts, so neither ever runs beside a live driver (``LeaseHeldError``, one line, names
+  it). Given that ``lease``, both functions check it is still held before each move
+  (``LeaseLostError`` otherwise: nothing more is moved).
 """
 
 from __future__ import annotations
@@ -40,7 +42,7 @@ from typing import Any
 from elastic.catalog import verify
 from elastic.format import parse_shard_name
 from elastic.generation import read_generation
-from elastic.lease import RunLease
+from elastic.lease import LeaseLostError, RunLease
 from elastic.store import SnapshotStore
 
 
@@ -49,13 +51,21 @@ def under_lease(store: SnapshotStore) -> Iterator[RunLease]:
     """Hold the run lease for the block (``LeaseHeldError`` while a live driver holds it)."""
     lease = RunLease(store)
     lease.acquire()
+    lease.start_renewing()  # verifying a large snapshot may outlast the lease's ttl
     try:
         yield lease
     finally:
         lease.release()
 
 
-def rewind(store: SnapshotStore, to_step: int) -> list[tuple[int, str]]:
+def _still_held(lease: RunLease | None) -> None:
+    """Before each move: stop if the lease was taken over meanwhile (``LeaseLostError``)."""
+    if lease is not None and lease.lost:
+        raise LeaseLostError(lease.lost)
+
+
+def rewind(store: SnapshotStore, to_step: int, lease: RunLease | None = None
+           ) -> list[tuple[int, str]]:
     """Set aside every committed snapshot newer than ``to_step`` (module contract)."""
     committed = store.committed_steps()
     if to_step not in committed:
@@ -67,13 +77,17 @@ def rewind(store: SnapshotStore, to_step: int) -> list[tuple[int, str]]:
                          "there is nothing newer to set aside")
     verify(store, to_step)  # a rewind onto a corrupt snapshot would go back further still
     since = read_generation(store) + 1  # the next session's generation and later ones
-    return [(step, store.quarantine_step(
-                step, f"set aside by a rewind to step {to_step}", generation=since,
-                rewound_to=to_step))
-            for step in newer]
+    moved = []
+    for step in newer:
+        _still_held(lease)
+        moved.append((step, store.quarantine_step(
+            step, f"set aside by a rewind to step {to_step}", generation=since,
+            rewound_to=to_step)))
+    return moved
 
 
-def restore_quarantined(store: SnapshotStore, step: int | None = None
+def restore_quarantined(store: SnapshotStore, step: int | None = None,
+                        lease: RunLease | None = None
                         ) -> tuple[list[int], list[tuple[int, str]]]:
     """Bring quarantined snapshots back where that is safe (module contract)."""
     rows = [r for r in store.quarantined() if step is None or r["step"] == step]
@@ -87,6 +101,7 @@ def restore_quarantined(store: SnapshotStore, step: int | None = None
         if why is not None:
             kept.append((row["step"], why))
             continue
+        _still_held(lease)
         store.unquarantine(row["where"], row["step"])
         committed[row["step"]] = -1  # back from before the rewind: part of the old history
         restored.append(row["step"])

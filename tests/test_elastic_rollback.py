@@ -22,8 +22,9 @@ import torch
 
 from elastic.format import MAX_GENERATION, step_dirname
 from elastic.generation import GENERATION_NAME, read_generation
-from elastic.lease import RunLease
+from elastic.lease import LeaseLostError, RunLease
 from elastic.registry import SnapshotMismatchError
+from elastic.set_aside import restore_quarantined, under_lease
 from elastic.snapshotter import Snapshotter
 from elastic.storage_io import JSONBoundsError
 from elastic.store import SnapshotStore
@@ -125,6 +126,11 @@ def test_an_explicit_rewind_sets_aside_and_restore_quarantined_brings_back(
     assert "set aside 6" in said and "8 (in" in said, said
     assert f"baton snapshots restore-quarantined {run}" in said, said
     store = SnapshotStore(str(run))
+    assert store.committed_steps() == [2, 4]
+    with under_lease(store) as lease:  # a lease taken over meanwhile: nothing more moves
+        lease.lost = "the run lease was taken over by another driver"
+        with pytest.raises(LeaseLostError):
+            restore_quarantined(store, lease=lease)
     assert store.committed_steps() == [2, 4]
     assert [(r["step"], r["rewound_to"]) for r in store.quarantined()] == [(6, 4), (8, 4)]
     v1 = _code(1, seed=3)  # the old code now restores 4, and only reads
