@@ -16,51 +16,37 @@ Measured in one run, on the default corpus (Python's stdlib, byte tokens, seq_le
 The ratio delivery / consumption is the figure of merit (target >= 20). The machine is small
 and shared: absolute numbers vary by tens of percent between runs, ratios much less.
 
-    python benchmarks/data_throughput.py            # writes benchmarks/results/data_throughput.json
-    python benchmarks/data_throughput.py --quick    # fewer steps (smoke run)
+    python -m benchmarks.data_throughput            # writes benchmarks/results/data_throughput.json
+    python -m benchmarks.data_throughput --quick    # fewer steps (smoke run)
 """
 
 from __future__ import annotations
 
 import argparse
-import json
-import logging
 import os
 import platform
-import socket
-import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+from benchmarks.common import RESULTS, moto_s3, write_json
+from benchmarks.common_training import training_tokens_per_s
+from data_state import ResumableLoader, TokenDataset, prepare_corpus
+from trainer.config import ModelConfig
+from trainer.model import GPT
 
-from data_state import ResumableLoader, TokenDataset, prepare_corpus  # noqa: E402
-from trainer.config import ModelConfig  # noqa: E402
-from trainer.model import GPT  # noqa: E402
-
-DEFAULT_OUT = ROOT / "benchmarks" / "results" / "data_throughput.json"
+DEFAULT_OUT = RESULTS / "data_throughput.json"
 SEQ_LEN, MICROBATCH, GLOBAL_BATCH = 256, 8, 64
-
-
-def training_tokens_per_s(ds: TokenDataset, steps: int) -> float:
-    torch.manual_seed(0)
-    model = GPT(ModelConfig(vocab_size=ds.vocab_size, d_model=256, n_layers=4, n_heads=4),
-                seq_len=SEQ_LEN)
-    opt = torch.optim.AdamW(model.parameters(), lr=3e-4)
-    batch = torch.from_numpy(ds.read(range(MICROBATCH)).astype("int64"))
-    times = []
-    for _ in range(steps + 1):  # the first step warms up allocators and kernels
-        start = time.perf_counter()
-        model.loss(batch).backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        times.append(time.perf_counter() - start)
-    return MICROBATCH * SEQ_LEN / statistics.median(times[1:])
+CASES = [  # (source, uri: "local" or "s3", cache, hole limit: None = the default for the store)
+    ("local disk", "local", 64 << 20, None),
+    ("local disk", "local", 0, None),
+    ("S3 (moto, 127.0.0.1)", "s3", 64 << 20, None),
+    ("S3 (moto, 127.0.0.1)", "s3", 0, None),
+    ("S3 (moto, 127.0.0.1)", "s3", 0, 0),  # one request per row group
+]
 
 
 def loader_tokens_per_s(uri: str, steps: int, *, cache_bytes: int, hole_limit: int | None) -> dict:
@@ -109,10 +95,35 @@ def stall_share(uri: str, steps: int) -> float:
     return waited / total
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
+def measure(tmp: str, train_steps: int, loader_steps: int) -> dict[str, Any]:
+    """Prepare the corpus locally and on S3, then training consumption (before and after),
+    every loader case and the stall of training fed from S3."""
+    started = time.perf_counter()
+    manifest = prepare_corpus(None, tmp, seq_len=SEQ_LEN, progress=False)
+    prepare_s = time.perf_counter() - started
+    s3_uri = "s3://baton-bench/corpus"
+    started = time.perf_counter()
+    prepare_corpus(None, s3_uri, seq_len=SEQ_LEN, progress=False)
+    prepare_s3_s = time.perf_counter() - started
+    with TokenDataset(tmp) as ds:
+        train = training_tokens_per_s(ds, train_steps)
+    rows = []
+    for source, where, cache_bytes, hole_limit in CASES:
+        uri = tmp if where == "local" else s3_uri
+        result = loader_tokens_per_s(uri, loader_steps, cache_bytes=cache_bytes,
+                                     hole_limit=hole_limit)
+        rows.append({"source": source, "cache_mib": cache_bytes >> 20,
+                     "hole_limit": "default" if hole_limit is None else hole_limit,
+                     **result, "ratio_to_training": result["tokens_per_s"] / train})
+    stall = stall_share(s3_uri, max(3, train_steps))
+    # Measured again at the end; the faster of the two is used, which is the conservative
+    # choice for the ratio when other work shares the CPU meanwhile.
+    with TokenDataset(tmp) as ds:
+        train_again = training_tokens_per_s(ds, train_steps)
+    for row in rows:
+        row["ratio_to_training"] = row["tokens_per_s"] / max(train, train_again)
+    return {"manifest": manifest, "prepare_s": prepare_s, "prepare_s3_s": prepare_s3_s,
+            "rows": rows, "stall": stall, "train_runs": [train, train_again]}
 
 
 def main() -> int:
@@ -121,67 +132,9 @@ def main() -> int:
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT)
     args = parser.parse_args()
     train_steps, loader_steps = (3, 20) if args.quick else (8, 150)
-
-    from moto.server import ThreadedMotoServer
-
-    logging.getLogger("werkzeug").setLevel(logging.ERROR)  # one log line per request otherwise
-    port = _free_port()
-    server = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
-    server.start()
-    endpoint = f"http://127.0.0.1:{port}"
-    os.environ.update(
-        AWS_ACCESS_KEY_ID="bench",
-        AWS_SECRET_ACCESS_KEY="bench",
-        AWS_DEFAULT_REGION="us-east-1",
-        AWS_ENDPOINT_URL=endpoint,
-        AWS_ENDPOINT_URL_S3=endpoint,
-    )
-    try:
-        import boto3
-
-        boto3.client("s3").create_bucket(Bucket="baton-bench")
-        with tempfile.TemporaryDirectory() as tmp:
-            started = time.perf_counter()
-            manifest = prepare_corpus(None, tmp, seq_len=SEQ_LEN, progress=False)
-            prepare_s = time.perf_counter() - started
-            s3_uri = "s3://baton-bench/corpus"
-            started = time.perf_counter()
-            prepare_corpus(None, s3_uri, seq_len=SEQ_LEN, progress=False)
-            prepare_s3_s = time.perf_counter() - started
-            with TokenDataset(tmp) as ds:
-                train = training_tokens_per_s(ds, train_steps)
-            rows = []
-            cases = [  # (source, uri, cache, hole limit: None = the default for the store)
-                ("local disk", tmp, 64 << 20, None),
-                ("local disk", tmp, 0, None),
-                ("S3 (moto, 127.0.0.1)", s3_uri, 64 << 20, None),
-                ("S3 (moto, 127.0.0.1)", s3_uri, 0, None),
-                ("S3 (moto, 127.0.0.1)", s3_uri, 0, 0),  # one request per row group
-            ]
-            for source, uri, cache_bytes, hole_limit in cases:
-                result = loader_tokens_per_s(
-                    uri, loader_steps, cache_bytes=cache_bytes, hole_limit=hole_limit
-                )
-                rows.append(
-                    {
-                        "source": source,
-                        "cache_mib": cache_bytes >> 20,
-                        "hole_limit": "default" if hole_limit is None else hole_limit,
-                        **result,
-                        "ratio_to_training": result["tokens_per_s"] / train,
-                    }
-                )
-            stall = stall_share(s3_uri, max(3, train_steps))
-            # Measured again at the end; the faster of the two is used, which is the
-            # conservative choice for the ratio when other work shares the CPU meanwhile.
-            with TokenDataset(tmp) as ds:
-                train_again = training_tokens_per_s(ds, train_steps)
-            for row in rows:
-                row["ratio_to_training"] = row["tokens_per_s"] / max(train, train_again)
-            train_runs, train = [train, train_again], max(train, train_again)
-    finally:
-        server.stop()
-
+    with moto_s3("baton-bench"), tempfile.TemporaryDirectory() as tmp:
+        got = measure(tmp, train_steps, loader_steps)
+    manifest, rows, train = got["manifest"], got["rows"], max(got["train_runs"])
     corpus_tokens = sum(s.num_tokens for s in manifest.splits.values())
     meta = {
         "python": platform.python_version(),
@@ -190,24 +143,30 @@ def main() -> int:
         "torch_threads": torch.get_num_threads(),
         "corpus_files": len(manifest.sources["files"]),
         "corpus_tokens": corpus_tokens,
-        "prepare_local_s": prepare_s,
-        "prepare_s3_s": prepare_s3_s,
+        "prepare_local_s": got["prepare_s"],
+        "prepare_s3_s": got["prepare_s3_s"],
         "training_tokens_per_s": train,
-        "training_tokens_per_s_runs": train_runs,
-        "stall_share_s3": stall,
+        "training_tokens_per_s_runs": got["train_runs"],
+        "stall_share_s3": got["stall"],
         "model": "GPT d_model 256, 4 layers, 4 heads, seq 256, microbatch 8, fp32 AdamW",
         "loader": f"world size 1, global batch {GLOBAL_BATCH}, microbatch {MICROBATCH}",
     }
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps({"meta": meta, "results": rows}, indent=2) + "\n")
+    write_json(args.out, {"meta": meta, "results": rows}, indent=2)
+    print_result(meta, rows)
+    print(f"wrote {args.out}")
+    return 0
 
+
+def print_result(meta: dict[str, Any], rows: list[dict[str, Any]]) -> None:
+    train = meta["training_tokens_per_s"]
     print(
-        f"default corpus: {meta['corpus_files']} files, {corpus_tokens / 1e6:.1f} M tokens; "
-        f"prepared in {prepare_s:.1f} s (local), {prepare_s3_s:.1f} s (S3)"
+        f"default corpus: {meta['corpus_files']} files, {meta['corpus_tokens'] / 1e6:.1f} M "
+        f"tokens; prepared in {meta['prepare_local_s']:.1f} s (local), "
+        f"{meta['prepare_s3_s']:.1f} s (S3)"
     )
     print(
         f"training consumes {train:,.0f} tokens/s ({meta['model']}; runs: "
-        + ", ".join(f"{t:,.0f}" for t in train_runs)
+        + ", ".join(f"{t:,.0f}" for t in meta["training_tokens_per_s_runs"])
         + ")"
     )
     print(
@@ -220,10 +179,8 @@ def main() -> int:
             f"{r['tokens_per_s']:>11,.0f} {r['ratio_to_training']:>10.1f}x {r['requests']:>9} "
             f"{r['read_amplification']:>17.2f}"
         )
-    print(f"training fed from S3: {100 * stall:.1f}% of the time waiting for data")
-    print(f"wrote {args.out}")
-    return 0
+    print(f"training fed from S3: {100 * meta['stall_share_s3']:.1f}% of the time waiting for data")
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    raise SystemExit(main())

@@ -18,14 +18,14 @@
 #   triton_kernels  `pytest -m gpu -k triton`: the Triton kernels compiled for the GPU (no
 #                   TRITON_INTERPRET) against the torch reference, and the sketched layer and a
 #                   Llama sketched with include="auto" through them against the reference
-#   sketch_memory   benchmarks/sketch_memory.py --device cuda (seq 2048): activation bytes, peak
-#                   GPU memory and step time of BASIS vs exact backprop and checkpointing, and
-#                   a profile of one step of each (top ops, launches, synchronisations)
-#   sketch_fused    benchmarks/sketch_fused.py (built-in GPT, d 1024 and 2048, 4 layers, 8 x 1024
-#                   tokens, bf16 autocast, R = n/16): step time and peak memory of exact, exact
-#                   with the MLP recomputed, BASIS's default plan, every linear sketched (with
-#                   and without the MLP recompute), through the fused sketch kernels; kernels
-#                   and host syncs per step
+#   sketch_memory   python -m benchmarks.sketch_memory --device cuda (seq 2048): activation bytes,
+#                   peak GPU memory and step time of BASIS vs exact backprop and checkpointing,
+#                   and a profile of one step of each (top ops, launches, synchronisations)
+#   sketch_fused    python -m benchmarks.sketch_fused (built-in GPT, d 1024 and 2048, 4 layers,
+#                   8 x 1024 tokens, bf16 autocast, R = n/16): step time and peak memory of
+#                   exact, exact with the MLP recomputed, BASIS's default plan, every linear
+#                   sketched (with and without the MLP recompute), through the fused sketch
+#                   kernels; kernels and host syncs per step
 #   bf16_fit        `baton fit recipes/llama-tiny.toml` in bf16 on the GPU (local Ray, 1 worker,
 #                   16 steps), uninterrupted, and a second run stopped at step 8 (--until 8) and
 #                   continued (restore from its snapshot); the two must end at the same model and
@@ -138,7 +138,7 @@ step_triton_kernels() {
 
 step_sketch_memory() {
     local out="$RESULTS/sketch_memory_cuda.json"
-    "$PY" benchmarks/sketch_memory.py --device cuda --seq-lens 2048 --ranks 64 256 \
+    "$PY" -m benchmarks.sketch_memory --device cuda --seq-lens 2048 --ranks 64 256 \
         --combined-ranks 64 --rounds 3 --profile 12 --out "$out" || return 1
     "$PY" - "$out" <<'EOF'
 import json, os, sys
@@ -151,7 +151,7 @@ EOF
 
 step_sketch_fused() {
     local out="$RESULTS/sketch_fused_cuda.json"
-    env -u TRITON_INTERPRET -u BATON_SKETCH_BACKEND "$PY" benchmarks/sketch_fused.py \
+    env -u TRITON_INTERPRET -u BATON_SKETCH_BACKEND "$PY" -m benchmarks.sketch_fused \
         --d-models 1024 2048 --rounds 5 --out "$out" || return 1
     "$PY" - "$out" <<'EOF'
 import json, os, sys

@@ -1,7 +1,8 @@
 """Where a sketched CUDA step's time goes: host vs device, plan drawing, the kernels.
 
 Diagnostic for the GPU machine (not part of the suite). On the built-in GPT of
-`sketch_memory.py` (d 256, 4 layers, seq 2048, batch 8, fp32), in one process:
+`sketch_memory.py` (`common_training.Trainee`: d 256, 4 layers, seq 2048, batch 8, fp32), in one
+process:
 
 1. Host cost of the sketch plans (`make_plan` on the CPU and on the device, `row_blocks`,
    `SketchPlan.to`) at n = 16 384.
@@ -15,18 +16,16 @@ Diagnostic for the GPU machine (not part of the suite). On the built-in GPT of
 4. A profile of one step of each BASIS configuration: top ops by CPU and device self time,
    synchronisations.
 
-    python benchmarks/sketch_cuda_diag.py --out OUT.json
+    python -m benchmarks.sketch_cuda_diag --out OUT.json
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
-import importlib.util
 import json
 import re
 import statistics
-import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -34,19 +33,11 @@ from typing import Any
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-
-import sketch_ops.blocked as blocked  # noqa: E402
-import sketch_ops.function as function  # noqa: E402
-import sketch_ops.seeds as seeds  # noqa: E402
-
-_spec = importlib.util.spec_from_file_location(
-    "sketch_memory", ROOT / "benchmarks" / "sketch_memory.py"
-)
-assert _spec is not None and _spec.loader is not None
-sketch_memory = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(sketch_memory)
+import sketch_ops.blocked as blocked
+import sketch_ops.function as function
+import sketch_ops.seeds as seeds
+from benchmarks.common import ratios, write_json
+from benchmarks.common_training import Trainee
 
 
 def median_ms(fn: Any, repeat: int = 30) -> float:
@@ -105,7 +96,7 @@ class Timed:
 
     def __init__(self, name: str, spec: dict[str, Any], mode: str = "") -> None:
         self.name, self.mode = name, mode
-        self.trainee = sketch_memory.Trainee(spec)
+        self.trainee = Trainee(spec)
         self.plans: dict[Any, Any] = {}
         self.blocks: dict[Any, Any] = {}
 
@@ -136,19 +127,10 @@ class Timed:
         return host, wall
 
 
-def main() -> int:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--out", type=Path, required=True)
-    parser.add_argument("--rounds", type=int, default=6)
-    parser.add_argument("--device", default="cuda")
-    args = parser.parse_args()
-    dev = torch.device(args.device)
-    gpu = torch.cuda.get_device_name(0) if dev.type == "cuda" else ""
-    result: dict[str, Any] = {"gpu": gpu, "torch": torch.__version__,
-                              "threads": torch.get_num_threads()}
-
-    # 1. plan costs on the host
+def plan_costs(dev: torch.device) -> dict[str, float]:
+    """1. Host cost of drawing and moving the sketch plans at n = 16 384 (ms)."""
     n = 16384
+    result: dict[str, float] = {}
     plans = {}
     for rank in (64, 256):
         plans[rank] = seeds.make_plan(n, rank, 123)
@@ -160,9 +142,11 @@ def main() -> int:
             lambda r=rank: seeds.make_plan(n, r, 123, device=dev))
         result[f"row_blocks_on_device_host_ms_R{rank}"] = median_ms(
             lambda p=on_dev: p.row_blocks(2048))
-    print(json.dumps(result), flush=True)
+    return result
 
-    # 2. the kernels alone
+
+def kernel_times(dev: torch.device) -> dict[str, float]:
+    """2. The bucket sum alone against F.linear on the shapes a step uses (ms)."""
     from sketch_ops import dispatch
 
     kernels: dict[str, float] = {}
@@ -177,10 +161,11 @@ def main() -> int:
             lambda m=mat, w=weight: torch.nn.functional.linear(m, w))
         kernels[f"bucket_sum host_ms {rows}x{width} R{rank}"] = median_ms(
             lambda m=mat, p=plan: dispatch.bucket_sum(m, p))
-    result["kernels_ms"] = kernels
-    print(json.dumps(kernels), flush=True)
+    return kernels
 
-    # 3. steps
+
+def step_runners(dev: torch.device) -> list[Timed]:
+    """3. The configurations whose steps are timed, with their ablations."""
     from trainer.model import SKETCH_LAYERS
 
     seq = 2048 if dev.type == "cuda" else 128
@@ -213,29 +198,38 @@ def main() -> int:
     for wide_name, spec in (("d1024-fp32-exact", {**base, **wide, "rank": 0}),
                             ("d1024-fp32-basis-R64", {**policy, **wide, "rank": 64})):
         runners.append(Timed(wide_name, spec))
+    return runners
+
+
+def step_times(runners: list[Timed], rounds: int) -> dict[str, dict[str, Any]]:
+    """Two warm-up steps each, then `rounds` rounds of one step each in round-robin: host and
+    wall time, and the wall-time ratio to its family's exact (bf16-, d1024-, ...) per round."""
     for r in runners:
         r.step()
         r.step()
-    rows = [[r.step() for r in runners] for _ in range(args.rounds)]
+    rows = [[r.step() for r in runners] for _ in range(rounds)]
     steps = {}
     for i, r in enumerate(runners):
         host = [row[i][0] for row in rows]
         wall = [row[i][1] for row in rows]
         family = re.match(r"(.*?)(exact|basis|speed)", r.name).group(1)  # type: ignore[union-attr]
         reference = next(j for j, q in enumerate(runners) if q.name == family + "exact")
-        ratio = [row[i][1] / row[reference][1] for row in rows]
+        ratio = ratios(wall, [row[reference][1] for row in rows])
         steps[r.name] = {"host_ms": statistics.median(host) * 1e3,
                          "wall_ms": statistics.median(wall) * 1e3,
-                         "ratio": statistics.median(ratio),
-                         "ratio_range": [min(ratio), max(ratio)]}
+                         "ratio": ratio["median"],
+                         "ratio_range": [ratio["min"], ratio["max"]]}
         print(r.name, {k: (round(v, 2) if isinstance(v, float) else v)
                        for k, v in steps[r.name].items()}, flush=True)
-    result["steps"] = steps
+    return steps
 
-    # 4. profiles
+
+def profiles(runners: list[Timed], dev: torch.device) -> dict[str, Any]:
+    """4. One profiled step of three BASIS configurations: top ops by CPU and device self
+    time, and the counts of synchronisations, copies and launches."""
     from torch.profiler import ProfilerActivity, profile
 
-    profiles = {}
+    out = {}
     for r in runners:
         if r.name not in ("basis-R64", "bf16-basis-R64", "d1024-basis-R64"):
             continue
@@ -248,7 +242,7 @@ def main() -> int:
         events = prof.key_averages()
         by_cpu = sorted(events, key=lambda e: e.self_cpu_time_total, reverse=True)[:25]
         by_dev = sorted(events, key=lambda e: e.self_device_time_total, reverse=True)[:20]
-        profiles[r.name] = {
+        out[r.name] = {
             "cpu": [[e.key, round(e.self_cpu_time_total / 1e3, 2), e.count] for e in by_cpu],
             "device": [[e.key, round(e.self_device_time_total / 1e3, 2), e.count]
                        for e in by_dev],
@@ -256,9 +250,28 @@ def main() -> int:
                        if "ynchron" in e.key or "Memcpy" in e.key or "local_scalar" in e.key
                        or "Launch" in e.key or "HostAlloc" in e.key or "pin" in e.key},
         }
-        print(r.name, json.dumps(profiles[r.name])[:4000], flush=True)
-    result["profiles"] = profiles
-    args.out.write_text(json.dumps(result, indent=1))
+        print(r.name, json.dumps(out[r.name])[:4000], flush=True)
+    return out
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--rounds", type=int, default=6)
+    parser.add_argument("--device", default="cuda")
+    args = parser.parse_args()
+    dev = torch.device(args.device)
+    gpu = torch.cuda.get_device_name(0) if dev.type == "cuda" else ""
+    result: dict[str, Any] = {"gpu": gpu, "torch": torch.__version__,
+                              "threads": torch.get_num_threads()}
+    result.update(plan_costs(dev))
+    print(json.dumps(result), flush=True)
+    result["kernels_ms"] = kernel_times(dev)
+    print(json.dumps(result["kernels_ms"]), flush=True)
+    runners = step_runners(dev)
+    result["steps"] = step_times(runners, args.rounds)
+    result["profiles"] = profiles(runners, dev)
+    write_json(args.out, result)
     return 0
 
 

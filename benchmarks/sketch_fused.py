@@ -17,8 +17,8 @@ time over exact's in the same round. Also per configuration: the step's peak CUD
 what was allocated before it, and the device kernels and host syncs of one step
 (`sketch_ops.launch_count.LaunchCounter`: aten ops and Triton launches).
 
-    python benchmarks/sketch_fused.py --out benchmarks/results/sketch_fused.json    # a GPU
-    python benchmarks/sketch_fused.py --device cpu --tiny --out /tmp/s.json  # dry run, CPU
+    python -m benchmarks.sketch_fused --out benchmarks/results/sketch_fused.json    # a GPU
+    python -m benchmarks.sketch_fused --device cpu --tiny --out /tmp/s.json  # dry run, CPU
 
 `--tiny` (d 32, one layer, 2 x 16 tokens, one warm-up round and one timed) checks the script
 anywhere; on the CPU the layers run the torch reference, so its figures say nothing about the
@@ -38,13 +38,10 @@ from typing import Any
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-
-from sketch_ops import sketch_model, sketch_seed  # noqa: E402
-from sketch_ops.launch_count import LaunchCounter  # noqa: E402
-from trainer.config import ModelConfig  # noqa: E402
-from trainer.model import GPT, SKETCH_LAYERS  # noqa: E402
+from sketch_ops import sketch_model, sketch_seed
+from sketch_ops.launch_count import LaunchCounter
+from trainer.config import ModelConfig
+from trainer.model import GPT, SKETCH_LAYERS
 
 CONFIGS: list[dict[str, Any]] = [
     {"name": "exact", "include": None, "mlp_recompute": "auto"},

@@ -8,23 +8,24 @@ BASIS with the default policy (`trainer.model.SKETCH_LAYERS`) at each rank; BASI
 linear layer (docs/design.md §4 as written); the speed mode (every block linear sketched, nothing
 recomputed); BASIS with checkpointing.
 
-Memory: each configuration runs in a fresh subprocess (on CUDA, all in one), which reports
+Memory: each configuration runs in a fresh process (`benchmarks/sketch_memory_worker.py`; on
+CUDA, all in one), which reports
 - saved bytes: distinct storages packed for backward during one forward
   (`torch.autograd.graph.saved_tensors_hooks`), parameters excluded;
 - peak memory: the process's peak resident set (VmHWM) during one step minus its resident set
   just before it, after a warm-up step (so model, optimizer state, data, thread pools and other
   one-time allocations already exist). The peak is reset there by writing 5 to
-  /proc/self/clear_refs (Linux >= 4.0). The child runs with a fixed `MALLOC_MMAP_THRESHOLD_`,
-  so glibc maps every large tensor on its own and unmaps it when freed; otherwise a freed block
-  may stay in the heap and the resident set would measure the allocator's history rather than
-  live tensors.
+  /proc/self/clear_refs (Linux >= 4.0). The process runs with a fixed `MALLOC_MMAP_THRESHOLD_`
+  (`common.malloc_env`), so glibc maps every large tensor on its own and unmaps it when freed;
+  otherwise a freed block may stay in the heap and the resident set would measure the
+  allocator's history rather than live tensors.
 
-Time: one more subprocess per sequence length builds every configuration and times them in
+Time: one more fresh process per sequence length builds every configuration and times them in
 round-robin (one step of each per round, after a warm-up round). The reported ratio is the
 median over rounds of (configuration step time / exact step time in the same round): the
 machine is shared, and pairing steps taken seconds apart cancels most of the load from other
 processes. Expect ±10–20 % noise between runs anyway. The timing child runs with glibc's
-default allocator settings (the memory children's would make every large allocation fault in
+default allocator settings (the memory processes' would make every large allocation fault in
 fresh pages and slow the memory-heavy configurations). When the machine is heavily loaded,
 `--clock cpu` times single-threaded steps by process CPU time instead, which measures the
 work of a step and hardly depends on the load.
@@ -34,203 +35,25 @@ layers): peak memory is then `torch.cuda.max_memory_allocated()` during the step
 memory allocated just before it (after the warm-up step), and steps are timed between
 `torch.cuda.synchronize()` calls. `benchmarks/gpu_check.sh` runs it so.
 
-    python benchmarks/sketch_memory.py            # full run, writes benchmarks/results/...
-    python benchmarks/sketch_memory.py --quick    # smoke run (seq 128, one rank, 1 round)
-    python benchmarks/sketch_memory.py --device cuda --out OUT.json  # on a GPU
+    python -m benchmarks.sketch_memory            # full run, writes benchmarks/results/...
+    python -m benchmarks.sketch_memory --quick    # smoke run (seq 128, one rank, 1 round)
+    python -m benchmarks.sketch_memory --device cuda --out OUT.json  # on a GPU
 """
 
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import os
 import platform
-import statistics
-import subprocess
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parents[1]
-DEFAULT_OUT = ROOT / "benchmarks" / "results" / "sketch_memory.json"
-_MMAP_THRESHOLD = str(1 << 20)  # 1 MiB: every activation of this model is mapped on its own
+from benchmarks.common import RESULTS, malloc_env, run_worker, utc_now, write_json
 
-
-def _rss_bytes(field: str) -> int:
-    with open("/proc/self/status") as status:
-        for line in status:
-            if line.startswith(field + ":"):
-                return int(line.split()[1]) * 1024
-    raise RuntimeError(f"/proc/self/status has no {field}")
-
-
-def _reset_peak() -> None:
-    try:
-        with open("/proc/self/clear_refs", "w") as refs:
-            refs.write("5")
-    except OSError as err:
-        raise RuntimeError(
-            "cannot reset the peak RSS (/proc/self/clear_refs, Linux >= 4.0)"
-        ) from err
-
-
-class Trainee:
-    """One configuration's model, optimizer and fixed microbatch, ready to take steps."""
-
-    def __init__(self, spec: dict[str, Any]) -> None:
-        import torch
-
-        from sketch_ops import sketch_model
-        from trainer.config import ModelConfig
-        from trainer.model import GPT
-
-        torch.manual_seed(0)
-        cfg = ModelConfig(
-            vocab_size=256,
-            d_model=spec.get("d_model", 256),
-            n_layers=spec.get("n_layers", 4),
-            n_heads=spec.get("n_heads", 4),
-            checkpoint_blocks=spec["checkpoint"],
-            mlp_recompute=spec.get("mlp_recompute", "auto"),
-            fuse_norms=spec.get("fuse_norms", True),
-        )
-        self.device = torch.device(spec.get("device", "cpu"))
-        self.model = GPT(cfg, seq_len=spec["seq_len"]).to(self.device)
-        if spec["rank"]:
-            sketch_model(self.model, rank=spec["rank"], include=spec.get("include"))
-        self.opt = torch.optim.AdamW(self.model.parameters(), lr=1e-4)
-        self.tokens = torch.randint(0, cfg.vocab_size, (spec["batch"], spec["seq_len"] + 1),
-                                    device=self.device)
-        self.num_steps = 0
-
-    def step(self, saved: dict[int, int] | None = None, clock: str = "wall") -> float:
-        """One training step, timed; with `saved`, record the storages packed for backward."""
-        import torch
-
-        from sketch_ops import sketch_seed
-
-        params = {p.untyped_storage().data_ptr() for p in self.model.parameters()}
-
-        def pack(t: torch.Tensor) -> torch.Tensor:
-            ptr = t.untyped_storage().data_ptr()
-            if saved is not None and ptr not in params:
-                saved[ptr] = t.untyped_storage().nbytes()
-            return t
-
-        census = torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t)
-        timer = time.process_time if clock == "cpu" else time.perf_counter
-        self.synchronize()
-        start = timer()
-        with sketch_seed(0, self.num_steps):
-            with census if saved is not None else contextlib.nullcontext():
-                loss = self.model.loss(self.tokens)
-            loss.backward()
-        self.opt.step()
-        self.opt.zero_grad(set_to_none=True)
-        self.num_steps += 1
-        self.synchronize()
-        return timer() - start
-
-    def synchronize(self) -> None:
-        """Wait for the GPU's queued work (a CUDA step is timed to its end, not its launch)."""
-        if self.device.type == "cuda":
-            import torch
-
-            torch.cuda.synchronize(self.device)
-
-
-def measure_memory_each(specs: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """`measure_memory` of each spec in turn, in this process. Several specs only on CUDA,
-    where the allocator's own counters measure one step's peak whatever ran before; a CPU
-    measurement reads the process's resident set, so `run` sends one spec per process."""
-    import torch
-
-    results = []
-    for spec in specs:
-        print(f"  memory: {spec['name']}", file=sys.stderr, flush=True)
-        results.append(measure_memory(spec))
-        if torch.cuda.is_initialized():
-            torch.cuda.empty_cache()  # the last trainee is gone: give its blocks back
-    return results
-
-
-def measure_memory(spec: dict[str, Any]) -> dict[str, Any]:
-    trainee = Trainee(spec)
-    saved: dict[int, int] = {}
-    trainee.step(saved)  # warm-up, and the saved-bytes census
-    if trainee.device.type == "cuda":
-        import torch
-
-        baseline = torch.cuda.memory_allocated(trainee.device)
-        torch.cuda.reset_peak_memory_stats(trainee.device)
-        trainee.step()
-        peak = torch.cuda.max_memory_allocated(trainee.device) - baseline
-        return {"saved_bytes": sum(saved.values()), "peak_bytes": peak}
-    baseline = _rss_bytes("VmRSS")
-    _reset_peak()
-    trainee.step()
-    return {"saved_bytes": sum(saved.values()), "peak_bytes": _rss_bytes("VmHWM") - baseline}
-
-
-def measure_time(
-    specs: list[dict[str, Any]], rounds: int, clock: str, profile_top: int = 0
-) -> list[dict[str, Any]]:
-    if clock == "cpu":
-        import torch
-
-        torch.set_num_threads(1)  # one thread: process CPU time is then the step's work
-    trainees = [Trainee(spec) for spec in specs]
-    for trainee in trainees:
-        trainee.step()  # warm-up round
-    times = [[trainee.step(clock=clock) for trainee in trainees] for _ in range(rounds)]
-    # After the timed rounds: the profiler's own overhead must not touch the timings.
-    profiles = [profile_step(t, profile_top) if profile_top else None for t in trainees]
-    results = []
-    for i in range(len(specs)):
-        ratios = [row[i] / row[0] for row in times]  # specs[0] is exact backprop
-        results.append(
-            {
-                "step_s": statistics.median(row[i] for row in times),
-                "time_ratio": statistics.median(ratios),
-                "time_ratio_range": [min(ratios), max(ratios)],
-                **({"profile": profiles[i]} if profiles[i] else {}),
-            }
-        )
-    return results
-
-
-def profile_step(trainee: Trainee, top: int) -> dict[str, Any]:
-    """One step of `trainee` under torch.profiler: the `top` ops by self time on the device
-    (CUDA) or the CPU, and how many device synchronisations and host-device copies the step
-    made (each one stalls the host until the GPU's queue drains: on a launch-bound model
-    the step then costs launch time plus GPU time instead of the larger of the two)."""
-    from torch.profiler import ProfilerActivity, profile
-
-    activities = [ProfilerActivity.CPU]
-    if trainee.device.type == "cuda":
-        activities.append(ProfilerActivity.CUDA)
-    trainee.synchronize()
-    with profile(activities=activities) as prof:
-        trainee.step()
-    events = prof.key_averages()
-    on_device = trainee.device.type == "cuda"
-
-    def self_us(e: Any) -> float:
-        return float(e.self_device_time_total if on_device else e.self_cpu_time_total)
-
-    ranked = sorted((e for e in events if self_us(e) > 0), key=self_us, reverse=True)
-    counts = {e.key: e.count for e in events}
-    syncs = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "aten::_local_scalar_dense",
-             "aten::nonzero", "cudaMemcpy", "cudaMemcpyAsync")
-    return {
-        "clock": "device" if on_device else "cpu",
-        "top_self_us": [[e.key, round(self_us(e), 1), e.count] for e in ranked[:top]],
-        "sync_and_copy_calls": {k: counts[k] for k in syncs if k in counts},
-        "op_calls": sum(e.count for e in events if e.key.startswith("aten::")),
-        "kernel_launches": counts.get("cudaLaunchKernel", 0) + counts.get("cuLaunchKernel", 0),
-    }
+DEFAULT_OUT = RESULTS / "sketch_memory.json"
+MMAP_THRESHOLD = 1 << 20  # 1 MiB: every activation of this model is mapped on its own
 
 
 def configurations(ranks: list[int], combined_ranks: list[int]) -> list[dict[str, Any]]:
@@ -267,19 +90,14 @@ def configurations(ranks: list[int], combined_ranks: list[int]) -> list[dict[str
     return configs
 
 
+
 def spawn(mode: str, payload: Any) -> Any:
-    env = dict(os.environ)
-    if mode == "--child-memory":
-        # Only for memory: mapping every large tensor on its own makes each allocation fault in
-        # fresh pages, which would charge memory-heavy configurations extra time.
-        env["MALLOC_MMAP_THRESHOLD_"] = _MMAP_THRESHOLD
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
-    cmd = [sys.executable, __file__, mode, json.dumps(payload)]
-    # The child's stderr (progress, errors) goes straight to ours.
-    proc = subprocess.run(cmd, env=env, stdout=subprocess.PIPE, text=True, check=False)
-    if proc.returncode != 0:
-        raise RuntimeError(f"{mode} failed (exit {proc.returncode}); its errors are above")
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    """`mode` ("memory" or "time") in a fresh `sketch_memory_worker` process; its result.
+    Only memory runs with `malloc_env`: mapping every large tensor on its own makes each
+    allocation fault in fresh pages, which would charge memory-heavy configurations extra
+    time. The worker's stderr (progress, errors) goes straight to ours."""
+    env = malloc_env(MMAP_THRESHOLD) if mode == "memory" else {}
+    return run_worker("sketch_memory_worker", mode, json.dumps(payload), env=env, what=mode)
 
 
 def print_table(rows: list[dict[str, Any]]) -> None:
@@ -317,13 +135,13 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
         ]
         print(f"seq {seq_len}: {len(specs)} configurations", flush=True)
         if args.device == "cuda":  # one process: CUDA start-up and Triton's JIT once
-            memory = spawn("--child-memory", specs)
+            memory = spawn("memory", specs)
         else:
-            memory = [spawn("--child-memory", [spec])[0] for spec in specs]
+            memory = [spawn("memory", [spec])[0] for spec in specs]
         payload = {"specs": specs, "rounds": args.rounds, "clock": args.clock,
                    "profile_top": args.profile}
         print(f"seq {seq_len}: timing, {args.rounds} rounds", flush=True)
-        timing = spawn("--child-time", payload)
+        timing = spawn("time", payload)
         exact = memory[0]
         for spec, mem, tim in zip(specs, memory, timing, strict=True):
             row = {**spec, **mem, **tim}
@@ -338,22 +156,14 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seq-lens", type=int, nargs="+", default=[512, 1024, 2048])
     parser.add_argument("--ranks", type=int, nargs="+", default=[16, 64, 256])
-    parser.add_argument(
-        "--combined-ranks",
-        type=int,
-        nargs="*",
-        default=[64],
-        help="ranks also run with per-block checkpointing",
-    )
+    parser.add_argument("--combined-ranks", type=int, nargs="*", default=[64],
+                        help="ranks also run with per-block checkpointing")
     parser.add_argument("--batch", type=int, default=8, help="sequences per microbatch")
     parser.add_argument("--rounds", type=int, default=3, help="timed round-robin rounds")
     parser.add_argument(
-        "--clock",
-        choices=("wall", "cpu"),
-        default="wall",
+        "--clock", choices=("wall", "cpu"), default="wall",
         help="wall: wall-clock with torch's default threads; cpu: process CPU time of "
-        "single-threaded steps (stable when other processes load the machine)",
-    )
+        "single-threaded steps (stable when other processes load the machine)")
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
                         help="where the steps run (cuda: GPU memory and synchronized timing)")
     parser.add_argument("--profile", type=int, default=0, metavar="TOP",
@@ -361,17 +171,7 @@ def main(argv: list[str] | None = None) -> int:
                         "ops by self time, synchronisations and copies (into the JSON)")
     parser.add_argument("--quick", action="store_true", help="smoke run: seq 128, R 16, 1 round")
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT)
-    parser.add_argument("--child-memory", help=argparse.SUPPRESS)
-    parser.add_argument("--child-time", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
-    if args.child_memory:
-        print(json.dumps(measure_memory_each(json.loads(args.child_memory))))
-        return 0
-    if args.child_time:
-        payload = json.loads(args.child_time)
-        print(json.dumps(measure_time(payload["specs"], payload["rounds"], payload["clock"],
-                                      payload.get("profile_top", 0))))
-        return 0
     if args.device == "cuda" and args.clock == "cpu":
         parser.error("--clock cpu measures CPU work; with --device cuda use the wall clock")
     if args.quick:
@@ -382,7 +182,7 @@ def main(argv: list[str] | None = None) -> int:
     import torch
 
     meta = {
-        "date_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "date_utc": utc_now(),
         "python": platform.python_version(),
         "torch": torch.__version__,
         "torch_threads": torch.get_num_threads(),
@@ -392,8 +192,7 @@ def main(argv: list[str] | None = None) -> int:
         "device": args.device,
         **({"gpu": torch.cuda.get_device_name(0)} if args.device == "cuda" else {}),
     }
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps({"meta": meta, "results": rows}, indent=2) + "\n")
+    write_json(args.out, {"meta": meta, "results": rows}, indent=2)
     print(f"wrote {args.out}")
     return 0
 

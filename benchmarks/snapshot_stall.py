@@ -22,32 +22,27 @@ throughput overhead <= 3 % with a snapshot every 10 steps; restore from RAM <= 1
 from storage. The machine is small and shared: absolute times vary by tens of percent between
 runs, ratios much less; every figure below is compared with its baseline from the same run.
 
-    python benchmarks/snapshot_stall.py           # writes benchmarks/results/snapshot_stall.json
-    python benchmarks/snapshot_stall.py --quick   # fewer steps, no S3 (smoke run)
+    python -m benchmarks.snapshot_stall           # writes benchmarks/results/snapshot_stall.json
+    python -m benchmarks.snapshot_stall --quick   # fewer steps, no S3 (smoke run)
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
-import logging
 import os
 import statistics
-import sys
 import tempfile
 import time
-from collections.abc import Callable
-from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-
-from elastic.registry import StateRegistry  # noqa: E402
-from elastic.snapshotter import Snapshotter  # noqa: E402
-from trainer.config import ModelConfig  # noqa: E402
-from trainer.model import GPT  # noqa: E402
+from benchmarks.common import RESULTS, moto_s3, timed, write_json
+from elastic.registry import StateRegistry
+from elastic.snapshotter import Snapshotter
+from trainer.config import ModelConfig
+from trainer.model import GPT
 
 CFG = ModelConfig(vocab_size=6144, d_model=512, n_layers=6, n_heads=8)
 SEQ_LEN = 128
@@ -79,12 +74,6 @@ class Run:
     def state_bytes(self) -> int:
         flat = self.registry.flatten().tensors
         return sum(t.numel() * t.element_size() for t in flat.values())
-
-
-def timed(fn: Callable[[], object]) -> float:
-    t0 = time.perf_counter()
-    fn()
-    return time.perf_counter() - t0
 
 
 def baton_pipelined_stall(run: Run, root: str, snapshots: int, every: int) -> list[float]:
@@ -189,7 +178,8 @@ def restore_times(root: str, reps: int, s3_uri: str | None) -> dict[str, float]:
     out: dict[str, float] = {}
     ram, disk = [], []
     for _ in range(reps):
-        ram_snap = Snapshotter(root, dst.registry, coordinator=snap.coordinator)
+        ram_snap = Snapshotter(root, dst.registry, coordinator=snap.coordinator,
+                               ram_tier=snap.ram_tier)
         ram.append(timed(ram_snap.restore))
         assert ram_snap.restored_from == ("ram", 1)
         disk_snap = Snapshotter(root, dst.registry, ram=False)
@@ -206,30 +196,10 @@ def restore_times(root: str, reps: int, s3_uri: str | None) -> dict[str, float]:
     return out
 
 
-def start_moto() -> tuple[object, str]:
-    import socket
-
-    import boto3
-    from moto.server import ThreadedMotoServer
-
-    logging.getLogger("werkzeug").setLevel(logging.ERROR)  # one log line per request otherwise
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    server = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
-    server.start()
-    url = f"http://127.0.0.1:{port}"
-    os.environ.update(AWS_ACCESS_KEY_ID="testing", AWS_SECRET_ACCESS_KEY="testing",
-                      AWS_DEFAULT_REGION="us-east-1", AWS_ENDPOINT_URL=url)
-    boto3.client("s3", endpoint_url=url).create_bucket(Bucket="bench")
-    return server, "s3://bench/snapshot-stall"
-
-
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true", help="fewer steps, no S3")
-    parser.add_argument("--out", default=str(ROOT / "benchmarks/results/snapshot_stall.json"))
+    parser.add_argument("--out", default=str(RESULTS / "snapshot_stall.json"))
     args = parser.parse_args()
     reps = 2 if args.quick else 3
     pairs = 2 if args.quick else 5
@@ -250,13 +220,9 @@ def main() -> int:
     res["torch_save_fsync_s"] = statistics.median(torch_save_stall(run, f"{tmp}/ts.pt", reps))
     res["dcp_async_save_stall_s"] = statistics.median(dcp_async_stall(run, f"{tmp}", reps))
     res["throughput"] = throughput(run, f"{tmp}/tp", pairs, every=10)
-    server = None
-    s3_uri = None
-    if not args.quick:
-        server, s3_uri = start_moto()
-    res["restore"] = restore_times(f"{tmp}/restore", reps, s3_uri)
-    if server is not None:
-        server.stop()
+    with contextlib.nullcontext() if args.quick else moto_s3("bench"):
+        s3_uri = None if args.quick else "s3://bench/snapshot-stall"
+        res["restore"] = restore_times(f"{tmp}/restore", reps, s3_uri)
 
     ts = res["torch_save_fsync_s"]
     restore = res["restore"]
@@ -274,10 +240,9 @@ def main() -> int:
         ratios["restore_ram_over_s3"] = restore["ram_s"] / restore["s3_s"]
     res["ratios"] = ratios
     print(json.dumps(res, indent=1))
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(res, indent=1))
+    write_json(args.out, res)
     return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    raise SystemExit(main())

@@ -43,8 +43,8 @@ def test_the_script_is_valid_bash_and_its_dry_run_lists_the_steps(tmp_path: Path
     assert total <= 600 and f"total time limit: {total}s" in text  # under 10 minutes
     for needle in ("-m \"$marks\" -k \"not triton\"", "local marks=\"gpu and not multigpu\"",
                    "-m gpu -k triton",
-                   "sketch_memory.py --device cuda", "fit recipes/llama-tiny.toml",
-                   "sketch_fused.py --d-models 1024 2048",
+                   "-m benchmarks.sketch_memory --device cuda", "fit recipes/llama-tiny.toml",
+                   "-m benchmarks.sketch_fused --d-models 1024 2048",
                    "--until 8", "precision.dtype=\"bf16\"", "scaling.use_gpu=true"):
         assert needle in text, needle
     bad = _bash(str(SCRIPT), "--no-such-flag")
@@ -64,12 +64,12 @@ def test_what_the_steps_select_exists(tmp_path: Path) -> None:
     assert (cfg.precision.dtype, cfg.scaling.use_gpu, cfg.steps) == ("bf16", True, 16)
     assert cfg.scaling.max_workers == 1 and 8 % cfg.snapshots.snapshot_every == 0
 
-    help_text = subprocess.run([sys.executable, "benchmarks/sketch_memory.py", "--help"],
+    help_text = subprocess.run([sys.executable, "-m", "benchmarks.sketch_memory", "--help"],
                                capture_output=True, text=True, cwd=ROOT, timeout=60).stdout
     for flag in ("--device", "--seq-lens", "--ranks", "--combined-ranks", "--rounds", "--profile",
                  "--out"):
         assert flag in help_text, flag
-    help_text = subprocess.run([sys.executable, "benchmarks/sketch_fused.py", "--help"],
+    help_text = subprocess.run([sys.executable, "-m", "benchmarks.sketch_fused", "--help"],
                                capture_output=True, text=True, cwd=ROOT, timeout=60).stdout
     for flag in ("--d-models", "--rounds", "--out"):
         assert flag in help_text, flag

@@ -11,7 +11,6 @@ from __future__ import annotations
 import itertools
 import json
 import math
-import sys
 from dataclasses import replace
 
 import pytest
@@ -245,24 +244,14 @@ def test_sketch_model_with_a_budget_sets_the_per_layer_ranks() -> None:
 # --------------------------------------------------------------------------- the benchmark
 
 
-def _quality_benchmark():  # noqa: ANN202 - a module loaded from a path
-    import importlib.util
-    from pathlib import Path
-
-    path = Path(__file__).resolve().parents[1] / "benchmarks" / "sketch_quality.py"
-    spec = importlib.util.spec_from_file_location("sketch_quality_benchmark", path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up there
-    spec.loader.exec_module(module)
-    return module
-
-
 def test_quality_benchmark_builds_every_variant_and_picks_the_equal_memory_batch() -> None:
-    bench = _quality_benchmark()
+    from benchmarks import sketch_quality_variants as bench
+    from benchmarks.sketch_quality_worker import build
+
     names = [v.name for v in bench.VARIANTS]
     assert len(names) == len(set(names)) and "exact" in names and bench.MEMORY_BASE in names
     for v in bench.VARIANTS:  # every configuration builds (budget, include, estimator)
-        model, _, schedule = bench.build(v, 0)
+        model, _, schedule = build(v, 0)
         sketched = [m for m in model.modules() if isinstance(m, SketchedLinear)]
         assert bool(sketched) == bool(v.rank or v.budget_rank)
         assert all(m.estimator == v.estimator for m in sketched)
@@ -301,7 +290,8 @@ def test_quality_benchmark_builds_every_variant_and_picks_the_equal_memory_batch
 
 
 def test_quality_benchmark_keeps_each_variants_seeds_apart(tmp_path, monkeypatch) -> None:
-    bench = _quality_benchmark()
+    from benchmarks import sketch_quality_report as bench
+
     monkeypatch.setattr(bench, "RUNS", tmp_path)
     for name in ("exact-s0", "exact-s1", "exact-steps356-s0", "exact-recompute-s0"):
         (tmp_path / f"{name}.json").write_text(json.dumps({"name": name}))

@@ -4,10 +4,8 @@ three phases and writes the ratios and validation figures its report's table is 
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import math
-import sys
 from pathlib import Path
 
 import pytest
@@ -15,18 +13,10 @@ import pytest
 pytest.importorskip("transformers")
 
 
-def _benchmark():  # noqa: ANN202 - a module loaded from a path
-    path = Path(__file__).resolve().parents[1] / "benchmarks" / "sketch_llama.py"
-    spec = importlib.util.spec_from_file_location("sketch_llama_benchmark", path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up there
-    spec.loader.exec_module(module)
-    return module
-
-
 def test_quick_run_writes_memory_time_and_quality_ratios(tmp_path: Path,
                                                          tiny_dataset: str) -> None:
-    bench = _benchmark()
+    from benchmarks import sketch_llama as bench
+
     out = tmp_path / "llama.json"
     argv = ["--quick", "--data", tiny_dataset, "--out", str(out), "--only",
             "exact,auto,auto-all,down-proj"]

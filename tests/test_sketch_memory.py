@@ -60,20 +60,10 @@ def test_gelu_mlp_keeps_only_its_input_and_the_proj_sketch() -> None:
     assert unfused == n * 4 * d * 4 + (rank + 1) * (d + 4 * d) * 4 + 2 * SEED_BYTES
 
 
-def _benchmark_module():
-    import importlib.util
-    from pathlib import Path
-
-    path = Path(__file__).resolve().parents[1] / "benchmarks" / "sketch_memory.py"
-    spec = importlib.util.spec_from_file_location("sketch_memory_benchmark", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 def test_memory_benchmark_imports_and_lists_its_configurations() -> None:
-    module = _benchmark_module()
-    names = [c["name"] for c in module.configurations([16, 64], [64])]
+    from benchmarks.sketch_memory import configurations
+
+    names = [c["name"] for c in configurations([16, 64], [64])]
     assert names == [
         "exact",
         "exact-unfused",
@@ -90,7 +80,8 @@ def test_memory_benchmark_imports_and_lists_its_configurations() -> None:
 def test_the_benchmark_profile_counts_a_sketched_steps_extra_work() -> None:
     """`--profile`'s record of one step: ranked ops, op calls, and the host-side plan work a
     sketched step adds (the sketch plan is drawn per step: its row selection is a nonzero)."""
-    module = _benchmark_module()
+    from benchmarks import sketch_memory_worker as module
+
     base = {"checkpoint": False, "seq_len": 32, "batch": 1, "device": "cpu"}
     exact = module.profile_step(module.Trainee({"name": "exact", "rank": 0, **base}), top=4)
     sketched = module.profile_step(module.Trainee(
