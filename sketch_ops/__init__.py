@@ -20,8 +20,10 @@ Public API:
 - `rms_norm(x, weight, eps)`: Llama's RMSNorm keeping only x and one number per row
   (`rms_norm.py`); `fuse_rms_norms(model) -> list[str]` patches every such norm of any model.
 
-The maths is in docs/design.md §4; `reference.py` is its executable specification and `kernels.py`
-the CUDA (Triton) implementation, chosen by `dispatch.py`.
+The maths is in docs/design.md §4; `reference.py` is its executable specification, and
+`fused_kernels.py` (a sketched layer's step in 7 launches, no host sync) and `kernels.py` the
+CUDA (Triton) implementation, chosen by `dispatch.py`. `cost.py` and `speed_plan.py` are what
+`include="auto"` decides with beyond memory (`max_quality_cost`).
 """
 
 from .function import sketched_linear

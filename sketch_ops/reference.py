@@ -18,7 +18,8 @@ The mean-centred estimator (`estimator="centered"`, docs/design.md §4):
   and `||mat - 1 meanᵀ||² = ||mat||² - n ||mean||²` when `mean` is the row mean).
 - `mean_outer(dy_mean, x_mean, n)` is the exact rank-1 part `n · dy_mean x_meanᵀ` of `dYᵀX`.
 
-The Triton kernels in `kernels.py` must match these functions up to fp32 summation order.
+The Triton kernels in `kernels.py` and `fused_kernels.py` must match these functions up to fp32
+summation order (and, in `fused_kernels.py`, one rounding of the sketches to the data's dtype).
 """
 
 from __future__ import annotations
