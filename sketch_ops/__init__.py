@@ -21,8 +21,9 @@ Public API:
   (`rms_norm.py`); `fuse_rms_norms(model) -> list[str]` patches every such norm of any model.
 
 The maths is in docs/design.md §4; `reference.py` is its executable specification, and
-`fused_kernels.py` (a sketched layer's step in 7 launches, no host sync) and `kernels.py` the
-CUDA (Triton) implementation, chosen by `dispatch.py`. `cost.py` and `speed_plan.py` are what
+`fused_kernels.py` (a sketched layer's step in 5 launches and its share of the microbatch's
+plans, `plan_cache.py`; no host sync) and `kernels.py` the CUDA (Triton) implementation, chosen
+by `dispatch.py`. `cost.py` and `speed_plan.py` are what
 `include="auto"` decides with beyond memory (`max_quality_cost`).
 """
 

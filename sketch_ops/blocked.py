@@ -19,9 +19,14 @@ Contract:
   the invariant scalar's partial sums and the plan's order. There, `add_activated(start, end,
   pre, "gelu" | "silu_mul", other)` fuses the producer: it computes the block's `gelu(pre)` or
   `silu(pre) * other` and sketches it in the same pass (`fuses_producer` says whether it can).
-- `saved_sketch_weight_grad(dy, dy_sum, saved, n, rank, seed, dtype)`: a sketched layer's dW
-  estimate in `dtype` from its whole output gradient and the `SavedSketch` of its input (what
-  `sketched_linear`'s backward computes).
+- `saved_sketch_weight_grad(dy, dy_sum, saved, n, rank, seed, dtype, need_db=False)`:
+  `(dW, db)`, a sketched layer's dW estimate in `dtype` from its whole output gradient and the
+  `SavedSketch` of its input (what `sketched_linear`'s backward computes), and, with
+  `need_db` on the fused path, its bias gradient from the same pass over dY (else None: the
+  caller sums dY's columns). `output_layer_grads(dy, saved, n, rank, seed, dtype, need)`: a
+  fused MLP's last layer's `(dW, db)` from its output gradient, each None unless `need`s
+  (need_dw, need_db) asks for it; dW only when the layer is sketched (rank > 0), from `saved`;
+  db from dY's column sums, on the fused path summed in the pass that sketches dY.
 - `linear_into(dest, x, weight, bias)`: `dest[...] = F.linear(x, weight, bias)`, the GEMM
   writing into `dest` itself when dtypes and layout allow (a block of the fused output).
 - `BlockWeightGrad(shape, rank, seed, estimator, n, device, acc, block_rows, dtype)`: dW = dYᵀX
@@ -47,10 +52,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from . import dispatch
+from . import dispatch, reference
 from .function import fused_weight_grad, input_sketch, weight_grad_estimate
 from .layer import SketchedLinear
-from .seeds import SketchPlan, effective_rank, layer_seed, make_plan
+from .seeds import SketchPlan, effective_rank, layer_seed, make_plan, plan_order
 
 BLOCK_ROWS = 2048  # the most rows per block on the CPU; a GPU's cap is never below it
 # On a GPU a block's widest temporary may take this much. Each block costs the host a fixed
@@ -144,7 +149,7 @@ class BlockInputSketch:
         if kernels is not None:
             self._acts = {"gelu": kernels.ACT_GELU, "silu_mul": kernels.ACT_SILU_MUL}
             if order is None:  # a plan of our own, saved for backward as int32
-                order = kernels.plan_order(n, seed, device)
+                order = plan_order(kernels, n, seed, device)
                 self.order32 = torch.empty(n, dtype=torch.int32, device=device)
             self.fused = kernels.BlockSketch(
                 n, effective_rank(rank, n), seed, width, order,
@@ -212,18 +217,45 @@ def saved_sketch_weight_grad(
     rank: int,
     seed: int,
     dtype: torch.dtype,
-) -> torch.Tensor:
-    """A sketched layer's dW estimate (in `dtype`) from its n-row output gradient and what
-    `BlockInputSketch.finish` gave in forward (`dy_sum`, dY's column sums, is read by the
-    reference path's centred estimator only)."""
+    need_db: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """A sketched layer's `(dW estimate in dtype, db or None)` from its n-row output gradient
+    and what `BlockInputSketch.finish` gave in forward (`dy_sum`, dY's column sums, is read by
+    the reference path's centred estimator only; db comes from the fused path only)."""
     x_hat, x_mean, _, order = saved
     if order is not None:
         return fused_weight_grad(dispatch.fused_module(), dy, saved, rank, seed, scalars=True,
-                                 dtype=dtype, need_db=False)[0]
+                                 dtype=dtype, need_db=need_db)
     assert x_hat is not None
     plan = make_plan(n, rank, seed, device=dy.device)
     dy_sketch, dy_sq = dispatch.bucket_sum(dy, plan)
-    return weight_grad_estimate(dy_sketch, dy_sq, dy_sum, x_hat, x_mean, plan, n).to(dtype)
+    grad = weight_grad_estimate(dy_sketch, dy_sq, dy_sum, x_hat, x_mean, plan, n)
+    return grad.to(dtype), None
+
+
+def output_layer_grads(
+    dy: torch.Tensor,
+    saved: SavedSketch,
+    n: int,
+    rank: int,
+    seed: int,
+    dtype: torch.dtype,
+    need: tuple[bool, bool],
+) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """A fused MLP's last layer's `(dW in dtype, db in dY's dtype)` (module docstring)."""
+    need_dw, need_db = need
+    sketched = need_dw and rank > 0
+    fused = sketched and saved[3] is not None
+    dy_sum = None  # dY's column sums: db, and μdy for the reference path's centred estimate
+    if (need_db and not fused) or (sketched and not fused and saved[1] is not None):
+        dy_sum = dy.sum(0, dtype=reference.acc_dtype(dy.dtype))
+    dw = db = None
+    if sketched:
+        dw, db = saved_sketch_weight_grad(dy, dy_sum, saved, n, rank, seed, dtype, need_db)
+    if need_db and db is None:
+        assert dy_sum is not None  # summed above whenever db needs it
+        db = dy_sum.to(dy.dtype)
+    return dw, db
 
 
 class BlockWeightGrad:
@@ -253,7 +285,7 @@ class BlockWeightGrad:
             # block plans in `add`). The reference centres dY with the column sums the caller
             # passes to finish (it needs them for the bias anyway); the kernels centre it in
             # their own pass.
-            order = kernels.plan_order(n, seed, device) if kernels is not None else None
+            order = plan_order(kernels, n, seed, device) if kernels is not None else None
             dy_estimator = estimator if kernels is not None else "basis"
             self.dy_sketch = BlockInputSketch(
                 n, rank, seed, out_features, dy_estimator, device, acc, block_rows, dtype,

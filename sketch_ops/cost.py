@@ -19,7 +19,8 @@ Contract:
   step's time when one linear layer's weight gradient is sketched instead of exact: its dW GEMM
   (2·n·N·M FLOPs, or its bytes if memory-bound) is replaced by the R-row GEMM (2·R·N·M) plus
   one pass over its input and one over its output gradient, and the launches the sketch adds
-  (3 on the fused path; the reference path's ~45 small ops and 3 passes per direction).
+  (2 on the fused path, its share of the microbatch's plans included; the reference path's
+  ~45 small ops and 3 passes per direction).
   Negative: the sketched step is faster.
   `sketch_overhead_s(...)` is that delta's part besides the GEMMs.
 - `count_flops(run)`: `(run(), FLOPs)`, the dense GEMM and attention FLOPs of what `run` ran
@@ -62,8 +63,11 @@ GPU_TAIL_S = 2e-6  # the device's time lost per kernel (start and tail), a GPU
 CPU_OP_S = 10e-6  # one more op on the CPU (dispatch and a small kernel)
 TRAFFIC_PASSES = 3  # passes over exact's activation bytes per step (module docstring)
 RECOMPUTE_PASSES = 2  # an activation not kept is written and read again in backward
-FUSED_EXTRA_LAUNCHES = 3  # a sketched layer's 7 launches per step against nn.Linear's 4
-FUSED_SKETCH_LAUNCHES = 5  # of which the sketch's own: keys, sort, sketch X, sketch dY, GEMM
+# A sketched layer's launches per step: 5, and its share of the 2 that draw the plans of the
+# microbatch's k sketched layers together (`plan_cache`): 5 + 2/k against nn.Linear's 4.
+FUSED_EXTRA_LAUNCHES = 2  # 1 + 2/k, for k >= 2
+FUSED_SKETCH_LAUNCHES = 3  # of which the sketch's own per layer: sketch X, sketch dY, GEMM
+FUSED_PLAN_LAUNCHES = 2  # per microbatch: one keys launch (up to 32 layers) and one sort
 REFERENCE_EXTRA_OPS = 45  # the torch reference path's ~49 ops against nn.Linear's 4
 REFERENCE_PASSES = 3  # passes over each sketched matrix on the reference path
 T = TypeVar("T")

@@ -14,12 +14,14 @@ accumulate in fp32.
 
 Two paths, chosen by `dispatch.fused_on`. The torch reference (CPU, fp64, the uniform hash)
 runs `reference.py`'s functions as above. The fused path (CUDA, fp32/bf16/fp16, balanced plans;
-`fused_kernels.py`) runs a step of the layer in 7 device launches (9 when a narrow layer
-splits its sketches into bucket groups to fill the GPU) and no host read: forward
-the product, the plan's keys and sort, one sketch launch (bucket sums, signs, column sums,
+`fused_kernels.py`) runs a step of the layer in 5 device launches (7 when a narrow layer
+splits its sketches into bucket groups to fill the GPU) and no host read, besides its share
+of the plans: forward the product and one sketch launch (bucket sums, signs, column sums,
 norms and the centring together); backward dX, one launch sketching dY (and summing its
 columns: db and μdy) and one GEMM on the R-row sketches in the data's dtype with fp32
-accumulation, whose epilogue applies the invariant scalars and the mean term. It saves S̃X
+accumulation, whose epilogue applies the invariant scalars and the mean term. The plan (a
+keys launch and a sort) is drawn with the other sketched layers' of the microbatch inside
+`sketch_seed` (`plan_cache`: 2 launches per microbatch), alone outside it. It saves S̃X
 unscaled (γx is applied in the GEMM), a few partial sums for γx, and the plan's order as int32
 (4n bytes) instead of drawing the plan again in backward.
 
@@ -51,7 +53,7 @@ import torch
 import torch.nn.functional as F
 
 from . import dispatch, reference
-from .seeds import SketchPlan, effective_rank, make_plan
+from .seeds import SketchPlan, effective_rank, make_plan, plan_order
 
 ESTIMATORS = ("basis", "centered")
 
@@ -120,11 +122,11 @@ def weight_grad_estimate(
 def fused_input_sketch(
     kernels: ModuleType, x2d: torch.Tensor, rank: int, seed: int, centred: bool
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor]:
-    """The fused path's forward sketch of X (`fused_kernels`, three launches: the plan's keys,
-    its sort, the sketch): what backward needs, `(S̃X unscaled in X's dtype, μx or None, the
-    partial sums of the invariant scalar, the plan's order as int32)`."""
+    """The fused path's forward sketch of X (`fused_kernels`: one launch, and the plan's two
+    unless `seeds.plan_order` holds it): what backward needs, `(S̃X unscaled in X's dtype, μx
+    or None, the partial sums of the invariant scalar, the plan's order as int32)`."""
     n = x2d.shape[0]
-    order = kernels.plan_order(n, seed, x2d.device)
+    order = plan_order(kernels, n, seed, x2d.device)
     order32 = torch.empty(n, dtype=torch.int32, device=x2d.device)
     sketch = kernels.BlockSketch(n, rank, seed, x2d.shape[1], order, center=centred,
                                  dtype=x2d.dtype, order_out=order32)

@@ -53,8 +53,8 @@ from .blocked import (
     block_size,
     layer_sketches,
     linear_into,
+    output_layer_grads,
     row_blocks,
-    saved_sketch_weight_grad,
 )
 from .function import autocast_inputs, needs_sketch, validate
 from .layer import SketchedLinear
@@ -124,24 +124,15 @@ class _GeluMlpFn(torch.autograd.Function):
         size = block_size(n, w1.shape[0], x2d.dtype, device)
         seed1, seed2 = (int(s) for s in seeds_t)
         (rank1, rank2), (estimator1, _) = ctx.ranks, ctx.estimators
-        dw2 = db2 = None
-        dy_sum = None  # column sums of dY: db2, and μdy when centred; one pass for both
-        if need_db2 or (need_dw2 and hidden_mean is not None and hidden_order is None):
-            dy_sum = dy.sum(0, dtype=acc)  # (the fused kernels sum dY's columns themselves)
-        if need_dw2 and rank2 > 0:
-            assert hidden_hat is not None  # saved in forward whenever proj is sketched
-            dw2 = saved_sketch_weight_grad(
-                dy, dy_sum, (hidden_hat, hidden_mean, hidden_stats, hidden_order), n, rank2,
-                seed2, w2.dtype)
+        # proj's dW (sketched) and db; on the fused path db comes from dY's sketch pass.
+        hidden = (hidden_hat, hidden_mean, hidden_stats, hidden_order)
+        dw2, db2 = output_layer_grads(dy, hidden, n, rank2, seed2, w2.dtype, (need_dw2, need_db2))
         # proj's exact dW from the recomputed hidden rows (recompute with a plain proj).
         proj_exact = (
             BlockWeightGrad(w2.shape, 0, 0, "basis", n, device, acc, size, dy.dtype)
             if need_dw2 and rank2 == 0
             else None
         )
-        if need_db2:
-            assert dy_sum is not None  # computed above whenever db2 is needed
-            db2 = dy_sum.to(dy.dtype)
         need_rows_grad = need_dx or (eps is not None and (need_dnw or need_dnb))
         dx = torch.empty(x2d.shape, dtype=dy.dtype, device=dy.device) if need_dx else None
         dnw = torch.zeros_like(norm_w, dtype=acc) if need_dnw and norm_w is not None else None

@@ -1,10 +1,11 @@
 """Triton kernels of the fused sketch path: a whole sketch in one or two launches, no host sync.
 
 Contract (n rows, R buckets, the balanced plan of `seeds.make_plan`, bitwise):
-- `plan_order(n, seed, device)`: the plan's scrambled row order — `order[p]` is the row at
-  position p, bucket r holds positions r, r + R, r + 2R, ... — in two launches (the row keys of
-  `plan_hash`, as order-preserving int32, and one `torch.sort`). A row's sign is recomputed from
-  its index inside the kernels, so the order is the whole plan.
+- `plan_order(n, seed, device)` / `plan_orders(n, seeds, device)` (`kernels.py`'s): the
+  plan's scrambled row order — `order[p]` is the row at position p, bucket r holds positions
+  r, r + R, r + 2R, ... — a keys launch and one sort, for one seed or a microbatch's
+  (`plan_cache`). A row's sign is recomputed from its index inside the kernels, so the order
+  is the whole plan.
 - `sketch(mat, order, rank, seed, *, center, ...) -> Sketch`: the signed bucket sums `S mat`,
   centred (`S (mat - 1 μᵀ)`, μ the row mean) when `center`, in mat's dtype and *unscaled*, the
   row mean (fp32, centred only) and the partial sums the invariant scalar needs (`Sketch`).
@@ -36,13 +37,13 @@ import triton.language as tl
 from triton.language.extra import libdevice
 
 from .kernels import SALT, _mix32
+from .kernels import plan_order as plan_order  # re-exported: the fused path's plans
+from .kernels import plan_orders as plan_orders
 from .plan_hash import seed_words
 from .reference import EPS
 
-_KEYS_BLOCK = 1024
 _BLOCK_N = 32  # columns per program: 64 bytes of a bf16 row per gathered load
 _TILE = 64  # gathered rows per loop iteration (BLOCK_B buckets × BLOCK_K slots)
-_FIRST_BIT = -(2**31)  # xor with it maps uint32 keys to int32 in the same order
 EPS_ = tl.constexpr(EPS)
 ACT_NONE, ACT_GELU, ACT_SILU_MUL = 0, 1, 2
 # Fewer column-block programs than this share of the device's SMs: split the buckets into
@@ -64,15 +65,6 @@ def _row_sign(rows, word0, word1, word2):
     keys = _mix32(keys ^ word1.to(tl.uint32))
     keys = _mix32(keys ^ word2.to(tl.uint32))
     return 1.0 - 2.0 * (_mix32(keys ^ SALT) >> 31).to(tl.float32)
-
-
-@triton.jit(do_not_specialize=["word0", "word1", "word2"])
-def _sort_keys_kernel(keys_ptr, n, word0, word1, word2, BLOCK: tl.constexpr):
-    i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    keys = _mix32(i.to(tl.uint32) ^ word0.to(tl.uint32))
-    keys = _mix32(keys ^ word1.to(tl.uint32))
-    keys = _mix32(keys ^ word2.to(tl.uint32))
-    tl.store(keys_ptr + i, keys.to(tl.int32, bitcast=True) ^ _FIRST_BIT, mask=i < n)
 
 
 @triton.jit
@@ -261,15 +253,6 @@ def _sm_count(device: torch.device) -> int:
     if device.type != "cuda":
         return 1  # the interpreter: one column-block program per block is plenty
     return int(torch.cuda.get_device_properties(device).multi_processor_count)
-
-
-def plan_order(n: int, seed: int, device: torch.device) -> torch.Tensor:
-    """The plan's row order (int64, n): `argsort` of `plan_hash`'s keys (module docstring)."""
-    keys = torch.empty(n, dtype=torch.int32, device=device)
-    if n:
-        _sort_keys_kernel[(triton.cdiv(n, _KEYS_BLOCK),)](
-            keys, n, *seed_words(seed & _SEED_MASK), BLOCK=_KEYS_BLOCK)
-    return torch.sort(keys).indices  # distinct keys: any sort gives this order
 
 
 def _tiles(n: int, rank: int) -> tuple[int, int]:

@@ -9,6 +9,11 @@
   accumulation (IEEE fp32 dot, not TF32), written in the weight's dtype.
 - `row_keys(n, seed, device)`: the keys and signs of `plan_hash.hash_rows`, bitwise the same,
   in one launch (uint32 products wrap mod 2**32, as numpy's do there).
+- `plan_orders(n, seeds, device)`: the fused path's plans (`fused_kernels.py`): row j
+  (int64, n) is `argsort` of seeds[j]'s keys, the balanced plan's scrambled row order,
+  bitwise `seeds.make_plan`'s; one keys launch per `KEYS_PER_LAUNCH` seeds and one
+  `torch.sort` for them all (`plan_cache` draws a microbatch's plans together).
+  `plan_order(n, seed, device)` is one seed's.
 
 This module imports triton at import time; import it lazily (`dispatch.py` does), so the CPU
 path never needs triton. Under `TRITON_INTERPRET=1` (read when `@triton.jit` runs, i.e. when
@@ -18,6 +23,7 @@ them against the reference.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 import torch
@@ -33,6 +39,9 @@ _BLOCK_J = 16  # rows gathered per loop iteration
 _BLOCK_N = 64  # columns per program
 _TARGET_PROGRAMS = 1024  # enough programs to fill a large GPU when R·N is small
 _KEYS_BLOCK = 1024  # rows per program of the key kernel
+KEYS_PER_LAUNCH = 32  # seeds per launch of the plan keys kernel (it unrolls its seeds)
+_FIRST_BIT = -(2**31)  # xor with it maps uint32 keys to int32 in the same order
+_SEED_MASK = (1 << 63) - 1  # as seeds.make_plan masks a seed before hashing it
 MULTIPLIER_0 = tl.constexpr(MULTIPLIERS[0])
 MULTIPLIER_1 = tl.constexpr(MULTIPLIERS[1])
 SALT = tl.constexpr(SIGN_SALT)
@@ -102,6 +111,24 @@ def _row_keys_kernel(keys_ptr, signs_ptr, n, word0, word1, word2, BLOCK: tl.cons
     bits = _mix32(keys ^ SALT) >> 31
     tl.store(keys_ptr + i, keys.to(tl.int64), mask=ok)
     tl.store(signs_ptr + i, 1.0 - 2.0 * bits.to(tl.float32), mask=ok)
+
+
+@triton.jit
+def _plan_keys_kernel(keys_ptr, n, words, BATCH: tl.constexpr, BLOCK: tl.constexpr):
+    """Row j of keys: `plan_hash`'s keys of rows 0..n-1 under seed j (`_packed_words`), as
+    int32 in the same order."""
+    j = tl.program_id(1)
+    w0, w1, w2 = words[0], words[1], words[2]
+    for t in tl.static_range(1, BATCH):  # this program's seed: the tuple, unrolled
+        w0 = tl.where(j == t, words[3 * t], w0)
+        w1 = tl.where(j == t, words[3 * t + 1], w1)
+        w2 = tl.where(j == t, words[3 * t + 2], w2)
+    i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    keys = _mix32(i.to(tl.uint32) ^ ((w0 >> 1) & 0xFFFFFFFF).to(tl.uint32))
+    keys = _mix32(keys ^ ((w1 >> 1) & 0xFFFFFFFF).to(tl.uint32))
+    keys = _mix32(keys ^ ((w2 >> 1) & 0xFFFFFFFF).to(tl.uint32))
+    tl.store(keys_ptr + j.to(tl.int64) * n + i, keys.to(tl.int32, bitcast=True) ^ _FIRST_BIT,
+             mask=i < n)
 
 
 @triton.jit
@@ -200,3 +227,27 @@ def row_keys(n: int, seed: int, device: torch.device) -> tuple[torch.Tensor, tor
             keys, signs, n, *seed_words(seed), BLOCK=_KEYS_BLOCK
         )
     return keys, signs
+
+
+def _packed_words(seeds: Sequence[int]) -> tuple[int, ...]:
+    """The seeds' `seed_words`, each as an odd int in [2**40, 2**41): Triton specialises the
+    ints of a tuple argument whatever `do_not_specialize` says (i32 below 2**31, 1, multiples
+    of 16), so packed thus every seed shares one compilation per tuple length."""
+    return tuple((1 << 40) | (w << 1) | 1 for s in seeds for w in seed_words(s & _SEED_MASK))
+
+
+def plan_orders(n: int, seeds: Sequence[int], device: torch.device) -> torch.Tensor:
+    """The plans' row orders (int64, len(seeds) × n; module docstring)."""
+    keys = torch.empty(len(seeds), n, dtype=torch.int32, device=device)
+    for j in range(0, len(seeds) if n else 0, KEYS_PER_LAUNCH):
+        chunk = list(seeds[j : j + KEYS_PER_LAUNCH])
+        batch = triton.next_power_of_2(len(chunk))  # padded: a few compilations, not 32
+        _plan_keys_kernel[(triton.cdiv(n, _KEYS_BLOCK), len(chunk))](
+            keys[j:], n, _packed_words(chunk + chunk[-1:] * (batch - len(chunk))),
+            BATCH=batch, BLOCK=_KEYS_BLOCK)
+    return torch.sort(keys, dim=1).indices  # distinct keys per row: any sort gives this order
+
+
+def plan_order(n: int, seed: int, device: torch.device) -> torch.Tensor:
+    """One seed's plan order (int64, n): `plan_orders` of it."""
+    return plan_orders(n, (seed,), device)[0]

@@ -15,6 +15,9 @@ Contract:
   seed is `derive_seed(seed, step, microbatch, layer name)`. Outside it, `layer_seed` draws a
   fresh seed from torch's global CPU generator, which `torch.utils.checkpoint` saves and
   restores, so a recomputed forward still reproduces its sketch.
+- `plan_order(kernels, n, seed, device)`: the fused path's plan order for `seed`
+  (`kernels.plan_order`, bitwise); inside a block from the microbatch's `plan_cache.PlanStore`,
+  which draws the plans of a microbatch's sketched layers together.
 
 Activation checkpointing: a recompute reproduces the forward's sketch when it runs under the
 same `sketch_seed` state as the forward (the trainer runs backward inside the context) or when
@@ -33,12 +36,13 @@ from __future__ import annotations
 import hashlib
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
-from functools import lru_cache
+from dataclasses import dataclass, field
+from functools import lru_cache, partial
+from types import ModuleType
 
 import torch
 
-from . import dispatch
+from . import dispatch, plan_cache
 
 _SEED_MASK = (1 << 63) - 1  # seeds live in int64 tensors, so keep them non-negative
 
@@ -50,6 +54,8 @@ class SketchSeedState:
     seed: int
     step: int
     microbatch: int
+    # The fused path's plans for this microbatch (not part of the state's identity).
+    plans: plan_cache.PlanStore = field(compare=False, repr=False)
 
 
 _active: list[SketchSeedState] = []
@@ -70,12 +76,16 @@ def sketch_seed(seed: int, step: int, microbatch: int = 0) -> Iterator[SketchSee
             f"sketch_seed: step and microbatch must be >= 0, got step={step}, "
             f"microbatch={microbatch}"
         )
-    state = SketchSeedState(seed, step, microbatch)
+    plans = plan_cache.open_block((seed, step, microbatch), partial(derive_seed, seed, step,
+                                                                    microbatch))
+    state = SketchSeedState(seed, step, microbatch, plans)
     _active.append(state)
     try:
         yield state
     finally:
-        _active.remove(state)
+        # By identity: nested blocks may have equal states.
+        del _active[next(i for i, s in enumerate(_active) if s is state)]
+        plan_cache.close_block(plans)
 
 
 def active_seed_state() -> SketchSeedState | None:
@@ -94,9 +104,20 @@ def layer_seed(layer_name: str) -> int:
     """The seed a layer named `layer_name` uses for the current forward call."""
     state = active_seed_state()
     if state is not None:
-        return derive_seed(state.seed, state.step, state.microbatch, layer_name)
+        seed = derive_seed(state.seed, state.step, state.microbatch, layer_name)
+        state.plans.note(seed, layer_name)  # which plans the next microbatch will want
+        return seed
     # Fresh randomness from the global CPU generator: checkpoint recompute restores its state.
     return int(torch.randint(0, _SEED_MASK, (), dtype=torch.int64).item())
+
+
+def plan_order(kernels: ModuleType, n: int, seed: int, device: torch.device) -> torch.Tensor:
+    """The fused path's plan order (`kernels.plan_order(n, seed, device)`, int64, shared: never
+    written), from the microbatch's plans inside a `sketch_seed` block."""
+    state = active_seed_state()
+    if state is None:
+        return kernels.plan_order(n, seed, device)
+    return state.plans.order(kernels, n, seed, device)
 
 
 @dataclass(frozen=True)

@@ -68,8 +68,8 @@ from .blocked import (
     block_size,
     layer_sketches,
     linear_into,
+    output_layer_grads,
     row_blocks,
-    saved_sketch_weight_grad,
 )
 from .function import autocast_inputs, needs_sketch, validate
 from .layer import SketchedLinear
@@ -231,15 +231,10 @@ class _SwigluMlpFn(torch.autograd.Function):
         size = block_size(n, w_gate.shape[0], x2d.dtype, device)
         seeds = [int(s) for s in seeds_t]
         (rank_gate, rank_up, rank_down), estimators = ctx.ranks, ctx.estimators
-        dy_sum = None  # column sums of dY: down's bias, and μdy when centred; one pass for both
-        if need_dbd or (need_dwd and hidden_mean is not None and hidden_order is None):
-            dy_sum = dy.sum(0, dtype=acc)  # (the fused kernels sum dY's columns themselves)
-        dw_down = None
-        if need_dwd and rank_down > 0:
-            assert hidden_hat is not None  # saved in forward whenever down is sketched
-            dw_down = saved_sketch_weight_grad(
-                dy, dy_sum, (hidden_hat, hidden_mean, hidden_stats, hidden_order), n, rank_down,
-                seeds[2], w_down.dtype)
+        # down's dW (sketched) and db; on the fused path db comes from dY's sketch pass.
+        dw_down, db_down = output_layer_grads(
+            dy, (hidden_hat, hidden_mean, hidden_stats, hidden_order), n, rank_down, seeds[2],
+            w_down.dtype, (need_dwd, need_dbd))
         blocks = (n, device, acc, size, dy.dtype)
         # Down's exact dW from the recomputed hidden rows (recompute=True with a plain down).
         down_exact = _weight_grad(need_dwd and rank_down == 0, w_down, 0, 0, "basis", blocks)
@@ -284,7 +279,7 @@ class _SwigluMlpFn(torch.autograd.Function):
             None if up_grad is None else up_grad.finish(dup_sum, w_up.dtype),
             dup_sum.to(dy.dtype) if dup_sum is not None and need_dbu else None,
             None if dw_down is None else dw_down.to(w_down.dtype),
-            None if dy_sum is None or not need_dbd else dy_sum.to(dy.dtype),
+            db_down,
             None,
             None,
             None,

@@ -60,6 +60,12 @@ def kernels() -> None:
         bucket = torch.empty(n, dtype=torch.int64)
         bucket[fk.plan_order(n, seed, torch.device("cpu"))] = torch.arange(n) % plan.rank
         assert torch.equal(bucket, plan.hash), n  # the same plan, bitwise
+    # A microbatch's plans drawn together (32 seeds per keys launch, one sort): each bitwise
+    # its own. At R = n the bucket-major rows are the order itself.
+    seeds = [2**63 - 1 - 7919 * j for j in range(35)]
+    orders = fk.plan_orders(50, seeds, torch.device("cpu"))
+    for seed, order in zip(seeds, orders, strict=True):
+        assert torch.equal(order, make_plan(50, 50, seed).rows), seed
     gen = torch.Generator().manual_seed(0)
     cases = [(37, 24, 20, 5, None), (40, 70, 33, 40, 3), (64, 40, 17, 1, None),
              (90, 36, 24, 16, 2)]
@@ -120,7 +126,8 @@ def blocks() -> None:
 
 def layer() -> None:
     """The layer through the kernels: R = n gives exact backprop's dW, forward and dX exact, and
-    a step launches 7 device kernels (4 for nn.Linear) and no host sync."""
+    a step of a lone call (no `sketch_seed`: its plan drawn alone) launches 7 device kernels (4
+    for nn.Linear) and no host sync."""
     from sketch_ops import sketched_linear
     from sketch_ops.launch_count import LaunchCounter
 
@@ -158,6 +165,69 @@ def layer() -> None:
     assert sketched["triton._sketch_kernel"] == 2 and sketched["triton._grad_kernel"] == 1
     assert sketched["aten.sort.default"] == 1, "the plan is drawn once per step, not twice"
     print("layer OK")
+
+
+def model() -> None:
+    """A step of a model with k sketched layers inside `sketch_seed`: from the second
+    microbatch on, the plans of all k are one keys launch and one sort, so the step launches
+    exact backprop's kernels + k + 2 (each sketched layer 5 against nn.Linear's 4, and the
+    shared 2): 5 + 2/k per sketched layer, at most 6 from k = 2. Activation checkpointing
+    recomputes from the held plans (same gradients, bitwise); the plans held are one
+    microbatch's, dropped when the next opens."""
+    import copy
+    import gc
+    import weakref
+
+    from torch import nn
+    from torch.utils.checkpoint import checkpoint
+
+    from sketch_ops import plan_cache, sketch_model, sketch_seed
+    from sketch_ops.launch_count import LaunchCounter
+    from sketch_ops.seeds import derive_seed, plan_order
+
+    torch.manual_seed(4)
+    exact = nn.Sequential(nn.Linear(24, 32), nn.GELU(), nn.Linear(32, 32), nn.GELU(),
+                          nn.Linear(32, 16))
+    sketched = copy.deepcopy(exact)
+    names = sketch_model(sketched, rank=8)
+    k, n = len(names), 40
+    x, g = torch.randn(n, 24), torch.randn(n, 16)
+
+    def step(net: nn.Module, number: int, recompute: bool = False) -> LaunchCounter:
+        net.zero_grad(set_to_none=True)
+        with LaunchCounter() as count, sketch_seed(5, number):
+            rows = x.clone().requires_grad_()
+            out = checkpoint(net, rows, use_reentrant=False) if recompute else net(rows)
+            out.backward(g)
+        assert not count.syncs, count.syncs
+        return count
+
+    exact_total = step(exact, 0).total
+    first = step(sketched, 0)  # compiles; no earlier microbatch: each plan drawn alone
+    assert first.total == exact_total + k + 2 * k, first.kernels
+    assert step(exact, 1).total == exact_total
+    counted = step(sketched, 1)
+    assert counted.total == exact_total + k + 2, counted.kernels
+    assert counted.total - (exact_total - 4 * k) <= 6 * k  # nn.Linear's 4 each, replaced
+    assert counted.kernels["triton._plan_keys_kernel"] == 1
+    assert counted.kernels["aten.sort.default"] == 1
+    step(sketched, 2)
+    plain = [p.grad.clone() for p in sketched.parameters()]
+    again = step(sketched, 2, recompute=True)  # the same microbatch: its plans are held
+    assert again.kernels["aten.sort.default"] == 0, again.kernels
+    assert all(torch.equal(p.grad, q) for p, q in zip(sketched.parameters(), plain, strict=True))
+    fresh = step(sketched, 3, recompute=True)  # a new microbatch: recompute finds its plans
+    assert fresh.kernels["aten.sort.default"] == 1, fresh.kernels
+    with sketch_seed(5, 3):
+        held = plan_order(fk, n, derive_seed(5, 3, 0, names[0]), x.device)
+    assert plan_cache.held_bytes() == 8 * k * n  # int64 orders, one microbatch's
+    batch = weakref.ref(held._base if held._base is not None else held)
+    del held
+    for number in range(4, 7):
+        step(sketched, number)
+        gc.collect()
+        assert batch() is None and plan_cache.held_bytes() == 8 * k * n
+    print("model OK")
 
 
 def mlps() -> None:
@@ -198,4 +268,5 @@ def mlps() -> None:
 
 
 if __name__ == "__main__":
-    {"kernels": kernels, "blocks": blocks, "layer": layer, "mlps": mlps}[sys.argv[1]]()
+    checks = {"kernels": kernels, "blocks": blocks, "layer": layer, "model": model, "mlps": mlps}
+    checks[sys.argv[1]]()

@@ -42,7 +42,8 @@ BF16_RESUME = 1e-4
 
 def _kernel_checks(device: torch.device) -> None:
     """`kernels.row_keys`, `kernels.bucket_sum` and `kernels.weight_grad` against the torch
-    versions on `device`; plans drawn on `device` equal those drawn on the CPU."""
+    versions on `device`; plans drawn on `device` (`make_plan`, `kernels.plan_orders`) equal
+    those drawn on the CPU."""
     from sketch_ops import kernels, plan_hash, reference
     from sketch_ops.seeds import make_plan
 
@@ -55,6 +56,14 @@ def _kernel_checks(device: torch.device) -> None:
         on_device, on_cpu = make_plan(n, rank, seed=9, device=device), make_plan(n, rank, seed=9)
         for got, want in zip(on_device.tensors(), on_cpu.tensors(), strict=True):
             assert got.device.type == device.type and torch.equal(got.cpu(), want)
+    # The fused path's plans, a microbatch's drawn together (32 seeds per keys launch, then
+    # the rest padded), each bitwise the order of its seed's keys on the CPU.
+    seeds = [2**63 - 1 - 7919 * j for j in range(35)]
+    for n, batch in ((0, seeds[:2]), (1000, seeds), (70_000, seeds[:3])):
+        orders = kernels.plan_orders(n, batch, device)
+        assert orders.shape == (len(batch), n) and orders.device.type == device.type
+        for seed, order in zip(batch, orders.cpu(), strict=True):
+            assert torch.equal(order, torch.argsort(plan_hash.hash_rows(n, seed, cpu)[0]))
     torch.manual_seed(0)
     # (rows, columns, rank, balanced hash); the last is a real microbatch (8 x 1024 tokens).
     cases = [(37, 24, 5, True), (40, 70, 40, True), (64, 130, 1, True), (300, 16, 16, True),

@@ -2,13 +2,16 @@
 CPU interpreter: each test runs one check of tests/fused_checks.py in a fresh subprocess
 (`TRITON_INTERPRET` is read at import) with the layer forced onto the kernels.
 
-- kernels: the plan's order is the reference plan bitwise; dW and db from the kernels equal the
-  reference estimate in fp32 and bf16, centred or not, strided inputs, one launch or bucket
-  groups, with and without the invariant scalars;
+- kernels: the plan's order, alone or a microbatch's drawn together, is the reference plan
+  bitwise; dW and db from the kernels equal the reference estimate in fp32 and bf16, centred
+  or not, strided inputs, one launch or bucket groups, with and without the invariant scalars;
 - blocks: row blocks add up to the whole sketch; GELU and SiLU·up fused into the sketch write
   the hidden rows as torch does (to an ulp) and sketch those;
-- layer: at R = n the layer's dW is exact backprop's; one step launches 7 device kernels (49
-  before the fused path; nn.Linear: 4) and reads nothing back on the host;
+- layer: at R = n the layer's dW is exact backprop's; one step of a lone call launches 7
+  device kernels (49 before the fused path; nn.Linear: 4) and reads nothing back on the host;
+- model: inside `sketch_seed` a microbatch's plans are one keys launch and one sort for all
+  its k sketched layers: a step launches exact's + k + 2 (5 + 2/k per sketched layer, against
+  nn.Linear's 4); checkpoint recompute reuses the held plans; they are one microbatch's;
 - mlps: the fused GELU and SwiGLU MLPs through the kernels equal the torch path.
 """
 
@@ -35,7 +38,7 @@ def _run(check: str) -> None:
     assert f"{check} OK" in proc.stdout
 
 
-@pytest.mark.parametrize("check", ["kernels", "blocks", "layer", "mlps"])
+@pytest.mark.parametrize("check", ["kernels", "blocks", "layer", "model", "mlps"])
 def test_fused_path_under_interpreter(check: str) -> None:
     _run(check)
 

@@ -294,6 +294,7 @@ def print_report(report: PlanReport) -> None:
 def print_times(report: PlanReport) -> None:
     """Predicted step time and activation bytes of exact, exact recompute and the plan."""
     from sketch_ops.cost import (
+        FUSED_PLAN_LAUNCHES,
         FUSED_SKETCH_LAUNCHES,
         activation_traffic,
         sketch_overhead_s,
@@ -308,8 +309,8 @@ def print_times(report: PlanReport) -> None:
     # The probe ran the sketches on the torch path; the fused path launches its own instead.
     planned = report.steps["plan"]
     assert planned is not None
-    launch_fix = (len(sketched) * FUSED_SKETCH_LAUNCHES - planned.sketch_launches
-                  if rates.fused_path else 0)
+    launch_fix = (len(sketched) * FUSED_SKETCH_LAUNCHES + FUSED_PLAN_LAUNCHES * bool(sketched)
+                  - planned.sketch_launches if rates.fused_path else 0)
     print(f"predicted step ({rates.describe()}; activation bytes of the fp32 probe x {scale:g} "
           "for the training dtype):")
     base = report.steps["exact"]
