@@ -95,7 +95,8 @@ class ShardReader:
             )
         self._footer = (start, tail)
         try:
-            self._metadata = pq.ParquetFile(self._file(), page_checksum_verification=True).metadata
+            self._metadata = pq.ParquetFile(self._file(), page_checksum_verification=True,
+                                            pre_buffer=False).metadata
         except (pa.ArrowException, OSError) as err:
             raise DatasetError(f"shard {self.path} is corrupt (footer unreadable: {err})") from None
         self._check_against_manifest()
@@ -123,8 +124,14 @@ class ShardReader:
                 self._file({start: chunk}),
                 metadata=self._metadata,
                 page_checksum_verification=True,
+                pre_buffer=False,  # no read on Arrow's IO pool (see below)
             )
-            column = parquet.read_row_group(group, columns=[COLUMN]).column(COLUMN)
+            # Everything in this thread: a task on Arrow's thread pools (pre-buffering, the
+            # decode) can hold buffers of this Python file object, and one released there
+            # during interpreter shutdown aborts the process ("terminate called without an
+            # active exception"). One column of one row group gains nothing from them.
+            column = parquet.read_row_group(group, columns=[COLUMN],
+                                            use_threads=False).column(COLUMN)
         except (pa.ArrowException, OSError) as err:
             raise DatasetError(
                 f"shard {self.path} is corrupt (row group {group}: {err}): prepare the dataset "

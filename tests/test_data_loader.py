@@ -381,3 +381,41 @@ def test_documented_loss_weighting_makes_gradients_world_size_free(ds: TokenData
     one = summed_gradient(1)
     for world_size in (2, 4):
         torch.testing.assert_close(summed_gradient(world_size), one, rtol=1e-5, atol=1e-7)
+
+
+def test_shard_reads_stay_off_arrows_thread_pools(ds: TokenDataset, monkeypatch) -> None:
+    """Parquet is opened without pre-buffering and decoded without Arrow's thread pools.
+
+    Shards are read through a Python file object; a task on Arrow's IO or CPU pool holds its
+    buffers, and one released there while the interpreter shuts down aborts the process
+    ("terminate called without an active exception", exit 134: seen in a few % of exits of
+    a torch-free process reading a dataset on a busy machine). That race cannot be shown
+    deterministically, so this checks the reads that would start it: every `ParquetFile` a
+    loader opens has `pre_buffer=False` and every row group is read with `use_threads=False`.
+    """
+    import pyarrow.parquet as pq
+
+    opened: list[dict] = []
+    reads: list[dict] = []
+
+    class Spy(pq.ParquetFile):
+        def __init__(self, source, **kwargs):  # type: ignore[no-untyped-def]
+            opened.append(kwargs)
+            super().__init__(source, **kwargs)
+
+        def read_row_group(self, i, **kwargs):  # type: ignore[no-untyped-def]
+            reads.append(kwargs)
+            return super().read_row_group(i, **kwargs)
+
+    monkeypatch.setattr(pq, "ParquetFile", Spy)
+    fresh = TokenDataset(ds.uri, ds.split)  # its shard footers are opened anew, through the spy
+    try:
+        with ResumableLoader(fresh, global_batch=12, microbatch_size=2, seed=7) as loader:
+            for _ in range(3):
+                assert loader.next_step()
+                loader.advance()
+    finally:
+        fresh.close()
+    assert opened and reads
+    assert all(kw.get("pre_buffer") is False for kw in opened), opened
+    assert all(kw.get("use_threads") is False for kw in reads), reads
