@@ -33,8 +33,10 @@ which build the model and optimizer, materialise the optimizer's state with one 
 (a process that holds its training state, no gradients), then restore: ``growth`` is the peak
 RSS above the RSS before the restore, ``peak`` the peak RSS, both divided by the state's size.
 The restore's time in such fresh processes (``--fresh-rounds`` per side, alternating) is
-the restarted worker's case, where every page the restore fills is new; in the long-lived
-process above, freed memory is partly recycled by the allocator.
+the restarted worker's case; in the long-lived process above, freed memory is partly recycled
+by the allocator. ``--fresh-only`` measures that case alone (``snapshot_scale_fresh.py``),
+with ``--optimizer fresh`` (the restoring process has no optimizer state yet: a restarted
+worker's) and ``--busy`` (a second process writes and fsyncs files meanwhile).
 
 From the measured rates of the largest size, ``project`` (``snapshot_scale_report.py``)
 estimates 7B and 70B models (AdamW fp32: 16 bytes per parameter) on 16 and 128 workers (8 per
@@ -45,6 +47,8 @@ storage, the rest from peers).
     python -m benchmarks.snapshot_scale                         # 0.3 and 1.2 GB, 6 rounds
     python -m benchmarks.snapshot_scale --sizes 3 --s3-max 0    # 3.4 GB (needs ~18 GB RAM)
     # results are merged, size by size, into benchmarks/results/snapshot_scale.json
+    python -m benchmarks.snapshot_scale --sizes 0.3,1.2,3 --fresh-only --fresh-rounds 8 --busy
+    # into benchmarks/results/snapshot_scale_fresh.json
 
 The machine is small and shared: absolute times move by tens of percent between runs; the
 ratios, measured back to back, much less.
@@ -54,7 +58,6 @@ from __future__ import annotations
 
 import argparse
 import functools
-import gc
 import json
 import os
 import shutil
@@ -66,15 +69,12 @@ from typing import Any
 
 from benchmarks.common import (
     RESULTS,
-    alternating,
     in_every_order,
-    ratios,
     read_json,
-    start_worker,
     timed,
-    worker_result,
     write_json,
 )
+from benchmarks.snapshot_scale_fresh import fresh_children, fresh_only
 from benchmarks.snapshot_scale_report import print_tables, project, summarise
 from benchmarks.snapshot_scale_s3 import measure_s3
 from benchmarks.snapshot_scale_sides import (
@@ -200,56 +200,6 @@ def _coordinator_meta(store: SnapshotStore, step: int, receipts: list[int]) -> d
             "block_bytes": manifest.block_bytes}
 
 
-# ---------------------------------------------------------------------- fresh processes
-
-
-def fresh_children(size: float, workdir: str, rounds: int) -> dict[str, Any]:
-    """Restore in fresh processes (a restarted worker's case: all its memory is new), each
-    side ``rounds`` times, alternating: peak RSS of the first, seconds of every one."""
-    got: dict[str, list[dict[str, float]]] = {"baton": [], "torch": []}
-    for r in range(rounds):
-        for mode in alternating(("baton", "torch"), r):
-            payload = json.dumps({"mode": mode, "size": size, "dir": workdir})
-            proc = start_worker("snapshot_scale_worker", "restore", payload, capture_stderr=True)
-            got[mode].append(worker_result(proc, f"{mode} restore in a fresh process"))
-    rss: dict[str, Any] = {mode: {"growth": runs[0]["growth"], "peak": runs[0]["peak"]}
-                           for mode, runs in got.items()}
-    rss["fresh_restore_s"] = {mode: [run["seconds"] for run in runs]
-                              for mode, runs in got.items()}
-    return rss
-
-
-def _save_both(size: float, workdir: str) -> int:
-    """One snapshot and one torch.save of the same state into ``workdir``; the state bytes.
-    Everything it built is dropped on return: while the children restore, this process
-    holds no model, capture image or RAM-tier copy (at 3.4 GB they would crowd the files
-    the children read out of the page cache)."""
-    model, optim, registry = build(size)
-    train_step(model, optim, 1)
-    snap = Snapshotter(os.path.join(workdir, "run"), registry, keep_last=2)
-    snap.after_step(2, force=True)
-    snap.persister.wait()
-    snap.close()
-    torch_save(model, optim, os.path.join(workdir, "state-2.pt"))
-    return state_bytes(registry)
-
-
-def fresh_only(size: float, rounds: int) -> None:
-    """One snapshot and one torch.save of the same state, then ``fresh_children``: the
-    restarted worker's restore alone, with more rounds than the full run affords."""
-    with tempfile.TemporaryDirectory(dir=os.environ.get("BATON_BENCH_DIR")) as workdir:
-        nbytes = _save_both(size, workdir)
-        gc.collect()  # this process's copies of the state are gone before the children run
-        seconds = fresh_children(size, workdir, rounds)["fresh_restore_s"]
-    r = ratios(seconds["baton"], seconds["torch"])
-    below = sum(a < b for a, b in zip(seconds["baton"], seconds["torch"], strict=True))
-    print(f"{nbytes / 1e9:.2f} GB, restore in a fresh process / torch.load + "
-          f"load_state_dict in one: {r['median']:.2f}x ({r['min']:.2f}-{r['max']:.2f}), "
-          f"Baton faster in {below} of {rounds} rounds; medians "
-          f"{statistics.median(seconds['baton']):.3f} s / "
-          f"{statistics.median(seconds['torch']):.3f} s")
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--sizes", default="0.3,1.2", help="state sizes in GB: 0.3, 1.2, 3")
@@ -263,12 +213,18 @@ def main() -> None:
     parser.add_argument("--out", default=str(RESULTS / "snapshot_scale.json"))
     parser.add_argument("--fresh-only", action="store_true",
                         help="only the restores in fresh processes (--fresh-rounds per side); "
-                        "prints the ratios, writes nothing")
+                        "prints the ratios and RSS growths, merged into --fresh-out")
+    parser.add_argument("--fresh-out", type=Path, default=RESULTS / "snapshot_scale_fresh.json")
+    parser.add_argument("--optimizer", choices=("stepped", "fresh"), default="stepped",
+                        help="--fresh-only: the restoring process holds its optimizer state "
+                        "(stepped) or has none yet (fresh, a restarted worker's)")
+    parser.add_argument("--busy", action="store_true",
+                        help="--fresh-only: a second process writes files meanwhile")
     args = parser.parse_args()
     sizes = [min(SHAPES, key=lambda s: abs(s - float(size))) for size in args.sizes.split(",")]
     if args.fresh_only:
         for size in sizes:
-            fresh_only(size, args.fresh_rounds)
+            fresh_only(size, args.fresh_rounds, args.optimizer, args.busy, args.fresh_out)
         return
     results: dict[str, Any] = read_json(args.out)
     results.pop("projection", None)

@@ -4,8 +4,9 @@ torch.load, DCP's async_save).
 
 Contract: `build(size)` returns the model, optimizer and a registry holding both, for a size of
 `SHAPES` (GB of state); `baton_restore` is Snapshotter.restore's data path without its
-coordinator bookkeeping; `torch_save` fsyncs; `dcp_save` records the time until
-`dcp.async_save` returns and until its future is done.
+coordinator bookkeeping (in place into the live model and optimizer tensors); `torch_save`
+fsyncs; `dcp_save` records the time until `dcp.async_save` returns and until its future is
+done.
 """
 
 from __future__ import annotations
@@ -100,6 +101,7 @@ def baton_restore(registry: StateRegistry, store: SnapshotStore, step: int,
         live = registry.flatten()
         check_compatible(registry, manifest, live.tensors, live.skeletons)
         source = ByteSource(store, step, ram=ram)
-        tensors = read_tensors(manifest, plan_targets(manifest, live.tensors), source)
+        targets = plan_targets(manifest, live.tensors, in_place=registry.model_keys())
+        tensors = read_tensors(manifest, targets, source)
         registry.load(tensors, manifest.state, checked=True)
     return source.used_ram and not source.used_storage

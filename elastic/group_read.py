@@ -17,7 +17,8 @@ each byte of the snapshot that it needs once in all:
   rank reads about ``state / W`` and receives the rest. A sharded (FSDP2) state shares only
   the blocks at the boundaries between two ranks' rows, so the group reads the union of
   what the ranks need — nothing twice, however small the chunks are against the blocks.
-* Each rank reads its private blocks straight into its tensors (``read_placed``), and so
+* Each rank reads its private blocks straight into its tensors (``device_stage.read_to``:
+  its live tensors where the restore reads in place, a GPU's through staging), and so
   does the owner of a shared piece of at least ``IN_PLACE_MIN_BYTES`` that every needing
   rank uses whole (a replicated tensor's): once all agree that these reads succeeded, each
   such piece is broadcast from the owner's tensor straight into the others' (gloo; NCCL
@@ -28,7 +29,7 @@ each byte of the snapshot that it needs once in all:
   pieces every rank needs and sends the others (point to point) to the ranks that need
   them, and every rank that needs a piece copies its bytes into its tensor. Memory beyond the
   state: a round buffer or one piece (and, for NCCL, a CPU staging buffer of the same
-  size) besides ``read_placed``'s staging buffers.
+  size) besides the reads' staging buffers.
 * Ops whose bytes do not land contiguously in the target (a resharded rectangle that needs
   a non-contiguous part of a chunk) are read by their rank alone, as ``read_tensors`` does.
 * Headers: each rank checks the safetensors headers of the chunks it reads itself, so the
@@ -55,6 +56,7 @@ import torch
 import torch.distributed as dist
 
 from elastic.collectives import agree_max, all_gather_ints, group_device
+from elastic.device_stage import read_to
 from elastic.errors import SnapshotIntegrityError, StorageUnavailableError
 from elastic.format import ChunkRecord, Manifest
 from elastic.layout import Target
@@ -64,7 +66,6 @@ from elastic.read_batches import (
     memory,
     narrow_direct,
     place,
-    read_placed,
     snapshot_label,
     verify,
 )
@@ -174,7 +175,7 @@ def group_read_tensors(manifest: Manifest, targets: dict[str, Target],
         owned = [p for p in pieces if p.owner == rank]
         check_headers(manifest, [(p.op.key, p.op.chunk) for p in mine + alone]
                       + [chunks[p.chunk] for p in owned], source)
-        read_placed(mine + alone, source, manifest)
+        read_to(mine + alone, source, manifest)
         buffers = _Buffers(in_place, rounds, rank, step)
     except Exception as caught:
         err = caught

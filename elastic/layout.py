@@ -18,12 +18,14 @@ rank, and the decision depends only on names, shapes, dtypes, placements, ``rank
 
 Load (``target_piece``): a plain tensor needs its whole logical tensor; a DTensor needs the
 rectangle of its local shard at the *new* mesh, and ``wrap`` rebuilds the DTensor from it.
+A target's ``fill``, when set, is the live tensor (a DTensor's local shard) the restore reads
+into instead of allocating one.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from typing import TypeGuard
 
 import torch
@@ -129,6 +131,10 @@ class Target:
     piece: Piece
     device: torch.device
     wrap: Callable[[torch.Tensor], torch.Tensor]
+    # The live local tensor a restore writes into (``elastic.restore.plan_targets`` with
+    # ``in_place``): contiguous, of the piece's shape and dtype, sole owner of its storage.
+    # None: the restore allocates the piece's tensor.
+    fill: torch.Tensor | None = field(default=None, compare=False)
 
 
 def target_piece(key: str, template: torch.Tensor, dtype: torch.dtype | None = None,
@@ -151,3 +157,31 @@ def target_piece(key: str, template: torch.Tensor, dtype: torch.dtype | None = N
     gshape = tuple(global_shape or template.shape)
     return Target(Piece(key, dtype, gshape, (0,) * len(gshape), gshape), template.device,
                   lambda t: t)
+
+
+def _storage_key(t: torch.Tensor) -> tuple[str, int]:
+    return (str(t.device), t.untyped_storage().data_ptr())
+
+
+def storage_owners(tensors: dict[str, torch.Tensor]) -> dict[tuple[str, int], int]:
+    """How many of ``tensors`` (DTensors: their local shards) share each storage."""
+    owners: dict[tuple[str, int], int] = {}
+    for t in tensors.values():
+        local = t.to_local() if isinstance(t, DTensor) else t
+        if local.device.type != "meta":
+            owners[_storage_key(local)] = owners.get(_storage_key(local), 0) + 1
+    return owners
+
+
+def with_fill(target: Target, template: torch.Tensor,
+              owners: dict[tuple[str, int], int]) -> Target:
+    """``target`` filled in place into ``template`` (its local shard) when that can take the
+    bytes as they are: contiguous, of the piece's shape, not empty, and the only one of the
+    registry's tensors on its storage (``owners``: tied weights and a buffer that views a
+    parameter are loaded by copy, in the registry's order, as before); else ``target``."""
+    local = template.to_local() if isinstance(template, DTensor) else template
+    if (local.is_contiguous() and tuple(local.shape) == target.piece.shape
+            and local.dtype == target.piece.dtype and local.device.type != "meta"
+            and local.numel() > 0 and owners.get(_storage_key(local)) == 1):
+        return replace(target, fill=local)
+    return target

@@ -118,7 +118,7 @@ def verify(op: ReadOp, parts: list[memoryview], block: int, step: int) -> None:
 def read_placed(placed: list[Placed], source: ByteSource, manifest: Manifest) -> None:
     """Read, verify and place every op (see the module contract)."""
     ordered = sorted(placed, key=lambda p: (p.op.chunk.file, p.op.start))
-    batches = _batches(ordered, BATCH_BYTES, manifest.block_bytes)
+    batches = batches_of(ordered, BATCH_BYTES, manifest.block_bytes)
     # Local store: every pool thread reads and verifies whole batches. preadv and crc32
     # release the GIL, and the kernel's copy from the page cache costs more than the crc32,
     # so one reader thread was the bottleneck (1.41 GB from the page cache: 188-197 ms with
@@ -126,7 +126,7 @@ def read_placed(placed: list[Placed], source: ByteSource, manifest: Manifest) ->
     # thread, in file order (the RAM tier's and S3's clients are not shared between
     # threads), and the pool verifies what it read meanwhile. Each batch in flight holds its
     # own staging buffer, recycled once it is verified: at most VERIFY_THREADS + 1.
-    pool = _verify_pool()
+    pool = verify_pool()
     spare: list[bytearray] = []
     in_flight: list[Future[bytearray]] = []
     try:
@@ -214,13 +214,13 @@ def _read_and_check(batch: list[Placed], source: ByteSource, staging: bytearray,
                     manifest: Manifest) -> bytearray:
     """``_read_batch`` then ``_check_batch``, on one pool thread (``parallel_reads``), in
     pieces of about ``VERIFY_PIECE_BYTES``: each is verified right after it is read."""
-    for piece in _batches(batch, VERIFY_PIECE_BYTES, manifest.block_bytes):
+    for piece in batches_of(batch, VERIFY_PIECE_BYTES, manifest.block_bytes):
         staging, parts_of = _read_batch(piece, source, staging)
         staging = _check_batch(piece, parts_of, manifest, staging)
     return staging
 
 
-def _batches(placed: list[Placed], max_bytes: int, block: int) -> list[list[Placed]]:
+def batches_of(placed: list[Placed], max_bytes: int, block: int) -> list[list[Placed]]:
     """``placed`` in order, large direct ops cut (``split_direct``), grouped into
     consecutive batches of about ``max_bytes`` (an op larger than that alone)."""
     batches: list[list[Placed]] = []
@@ -239,7 +239,7 @@ if hasattr(os, "register_at_fork"):  # a forked child has none of the pool's thr
     os.register_at_fork(after_in_child=_POOL.clear)
 
 
-def _verify_pool() -> ThreadPoolExecutor:
+def verify_pool() -> ThreadPoolExecutor:
     if not _POOL:
         _POOL.append(ThreadPoolExecutor(max_workers=VERIFY_THREADS,
                                         thread_name_prefix="baton-verify"))
@@ -260,17 +260,28 @@ def copy_bytes(dst: memoryview, src: memoryview) -> None:
 
 def copy_staged(p: Placed, raw: memoryview) -> None:
     """Copy the target's part of an op's bytes (``raw``: bytes ``[start, end)``) to ``dst``."""
+    data = torch.frombuffer(raw, dtype=torch.uint8) if len(raw) else \
+        torch.empty(0, dtype=torch.uint8)
+    p.dst.copy_(staged_part(p, data))
+
+
+def staged_part(p: Placed, raw: torch.Tensor) -> torch.Tensor:
+    """The target's part of an op's bytes (``raw``: bytes ``[start, end)`` as a uint8 CPU
+    tensor), viewed as ``dst``'s dtype and shape (no copy unless ``raw`` sits at an offset
+    the dtype cannot be viewed at)."""
     op, dtype = p.op, p.dst.dtype
-    c0 = op.chunk.byte_range[0]
     if op.rows_only:
         skip = op.need0 - op.start
-        data = raw[skip: skip + op.need1 - op.need0]
-        src = torch.frombuffer(data, dtype=torch.uint8).view(dtype).view(p.src_shape) \
-            if len(data) else torch.empty(p.src_shape, dtype=dtype)
-    else:
-        data = raw[c0 - op.start:]
-        whole = torch.frombuffer(data, dtype=torch.uint8).view(dtype).view(op.chunk.shape) \
-            if len(data) else torch.empty(op.chunk.shape, dtype=dtype)
-        src = whole[tuple(slice(a - o, b - o) for a, b, o in zip(op.lo, op.hi, op.chunk.offsets,
-                                                                   strict=True))]
-    p.dst.copy_(src)
+        return _typed(raw[skip: skip + op.need1 - op.need0], dtype, p.src_shape)
+    c0, c1 = op.chunk.byte_range
+    whole = _typed(raw[c0 - op.start: c1 - op.start], dtype, op.chunk.shape)
+    return whole[tuple(slice(a - o, b - o) for a, b, o in zip(op.lo, op.hi, op.chunk.offsets,
+                                                              strict=True))]
+
+
+def _typed(data: torch.Tensor, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
+    # A typed view needs its byte offset to be a multiple of the item size; bytes staged at
+    # another offset (a checksum block size that is not one) are copied first.
+    if data.storage_offset() % dtype.itemsize:
+        data = data.clone()
+    return data.view(dtype).view(shape)

@@ -3,8 +3,8 @@
 Contract
 --------
 A restore is ``check_compatible`` → ``plan_targets`` → ``read_tensors`` →
-``StateRegistry.load``: everything is read and verified before anything is loaded, so a
-failure leaves the registry untouched. The manifest was validated when it was parsed
+``StateRegistry.load``: everything is checked that can be before a byte is read, and every
+byte is verified before anything is loaded. The manifest was validated when it was parsed
 (``elastic.manifest_check.parse_manifest``); what it claims about the files is checked
 here, because a manifest is untrusted input (P8, docs/design.md):
 
@@ -17,8 +17,31 @@ here, because a manifest is untrusted input (P8, docs/design.md):
   tensor whose dtype differs from the manifest's is ``SnapshotMisfitError`` (a dtype edited
   in the manifest alone also disagrees with the file's header: ``ManifestError``).
   Optimizer moments that do not exist yet take the layout of their parameter — the tensor
-  named ``<param fqn>`` inside their key with the same global shape — and everything else is
-  a plain CPU tensor (the optimizer's load_state_dict places it).
+  named ``<param fqn>`` inside their key with the same global shape — and are allocated once,
+  on its device; everything else is a plain CPU tensor (the optimizer's load_state_dict
+  places it).
+* In place (``plan_targets(..., in_place=keys)``, what ``Snapshotter.restore`` asks for the
+  model and optimizer components): a live tensor of those components — a DTensor's local
+  shard — that is contiguous, has the target's dtype and local shape and is the only tensor
+  of the registry on its storage becomes the target's ``fill``: the restore writes into it,
+  on the CPU with ``preadv`` straight into its memory, on a GPU through bounded pinned
+  staging buffers (``elastic.device_stage``), and loading it is a copy onto itself. Tied or
+  aliased tensors, other components' tensors and state that does not exist yet are
+  allocated (once, on their device). Memory beyond what the process holds: the staging
+  buffers and the state that did not exist yet (a fresh optimizer's moments).
+* **What a failed restore leaves.** Every check that needs no tensor bytes — the manifest,
+  the registry fit (misfits), dtypes, the files' headers, coverage, allocation — runs before
+  the first byte is written into a live tensor, so these failures leave the registry as it
+  was. Bytes are verified as they arrive (on a GPU: in the staging buffer, before the copy
+  to the device), so a corrupt block is never loaded; but a failure found once reading has
+  begun (a checksum, a short file, storage that stops answering, another rank's failure)
+  leaves the live model and optimizer tensors partly overwritten. The rule: a restore that
+  raises once reading has begun leaves those tensors unspecified, and its caller never
+  trains from them. ``Snapshotter.restore`` falls back to the previous committed snapshot,
+  whose read overwrites every element of every target (``check_coverage``) and whose load
+  replaces the optimizer's state whole (a parameter without state in it has none after), so
+  the fallback ends bitwise at that snapshot; if nothing can be restored it raises, and
+  ``trainer.Session`` makes that fatal (a restarted worker builds its state anew).
 * Before any tensor bytes are read, the safetensors header of every file used is read (one
   small range read per file, cached in the ``ByteSource``: from the first byte up to the
   file's first chunk) and each used chunk must be in it with the manifest's dtype, shape and
@@ -58,22 +81,23 @@ import math
 import operator
 import os
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Collection, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
 from elastic.chunk_checks import check_headers, check_shard_file
+from elastic.device_stage import read_to
 from elastic.errors import ManifestError, SnapshotIntegrityError, SnapshotMisfitError
 from elastic.format import (
     Manifest,
     SafetensorsHeader,
     str_to_dtype,
 )
-from elastic.layout import Piece, Target, target_piece
+from elastic.layout import Piece, Target, storage_owners, target_piece, with_fill
 from elastic.prefault import prefault
-from elastic.read_batches import Placed, ReadOp, copy_bytes, place, read_placed
+from elastic.read_batches import Placed, ReadOp, copy_bytes, place
 from elastic.read_batches import snapshot_label as _snap
 from elastic.registry import SnapshotMismatchError, StateRegistry
 from elastic.store import SnapshotStore
@@ -212,13 +236,18 @@ def check_compatible(registry: StateRegistry, manifest: Manifest,
     registry.check_state(manifest.state, _snap(manifest.step), live=live_skeletons)
 
 
-def plan_targets(manifest: Manifest, templates: dict[str, torch.Tensor]) -> dict[str, Target]:
+def plan_targets(manifest: Manifest, templates: dict[str, torch.Tensor],
+                 in_place: Collection[str] = ()) -> dict[str, Target]:
+    """What to read for each tensor of ``manifest``, laid out as ``templates`` (the
+    registry's ``flatten()``); tensors of the components named in ``in_place`` are filled
+    in place where they can be (module contract)."""
     # State the registry does not hold yet (a fresh optimizer's moments, step counters) is
-    # built on CPU; the optimizer's load_state_dict places it, as torch expects.
+    # allocated here; the optimizer's load_state_dict adopts it, as torch expects.
     targets: dict[str, Target] = {}
     by_fqn: dict[str, list[tuple[str, torch.Tensor]]] = {}  # "<fqn>" of "<component>.<fqn>"
     for name, t in templates.items():
         by_fqn.setdefault(name.split(".", 1)[-1], []).append((name, t))
+    owners = storage_owners(templates) if in_place else {}
     for key, rec in manifest.tensors.items():
         dtype = str_to_dtype(rec.dtype)
         template = templates.get(key)
@@ -226,13 +255,15 @@ def plan_targets(manifest: Manifest, templates: dict[str, torch.Tensor]) -> dict
             raise SnapshotMisfitError(
                 f"{_snap(manifest.step)}: tensor {key!r} is {rec.dtype} in the manifest but "
                 f"the registered tensor is {template.dtype}")
+        live = template is not None and key.split(".", 1)[0] in in_place
         if template is None:
             template = _parameter_like(key, rec.shape, by_fqn)
         if template is None:  # no allocation here: only once the file headers agree
             piece = Piece(key, dtype, rec.shape, (0,) * len(rec.shape), rec.shape)
             targets[key] = Target(piece, torch.device("cpu"), lambda t: t)
-        else:
-            targets[key] = target_piece(key, template, dtype=dtype, global_shape=rec.shape)
+            continue
+        target = target_piece(key, template, dtype=dtype, global_shape=rec.shape)
+        targets[key] = with_fill(target, template, owners) if live else target
     return targets
 
 
@@ -285,12 +316,18 @@ def plan_reads(manifest: Manifest, targets: dict[str, Target]) -> list[ReadOp]:
 
 
 def allocate(targets: dict[str, Target], step: int) -> dict[str, torch.Tensor]:
-    """One CPU tensor per target, its pages faulted in (``elastic.prefault``: faults taken
-    inside the read syscall that fills it cost about twice as much)."""
+    """One tensor per target: its ``fill`` (the live tensor), else a new one on the
+    target's device (a GPU's through ``elastic.device_stage``), a CPU one with its pages
+    faulted in (``elastic.prefault``: faults taken inside the read syscall that fills it
+    cost about twice as much)."""
     local: dict[str, torch.Tensor] = {}
     for key, t in targets.items():
+        if t.fill is not None:
+            local[key] = t.fill
+            continue
+        device = t.device if t.device.type not in ("cpu", "meta") else torch.device("cpu")
         try:
-            local[key] = torch.empty(t.piece.shape, dtype=t.piece.dtype)
+            local[key] = torch.empty(t.piece.shape, dtype=t.piece.dtype, device=device)
             prefault(local[key])
         except RuntimeError as err:  # torch's allocation failure (out of memory)
             raise SnapshotIntegrityError(
@@ -315,16 +352,17 @@ def read_tensors(manifest: Manifest, targets: dict[str, Target],
                  source: ByteSource) -> dict[str, torch.Tensor]:
     """Read, verify and assemble every target's local tensor (wrapped as DTensor if needed).
 
-    Each target's tensor is allocated once and its bytes are read straight into it (local
-    disk: ``preadv`` into the tensor's memory); only the partial checksum blocks at the
-    edges of a needed range, and whole chunks of which a resharded target needs a
-    non-contiguous part, pass through a staging buffer (``elastic.read_batches``). Every
-    block is verified before anything is loaded: a failure leaves the registry untouched.
-    This reads alone; ``elastic.group_read`` reads with the other ranks of a group."""
+    Each target's tensor is its live tensor or allocated once, and its bytes are read
+    straight into it (local disk: ``preadv`` into the tensor's memory; a GPU's through
+    ``elastic.device_stage``); only the partial checksum blocks at the edges of a needed
+    range, and whole chunks of which a resharded target needs a non-contiguous part, pass
+    through a staging buffer (``elastic.read_batches``). Every block is verified before
+    anything is loaded; a failure once reading has begun leaves the live tensors unspecified
+    (module contract). This reads alone; ``elastic.group_read`` reads with its group."""
     ops = plan_reads(manifest, targets)
     check_headers(manifest, [(op.key, op.chunk) for op in ops], source)
     local = allocate(targets, manifest.step)
     placed = [place(op, targets[op.key], local[op.key]) for op in ops]
     check_coverage(manifest, targets, placed)
-    read_placed(placed, source, manifest)
+    read_to(placed, source, manifest)  # the first write into a live tensor
     return {k: t.wrap(local[k].to(t.device)) for k, t in targets.items()}

@@ -53,7 +53,10 @@ restore reads the state once in all, not W times; a failure on any rank fails th
 all. A definitely corrupt snapshot is reported by name (``restore_errors``), quarantined by
 the coordinator, and the previous committed one is tried (a RAM copy that fails its checks
 is no verdict on the snapshot: its files are read from storage first); storage that does
-not answer fails the restore and touches nothing.
+not answer fails the restore and touches no snapshot. The model's and optimizer's tensors
+are read in place, so a read that fails part-way leaves them unspecified: the next
+snapshot tried overwrites all of them, and a restore that raises is never trained from
+(``elastic.restore``'s rule).
 
 Generations: every worker-group attempt writes under its own generation number (rank 0
 starts it at the coordinator in ``restore()``, the others receive it by broadcast), so a
@@ -218,7 +221,7 @@ class Snapshotter:
         never restored past nor moved: ``SnapshotMismatchError`` names it and the newest one
         that fits, for an explicit ``baton snapshots rewind`` (a code change must not cost
         the run its snapshots). Storage that does not answer within its deadline raises
-        ``StorageUnavailableError`` and changes nothing: a later restart restores it."""
+        ``StorageUnavailableError`` and changes no snapshot: a later restart restores it."""
         with collector_paused():
             return self._restore_newest()
 
@@ -317,7 +320,8 @@ class Snapshotter:
         live = self.registry.flatten()
         check_compatible(self.registry, manifest, live.tensors, live.skeletons)
         source = ByteSource(self.store, step, ram=self._ram_reader(step) if ram else None)
-        return manifest, plan_targets(manifest, live.tensors), source
+        return manifest, plan_targets(manifest, live.tensors,  # in place (module doc)
+                                      in_place=self.registry.model_keys()), source
 
     def _ram_reader(self, step: int) -> ReadMany | None:
         """Reads of ``step`` from the RAM stores the coordinator says hold its files."""

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import math
 import zlib
+from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -205,3 +207,42 @@ def test_saved_on_cuda_restores_on_cpu_and_back(tmp_path) -> None:
     for key, value in saved.items():
         assert torch.equal(full_state(on_cpu)[key], value), key
         assert torch.equal(full_state(back)[key], value), key
+
+
+@pytest.mark.gpu
+def test_a_cuda_restore_fills_the_live_tensors_through_pinned_staging(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """On a GPU the restore reads into the live CUDA tensors (same memory before and after)
+    through pinned staging buffers; a fresh optimizer's moments are made on the GPU."""
+    import elastic.device_stage as device_stage
+
+    run = str(tmp_path / "run")
+    ts = build(seed=2, device="cuda")
+    snap = Snapshotter(run, ts.registry, snapshot_every=2, split_min_bytes=64)
+    for step in range(1, 3):
+        train_step(ts, step)
+        snap.after_step(step)
+    snap.close()
+    saved = full_state(ts)
+    stagers: list[device_stage.Stager] = []
+    real = device_stage.read_staged
+
+    def counted(*args: Any, **kwargs: Any) -> device_stage.Stager:
+        stagers.append(real(*args, **kwargs))
+        return stagers[-1]
+
+    monkeypatch.setattr(device_stage, "read_staged", counted)
+    live = build(seed=10, device="cuda")
+    train_step(live, 1)  # its optimizer state exists, on the GPU
+    before = {k: v.data_ptr() for k, v in live.registry.flatten().tensors.items()}
+    assert Snapshotter(run, live.registry).restore() == 2
+    assert stagers and all(s.pinned and 0 < s.peak_bytes <= s.count * s.buffer_bytes
+                           for s in stagers)
+    assert {k: v.data_ptr() for k, v in live.registry.flatten().tensors.items()} == before
+    fresh = build(seed=11, device="cuda")  # no optimizer state yet
+    assert Snapshotter(run, fresh.registry).restore() == 2
+    assert all(v.is_cuda for s in fresh.optim.state.values() for k, v in s.items()
+               if k != "step")
+    for key, value in saved.items():
+        assert torch.equal(full_state(live)[key], value), key
+        assert torch.equal(full_state(fresh)[key], value), key
