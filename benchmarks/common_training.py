@@ -1,9 +1,12 @@
 """The training the benchmarks measure: model steps, validation and the corpus they share.
 
 Contract:
-- `Trainee(spec)`: one built-in GPT configuration (sketched or not), its AdamW and a fixed
-  microbatch; `step()` takes one training step and returns its time (wall or process CPU;
-  synchronised on CUDA), optionally recording the storages packed for backward.
+- `Trainee(spec)`: one built-in GPT configuration (sketched or not), its AdamW (fused with
+  `spec["fused"]`) and a fixed microbatch; `step()` takes one training step (under bf16
+  autocast when `spec["dtype"] == "bf16"`: fp32 master weights) and returns its time (wall
+  or process CPU; synchronised on CUDA), optionally recording the storages packed for backward;
+  `peak_bytes()` is one step's peak CUDA memory above what was allocated before it.
+- `autocast(device, dtype)`: the bf16 autocast context of a "bf16" run (none for "fp32").
 - `train_step`, `evaluate`, `val_indices`, `saved_bytes_of`: one step under a sketch seed, the
   mean validation loss over fixed indices, an evenly spread fixed subset of the val split, and
   the bytes autograd saves for one microbatch's backward. Any model with `loss(tokens)` fits.
@@ -31,7 +34,7 @@ QUALITY_SEQ, QUALITY_CORPUS_BYTES = 256, 12_000_000
 class Trainee:
     """One configuration's model, optimizer and fixed microbatch, ready to take steps.
     `spec`: rank (0 = exact), include, checkpoint, mlp_recompute, fuse_norms, seq_len, batch,
-    device, and optionally d_model, n_layers, n_heads."""
+    device, and optionally d_model, n_layers, n_heads, dtype ("fp32" or "bf16"), fused."""
 
     def __init__(self, spec: dict[str, Any]) -> None:
         from sketch_ops import sketch_model
@@ -52,9 +55,11 @@ class Trainee:
         self.model = GPT(cfg, seq_len=spec["seq_len"]).to(self.device)
         if spec["rank"]:
             sketch_model(self.model, rank=spec["rank"], include=spec.get("include"))
-        self.opt = torch.optim.AdamW(self.model.parameters(), lr=1e-4)
+        self.opt = torch.optim.AdamW(self.model.parameters(), lr=1e-4,
+                                     fused=bool(spec.get("fused", False)))
         self.tokens = torch.randint(0, cfg.vocab_size, (spec["batch"], spec["seq_len"] + 1),
                                     device=self.device)
+        self.dtype = spec.get("dtype", "fp32")
         self.num_steps = 0
 
     def step(self, saved: dict[int, int] | None = None, clock: str = "wall") -> float:
@@ -76,7 +81,8 @@ class Trainee:
         start = timer()
         with sketch_seed(0, self.num_steps):
             with census if saved is not None else contextlib.nullcontext():
-                loss = self.model.loss(self.tokens)
+                with autocast(self.device, self.dtype):
+                    loss = self.model.loss(self.tokens)
             loss.backward()
         self.opt.step()
         self.opt.zero_grad(set_to_none=True)
@@ -88,6 +94,22 @@ class Trainee:
         """Wait for the GPU's queued work (a CUDA step is timed to its end, not its launch)."""
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
+
+    def peak_bytes(self) -> int:
+        """One step's peak CUDA memory above what was allocated before it (0 on a CPU)."""
+        if self.device.type != "cuda":
+            return 0
+        base = torch.cuda.memory_allocated(self.device)
+        torch.cuda.reset_peak_memory_stats(self.device)
+        self.step()
+        return int(torch.cuda.max_memory_allocated(self.device) - base)
+
+
+def autocast(device: torch.device, dtype: str) -> Any:
+    """bf16 autocast on `device` for a "bf16" run; a no-op context for "fp32"."""
+    if dtype == "fp32":
+        return contextlib.nullcontext()
+    return torch.autocast(device.type, dtype=torch.bfloat16)
 
 
 def train_step(model: Any, optimizer: Any, schedule: Any, tokens: Any, seed: int,

@@ -6,8 +6,9 @@
 #   bash benchmarks/gpu_check.sh [--out PATH]   # default PATH: benchmarks/results/gpu_check.json
 #   bash benchmarks/gpu_check.sh --dry-run      # print the steps, run nothing (no GPU needed)
 #   bash benchmarks/gpu_check.sh --only bf16_fit,sketch_memory   # these steps (and cuda) only
+#   bash benchmarks/gpu_check.sh --only gpu_scale --out benchmarks/results/gpu_scale_check.json
 #
-# Steps, each under its own `timeout` (the limits add up to 600 s):
+# Steps, each under its own `timeout` (the limits of the default steps add up to 600 s):
 #   cuda            torch sees a CUDA device (name, memory, capability, bf16, triton version);
 #                   if not, the other steps are not run
 #   pytest_gpu      `pytest -m gpu` (on the files holding gpu tests) without the Triton tests:
@@ -31,6 +32,11 @@
 #                   continued (restore from its snapshot); the two must end at the same model and
 #                   AdamW moments (relative difference <= 1e-3), with fp32 snapshots and a loss
 #                   that went down
+#   gpu_scale       (not run by default: only with --only gpu_scale, a separate invocation of
+#                   cuda + this step, 500 s) python -m benchmarks.gpu_scale: a 1.1B Llama's
+#                   snapshot stall, persist and restore against torch.save/load and DCP, BASIS
+#                   at d 2048 and 4096 against exact, recompute and checkpointing, and BASIS's
+#                   quality at 16k tokens per microbatch over 3 seeds; into gpu_scale.json
 #
 # It writes a JSON summary (per step: ok, exit code, seconds, limit, timed_out, log file and
 # the step's figures) to PATH, each step's output to PATH without .json plus _logs/ (default
@@ -64,15 +70,19 @@ PY=${PYTHON:-$ROOT/.venv/bin/python}
 # Measured on an H200 (4 December): 6, 29 (4 tests), 25, 34 and 214 s; sketch_fused not yet.
 STEPS=("cuda 20" "pytest_gpu 100" "triton_kernels 60" "sketch_memory 60" "sketch_fused 80"
        "bf16_fit 280")
+# Steps only --only runs (each fits the 600 s of one invocation with cuda).
+EXTRA_STEPS=("gpu_scale 480")
 if [ -n "$ONLY" ]; then  # --only: the named steps, after cuda (which gates the others)
+    ALL_STEPS=("${STEPS[@]}" "${EXTRA_STEPS[@]}")
     selected=("cuda 20")
-    for entry in "${STEPS[@]:1}"; do
+    for entry in "${ALL_STEPS[@]:1}"; do
         if [[ ",$ONLY," == *",${entry%% *},"* ]]; then selected+=("$entry"); fi
     done
     for name in ${ONLY//,/ }; do
-        printf '%s\n' "${STEPS[@]}" | grep -q "^$name " || {
+        printf '%s\n' "${ALL_STEPS[@]}" | grep -q "^$name " || {
             echo "gpu_check.sh: --only: no step named $name (steps:" \
-                "$(printf '%s\n' "${STEPS[@]}" | cut -d' ' -f1 | paste -sd' '))" >&2; exit 2; }
+                "$(printf '%s\n' "${ALL_STEPS[@]}" | cut -d' ' -f1 | paste -sd' '))" >&2
+            exit 2; }
     done
     STEPS=("${selected[@]}")
 fi
@@ -160,6 +170,26 @@ keys = ("time_ratio", "step_ms", "peak_ratio", "kernels_per_step", "host_syncs_p
 figures = {f"{r['name']}@d{r['d_model']}": {k: r[k] for k in keys} for r in summary["results"]}
 json.dump({"results": sys.argv[1], "device": summary["device"], **figures},
           open(os.environ["FIGURES"], "w"))
+EOF
+}
+
+step_gpu_scale() {
+    local out="$RESULTS/gpu_scale.json"
+    env -u TRITON_INTERPRET -u BATON_SKETCH_BACKEND "$PY" -m benchmarks.gpu_scale \
+        --dir "$WORK" --out "$out" || return 1
+    "$PY" - "$out" <<'EOF'
+import json, os, sys
+summary = json.load(open(sys.argv[1]))
+snapshot = summary["snapshot"]
+large = snapshot.get("large", {})
+figures = {"results": sys.argv[1], "device": summary["device"],
+           "snapshot_targets": snapshot["main"]["targets"],
+           "snapshot_rss_vs_state": snapshot["main"]["rss_growth_vs_state"],
+           "snapshot_large": large.get("targets", large),
+           "basis_met": summary["basis"]["met"],
+           "quality_default_over_exact": summary["quality"]["default_over_exact"]}
+json.dump(figures, open(os.environ["FIGURES"], "w"))
+print(figures)
 EOF
 }
 

@@ -120,3 +120,16 @@ def test_only_runs_the_named_steps_after_cuda(tmp_path: Path) -> None:
     assert steps == ["cuda", "sketch_memory", "bf16_fit"]  # the script's order, cuda first
     bad = _bash(str(SCRIPT), "--dry-run", "--only", "bf16,sketch_memory")
     assert bad.returncode == 2 and "--only: no step named bf16" in bad.stderr
+
+
+def test_gpu_scale_is_its_own_invocation_within_the_limit(tmp_path: Path) -> None:
+    """gpu_scale is not a default step (the default ones use the 600 s); `--only gpu_scale`
+    runs cuda and it, within 600 s, and the step runs the benchmark that has a dry run."""
+    proc = _bash(str(SCRIPT), "--dry-run", "--only", "gpu_scale")
+    assert proc.returncode == 0, proc.stderr
+    steps = re.findall(r"^step (\w+) \(timeout (\d+)s\):$", proc.stdout, flags=re.M)
+    assert [name for name, _ in steps] == ["cuda", "gpu_scale"]
+    assert sum(int(limit) for _, limit in steps) <= 600
+    assert "-m benchmarks.gpu_scale" in proc.stdout
+    default = re.findall(r"^step (\w+) \(timeout", _dry_run(tmp_path), flags=re.M)
+    assert default == STEPS and "benchmarks.gpu_scale" not in _dry_run(tmp_path)
