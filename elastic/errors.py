@@ -19,6 +19,9 @@ Contract
 * ``StorageUnavailableError`` (an ``OSError``): the store did not answer within its deadline
   after retries (HTTP 5xx, throttling, a black-holed endpoint). This is *doubt*, not proof:
   a restore that meets it fails without falling back and without touching any snapshot.
+* ``RestoreMemoryError`` (a ``RuntimeError``): the worker could not allocate what a restore
+  needs. The worker's shortage, not the snapshot's fault: restore fails without falling back
+  (an older snapshot is as big) and without touching any snapshot.
 * ``FencedError``: a report from another worker-group generation or from a driver whose
   lease was taken over. Refused; nothing it sent is committed.
 * ``describe(err)`` turns any failure into the one line a person can act on (the driver
@@ -50,6 +53,10 @@ class SnapshotMisfitError(ManifestError):
 
 class StorageUnavailableError(OSError):
     """The store did not answer within its deadline; nothing is known about the data."""
+
+
+class RestoreMemoryError(RuntimeError):
+    """A restore could not allocate its tensors: the worker is short of memory."""
 
 
 class FencedError(RuntimeError):

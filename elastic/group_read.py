@@ -38,7 +38,8 @@ each byte of the snapshot that it needs once in all:
 * Agreement: a failure (checksum, missing file, storage) on one rank fails the read on every
   rank at the same point — before the exchange, and before each round — with the failing
   rank's own error there and, on the others, a ``SnapshotIntegrityError`` /
-  ``StorageUnavailableError`` / ``RuntimeError`` naming the failing rank and repeating its
+  ``StorageUnavailableError`` / ``RestoreMemoryError`` / ``RuntimeError`` naming the failing
+  rank and repeating its
   message (as UTF-8 bytes sent as integers); nothing is loaded, so the caller
   (``Snapshotter.restore``) moves on to the previous snapshot on every rank together. Every
   buffer the exchange uses (``_Buffers``) is allocated before the agreement that follows the
@@ -57,7 +58,7 @@ import torch.distributed as dist
 
 from elastic.collectives import agree_max, all_gather_ints, group_device
 from elastic.device_stage import read_to
-from elastic.errors import SnapshotIntegrityError, StorageUnavailableError
+from elastic.errors import RestoreMemoryError, SnapshotIntegrityError, StorageUnavailableError
 from elastic.format import ChunkRecord, Manifest
 from elastic.layout import Target
 from elastic.read_batches import (
@@ -85,8 +86,9 @@ ROUND_BYTES = 64 << 20
 
 # A failing rank's message, as far as the others repeat it.
 _MESSAGE_BYTES = 500
-# Failure codes agreed across ranks (the maximum wins), as Snapshotter.restore ranks them.
-_OK, _CORRUPT, _UNREACHABLE, _OTHER = 0, 1, 2, 3
+# Failure codes agreed across ranks (the maximum wins), as Snapshotter.restore ranks them:
+# a rank short of memory outranks doubt, which outranks a corrupt block.
+_OK, _CORRUPT, _UNREACHABLE, _NO_MEMORY, _OTHER = 0, 1, 2, 3, 4
 
 
 @dataclass(frozen=True)
@@ -107,6 +109,8 @@ def _chunks(manifest: Manifest) -> list[tuple[str, ChunkRecord]]:
 
 
 def _failure_code(err: BaseException) -> int:
+    if isinstance(err, RestoreMemoryError):
+        return _NO_MEMORY
     if isinstance(err, FileNotFoundError):  # the store answered: the file is not there
         return _CORRUPT
     if isinstance(err, (SnapshotIntegrityError, ValueError)):
@@ -136,6 +140,8 @@ def _settle(err: Exception | None, step: int, what: str) -> None:
         raise SnapshotIntegrityError(where) from err
     if worst == _UNREACHABLE:
         raise StorageUnavailableError(where) from err
+    if worst == _NO_MEMORY:
+        raise RestoreMemoryError(where) from err
     raise RuntimeError(where) from err
 
 
@@ -249,8 +255,9 @@ class _Buffers:
             self.wire = None if device.type == "cpu" else torch.empty(
                 wire, dtype=torch.uint8, device=device)
         except RuntimeError as err:  # torch's allocation failure (out of memory)
-            raise RuntimeError(f"{snapshot_label(step)}: cannot allocate the buffers to "
-                               f"exchange shared blocks ({str(err).splitlines()[0]})") from err
+            raise RestoreMemoryError(
+                f"{snapshot_label(step)}: cannot allocate the buffers to exchange shared "
+                f"blocks ({str(err).splitlines()[0]}): this worker is short of memory") from err
 
 
 def _broadcast_in_place(pieces: list[_Piece], direct: dict[int, Placed], rank: int,

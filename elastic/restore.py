@@ -89,7 +89,12 @@ import torch
 
 from elastic.chunk_checks import check_headers, check_shard_file
 from elastic.device_stage import read_to
-from elastic.errors import ManifestError, SnapshotIntegrityError, SnapshotMisfitError
+from elastic.errors import (
+    ManifestError,
+    RestoreMemoryError,
+    SnapshotIntegrityError,
+    SnapshotMisfitError,
+)
 from elastic.format import (
     Manifest,
     SafetensorsHeader,
@@ -330,9 +335,13 @@ def allocate(targets: dict[str, Target], step: int) -> dict[str, torch.Tensor]:
             local[key] = torch.empty(t.piece.shape, dtype=t.piece.dtype, device=device)
             prefault(local[key])
         except RuntimeError as err:  # torch's allocation failure (out of memory)
-            raise SnapshotIntegrityError(
-                f"{_snap(step)}: cannot allocate {t.piece.nbytes} bytes for {key!r} "
-                f"({str(err).splitlines()[0]})") from err
+            # The worker's shortage, not the snapshot's fault: never a reason to quarantine.
+            # (A manifest's sizes are bounded by its checks, and on the per-rank path its
+            # chunks are checked against the files before anything is allocated.)
+            raise RestoreMemoryError(
+                f"{_snap(step)}: cannot allocate {t.piece.nbytes} bytes for {key!r} on "
+                f"{device} ({str(err).splitlines()[0]}): this worker is short of memory; "
+                "free some, or restore on a bigger machine") from err
     return local
 
 

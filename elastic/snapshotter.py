@@ -53,7 +53,8 @@ restore reads the state once in all, not W times; a failure on any rank fails th
 all. A definitely corrupt snapshot is reported by name (``restore_errors``), quarantined by
 the coordinator, and the previous committed one is tried (a RAM copy that fails its checks
 is no verdict on the snapshot: its files are read from storage first); storage that does
-not answer fails the restore and touches no snapshot. The model's and optimizer's tensors
+not answer, or a rank that cannot allocate what the restore needs (``RestoreMemoryError``),
+fails the restore and touches no snapshot. The model's and optimizer's tensors
 are read in place, so a read that fails part-way leaves them unspecified: the next
 snapshot tried overwrites all of them, and a restore that raises is never trained from
 (``elastic.restore``'s rule).
@@ -77,6 +78,7 @@ from elastic.capture import CaptureHandle, Capturer
 from elastic.collectives import agree_max, broadcast_int, grouped
 from elastic.errors import (
     ReplicasDivergedError,
+    RestoreMemoryError,
     SnapshotIntegrityError,
     SnapshotMisfitError,
     StorageUnavailableError,
@@ -117,22 +119,24 @@ def library_versions() -> dict[str, str]:
             "baton": code_version()}
 
 
-# A restore verdict per snapshot, agreed across ranks by taking the maximum: one rank's doubt
-# (storage unreachable) outranks another's integrity failure, which outranks a misfit (the
-# state does not fit the live components: maybe the code's fault, never quarantined alone),
-# which outranks success.
-_OK, _MISFIT, _CORRUPT, _UNREACHABLE = 0, 1, 2, 3
+# A restore verdict per snapshot, agreed across ranks by taking the maximum: one rank short
+# of memory (the worker's fault) outranks doubt (storage unreachable), which outranks
+# another's integrity failure, which outranks a misfit (the state does not fit the live
+# components: maybe the code's fault, never quarantined alone), which outranks success.
+_OK, _MISFIT, _CORRUPT, _UNREACHABLE, _NO_MEMORY = 0, 1, 2, 3, 4
 
 
 def _attempt(read: Callable[[], T]) -> tuple[T | None, int, str]:
     """``read()`` and the restore verdict on it: a definite integrity failure (checksum,
     malformed manifest, missing file on a store that answered) is corrupt, a state that does
-    not fit the live components a misfit, storage that did not answer unreachable; a
-    snapshot of another model is raised as is."""
+    not fit the live components a misfit, storage that did not answer unreachable, a rank
+    short of memory no-memory; a snapshot of another model is raised as is."""
     try:
         return read(), _OK, ""
     except SnapshotMismatchError:
         raise
+    except RestoreMemoryError as err:
+        return None, _NO_MEMORY, str(err)
     except SnapshotMisfitError as err:
         return None, _MISFIT, str(err)
     except FileNotFoundError as err:  # the store answered: the file is not there
@@ -221,7 +225,9 @@ class Snapshotter:
         never restored past nor moved: ``SnapshotMismatchError`` names it and the newest one
         that fits, for an explicit ``baton snapshots rewind`` (a code change must not cost
         the run its snapshots). Storage that does not answer within its deadline raises
-        ``StorageUnavailableError`` and changes no snapshot: a later restart restores it."""
+        ``StorageUnavailableError`` and changes no snapshot: a later restart restores it; a
+        rank that cannot allocate the restore's tensors or buffers raises
+        ``RestoreMemoryError`` on every rank, the same way."""
         with collector_paused():
             return self._restore_newest()
 
@@ -241,6 +247,11 @@ class Snapshotter:
                 log.warning("snapshot %d: the RAM copy failed its checks (%s); reading "
                             "storage", step, reason or "on another rank")
                 prepared, tensors, verdict, reason = self._read(step, group, ram=False)
+            if verdict == _NO_MEMORY:
+                raise RestoreMemoryError(
+                    f"snapshot {step} of {self.store.run_uri} could not be restored: "
+                    f"{reason or 'another rank is short of memory'}; nothing was changed or "
+                    "removed")
             if verdict == _UNREACHABLE:
                 raise StorageUnavailableError(
                     f"snapshot {step} of {self.store.run_uri} could not be read"

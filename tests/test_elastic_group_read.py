@@ -310,7 +310,7 @@ def test_an_allocation_failure_in_the_exchange_is_agreed_not_waited_for(tmp_path
     run_group(_save, 2, run, "ddp", (3,), BLOCK, tmp_dir=str(tmp_path))
     run_group(_restore_out_of_memory, 3, run, out, tmp_dir=str(tmp_path))
     raised = [json.load(open(os.path.join(out, f"rank{r}.json"))) for r in range(3)]
-    assert [kind for kind, _ in raised] == ["RuntimeError"] * 3, raised
+    assert [kind for kind, _ in raised] == ["RestoreMemoryError"] * 3, raised
     assert "cannot allocate the buffers" in raised[1][1] and "out of memory" in raised[1][1]
     for r in (0, 2):
         assert "rank 1 failed while reading its own blocks" in raised[r][1], raised[r]

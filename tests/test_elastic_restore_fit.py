@@ -156,3 +156,46 @@ def test_an_optimizer_entry_cannot_refer_to_a_model_weight(tmp_path: Path) -> No
     entry["exp_avg"] = {"__tensor__": weight}
     with pytest.raises(SnapshotMisfitError, match="exp_avg: expected tensor"):
         ts.registry.check_state(skeletons)
+
+
+def test_a_worker_short_of_memory_quarantines_nothing(tmp_path: Path, monkeypatch) -> None:
+    """A fresh optimizer's moments cannot be allocated (the worker is out of memory): that is
+    the worker's shortage, not the snapshots' fault. Restore raises one line naming it on
+    every snapshot's behalf, nothing is quarantined or rewound, and once memory is there the
+    newest snapshot restores bitwise (P7: doubt never destroys)."""
+    import elastic.restore as restore_module
+    from elastic.errors import RestoreMemoryError
+
+    run = str(tmp_path / "run")
+    model, optim, registry = _build(0, wrapped=False)
+    snap = Snapshotter(run, registry, snapshot_every=2, keep_last=3)
+    for step in (1, 2, 3, 4):
+        _step(model, optim, step)
+        snap.after_step(step)
+        snap.persister.wait()
+    snap.close()
+    want = {k: v.clone() for k, v in optim.state_dict()["state"][0].items()}
+
+    class _NoMemory:  # restore's torch, where every new tensor fails as torch's would
+        def __getattr__(self, name: str) -> object:
+            return getattr(torch, name)
+
+        @staticmethod
+        def empty(*args: object, **kwargs: object) -> torch.Tensor:
+            raise RuntimeError("DefaultCPUAllocator: can't allocate memory: you tried to "
+                               "allocate 17179869184 bytes. Error code 12")
+
+    monkeypatch.setattr(restore_module, "torch", _NoMemory())
+    _, _, registry2 = _build(1, wrapped=False)
+    with pytest.raises(RestoreMemoryError, match="short of memory") as raised:
+        Snapshotter(run, registry2).restore()
+    assert "\n" not in str(raised.value) and "snapshot 4" in str(raised.value)
+    store = SnapshotStore(run)
+    assert store.committed_steps() == [2, 4]
+    assert not (tmp_path / "run" / "quarantine").exists()
+
+    monkeypatch.undo()
+    _, optim3, registry3 = _build(2, wrapped=False)
+    assert Snapshotter(run, registry3).restore() == 4
+    for key, value in want.items():
+        assert torch.equal(optim3.state_dict()["state"][0][key], value), key
