@@ -299,6 +299,16 @@ class Storage:
         return self._files.request(what, path, operation, deadline_s=deadline_s, **params)
 
 
+def absolute_uri(uri: str) -> str:
+    """``uri`` with a relative local path made absolute against this process's working
+    directory; ``s3://``/``file://`` URIs and ``""`` unchanged. A driver hands its run and
+    dataset locations to workers whose working directory is another (Ray Train's), where a
+    relative path would name somewhere else."""
+    if not uri or "://" in uri:
+        return uri
+    return os.path.abspath(uri)
+
+
 def _locate(uri: str) -> tuple[bool, str]:
     """(is the URI local, its path in its filesystem); ValueError for other schemes."""
     if not uri:

@@ -17,7 +17,7 @@ def test_shipped_recipes_load(recipe: Path) -> None:
     cfg = load_recipe(recipe, RUN)
     assert cfg.data.global_batch % cfg.data.microbatch_size == 0
     assert cfg.scaling.max_workers <= cfg.data.num_microbatches
-    assert cfg.to_dict()["snapshots"]["run_uri"] == "runs/test"
+    assert cfg.to_dict()["snapshots"]["run_uri"] == str(Path("runs/test").resolve())
 
 
 def test_overrides_parse_toml_values_and_bare_strings() -> None:
@@ -111,3 +111,25 @@ def test_sketch_policy_reaches_the_model() -> None:
     widths = {n: m.in_features for n, m in build_model(budget).named_modules() if n in ranks}
     assert sum(r * widths[n] * 4 for n, r in ranks.items()) <= 0.05 * 2**20
     assert min(ranks.values()) < max(ranks.values())  # wide layers get fewer rows
+
+
+def test_local_run_and_data_paths_are_made_absolute_on_the_driver(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A driver's relative paths would name other places in its workers, whose working
+    directory is Ray Train's: the config holds them absolute (s3:// and file:// as given)."""
+    import dataclasses
+
+    from trainer.config import DataConfig
+
+    monkeypatch.chdir(tmp_path)
+    root = Path(__file__).resolve().parents[1]
+    cfg = load_recipe(root / "recipes" / "tiny.toml",
+                      ['snapshots.run_uri="runs/a"', 'data.uri="data/corpus"'])
+    assert cfg.snapshots.run_uri == str(tmp_path / "runs" / "a")
+    assert cfg.data.uri == str(tmp_path / "data" / "corpus")
+    moved = dataclasses.replace(cfg.snapshots, run_uri="b")
+    assert moved.run_uri == str(tmp_path / "b")
+    assert SnapshotConfig(run_uri="s3://bucket/runs/a").run_uri == "s3://bucket/runs/a"
+    assert DataConfig(uri="file:///data/x").uri == "file:///data/x"
+    assert DataConfig().uri == ""  # the embedded corpus

@@ -363,38 +363,38 @@ def _corrupt_every_row_group(dataset: str) -> None:
 
 @pytest.mark.slow
 @pytest.mark.timeout(300)
-def test_a_fatal_worker_error_fails_the_fit_once(
+def test_a_fatal_worker_error_fails_baton_fit_once_in_one_line(
     tmp_path: Path, tiny_dataset: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    import ray
+    """`baton fit` as a user runs it: relative paths, and a Ray of its own. The workers' working
+    directory is Ray Train's, not the driver's, so the driver hands them absolute paths; Ray's
+    local processes end with the thread that started them, so the driver starts Ray in its
+    main thread (a fit thread that started it took GCS down with it when the fit failed: the
+    driver waited 60 s on a dead GCS and exited without the worker's message)."""
+    import subprocess
+    import sys
 
     from trainer.metrics import read_records
     from trainer.on_ray.elastic_trainer import SKIP_CODE_CHECK_ENV
-    from trainer.on_ray.local_cluster import LocalCluster
-    from trainer.on_ray.monitor import NAMESPACE
-    from trainer.on_ray.ray_fit import fit
 
-    dataset = str(tmp_path / "data")
-    shutil.copytree(tiny_dataset, dataset)
-    _corrupt_every_row_group(dataset)
-    cfg = _recipe(tmp_path / "run", dataset, "steps=8", "scaling.min_workers=1",
-                  "scaling.max_workers=1", "scaling.max_failures=3")
-    check_run_dir(cfg)  # the corruption is invisible before training reads
+    shutil.copytree(tiny_dataset, tmp_path / "data")
+    _corrupt_every_row_group(str(tmp_path / "data"))  # passes pre-flight, fails at first read
     # The checkout this runs from may be edited by others meanwhile: not what is tested here.
     monkeypatch.setenv(SKIP_CODE_CHECK_ENV, "1")
-    local = LocalCluster(worker_nodes=1)
-    try:
-        ray.init(address=local.address, namespace=NAMESPACE, log_to_driver=False)
-        with pytest.raises(RunFailedError) as info:
-            fit(cfg)
-    finally:
-        ray.shutdown()
-        local.shutdown()
-    failed = info.value
-    assert failed.fatal and failed.restarts == 0
-    assert str(failed).startswith(f"dataset {dataset!r} cannot be used: shard ")
-    assert "corrupt" in str(failed) and str(failed).endswith("(after 0 restarts)")
-    starts = [r for r in read_records(cfg.snapshots.run_uri) if r["kind"] == "start"]
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    out = subprocess.run(
+        [sys.executable, "-m", "trainer.cli", "fit", str(ROOT / "recipes" / "tiny.toml"),
+         "--run-dir", "run", "--set", 'data.uri="data"', "--set", "steps=8",
+         "--set", "eval.every=0", "--set", "scaling.min_workers=1",
+         "--set", "scaling.max_workers=1", "--set", "scaling.max_failures=3"],
+        cwd=tmp_path, capture_output=True, text=True, timeout=240)
+    errors = [line for line in out.stderr.splitlines() if line.startswith("error:")]
+    assert out.returncode == 1 and len(errors) == 1, (out.stdout, out.stderr)
+    dataset = str(tmp_path / "data")
+    assert errors[0].startswith(f"error: dataset {dataset!r} cannot be used: shard "), errors
+    assert "corrupt" in errors[0] and errors[0].endswith("(after 0 restarts)"), errors
+    assert "GCS" not in out.stdout + out.stderr
+    starts = [r for r in read_records(str(tmp_path / "run")) if r["kind"] == "start"]
     assert len(starts) == 1, f"Ray Train restarted the worker group: {starts}"
 
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
+from elastic.storage_io import absolute_uri
 from trainer.config_checks import check_types, default_of, require
 
 
@@ -19,7 +20,9 @@ from trainer.config_checks import check_types, default_of, require
 class DataConfig:
     """Where the tokens come from and how a global step is cut into microbatches."""
 
-    uri: str = ""  # prepared dataset (local path or s3://); "" = the embedded default corpus
+    # Prepared dataset (local path or s3://; a relative path is made absolute against the
+    # driver's working directory); "" = the embedded default corpus.
+    uri: str = ""
     seq_len: int = 64  # tokens per stored sequence (the model predicts seq_len - 1 of them)
     global_batch: int = 16  # sequences per optimizer step, the same for any world size
     microbatch_size: int = 4  # sequences per forward/backward; global_batch / this = microbatches
@@ -27,6 +30,7 @@ class DataConfig:
 
     def __post_init__(self) -> None:
         check_types(self, "data")
+        self.uri = absolute_uri(self.uri)  # workers run in another working directory
         require(self.seq_len >= 2, "data.seq_len", "must be >= 2 (a prediction needs 2 tokens)")
         require(self.microbatch_size >= 1, "data.microbatch_size", "must be >= 1")
         require(self.global_batch >= 1, "data.global_batch", "must be >= 1")
@@ -113,7 +117,9 @@ class OptimConfig:
 class SnapshotConfig:
     """Where the run lives and how often its state is snapshotted."""
 
-    run_uri: str = ""  # run directory (local path or s3://bucket/prefix/NAME); required
+    # Run directory (local path or s3://bucket/prefix/NAME; a relative path is made absolute
+    # against the driver's working directory); required.
+    run_uri: str = ""
     snapshot_every: int = 10  # steps between snapshots (plus on preemption or resize)
     keep_last: int = 3  # committed snapshots kept; older ones are deleted
     # Cap on each node's RAM store (MiB; 0 turns the RAM copies off): it holds copies of
@@ -133,6 +139,7 @@ class SnapshotConfig:
 
     def __post_init__(self) -> None:
         check_types(self, "snapshots")
+        self.run_uri = absolute_uri(self.run_uri)  # workers run in another working directory
         require(self.snapshot_every >= 1, "snapshots.snapshot_every", "must be >= 1")
         require(self.keep_last >= 1, "snapshots.keep_last", "must be >= 1")
         require(self.ram_copy_mib >= 0, "snapshots.ram_copy_mib", "must be >= 0 (0 = off)")

@@ -281,14 +281,6 @@ def _record_end(store: Any, outcome: str, step: int | None,
         logging.getLogger("baton.fit").warning("could not record the session's end: %s", err)
 
 
-class _QuietNonMainThreadInit(logging.Filter):
-    """`ray.init` outside the main thread warns that it set no SIGTERM handler: the CLI runs
-    the fit in a thread on purpose (so Ctrl-C is ours) and installs its own."""
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        return "SIGTERM handler is not set" not in record.getMessage()
-
-
 def _fit_interruptibly(cfg: Any, args: argparse.Namespace, session: _Session,
                        lease: Any) -> Any:
     """Run `trainer.on_ray.ray_fit.fit` in a thread while the main thread owns the signals: the
@@ -298,12 +290,22 @@ def _fit_interruptibly(cfg: Any, args: argparse.Namespace, session: _Session,
     `fit` runs in the main thread, hence the thread."""
     # The budget first: importing Ray takes seconds of the --time-limit too.
     budget = TimeBudget(session.time_limit_s) if session.time_limit_s is not None else None
-    from trainer.on_ray.ray_fit import fit  # imports Ray: only once the input is known to be good
+    # Imports Ray: only once the input is known to be good.
+    from trainer.on_ray.ray_fit import connect_ray, fit
+    from trainer.preflight import ensure_dataset
 
+    cfg = ensure_dataset(cfg)  # the default corpus, prepared once before Ray starts
     stop = threading.Event()
     done = threading.Event()
     outcome: dict[str, Any] = {}
-    terminal = _FitTerminal(cfg)
+    terminal = _FitTerminal(cfg)  # from here on Ray's own messages go to its log file
+    try:
+        # Ray in this thread, not the fit's: Ray's local processes end with the thread that
+        # started them (`connect_ray`), and this one outlives the fit.
+        connect_ray()
+    except BaseException:
+        terminal.close()
+        raise
 
     def on_progress(record: dict[str, Any]) -> None:
         if budget is not None:
@@ -334,9 +336,6 @@ def _fit_interruptibly(cfg: Any, args: argparse.Namespace, session: _Session,
     def on_sigterm(signum: int, frame: Any) -> None:
         raise SystemExit(signum)
 
-    ray_worker_log = logging.getLogger("ray._private.worker")
-    quiet = _QuietNonMainThreadInit()
-    ray_worker_log.addFilter(quiet)
     previous = (signal.signal(signal.SIGINT, on_sigint),
                 signal.signal(signal.SIGTERM, on_sigterm))
     thread = threading.Thread(target=target, name="baton-fit", daemon=True)
@@ -351,7 +350,6 @@ def _fit_interruptibly(cfg: Any, args: argparse.Namespace, session: _Session,
     finally:
         signal.signal(signal.SIGINT, previous[0])
         signal.signal(signal.SIGTERM, previous[1])
-        ray_worker_log.removeFilter(quiet)
         terminal.close()
     if "error" in outcome:
         raise outcome["error"]

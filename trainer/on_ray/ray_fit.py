@@ -132,9 +132,21 @@ def _cluster_can_grow() -> bool:
         return True
 
 
-def _connect_ray() -> None:
+_started_here = False  # whether this process started the local Ray it is connected to
+
+
+def connect_ray() -> bool:
+    """Connect to Ray (``RAY_ADDRESS``, else a local Ray of this process's own); return
+    whether the Ray is this process's own. Idempotent.
+
+    Call it from a thread that outlives every use of Ray, the main thread: Ray starts its
+    local processes (GCS, raylet) with ``PR_SET_PDEATHSIG``, which kills them when the
+    *thread* that started them ends, not the process. (`baton fit` trains in a thread of its
+    own: had that thread started Ray, a fit that failed would leave the main thread talking
+    to a dead GCS, waiting 60 s and exiting without the worker's message.)"""
+    global _started_here
     if ray.is_initialized():
-        return
+        return _started_here
     address = os.environ.get("RAY_ADDRESS")
     if not address:
         from trainer.on_ray.local_cluster import use_loopback
@@ -142,6 +154,8 @@ def _connect_ray() -> None:
         use_loopback()  # a Ray of our own on this machine: keep it on 127.0.0.1
     # "local": without it Ray joins any cluster a `ray start` left on this machine.
     ray.init(address=address or "local", namespace=NAMESPACE, log_to_driver=False)
+    _started_here = not address
+    return _started_here
 
 
 def fit(
@@ -209,8 +223,7 @@ def _fit_leased(
     stop: threading.Event | None,
 ) -> FitResult:
     config = ensure_dataset(config)
-    embedded = not os.environ.get("RAY_ADDRESS") and not ray.is_initialized()
-    _connect_ray()
+    embedded = connect_ray()
     # Before the trainer starts: a worker no node can hold would wait forever.
     if embedded or not _cluster_can_grow():
         check_worker_fits(config, [n["Resources"] for n in ray.nodes() if n.get("Alive")],
