@@ -24,7 +24,7 @@ multiple of 6 for the three writers; see ``common.in_every_order``):
 
 Every side keeps two snapshots, as it does for real: torch.save and DCP write a new file (or
 directory) per snapshot, Baton overwrites the files of the snapshot its retention retired
-(``elastic/spares.py``; from the fourth snapshot on). Three warm-up snapshots come first
+(``elastic/storage/spares.py``; from the fourth snapshot on). Three warm-up snapshots come first
 (Baton's capture image and RAM-tier buffers are allocated by the first two and reused after,
 the third's commit leaves the first's files as spares). Each ratio is Baton's time over the
 baseline's in the same round: the median and range over the rounds are printed. Peak memory
@@ -141,7 +141,7 @@ def measure(size: float, rounds: int, workdir: str) -> dict[str, Any]:
         # Each side as it runs for real, keeping the two newest (keep_last=2): torch.save and
         # DCP write new files and delete the one before last; Baton's commit retires its
         # snapshot before last, and the next persist overwrites those files (spares,
-        # elastic/spares.py: crash-safe, temp + fsync + rename). Every side removes its old
+        # elastic/storage/spares.py: crash-safe, temp + fsync + rename). Every side removes its old
         # files at the same point: right after its own write, untimed, not at the start of
         # the round.
         path = os.path.join(workdir, f"state-{step}.pt")

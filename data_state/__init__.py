@@ -1,6 +1,6 @@
 """data_state: token datasets in Parquet (local or s3://), the world-size-free data cursor,
 the resumable loader and corpus preparation. Imports nothing from the rest of Baton but the
-storage layer, `elastic.storage_io` (a leaf module; see `data_state/storage.py`).
+storage layer, `elastic.storage.storage_io` (a leaf module; see `data_state/storage.py`).
 
 Public API:
 - `prepare_corpus(sources, out, *, seq_len, ...)` -> `DatasetManifest` (corpus.py)

@@ -31,7 +31,7 @@ from data_state import storage
 from data_state.corpus import prepare_corpus
 from data_state.dataset import TokenDataset, read_manifest
 from data_state.manifest import DatasetManifest
-from elastic.storage_io import output_problem, storage_errors
+from elastic.storage import output_problem, storage_errors
 
 
 def register(subparsers: Any) -> None:

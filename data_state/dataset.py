@@ -40,7 +40,7 @@ from data_state import storage
 from data_state.manifest import MANIFEST_NAME, DatasetError, DatasetManifest
 from data_state.shards import ShardReader
 from data_state.tokenizer import ByteTokenizer, Tokenizer, from_stored
-from elastic.storage_io import MAX_JSON_BYTES, RefusedEntryError
+from elastic.storage import MAX_JSON_BYTES, RefusedEntryError
 
 if TYPE_CHECKING:  # torch is imported by batch() only: read() serves numpy without it
     import torch

@@ -36,7 +36,7 @@ import re
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from elastic.storage_io import loads_json
+from elastic.storage import loads_json
 
 FORMAT = "baton.tokens/1"
 MANIFEST_NAME = "dataset.json"

@@ -1,7 +1,7 @@
 """Where dataset bytes live: the data side of Baton's one storage layer.
 
 Every byte of a dataset (shards, `dataset.json`, probes) moves through
-`elastic.storage_io.Storage`: local paths and `s3://` URIs, the AWS endpoint from the
+`elastic.storage.storage_io.Storage`: local paths and `s3://` URIs, the AWS endpoint from the
 environment, deadlines and retries on S3, atomic writes (local: temp + fsync + rename; S3: one
 PUT), exact range reads and range merging with one constant (`MERGE_HOLE_BYTES`). That module
 is a leaf (it imports only the standard library, fsspec and two standard-library-only elastic
@@ -35,7 +35,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from data_state.manifest import DatasetError
-from elastic.storage_io import (
+from elastic.storage import (
     MERGE_HOLE_BYTES,
     Storage,
     TruncatedError,

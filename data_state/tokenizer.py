@@ -35,7 +35,7 @@ from typing import Any
 
 import numpy as np
 
-from elastic.storage_io import loads_json
+from elastic.storage import loads_json
 
 BYTES = "bytes"
 TOKENIZER_FILE = "tokenizer.json"

@@ -10,12 +10,12 @@ Public API (see each module's docstring for its contract):
   and the RAM tier's per-node store actors.
 - ``elastic.ram_store``: the RAM tier (peers' stores of shard copies, ring placement).
 - ``FaultInjector`` (faults.py): fault injection keyed by (rank, step, phase) for tests.
-- ``elastic.storage_io``: Baton's one storage layer (local and ``s3://``), a leaf module.
+- ``elastic.storage.storage_io``: Baton's one storage layer (local and ``s3://``), a leaf module.
 
 The on-disk format is described in format.py and docs/snapshot-format.md.
 
 The names above are loaded on first use (PEP 562 ``__getattr__``), never at ``import
-elastic``: so ``import elastic.storage_io`` (what ``data_state`` does) loads no torch and no
+elastic``: so ``import elastic.storage`` (what ``data_state`` does) loads no torch and no
 Ray, and ``data_state`` depends on that leaf alone, not on the rest of ``elastic``.
 """
 

@@ -37,7 +37,7 @@ from safetensors import SafetensorError
 from elastic.catalog import describe, export_model, resolve_step, snapshot_rows, verify
 from elastic.lease import LeaseHeldError, LeaseLostError
 from elastic.snapshot_ref import split_snapshot_dir
-from elastic.storage_io import output_problem, storage_errors
+from elastic.storage import output_problem, storage_errors
 from elastic.store import SnapshotStore
 
 

@@ -38,9 +38,13 @@ from __future__ import annotations
 
 import errno as errno_module
 
+# The storage layer raises these itself; they are defined there (one class each) and are
+# part of this vocabulary too.
+from elastic.storage.errors import SnapshotIntegrityError, StorageUnavailableError
 
-class SnapshotIntegrityError(ValueError):
-    """A snapshot is definitely unusable (checksum, format, missing file)."""
+__all__ = ["FatalRunError", "FencedError", "ManifestError", "ReplicasDivergedError",
+           "RestoreMemoryError", "SnapshotIntegrityError", "SnapshotMisfitError",
+           "StorageUnavailableError", "describe"]
 
 
 class ManifestError(SnapshotIntegrityError):
@@ -49,10 +53,6 @@ class ManifestError(SnapshotIntegrityError):
 
 class SnapshotMisfitError(ManifestError):
     """A snapshot's state does not fit the registered components (module contract)."""
-
-
-class StorageUnavailableError(OSError):
-    """The store did not answer within its deadline; nothing is known about the data."""
 
 
 class RestoreMemoryError(RuntimeError):

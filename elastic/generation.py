@@ -55,7 +55,7 @@ from elastic.format import (
     short_repr,
 )
 from elastic.lease import lease_holds
-from elastic.storage_io import RefusedEntryError, is_int64
+from elastic.storage import RefusedEntryError, is_int64
 from elastic.store import SnapshotStore
 
 GENERATION_NAME = "generation.json"
@@ -71,7 +71,7 @@ def read_generation(store: SnapshotStore) -> int:
         record = store.read_json(path)
     except FileNotFoundError:
         return 0
-    except ValueError as err:  # elastic.json_bounds: malformed, too deep, too large
+    except ValueError as err:  # elastic.storage.json_bounds: malformed, too deep, too large
         raise ValueError(f"not a Baton generation file ({err}); {fix}") from err
     value = record.get("generation") if isinstance(record, dict) else None
     if not is_int64(value) or not 0 <= value <= MAX_GENERATION:

@@ -54,7 +54,7 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from elastic.lease_io import LEASE_NAME, LeaseConflict, lease_backend
-from elastic.storage_io import finite_number, is_int64, loads_json
+from elastic.storage import finite_number, is_int64, loads_json
 from elastic.store import SnapshotStore
 
 _ATTEMPTS = 5  # read-then-conditional-write rounds before giving up on a contended lease

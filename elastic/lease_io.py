@@ -29,7 +29,7 @@ Atomicity
   read-compare-write is atomic and two drivers can never both win. A conditional write whose
   answer was lost and retried can come back 412 although it landed: on any precondition
   failure we re-read and count the write as ours when the stored bytes are the bytes we sent.
-* Every byte moves through the store (``elastic.storage_io``): on S3 each request runs under
+* Every byte moves through the store (``elastic.storage.storage_io``): on S3 each request runs under
   the store's deadlines and retries (``store.s3_request``), so a black-holed endpoint fails
   the lease operation within ``retry_deadline_s`` instead of hanging.
 * Local disk: create is the storage layer's create-only write (a temporary file, fsync'ed and
@@ -60,7 +60,7 @@ import uuid
 from collections.abc import Iterator
 from typing import Any, Protocol
 
-from elastic.storage_io import RefusedEntryError
+from elastic.storage import RefusedEntryError
 from elastic.store import SnapshotStore
 
 LEASE_NAME = "lease.json"

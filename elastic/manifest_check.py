@@ -52,8 +52,8 @@ from elastic.format import (
     json_kind,
     short_repr,
 )
-from elastic.json_bounds import JSONBoundsError
-from elastic.json_bounds import loads as loads_json
+from elastic.storage.json_bounds import JSONBoundsError
+from elastic.storage.json_bounds import loads as loads_json
 
 # Bounds of a sane manifest. They exist so a crafted manifest fails with a clear error
 # instead of an allocation failure or an overflow deep inside torch or the OS.
@@ -68,7 +68,7 @@ MAX_MANIFEST_BYTES = 1 << 30  # a manifest (or receipt) file; real ones: KiB to 
 
 def parse_manifest(data: bytes, where: str = MANIFEST_NAME, step: int | None = None
                    ) -> Manifest:
-    """Decode (``elastic.json_bounds``: size, depth and number bounds) and validate an
+    """Decode (``elastic.storage.json_bounds``: size, depth and number bounds) and validate an
     untrusted ``manifest.json``; ``step``, when given, is the step the manifest must say it
     is."""
     try:  # a snapshot's JSON state may hold inf/nan (a user's sentinel): json.dumps wrote it

@@ -116,7 +116,7 @@ class Persister:
             # Create-only: a shard name (rank, world, generation, step) is written once; if
             # it exists, something else wrote it and this snapshot must not claim it. The
             # image's memory goes to the file as is (no copy on a local store), into a
-            # retired shard's file when there is one (elastic.spares).
+            # retired shard's file when there is one (elastic.storage.spares).
             self.store.write_shard(
                 cap.step, file, cap.image.memoryview(), durable=self.durable,
                 mid_write=lambda: self.faults.hit(cap.rank, cap.step, "persist_mid"))

@@ -5,20 +5,20 @@ Contract
 ``SnapshotStore(run_uri, storage_options=None, *, timeout_s=30.0, retry_deadline_s=60.0)``
 reads and writes ``RUN/run.json``, ``RUN/snapshots/<step>/...``, ``RUN/quarantine/...`` and
 ``RUN/spare/``.
-It is an ``elastic.storage_io.Storage`` rooted at the run directory, so every byte moves under
-that layer's contract: deadlines and retries on S3 (``timeout_s`` per attempt,
-``retry_deadline_s`` per call: the ``[snapshots] storage_timeout_s / storage_retry_s``
-settings), exact range reads (a truncated file is a definite ``SnapshotIntegrityError``, a
-response cut short is retried), atomic writes (local: temp + fsync + rename + directory fsync;
-S3: one PUT) and create-only writes (``write_file(..., exclusive=True)``). It never lies and
-never hangs. What it adds:
+It is an ``elastic.storage.storage_io.Storage`` rooted at the run directory, so every byte moves
+under that layer's contract: deadlines and retries on S3 (``timeout_s`` per attempt,
+``retry_deadline_s`` per call: the ``[snapshots] storage_timeout_s / storage_retry_s`` settings),
+exact range reads (a truncated file is a definite ``SnapshotIntegrityError``, a response cut short
+is retried), atomic writes (local: temp + fsync + rename + directory fsync; S3: one PUT) and
+create-only writes (``write_file(..., exclusive=True)``). It never lies and never hangs. What it
+adds:
 
 * A snapshot is *committed* iff its ``manifest.json`` exists. Other step directories are
   uncommitted leftovers that readers ignore. A local entry of ``snapshots/`` that is not a
   real directory (a symbolic link to another run's step) is no step of this run at all:
   ``all_steps`` leaves it out, so nothing lists, reads, retires, quarantines or removes it
   (``refused_steps`` says why, one line, logged once); the storage layer's rule
-  (``elastic.plain_files``) refuses every act through a link on top of that.
+  (``elastic.storage.plain_files``) refuses every act through a link on top of that.
 * ``load_manifest`` reads at most ``MAX_MANIFEST_BYTES``; a manifest that is a link, a FIFO or
   another non-regular file is a ``ManifestError`` (the snapshot is unusable, nothing blocks).
 * **Quarantine, never delete.** ``quarantine_step`` moves a rejected snapshot to
@@ -33,7 +33,7 @@ never hangs. What it adds:
 * ``stats`` counts storage reads, so tests can show that a restore touched no storage.
 * **Spares** (local stores): ``retire_step`` — retention's removal of an old snapshot —
   keeps its shard files in ``RUN/spare/`` and ``write_shard`` overwrites one of them instead
-  of allocating a new file (``elastic.spares``: why, and what a reader of a retired
+  of allocating a new file (``elastic.storage.spares``: why, and what a reader of a retired
   snapshot may see). On S3 both are the plain delete and create-only write.
 """
 
@@ -52,14 +52,14 @@ from typing import Any
 from elastic.errors import ManifestError, StorageUnavailableError
 from elastic.format import MANIFEST_NAME, Manifest, is_shard_name, step_dirname
 from elastic.manifest_check import MAX_MANIFEST_BYTES, parse_manifest
-from elastic.spares import SPARE_DIR, retire
-from elastic.storage_io import (
+from elastic.storage import (
     RefusedEntryError,
     Storage,
     finite_number,
     fsync_dir,
     is_int64,
 )
+from elastic.storage.spares import SPARE_DIR, retire
 
 log = logging.getLogger("baton.elastic")
 
@@ -171,7 +171,7 @@ class SnapshotStore(Storage):
     def retire_step(self, step: int) -> None:
         """Remove a snapshot that retention no longer keeps, as ``delete_step``, except that
         on a local store its shard files become spares for the next snapshots' writes
-        (``elastic.spares``; at most one snapshot's shards are kept)."""
+        (``elastic.storage.spares``; at most one snapshot's shards are kept)."""
         if self.is_local:
             self.remove(self.step_path(step, MANIFEST_NAME))  # uncommitted before shards move
             shards = [self.step_path(step, n) for n in self.step_files(step)
@@ -182,7 +182,7 @@ class SnapshotStore(Storage):
     def write_shard(self, step: int, name: str, data: memoryview, *, durable: bool = True,
                     mid_write: Callable[[], None] | None = None) -> None:
         """Write one shard file of snapshot ``step``, create-only (a shard name is written
-        once), into a spare file when there is one (local stores, ``elastic.spares``)."""
+        once), into a spare file when there is one (local stores, ``elastic.storage.spares``)."""
         spare_dir = self.path(SPARE_DIR) if self.is_local else None
         self.write_file(self.step_path(step, name), data, durable=durable, exclusive=True,
                         mid_write=mid_write, spare_dir=spare_dir)

@@ -334,7 +334,7 @@ def _fake_run(run: str) -> None:
 def test_metrics_writes_leave_no_partial_final_name(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    import elastic.storage_io
+    import elastic.storage.storage_io
 
     _fake_run(str(tmp_path))
     parts = sorted((tmp_path / "metrics").iterdir())
@@ -343,7 +343,7 @@ def test_metrics_writes_leave_no_partial_final_name(
     def crash(*_args: object) -> None:  # the rename never happens: a crash mid-flush
         raise OSError("disk gone")
 
-    monkeypatch.setattr(elastic.storage_io.os, "replace", crash)
+    monkeypatch.setattr(elastic.storage.storage_io.os, "replace", crash)
     writer = MetricsWriter(str(tmp_path))
     writer.add({"kind": "start", "attempt": 1, "step": 3, "world_size": 1, "time": 9.0})
     with pytest.raises(OSError, match="disk gone"):

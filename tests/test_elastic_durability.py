@@ -17,11 +17,11 @@ from typing import Any
 import pytest
 import torch
 
-from elastic import local_files
 from elastic.capture import Captured, ShardImage
 from elastic.layout import Piece
 from elastic.persist import Persister
 from elastic.ram_store import RamTier
+from elastic.storage import local_files
 from elastic.store import SnapshotStore
 
 

@@ -25,7 +25,7 @@ from elastic.format import Manifest
 from elastic.group_read import group_read_tensors
 from elastic.restore import ByteSource, plan_targets, read_tensors
 from elastic.snapshotter import Snapshotter
-from elastic.storage_io import MERGE_HOLE_BYTES, READ_INTO_MAX_WASTE, merge_ranges
+from elastic.storage import MERGE_HOLE_BYTES, READ_INTO_MAX_WASTE, merge_ranges
 from elastic.store import SnapshotStore
 from elastic.testing import build, full_state, run_group, train_step
 

@@ -26,7 +26,7 @@ from elastic.lease import LeaseLostError, RunLease
 from elastic.registry import SnapshotMismatchError
 from elastic.set_aside import restore_quarantined, under_lease
 from elastic.snapshotter import Snapshotter
-from elastic.storage_io import JSONBoundsError
+from elastic.storage import JSONBoundsError
 from elastic.store import SnapshotStore
 from elastic.testing import TrainState, build, full_state, json_state, train_step
 from trainer.cli import main

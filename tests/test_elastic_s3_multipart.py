@@ -1,5 +1,5 @@
-"""Large S3 objects go up as multipart uploads in parallel parts (elastic/s3_multipart.py via
-Storage.write_file): bitwise round trips, a failed part re-sent alone, and a failure mid-upload
+"""Large S3 objects go up as multipart uploads in parallel parts (elastic/storage/s3_multipart.py
+via Storage.write_file): bitwise round trips, a failed part re-sent alone, and a failure mid-upload
 leaves no object, no upload and no commit. Against moto, through the fault-injecting proxy
 (tests/s3_fault_proxy.py) where requests are counted or failed."""
 
@@ -13,12 +13,12 @@ import pytest
 import torch
 from torch import nn
 
-import elastic.storage_io as storage_io
+import elastic.storage.storage_io as storage_io
 from elastic.faults import FaultInjector
 from elastic.registry import StateRegistry
-from elastic.s3_multipart import multipart_etag, part_ranges
 from elastic.snapshotter import Snapshotter
-from elastic.storage_io import Storage
+from elastic.storage import Storage
+from elastic.storage.s3_multipart import multipart_etag, part_ranges
 from elastic.store import SnapshotStore
 
 PART = 5 << 20  # S3's smallest part

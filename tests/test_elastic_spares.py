@@ -1,9 +1,8 @@
-"""Spare shard files (``elastic.spares``): retention keeps a retired snapshot's shards and the
-next snapshots overwrite them instead of allocating new files. Checked: they really are reused,
-``spare/`` stays bounded, every committed snapshot stays whole and the run restores where it
-would have; a crash mid-write into a spare loses nothing committed; a spare is never a way to
-write outside the run or into another name of the same file; writers racing for spares never
-share one."""
+"""Spare shard files (``elastic.storage.spares``): retention keeps a retired snapshot's shards and
+the next snapshots overwrite them instead of allocating new files. Checked: they really are reused,
+``spare/`` stays bounded, every committed snapshot stays whole and the run restores where it would
+have; a crash mid-write into a spare loses nothing committed; a spare is never a way to write
+outside the run or into another name of the same file; writers racing for spares never share one."""
 
 from __future__ import annotations
 
@@ -14,13 +13,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from elastic import spares
 from elastic.catalog import verify
 from elastic.faults import FaultInjector
 from elastic.format import DEFAULT_BLOCK_BYTES
 from elastic.local_coordinator import LocalCoordinator
-from elastic.local_files import LocalFiles
 from elastic.snapshotter import Snapshotter
+from elastic.storage import spares
+from elastic.storage.local_files import LocalFiles
 from elastic.store import SnapshotStore
 from elastic.testing import build, crash_in_child, full_state, restore_fresh, train_step
 

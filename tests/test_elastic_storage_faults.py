@@ -17,7 +17,7 @@ from s3_fault_proxy import S3FaultProxy
 
 from elastic.errors import SnapshotIntegrityError, StorageUnavailableError
 from elastic.format import MANIFEST_NAME
-from elastic.retry import RetryPolicy, call_with_retries, is_transient
+from elastic.storage.retry import RetryPolicy, call_with_retries, is_transient
 from elastic.store import SnapshotStore
 
 DATA = bytes(range(256)) * 64  # 16 KiB, every byte value

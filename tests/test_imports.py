@@ -155,7 +155,7 @@ def test_the_command_line_needs_no_s3_stack() -> None:
             "for name in ('botocore', 's3fs', 'boto3', 'aiobotocore'):\n"
             "    sys.modules[name] = None  # importing it now raises ImportError\n"
             "import trainer.cli, elastic.cli, data_state.cli, trainer.report\n"
-            "from elastic.storage_io import storage_errors\n"
+            "from elastic.storage import storage_errors\n"
             "assert storage_errors() == (OSError,), storage_errors()\n")
     done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True,
                           text=True, timeout=300)

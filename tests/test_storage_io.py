@@ -1,8 +1,8 @@
-"""Baton's one storage layer (``elastic/storage_io.py``): local and S3 behave the same, writes
-are atomic (a crash never leaves a partial file under the final name), create-only writes
-refuse an existing name, reads are exact, near ranges are merged by one constant, S3 requests
-are retried under deadlines (against the fault proxy), and no other module imports
-fsspec/s3fs. Each test states the promise it checks.
+"""Baton's one storage layer (``elastic/storage/storage_io.py``): local and S3 behave the same,
+writes are atomic (a crash never leaves a partial file under the final name), create-only writes
+refuse an existing name, reads are exact, near ranges are merged by one constant, S3 requests are
+retried under deadlines (against the fault proxy), and no other module imports fsspec/s3fs. Each
+test states the promise it checks.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from s3_fault_proxy import S3FaultProxy
 
 from elastic.errors import SnapshotIntegrityError, StorageUnavailableError
 from elastic.lease_io import LEASE_NAME, LeaseConflict, lease_backend
-from elastic.storage_io import (
+from elastic.storage import (
     MAX_SPAN_BYTES,
     MERGE_HOLE_BYTES,
     JSONBoundsError,
@@ -34,8 +34,9 @@ from elastic.storage_io import (
 from elastic.store import SnapshotStore
 
 ROOT = Path(__file__).resolve().parents[1]
-# The storage layer: the only modules that import fsspec (see elastic/storage_io.py).
-LAYER_FILES = {"elastic/storage_io.py", "elastic/s3_files.py", "elastic/local_files.py"}
+# The storage layer: the only modules that import fsspec (see elastic/storage/storage_io.py).
+LAYER_FILES = {"elastic/storage/storage_io.py", "elastic/storage/s3_files.py",
+               "elastic/storage/local_files.py"}
 DATA = bytes(range(256)) * 64  # 16 KiB, every byte value
 
 
@@ -118,7 +119,7 @@ def test_other_schemes_are_refused() -> None:
 
 _CRASH = textwrap.dedent("""
     import os, signal, sys
-    from elastic.storage_io import Storage
+    from elastic.storage import Storage
 
     where, path, phase = sys.argv[1:]
     storage = Storage(where)
@@ -149,7 +150,7 @@ def test_a_crash_before_the_rename_leaves_the_old_file_whole(tmp_path: Path, pha
 
 def test_write_is_fsynced_before_the_rename(tmp_path: Path,
                                             monkeypatch: pytest.MonkeyPatch) -> None:
-    import elastic.local_files as local_files
+    import elastic.storage.local_files as local_files
 
     events: list[str] = []
     real_fsync, real_replace = os.fsync, os.replace
@@ -171,7 +172,7 @@ def test_a_write_is_whole_when_the_kernel_writes_less_per_call(
     temporary file and on the create-only path of a filesystem without hard links."""
     import errno
 
-    import elastic.local_files as local_files
+    import elastic.storage.local_files as local_files
 
     real_pwrite, real_write = os.pwrite, os.write
     monkeypatch.setattr(local_files.os, "pwrite",
@@ -298,40 +299,35 @@ def test_only_the_storage_layer_imports_fsspec_or_s3fs() -> None:
             bare = {n for n in _imported_modules(path) if n.split(".")[0] in ("fsspec", "s3fs")}
             if bare:
                 offenders.append(f"{path.relative_to(ROOT)}: {sorted(bare)}")
-    assert offenders == [], "use elastic.storage_io.Storage instead: " + "; ".join(offenders)
+    assert offenders == [], "use elastic.storage.Storage instead: " + "; ".join(offenders)
 
 
 def test_the_storage_layer_is_a_leaf() -> None:
-    """The layer's modules import from Baton only each other, elastic.errors, elastic.retry,
-    elastic.spares, elastic.s3_multipart, elastic.plain_files and elastic.json_bounds, which
-    import no other Baton module but elastic.errors;
-    data_state imports nothing from elastic but the layer's interface (storage_io);
+    """The layer's modules (``elastic/storage/``) import from Baton only each other;
+    data_state imports nothing from elastic but the layer's face (``elastic.storage``);
     importing the layer loads neither torch nor Ray."""
     baton = ("trainer", "elastic", "sketch_ops", "data_state")
 
     def baton_imports(path: Path) -> set[str]:
         return {n for n in _imported_modules(path) if n.split(".")[0] in baton}
 
-    leaf = ROOT / "elastic"
+    leaf = ROOT / "elastic" / "storage"
+    for path in sorted(leaf.glob("*.py")):
+        outside = {n for n in baton_imports(path) if not n.startswith("elastic.storage.")}
+        assert outside == set(), f"{path.name} imports {outside}"
     assert baton_imports(leaf / "storage_io.py") == {
-        "elastic.byte_ranges", "elastic.json_bounds", "elastic.local_files",
-        "elastic.plain_files", "elastic.retry", "elastic.s3_files", "elastic.s3_multipart"}
-    assert baton_imports(leaf / "s3_files.py") == {"elastic.byte_ranges", "elastic.json_bounds",
-                                                   "elastic.retry", "elastic.s3_multipart"}
-    assert baton_imports(leaf / "local_files.py") == {"elastic.byte_ranges",
-                                                      "elastic.json_bounds",
-                                                      "elastic.plain_files", "elastic.spares"}
-    assert baton_imports(leaf / "spares.py") == set()
-    assert baton_imports(leaf / "plain_files.py") == set()
-    assert baton_imports(leaf / "json_bounds.py") == set()
-    assert baton_imports(leaf / "byte_ranges.py") == {"elastic.errors", "elastic.retry"}
-    assert baton_imports(leaf / "s3_multipart.py") == set()
-    assert baton_imports(leaf / "retry.py") == {"elastic.errors"}
-    assert baton_imports(leaf / "errors.py") == set()
+        "elastic.storage.byte_ranges", "elastic.storage.json_bounds",
+        "elastic.storage.local_files", "elastic.storage.s3_files",
+        "elastic.storage.s3_multipart"}
+    for name in ("spares.py", "plain_files.py", "json_bounds.py", "s3_multipart.py",
+                 "errors.py"):
+        assert baton_imports(leaf / name) == set(), name
+    assert baton_imports(leaf / "retry.py") == {"elastic.storage.errors"}
+    assert baton_imports(leaf / "byte_ranges.py") == {"elastic.storage.errors"}
     for path in sorted((ROOT / "data_state").rglob("*.py")):
         from_elastic = {n for n in baton_imports(path) if n.split(".")[0] == "elastic"}
-        assert from_elastic <= {"elastic.storage_io"}, f"{path.name} imports {from_elastic}"
-    probe = ("import sys, elastic.storage_io; "
+        assert from_elastic <= {"elastic.storage"}, f"{path.name} imports {from_elastic}"
+    probe = ("import sys, elastic.storage; "
              "print(sorted(m for m in ('torch', 'ray', 'elastic.store', 'elastic.registry') "
              "if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", probe], cwd=ROOT, capture_output=True,
@@ -343,7 +339,7 @@ def test_local_remove_tree_tolerates_another_deleter(tmp_path: Path,
                                                     monkeypatch: pytest.MonkeyPatch) -> None:
     # A second coordinator's collection may delete the same snapshot directory: entries that
     # vanish mid-walk are not an error, and what is left is still removed.
-    from elastic.local_files import LocalFiles
+    from elastic.storage.local_files import LocalFiles
 
     files = LocalFiles({})
     tree = tmp_path / "snap"
@@ -370,7 +366,7 @@ def test_local_remove_tree_tolerates_another_deleter(tmp_path: Path,
 
 def test_nothing_below_the_root_is_read_written_or_removed_through_a_link(
         tmp_path: Path) -> None:
-    """One rule in the layer (elastic.plain_files), for every caller: below the root no
+    """One rule in the layer (elastic.storage.plain_files), for every caller: below the root no
     symbolic link is followed, by any operation; the file behind the link is untouched."""
     outside = tmp_path / "outside"
     (outside / "d").mkdir(parents=True)

@@ -26,7 +26,7 @@ from inprocess_fit import InProcessFit
 
 from elastic.format import MANIFEST_NAME, step_dirname
 from elastic.snapshotter import Snapshotter
-from elastic.storage_io import RefusedEntryError
+from elastic.storage import RefusedEntryError
 from elastic.store import SnapshotStore
 from elastic.testing import TrainState, build, full_state, train_step
 from trainer.cli import main

@@ -9,7 +9,7 @@ Contract:
   match its annotation (below), and stores an int given for a float field as a float.
 - `finite_number(value)`: a JSON/TOML number (not bool) that is finite, a huge integer
   included (never `OverflowError`): the check for numbers read from untrusted files. It and
-  `INT64` are the storage layer's number rules (`elastic.json_bounds`), re-exported here.
+  `INT64` are the storage layer's number rules (`elastic.storage.json_bounds`), re-exported here.
 - `describe(value)` is how a wrong value reads in an error; `default_of(obj, name)` is a
   dataclass field's default.
 """
@@ -24,7 +24,7 @@ import types
 import typing
 from typing import Any
 
-from elastic.storage_io import INT64, finite_number
+from elastic.storage import INT64, finite_number
 
 __all__ = ["INT64", "ConfigError", "check_types", "default_of", "describe", "finite_number",
            "require"]

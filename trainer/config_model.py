@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from elastic.storage_io import Storage
+from elastic.storage import Storage
 from trainer.config_checks import ConfigError, check_types, default_of, require
 
 # The values of ModelConfig.mlp_recompute.

@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from elastic.storage_io import absolute_uri
+from elastic.storage import absolute_uri
 from trainer.config_checks import check_types, default_of, require
 
 

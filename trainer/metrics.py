@@ -5,7 +5,7 @@ Contract:
   `step`, `world_size`, `time`) and `step` (one completed optimizer step: `attempt`, `step`,
   `loss`, `val_loss`, `lr`, `tokens_per_s`, `world_size`, `peak_rss_mb`, `time`).
 - `MetricsWriter` buffers records and writes each flush as a new object
-  `RUN/metrics/part-<session>-<seq>.jsonl` through the storage layer (`elastic.storage_io`:
+  `RUN/metrics/part-<session>-<seq>.jsonl` through the storage layer (`elastic.storage.storage_io`:
   local or S3, with its deadlines and retries). Objects are never appended to or
   rewritten, so the same code works on local disk and S3, and a crash loses at most the
   unflushed tail (metrics are not training state: snapshots never depend on them). Each
@@ -29,7 +29,7 @@ import uuid
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from elastic.storage_io import INT64, MAX_JSON_BYTES, RefusedEntryError, Storage, loads_json
+from elastic.storage import INT64, MAX_JSON_BYTES, RefusedEntryError, Storage, loads_json
 
 log = logging.getLogger(__name__)
 
@@ -127,7 +127,7 @@ def read_records(run_uri: str) -> list[dict[str, Any]]:
         if not fnmatch.fnmatchcase(name, "part-*.jsonl"):
             continue
         path = f"{root}/{name}"
-        try:  # a link or a FIFO is refused, not followed or waited on (elastic.storage_io)
+        try:  # a link or a FIFO is refused, not followed or waited on (elastic.storage.storage_io)
             text = io.read_file(path, max_bytes=MAX_PART_BYTES).decode("utf-8")
         except (OSError, ValueError) as err:  # ValueError: too large, not UTF-8
             skipped.append(f"{path.rsplit('/', 1)[-1]} ({type(err).__name__})")

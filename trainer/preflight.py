@@ -29,7 +29,7 @@ import os
 import sys
 from collections.abc import Mapping
 
-from elastic.storage_io import Storage
+from elastic.storage import Storage
 from trainer.config import ConfigError, FitConfig
 
 

@@ -23,7 +23,7 @@ import matplotlib
 matplotlib.use("Agg")  # files only; never needs a display
 import matplotlib.pyplot as plt  # noqa: E402
 
-from elastic.storage_io import Storage, output_problem, storage_errors  # noqa: E402
+from elastic.storage import Storage, output_problem, storage_errors  # noqa: E402
 from trainer.metrics import RunSummary, read_records, summarize  # noqa: E402
 from trainer.terminal import summary_rows  # noqa: E402
 

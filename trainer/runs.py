@@ -77,7 +77,7 @@ def list_runs(directory: str, *, now: float | None = None) -> list[dict[str, Any
     for name in store.listdir(store.root):
         path = store.path(name)
         if name.startswith(".") or not store.isdir(path):
-            continue  # a link is no directory here (elastic.storage_io): a run lies inside DIR
+            continue  # a link is no directory here (elastic.storage): a run lies inside DIR
         run = SnapshotStore(f"{store.run_uri}/{name}")
         if not any(run.exists(run.path(m)) for m in _RUN_MARKERS):
             continue

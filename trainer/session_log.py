@@ -40,7 +40,7 @@ from collections import deque
 from collections.abc import Callable
 from typing import Any
 
-from elastic.storage_io import INT64, finite_number
+from elastic.storage import INT64, finite_number
 from elastic.store import SnapshotStore
 from trainer.config import SCHEDULES, FitConfig
 

@@ -27,7 +27,7 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any, Protocol
 
-from elastic.storage_io import check_below
+from elastic.storage import check_below
 from trainer.config import LoggingConfig
 
 log = logging.getLogger("baton.sinks")

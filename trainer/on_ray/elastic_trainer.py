@@ -115,7 +115,7 @@ def snapshot_checkpoint(run_uri: str) -> ray.train.Checkpoint | None:
         return ray.train.Checkpoint(os.path.abspath(where))
     import pyarrow.fs
 
-    # The endpoint Baton's S3 access uses (elastic.s3_files), for pyarrow's client too.
+    # The endpoint Baton's S3 access uses (elastic.storage.s3_files), for pyarrow's client too.
     endpoint = os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL")
     filesystem = pyarrow.fs.S3FileSystem(endpoint_override=endpoint) if endpoint \
         else pyarrow.fs.S3FileSystem()

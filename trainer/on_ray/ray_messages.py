@@ -15,7 +15,7 @@ On exit everything is put back. Workers' own output is not affected: the driver 
 with `log_to_driver=False`, so it never reaches this terminal; it stays in Ray's session
 logs. `ray_log_path(cfg)` is where a fit's file lives: RUN/<logging.dir>/ray.log for a local
 run directory, the system temp directory for an s3:// run; `root` (`ray_log_root(cfg)`: the
-run directory) is where no link may be on the way to it (`elastic.plain_files.open_append`).
+run directory) is where no link may be on the way to it (`elastic.storage.plain_files.open_append`).
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-from elastic.storage_io import check_below, open_append
+from elastic.storage import check_below, open_append
 from trainer.config import FitConfig
 
 
@@ -52,7 +52,7 @@ def ray_log_path(cfg: FitConfig) -> Path:
 class _FileSink:
     """Appends lines to `path` (created on first use), and tells `notice` once. Nothing on
     the way below `root` (the run directory) may be a link, and `path` must be a regular file
-    (`elastic.plain_files.open_append`: a FIFO there never blocks the driver); where it
+    (`elastic.storage.plain_files.open_append`: a FIFO there never blocks the driver); where it
     cannot be written, the lines go to the terminal, as Ray would have printed them."""
 
     def __init__(self, path: Path, notice: Callable[[str], None], root: Path) -> None:

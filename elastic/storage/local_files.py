@@ -1,14 +1,14 @@
-"""Local files for the storage layer (``elastic.storage_io``): plain calls, atomic writes.
+"""Local files for the storage layer (``elastic.storage.storage_io``): plain calls, atomic writes.
 
 Contract
 --------
-``LocalFiles`` does for paths of the local filesystem what ``elastic.s3_files.S3Files`` does
+``LocalFiles`` does for paths of the local filesystem what ``elastic.storage.s3_files.S3Files`` does
 for S3 objects (same method names; ``Storage`` picks one by its URI and counts the bytes).
 Local calls run once: no deadline, no retries.
 
 * Exact reads: ``read_range`` returns exactly ``end - start`` bytes or raises
-  (``elastic.byte_ranges.short_read``: truncated, definite). ``read_into`` fills caller-owned
-  buffers with ``preadv``, straight into them (no intermediate copy).
+  (``elastic.storage.byte_ranges.short_read``: truncated, definite). ``read_into`` fills
+  caller-owned buffers with ``preadv``, straight into them (no intermediate copy).
 * Atomic writes: ``write`` puts the bytes in ``NAME.tmp-*`` in the same directory, fsyncs
   it, renames it over ``NAME`` and fsyncs the directory (``durable=False`` skips both fsyncs);
   a crash leaves at most a temporary file, never a partial ``NAME``. ``mid_write`` (fault
@@ -17,17 +17,17 @@ Local calls run once: no deadline, no retries.
   ``O_EXCL`` on a filesystem without hard links (there a reader may briefly see a partial
   file). The memory given is written as is (a tensor's memoryview: no copy). With
   ``spare_dir`` the temporary file is a spare claimed from it when there is one
-  (``elastic.spares``: overwritten whole, then fsynced and renamed the same way).
+  (``elastic.storage.spares``: overwritten whole, then fsynced and renamed the same way).
 * ``fsync_dir(directory)`` makes a rename durable (filesystems that refuse are ignored).
-* **Plain entries only** (``elastic.plain_files``): below ``root`` every open, listing,
+* **Plain entries only** (``elastic.storage.plain_files``): below ``root`` every open, listing,
   write, rename and removal refuses a symbolic link on the way (``RefusedEntryError``), and a
   file is opened non-blocking and read only when it is a regular file (a FIFO never blocks);
   ``read_file``'s ``max_bytes`` refuses a longer file before reading it. ``follow=True`` (a
   person's own input files) follows links but still refuses what is not a regular file.
 
 Imports: the standard library, fsspec's local filesystem (removal, copy, listing with
-``follow``), ``elastic.byte_ranges``, ``elastic.json_bounds``, ``elastic.plain_files`` and
-``elastic.spares``.
+``follow``), ``elastic.storage.byte_ranges``, ``elastic.storage.json_bounds``,
+``elastic.storage.plain_files`` and ``elastic.storage.spares``.
 """
 
 from __future__ import annotations
@@ -42,10 +42,10 @@ from typing import Any
 
 import fsspec
 
-from elastic.byte_ranges import short_read
-from elastic.json_bounds import too_large
-from elastic.plain_files import check_below, entry_kind, open_plain
-from elastic.spares import claim as claim_spare
+from elastic.storage.byte_ranges import short_read
+from elastic.storage.json_bounds import too_large
+from elastic.storage.plain_files import check_below, entry_kind, open_plain
+from elastic.storage.spares import claim as claim_spare
 
 _NO_HARD_LINKS = (errno.EPERM, errno.ENOTSUP, errno.EOPNOTSUPP)
 _O_CLOEXEC = getattr(os, "O_CLOEXEC", 0)
@@ -155,7 +155,7 @@ class LocalFiles:
         _make_dirs(directory, durable)
         tmp = f"{path}.tmp-{uuid.uuid4().hex[:8]}"
         try:
-            # A retired shard's file when there is one (elastic.spares), else a new file;
+            # A retired shard's file when there is one (elastic.storage.spares), else a new file;
             # either way overwritten whole from offset 0.
             fd = None if spare_dir is None else claim_spare(spare_dir, tmp)
             if fd is None:

@@ -1,5 +1,5 @@
 """Byte ranges of one stored object: how near ranges merge into one read, and what a short
-read means. Part of the storage layer (``elastic.storage_io``); a leaf like it.
+read means. Part of the storage layer (``elastic.storage.storage_io``); a leaf like it.
 
 Contract
 --------
@@ -11,9 +11,10 @@ Contract
   overlapping ranges merge); ``READ_INTO_MAX_WASTE`` bounds what a restore's reads waste.
 * Exact reads: a read that returned fewer bytes than asked is ``short_read``'s verdict: the
   object ends before the range (``TruncatedError``, a ``SnapshotIntegrityError``: definite,
-  never retried) or the answer was cut short (``elastic.retry.ShortReadError``: transient).
+  never retried) or the answer was cut short (``ShortReadError``: transient); both are
+  defined in ``elastic.storage.errors``.
 
-Imports: the standard library, ``elastic.errors`` and ``elastic.retry`` only.
+Imports: the standard library and ``elastic.storage.errors`` only.
 """
 
 from __future__ import annotations
@@ -22,8 +23,7 @@ import errno
 from collections.abc import Sequence
 from typing import NoReturn
 
-from elastic.errors import SnapshotIntegrityError
-from elastic.retry import ShortReadError
+from elastic.storage.errors import ShortReadError, TruncatedError
 
 # Ranges of one object closer than this are read as one span on S3. An object store charges a
 # fixed latency per request (about 8 ms against the moto server on this machine, tens of ms on
@@ -39,10 +39,6 @@ READ_INTO_MAX_WASTE = 1 / 16
 # One merged span never grows past this (a single range larger than it is read as is), so the
 # memory a merged read holds stays bounded.
 MAX_SPAN_BYTES = 64 << 20
-
-
-class TruncatedError(SnapshotIntegrityError):
-    """An object ends before the bytes asked for: definite, never retried."""
 
 
 def merge_ranges(ranges: Sequence[tuple[int, int]], *, hole_limit: int,

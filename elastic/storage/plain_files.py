@@ -2,7 +2,7 @@
 
 Contract
 --------
-A ``Storage`` (``elastic.storage_io``) is rooted at a run or dataset directory. Below that
+A ``Storage`` (``elastic.storage.storage_io``) is rooted at a run or dataset directory. Below that
 root, everything Baton reads, lists, writes, moves or removes must be what Baton itself puts
 there: regular files in real directories. A symbolic link would make Baton act on another
 run's snapshot or any file the process can reach (P8), and a FIFO or a device would block an

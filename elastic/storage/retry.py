@@ -1,7 +1,7 @@
 """Retry one storage call under a deadline: backoff, and which failures a retry may fix.
 
-A leaf module (it imports only ``elastic.errors``), so it knows nothing of the run
-directory; the storage layer (``elastic.storage_io``) runs every S3 request through it.
+A leaf module (it imports only ``elastic.storage.errors``), so it knows nothing of the run
+directory; the storage layer (``elastic.storage.storage_io``) runs every S3 request through it.
 
 Contract
 --------
@@ -38,7 +38,11 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TypeVar
 
-from elastic.errors import SnapshotIntegrityError, StorageUnavailableError
+from elastic.storage.errors import (
+    ShortReadError,
+    SnapshotIntegrityError,
+    StorageUnavailableError,
+)
 
 T = TypeVar("T")
 
@@ -87,10 +91,6 @@ def call_with_retries(attempt: Callable[[float], T], *, what: str, path: str,
                 f"{policy.clock() - start:.1f}s (deadline {deadline:.1f}s); last error: "
                 f"{type(last).__name__}: {last}") from last
         policy.sleep(pause)
-
-
-class ShortReadError(OSError):
-    """A response carried fewer bytes than asked for an object long enough: transient."""
 
 
 _DEFINITE = (FileNotFoundError, FileExistsError, PermissionError, IsADirectoryError,

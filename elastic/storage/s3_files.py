@@ -1,27 +1,27 @@
-"""S3 objects for the storage layer (``elastic.storage_io``): every request under a deadline,
-retried, never lying about what is there.
+"""S3 objects for the storage layer (``elastic.storage.storage_io``): every request under a
+deadline, retried, never lying about what is there.
 
 Contract
 --------
-``S3Files`` does for ``s3://`` objects what ``elastic.local_files.LocalFiles`` does for local
-paths (same method names; ``Storage`` picks one by its URI and counts the bytes), through one
+``S3Files`` does for ``s3://`` objects what ``elastic.storage.local_files.LocalFiles`` does for
+local paths (same method names; ``Storage`` picks one by its URI and counts the bytes), through one
 s3fs filesystem (``fs``):
 
 * **Settings** come from the standard AWS environment; the endpoint is
   ``AWS_ENDPOINT_URL_S3``, else ``AWS_ENDPOINT_URL``, passed explicitly so that a filesystem
   cached by fsspec for another endpoint is never handed back. Explicit options win.
   Listings are never cached (a cached "not there" would be a lie about a commit).
-* **Deadlines and retries.** Every request runs under ``elastic.retry.call_with_retries``
+* **Deadlines and retries.** Every request runs under ``elastic.storage.retry.call_with_retries``
   (``call``): one attempt gives up after ``timeout_s`` plus ``nbytes / MIN_BYTES_PER_S`` for
   a transfer of known size (fsspec's ``sync(..., timeout=)`` cancels it however the endpoint
   misbehaves); a whole call, retries included, ends within about ``retry_deadline_s`` plus
   the same allowance. botocore's and s3fs's own retry loops are off.
 * **Exact reads.** ``read_file`` is one GET, its length checked against Content-Length (an
   object longer than its ``max_bytes`` refused before the body is read: ``too_large``);
-  ``read_range`` returns exactly the bytes asked for (``elastic.byte_ranges.short_read``
+  ``read_range`` returns exactly the bytes asked for (``elastic.storage.byte_ranges.short_read``
   judges a short answer: truncated object, definite; cut-short response, retried).
 * **Writes.** An object smaller than ``multipart_threshold`` is one ``PUT`` (one ``bytes``
-  copy); a larger one a multipart upload (``elastic.s3_multipart``: parts of ``part_bytes``
+  copy); a larger one a multipart upload (``elastic.storage.s3_multipart``: parts of ``part_bytes``
   sent by ``part_concurrency`` threads, each retried on its own; the object appears at
   completion, a failure aborts it). ``mid_write`` runs after half the parts, or before the
   PUT. ``exclusive``: a HEAD check, then a conditional ``PUT`` (``If-None-Match: *``); a
@@ -31,8 +31,9 @@ s3fs filesystem (``fs``):
 * ``request(what, path, operation, **params)``: one raw S3 API call under the same deadlines
   (a ``get_object`` body read whole inside the attempt), for what fsspec does not expose.
 
-Imports: the standard library, fsspec (s3fs through it), ``elastic.retry``,
-``elastic.s3_multipart``, ``elastic.byte_ranges`` and ``elastic.json_bounds``.
+Imports: the standard library, fsspec (s3fs through it), ``elastic.storage.retry``,
+``elastic.storage.s3_multipart``, ``elastic.storage.byte_ranges`` and
+``elastic.storage.json_bounds``.
 """
 
 from __future__ import annotations
@@ -47,10 +48,10 @@ from typing import Any, TypeVar
 import fsspec
 import fsspec.asyn
 
-from elastic.byte_ranges import short_read
-from elastic.json_bounds import too_large
-from elastic.retry import RetryPolicy, ShortReadError, call_with_retries, http_error
-from elastic.s3_multipart import multipart_upload
+from elastic.storage.byte_ranges import short_read
+from elastic.storage.json_bounds import too_large
+from elastic.storage.retry import RetryPolicy, ShortReadError, call_with_retries, http_error
+from elastic.storage.s3_multipart import multipart_upload
 
 T = TypeVar("T")
 

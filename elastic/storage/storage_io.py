@@ -1,22 +1,7 @@
-"""Baton's one storage layer: local paths and ``s3://`` behind one interface, never lying,
-never hanging.
+"""``Storage``: local paths and ``s3://`` behind one interface, never lying, never hanging.
 
-The layer's modules
--------------------
-* ``elastic.storage_io`` (this one): ``Storage``, the interface every caller uses; it picks
-  the backend by URI, counts what is read and written, and merges ranges.
-* ``elastic.local_files``: local paths (plain calls, atomic fsync'ed writes, ``preadv``).
-* ``elastic.s3_files``: S3 objects (deadlines, retries, conditional and multipart writes).
-* ``elastic.byte_ranges``: how near ranges merge, and what a short read means.
-
-Import rule (kept true by ``tests/test_storage_io.py``): these modules import the standard
-library, fsspec, and from Baton only each other, ``elastic.errors``, ``elastic.retry``,
-``elastic.spares``, ``elastic.s3_multipart``, ``elastic.plain_files`` and
-``elastic.json_bounds`` (which import nothing else of Baton).
-``elastic/__init__`` loads its submodules lazily, so ``import elastic.storage_io`` pulls in
-neither torch nor Ray: that is what lets ``data_state`` use it without depending on the rest of
-``elastic``. No other Baton module imports fsspec or s3fs: every byte Baton stores or loads
-(snapshots, the lease, datasets, metrics, probes) goes through a ``Storage``.
+The interface every caller of the storage layer (``elastic.storage``, whose face lists the
+layer's modules and its import rule) uses.
 
 Contract
 --------
@@ -26,27 +11,27 @@ scheme raises ``ValueError``. ``root`` is ``uri`` as a path of that filesystem (
 and ``path(*parts)`` joins under it; every method takes such a path (URIs stay ``str``: a
 ``Path`` would collapse the ``//`` of ``s3://``). ``fs`` is the fsspec filesystem underneath.
 
-* **S3 settings, deadlines and retries**: see ``elastic.s3_files`` (the AWS environment's
+* **S3 settings, deadlines and retries**: see ``elastic.storage.s3_files`` (the AWS environment's
   endpoint, uncached listings; every request under ``timeout_s`` plus its transfer's
   allowance, retried within ``retry_deadline_s``). Local paths: one plain call, no deadline,
   no retries.
 * **Exact reads.** ``read_range(path, start, end)`` returns exactly ``end - start`` bytes or
   raises: fewer bytes from an object long enough is a transient cut-short response
   (``ShortReadError``, retried on S3); an object that ends before ``end`` is a definite
-  ``elastic.byte_ranges.TruncatedError`` (a ``SnapshotIntegrityError``, never retried).
+  ``elastic.storage.byte_ranges.TruncatedError`` (a ``SnapshotIntegrityError``, never retried).
   ``read_file`` is one GET of a whole (small) object, its length checked (``max_bytes``: a
   longer object is refused before it is read, ``JSONBoundsError``).
 * **Plain entries, bounded JSON: one rule for every caller.** Below ``root`` (a run or dataset
   directory) a local entry is opened, listed, written, moved and removed only when no
   symbolic link is on the way, and read only when it is a regular file, opened non-blocking
-  first (``elastic.plain_files``: a link is ``RefusedEntryError``, an ``OSError``; a FIFO
+  first (``elastic.storage.plain_files``: a link is ``RefusedEntryError``, an ``OSError``; a FIFO
   never blocks). ``read_json(path, where=...)`` is the one way Baton reads a JSON file of a run
   or dataset directory, local or S3: ``read_file`` under a size bound, then
-  ``elastic.json_bounds.loads`` (size, depth, numbers; one-line ``JSONBoundsError``).
+  ``elastic.storage.json_bounds.loads`` (size, depth, numbers; one-line ``JSONBoundsError``).
   ``follow_links=True`` is for a person's own input files (the sources of ``baton data
   prepare``), which may be links, never for a run or dataset directory.
 * **Range merging.** ``read_ranges(path, ranges)`` fetches many ranges of one object with few
-  requests (``elastic.byte_ranges.merge_ranges``); ``hole_limit`` is ``MERGE_HOLE_BYTES`` on
+  requests (``elastic.storage.byte_ranges.merge_ranges``); ``hole_limit`` is ``MERGE_HOLE_BYTES`` on
   S3 and 0 on local disk.
 * **Reads into buffers.** ``read_into(path, [(offset, [buffer, ...]), ...])`` fills
   caller-owned buffers (e.g. the memory of the tensors a restore loads) with exact reads:
@@ -59,12 +44,12 @@ and ``path(*parts)`` joins under it; every method takes such a path (URIs stay `
   bytes on a multipart upload (parts of ``part_bytes``, ``part_concurrency`` at a time, one
   copy per part in flight). ``mid_write`` is a fault-injection hook (after half the bytes).
   ``spare_dir`` (local only): the temporary file is a spare file from that directory when
-  there is one, overwritten whole (``elastic.spares``).
+  there is one, overwritten whole (``elastic.storage.spares``).
 * **Create-only writes** (``exclusive=True``) raise ``FileExistsError`` if the name exists
   (local: a hard link, atomic; S3: a conditional PUT, an ambiguous outcome settled by
   comparing bytes: a concurrent writer of identical content is indistinguishable from us,
   so callers that must tell writers apart put a unique token in the content). Details:
-  ``elastic.local_files`` and ``elastic.s3_files``.
+  ``elastic.storage.local_files`` and ``elastic.storage.s3_files``.
 * **Listing and deleting.** ``listdir`` (names directly under a directory, ``[]`` when it is
   absent), ``find`` (every object below, relative name -> size), ``exists``/``isfile``/
   ``isdir``/``size``, ``remove`` (a missing name is not an error), ``remove_many``,
@@ -73,11 +58,6 @@ and ``path(*parts)`` joins under it; every method takes such a path (URIs stay `
   ``put_object``) under the same deadlines and retries, for callers that need S3 semantics
   fsspec does not expose (the run lease); ``ValueError`` on a local storage.
 * ``stats`` counts reads and writes, so tests can show that a restore touched no storage.
-
-Callers import the layer's names from here (``__all__``: ``TruncatedError``,
-``merge_ranges`` and its constants, ``fsync_dir``, ``storage_errors``, ``RefusedEntryError``,
-``check_below``, ``open_append``, ``output_problem``, ``JSONBoundsError``, ``loads_json`` and
-the number rules too), whichever module defines them.
 """
 
 from __future__ import annotations
@@ -88,32 +68,12 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from elastic.byte_ranges import (
-    MAX_SPAN_BYTES,
-    MERGE_HOLE_BYTES,
-    READ_INTO_MAX_WASTE,
-    TruncatedError,
-    merge_ranges,
-)
-from elastic.json_bounds import (
-    INT64,
-    MAX_JSON_BYTES,
-    JSONBoundsError,
-    finite_number,
-    is_int64,
-)
-from elastic.json_bounds import loads as loads_json
-from elastic.local_files import LocalFiles, fsync_dir
-from elastic.plain_files import RefusedEntryError, check_below, open_append, output_problem
-from elastic.retry import storage_errors
-from elastic.s3_files import S3Files
-from elastic.s3_multipart import MIN_PART_BYTES
-
-# The layer's public names: callers import them from here, whichever module defines them.
-__all__ = ["INT64", "MAX_JSON_BYTES", "MAX_SPAN_BYTES", "MERGE_HOLE_BYTES",
-           "READ_INTO_MAX_WASTE", "IOStats", "JSONBoundsError", "RefusedEntryError", "Storage",
-           "TruncatedError", "check_below", "finite_number", "fsync_dir", "is_int64",
-           "loads_json", "merge_ranges", "open_append", "output_problem", "storage_errors"]
+from elastic.storage.byte_ranges import MERGE_HOLE_BYTES, READ_INTO_MAX_WASTE, merge_ranges
+from elastic.storage.json_bounds import MAX_JSON_BYTES
+from elastic.storage.json_bounds import loads as loads_json
+from elastic.storage.local_files import LocalFiles
+from elastic.storage.s3_files import S3Files
+from elastic.storage.s3_multipart import MIN_PART_BYTES
 
 # S3 objects at least this large go up as multipart uploads, in parts of PART_BYTES sent by
 # PART_CONCURRENCY threads: one S3 connection streams ~50-100 MB/s, so a multi-GB shard needs
@@ -259,7 +219,7 @@ class Storage:
         """Atomically create or replace ``path`` with ``data`` (``exclusive``: create only,
         ``FileExistsError`` if it exists); see "Atomic writes" and "Create-only writes".
         ``spare_dir`` (local stores; S3 has no use for it): reuse a spare file from there
-        (``elastic.spares``)."""
+        (``elastic.storage.spares``)."""
         if isinstance(self._files, LocalFiles):
             self._files.write(path, data, durable=durable, mid_write=mid_write,
                               exclusive=exclusive, spare_dir=spare_dir)

@@ -1,6 +1,6 @@
 """S3 multipart uploads: a large object goes up in parallel parts, and appears whole or not at all.
 
-A leaf of the storage layer: it imports only the standard library. ``elastic.storage_io``
+A leaf of the storage layer: it imports only the standard library. ``elastic.storage.storage_io``
 (the one module that talks to fsspec/s3fs) hands it ``request``, which runs one S3 API call
 on the object under the layer's deadlines and retries (``Storage.s3_request``).
 
