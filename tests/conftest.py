@@ -123,6 +123,9 @@ def fake_fit(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> InProcessFit:
 
     fake = InProcessFit(tmp_dir=str(tmp_path))
     monkeypatch.setattr(trainer.on_ray.ray_fit, "fit", fake)
+    # `baton fit` connects to Ray before its fit thread starts; the stand-in needs no Ray,
+    # and a Ray left running in this test process would outlive the test.
+    monkeypatch.setattr(trainer.on_ray.ray_fit, "connect_ray", lambda: False)
     return fake
 
 
