@@ -207,7 +207,7 @@ import json, math, os, statistics, sys
 import torch
 from safetensors.torch import load_file
 from elastic.catalog import export_model
-from elastic.store import SnapshotStore
+from elastic.store.snapshot_store import SnapshotStore
 from trainer.metrics import read_records
 
 work, steps = sys.argv[1], 16

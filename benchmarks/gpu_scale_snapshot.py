@@ -12,7 +12,7 @@ pinned stager), measures in up to `rounds` rounds, the sides in alternating orde
   capture image; the pipelined capture hides part of it behind forward/backward), persist =
   until the background persist (crc32, write, fsync, commit) is done, restore =
   `Snapshotter.restore`'s data path, in place into the live tensors through pinned staging
-  buffers (`elastic.device_stage`);
+  buffers (`elastic.read.device_stage`);
 - `torch`: `torch.save` + fsync of the state dicts (its own copy off the GPU), then
   `torch.load` + `load_state_dict`;
 - `dcp`: `dcp.async_save` with its pinned-memory `DefaultStager`: until it returns, until its
@@ -41,8 +41,7 @@ from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 from benchmarks.common import alternating, reset_peak_rss, status_bytes
-from elastic.registry import StateRegistry
-from elastic.restore import (
+from elastic.read.restore import (
     ByteSource,
     check_compatible,
     collector_paused,
@@ -50,7 +49,8 @@ from elastic.restore import (
     read_tensors,
 )
 from elastic.snapshotter import Snapshotter
-from elastic.store import SnapshotStore
+from elastic.state.registry import StateRegistry
+from elastic.store.snapshot_store import SnapshotStore
 
 SIDES = ("baton", "torch", "dcp")
 

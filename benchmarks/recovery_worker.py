@@ -88,7 +88,7 @@ def run_baton(cluster: Any, plan: Plan, work: Path, dataset: str, tag: str) -> d
     from safetensors.torch import load_file
 
     from elastic.catalog import export_model
-    from elastic.store import SnapshotStore
+    from elastic.store.snapshot_store import SnapshotStore
     from trainer.metrics import read_records
     from trainer.on_ray.monitor import get_monitor
     from trainer.on_ray.ray_fit import fit

@@ -88,7 +88,7 @@ from benchmarks.snapshot_scale_sides import (
     train_step,
 )
 from elastic.snapshotter import Snapshotter
-from elastic.store import SnapshotStore
+from elastic.store.snapshot_store import SnapshotStore
 
 
 def count_coordinator_bytes(snap: Snapshotter) -> list[int]:

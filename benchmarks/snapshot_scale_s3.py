@@ -16,7 +16,7 @@ import torch
 from benchmarks.common import alternating, moto_s3, timed
 from benchmarks.snapshot_scale_sides import baton_restore, build, torch_restore, train_step
 from elastic.snapshotter import Snapshotter
-from elastic.store import SnapshotStore
+from elastic.store.snapshot_store import SnapshotStore
 
 
 def measure_s3(size: float, rounds: int) -> dict[str, Any]:

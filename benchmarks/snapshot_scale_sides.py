@@ -20,15 +20,15 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import get_state_dict
 
-from elastic.registry import StateRegistry
-from elastic.restore import (
+from elastic.read.restore import (
     ByteSource,
     check_compatible,
     collector_paused,
     plan_targets,
     read_tensors,
 )
-from elastic.store import SnapshotStore
+from elastic.state.registry import StateRegistry
+from elastic.store.snapshot_store import SnapshotStore
 from trainer.config import ModelConfig
 from trainer.model import GPT
 

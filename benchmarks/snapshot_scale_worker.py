@@ -26,7 +26,7 @@ from typing import Any
 
 from benchmarks.common import reset_peak_rss, status_bytes, worker_main
 from benchmarks.snapshot_scale_sides import baton_restore, build, torch_restore, train_step
-from elastic.store import SnapshotStore
+from elastic.store.snapshot_store import SnapshotStore
 
 BUSY_FILE_BYTES, BUSY_WRITE_BYTES = 256 << 20, 8 << 20
 

@@ -39,8 +39,8 @@ import time
 import torch
 
 from benchmarks.common import RESULTS, moto_s3, timed, write_json
-from elastic.registry import StateRegistry
 from elastic.snapshotter import Snapshotter
+from elastic.state.registry import StateRegistry
 from trainer.config import ModelConfig
 from trainer.model import GPT
 

@@ -1,20 +1,32 @@
 """Elastic snapshots: asynchronous, consistent, resharding snapshots of training state.
 
-Public API (see each module's docstring for its contract):
+The face (this package's top-level modules)
+-------------------------------------------
+* ``Snapshotter`` (``snapshotter``): one per worker: capture at step boundaries, persist in
+  the background, restore the newest committed snapshot resharded to this rank's layout.
+* ``PreemptionWatcher`` (``preemption``): SIGTERM / a preemption notice -> a forced snapshot.
+* ``errors``: what a failure means (definite, doubt, fatal) decides what Baton does.
+* ``catalog`` (list, describe, verify, export, copy a shard checked) and ``set_aside``
+  (``rewind``, ``restore_quarantined``): a person's tools over a run's snapshots.
+* ``FaultInjector`` (``faults``), ``collectives``, ``replicas``, ``version``,
+  ``snapshot_ref`` and ``testing``: the small pieces the rooms share, and test helpers.
 
-- ``StateRegistry`` (registry.py): one place for every stateful component, fixed keys.
-- ``Snapshotter`` (snapshotter.py): capture at step boundaries, persist in the background,
-  restore the newest committed snapshot resharded to this rank's layout.
-- ``PreemptionWatcher`` (preemption.py): SIGTERM / Ray preemption notice -> forced snapshot.
-- ``elastic.coordinator`` (the only Ray module): the run's coordinator actor and its client,
-  and the RAM tier's per-node store actors.
-- ``elastic.ram_store``: the RAM tier (peers' stores of shard copies, ring placement).
-- ``FaultInjector`` (faults.py): fault injection keyed by (rank, step, phase) for tests.
-- ``elastic.storage.storage_io``: Baton's one storage layer (local and ``s3://``), a leaf module.
+The rooms, in the order a snapshot passes through them
+------------------------------------------------------
+``write/`` (capture, persist) → ``coord/`` (receipts, commit, generations, garbage
+collection; the Ray actor) → ``read/`` (restore, batched verified reads, the group read),
+over ``lease/`` (one driver per run), ``store/`` (the run directory, the RAM tier),
+``state/`` (the registry, module state, layouts), ``format/`` (records and the checks every
+reader applies) and ``storage/`` (the storage layer, the project's leaf). ``portable/`` is the
+framework-neutral reader and writer of the format. Each room's ``__init__`` states its
+contract and its few public names; ``tests/test_imports.py`` keeps the import order
+(face > write, read, portable > coord > lease > store, state > format > errors and the
+shared pieces > storage).
 
-The on-disk format is described in format.py and docs/snapshot-format.md.
+The on-disk format is described in ``elastic/format/records.py`` and
+docs/snapshot-format.md.
 
-The names above are loaded on first use (PEP 562 ``__getattr__``), never at ``import
+The names below are loaded on first use (PEP 562 ``__getattr__``), never at ``import
 elastic``: so ``import elastic.storage`` (what ``data_state`` does) loads no torch and no
 Ray, and ``data_state`` depends on that leaf alone, not on the rest of ``elastic``.
 """
@@ -25,19 +37,50 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
+    from elastic.errors import (
+        FatalRunError,
+        FencedError,
+        ManifestError,
+        ReplicasDivergedError,
+        RestoreMemoryError,
+        SnapshotIntegrityError,
+        SnapshotMisfitError,
+        StorageUnavailableError,
+    )
     from elastic.faults import FaultInjector
+    from elastic.lease import LeaseHeldError, LeaseLostError, RunLease
     from elastic.preemption import PreemptionWatcher
-    from elastic.registry import StateRegistry
+    from elastic.set_aside import restore_quarantined, rewind
     from elastic.snapshotter import Snapshotter
+    from elastic.state import SnapshotMismatchError, StateRegistry
+    from elastic.store import SnapshotStore
+    from elastic.version import code_version
 
+# Public name -> the module that defines (or exposes) it.
 _LAZY = {
+    "FatalRunError": "elastic.errors",
     "FaultInjector": "elastic.faults",
+    "FencedError": "elastic.errors",
+    "LeaseHeldError": "elastic.lease",
+    "LeaseLostError": "elastic.lease",
+    "ManifestError": "elastic.errors",
     "PreemptionWatcher": "elastic.preemption",
+    "ReplicasDivergedError": "elastic.errors",
+    "RestoreMemoryError": "elastic.errors",
+    "RunLease": "elastic.lease",
+    "SnapshotIntegrityError": "elastic.errors",
+    "SnapshotMismatchError": "elastic.state",
+    "SnapshotMisfitError": "elastic.errors",
+    "SnapshotStore": "elastic.store",
     "Snapshotter": "elastic.snapshotter",
-    "StateRegistry": "elastic.registry",
+    "StateRegistry": "elastic.state",
+    "StorageUnavailableError": "elastic.errors",
+    "code_version": "elastic.version",
+    "restore_quarantined": "elastic.set_aside",
+    "rewind": "elastic.set_aside",
 }
 
-__all__ = ["FaultInjector", "PreemptionWatcher", "Snapshotter", "StateRegistry"]
+__all__ = sorted(_LAZY)
 
 
 def __getattr__(name: str) -> Any:

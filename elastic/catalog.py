@@ -21,10 +21,11 @@ from typing import Any
 import torch
 from safetensors.torch import save_file
 
-from elastic.format import MANIFEST_NAME, Manifest, itemsize, str_to_dtype
-from elastic.layout import Piece, Target
-from elastic.restore import ByteSource, read_tensors
-from elastic.store import SnapshotStore
+from elastic.format.records import MANIFEST_NAME, Manifest, itemsize, str_to_dtype
+from elastic.read.byte_source import ByteSource
+from elastic.read.restore import read_tensors
+from elastic.state.layout import Piece, Target
+from elastic.store.snapshot_store import SnapshotStore
 
 
 def snapshot_rows(store: SnapshotStore) -> list[dict[str, Any]]:

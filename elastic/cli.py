@@ -35,10 +35,10 @@ from collections.abc import Callable
 from safetensors import SafetensorError
 
 from elastic.catalog import describe, export_model, resolve_step, snapshot_rows, verify
-from elastic.lease import LeaseHeldError, LeaseLostError
+from elastic.lease.run_lease import LeaseHeldError, LeaseLostError
 from elastic.snapshot_ref import split_snapshot_dir
 from elastic.storage import output_problem, storage_errors
-from elastic.store import SnapshotStore
+from elastic.store.snapshot_store import SnapshotStore
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:

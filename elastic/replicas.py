@@ -2,7 +2,7 @@
 same (a DDP model, its optimizer moments) is the same on every rank.
 
 Why: a snapshot of replicated state is written in pieces, each by one rank
-(`elastic.layout.owned_pieces`). If the replicas diverged (a model nobody wrapped in DDP, a
+(`elastic.state.layout.owned_pieces`). If the replicas diverged (a model nobody wrapped in DDP, a
 rank-dependent update), the committed snapshot would mix them tensor by tensor — even one
 weight's moments from different ranks — and every checksum would still pass.
 

@@ -6,13 +6,13 @@ A restore never moves a newer committed snapshot aside because it does not fit t
 code (``elastic.snapshotter``: it refuses in one line, naming the newest snapshot, what does
 not fit and the newest one that does). Going back is a person's decision, made here:
 
-* ``rewind(store, to_step)`` (the caller holds the run lease, ``elastic.lease``) first reads
-  and verifies every chunk of committed snapshot ``to_step`` (``elastic.catalog.verify``),
-  then moves every committed snapshot newer than it to ``RUN/quarantine/`` (one rename each,
-  never a delete), each with a ``reason.json`` recording the step rewound to and the first
-  generation that may not be part of their history (the run's ``generation.json`` + 1: the
-  next session's). Returns ``[(step, where)]`` of what was set aside. Refuses in one
-  ``ValueError`` line a step that is not committed, or the newest one (nothing to set aside).
+* ``rewind(store, to_step)`` (the caller holds the run lease, ``elastic.lease.run_lease``) first
+  reads and verifies every chunk of committed snapshot ``to_step`` (``elastic.catalog.verify``),
+  then moves every committed snapshot newer than it to ``RUN/quarantine/`` (one rename each, never a
+  delete), each with a ``reason.json`` recording the step rewound to and the first generation that
+  may not be part of their history (the run's ``generation.json`` + 1: the next session's). Returns
+  ``[(step, where)]`` of what was set aside. Refuses in one ``ValueError`` line a step that is not
+  committed, or the newest one (nothing to set aside).
 * ``restore_quarantined(store, step=None)`` (the caller holds the run lease) moves
   quarantined snapshots (all, or those of ``step``) back into ``snapshots/``, oldest first,
   each only when
@@ -40,10 +40,10 @@ from collections.abc import Iterator
 from typing import Any
 
 from elastic.catalog import verify
-from elastic.format import parse_shard_name
-from elastic.generation import read_generation
-from elastic.lease import LeaseLostError, RunLease
-from elastic.store import SnapshotStore
+from elastic.coord.generation import read_generation
+from elastic.format.records import parse_shard_name
+from elastic.lease.run_lease import LeaseLostError, RunLease
+from elastic.store.snapshot_store import SnapshotStore
 
 
 @contextlib.contextmanager

@@ -23,11 +23,11 @@ the part of the copy that forward/backward did not cover.
 
 Coordinator: ``None`` means in-process (``LocalCoordinator``) for ``world_size == 1`` and a
 store-based receipt exchange (``StoreCoordinator``, rank 0 commits) otherwise; on a Ray
-cluster pass ``elastic.coordinator.RayCoordinatorClient``. All ranks must call the capture
+cluster pass ``elastic.coord.ray_actors.RayCoordinatorClient``. All ranks must call the capture
 methods with the same steps (a step boundary is a consistent cut in synchronous training).
 
-RAM tier (``ram_tier``, ``elastic.ram_store``): where each shard's RAM copy goes and restores
-read from first. On a Ray cluster pass ``elastic.coordinator.ray_ram_tier(...)`` (stores on
+RAM tier (``ram_tier``, ``elastic.store.ram_store``): where each shard's RAM copy goes and restores
+read from first. On a Ray cluster pass ``elastic.coord.ray_actors.ray_ram_tier(...)`` (stores on
 peer nodes); the in-process coordinator of world size 1 gets an in-process store (capped at
 ``ram_cap_bytes``) unless ``ram=False``; store groups have none.
 
@@ -47,7 +47,7 @@ storage gone at that moment) is logged: a failed capture fails its snapshot, not
 
 Restore agreement: when torch.distributed is initialised, ranks agree (all-reduce MAX of a
 verdict) that every rank read and verified the same snapshot before any rank loads it. With
-a process group of this world size the ranks read together (``elastic.group_read``): each
+a process group of this world size the ranks read together (``elastic.read.group_read``): each
 byte the group needs is read and verified by one rank and sent to the others, so a DDP
 restore reads the state once in all, not W times; a failure on any rank fails the read on
 all. A definitely corrupt snapshot is reported by name (``restore_errors``), quarantined by
@@ -57,7 +57,7 @@ not answer, or a rank that cannot allocate what the restore needs (``RestoreMemo
 fails the restore and touches no snapshot. The model's and optimizer's tensors
 are read in place, so a read that fails part-way leaves them unspecified: the next
 snapshot tried overwrites all of them, and a restore that raises is never trained from
-(``elastic.restore``'s rule).
+(``elastic.read.restore``'s rule).
 
 Generations: every worker-group attempt writes under its own generation number (rank 0
 starts it at the coordinator in ``restore()``, the others receive it by broadcast), so a
@@ -74,8 +74,10 @@ from typing import Any, TypeVar
 import torch
 import torch.distributed as dist
 
-from elastic.capture import CaptureHandle, Capturer
 from elastic.collectives import agree_max, broadcast_int, grouped
+from elastic.coord.local_coordinator import LocalCoordinator
+from elastic.coord.protocol import CoordinatorClient
+from elastic.coord.store_coordinator import StoreCoordinator
 from elastic.errors import (
     ReplicasDivergedError,
     RestoreMemoryError,
@@ -84,29 +86,26 @@ from elastic.errors import (
     StorageUnavailableError,
 )
 from elastic.faults import FaultInjector
-from elastic.format import DEFAULT_BLOCK_BYTES, FORMAT_VERSION, LAYOUTS, Manifest
-from elastic.group_read import group_read_tensors
-from elastic.layout import DEFAULT_SPLIT_MIN_BYTES, Target
-from elastic.local_coordinator import LocalCoordinator
-from elastic.manifest_check import parse_manifest
-from elastic.persist import Persister
-from elastic.protocol import CoordinatorClient
-from elastic.ram_store import RamTier, in_process_tier
-from elastic.registry import StateRegistry
-from elastic.replicas import agree as agree_replicas
-from elastic.replicas import divergence_message, fingerprints
-from elastic.restore import (
-    ByteSource,
-    ReadMany,
+from elastic.format.manifest_check import parse_manifest
+from elastic.format.records import DEFAULT_BLOCK_BYTES, FORMAT_VERSION, LAYOUTS, Manifest
+from elastic.read.byte_source import ByteSource, ReadMany
+from elastic.read.group_read import group_read_tensors
+from elastic.read.restore import (
     SnapshotMismatchError,
     check_compatible,
     collector_paused,
     plan_targets,
     read_tensors,
 )
-from elastic.store import SnapshotStore
-from elastic.store_coordinator import StoreCoordinator
+from elastic.replicas import agree as agree_replicas
+from elastic.replicas import divergence_message, fingerprints
+from elastic.state.layout import DEFAULT_SPLIT_MIN_BYTES, Target
+from elastic.state.registry import StateRegistry
+from elastic.store.ram_store import RamTier, in_process_tier
+from elastic.store.snapshot_store import SnapshotStore
 from elastic.version import code_version
+from elastic.write.capture import CaptureHandle, Capturer
+from elastic.write.persist import Persister
 
 log = logging.getLogger("baton.elastic")
 T = TypeVar("T")
@@ -235,7 +234,7 @@ class Snapshotter:
         self.join_generation()
         steps = sorted(self.coordinator.committed_steps(), reverse=True)
         # A group (torch.distributed of this world size) reads each byte once between its
-        # ranks (elastic.group_read); the ranks first agree that every one of them can.
+        # ranks (elastic.read.group_read); the ranks first agree that every one of them can.
         group = self._grouped()
         misfit = ""
         for step in steps:

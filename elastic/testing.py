@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from elastic.registry import StateRegistry, encode_tree
+from elastic.state.registry import StateRegistry, encode_tree
 
 
 class TinyNet(nn.Module):
@@ -219,20 +219,20 @@ def run_group(fn: Callable[..., None], world_size: int, *args: Any, tmp_dir: str
 
 class SnapshotWorker:
     """One training rank as a (Ray actor) object: ``ray.remote(SnapshotWorker)`` in tests.
-    Ray is reached only through ``elastic.coordinator`` (the one Ray module of ``elastic``)."""
+    Ray is reached only through ``elastic.coord.ray_actors`` (the one Ray module of ``elastic``)."""
 
     def __init__(self, run_uri: str, rank: int, world_size: int, coordinator_name: str,
                  namespace: str, seed: int = 5, generation: int | None = None,
                  ballast: int = 0) -> None:
-        import elastic.persist
-        from elastic.coordinator import RayCoordinatorClient, find_coordinator, ray_ram_tier
+        import elastic.write.persist
+        from elastic.coord.ray_actors import RayCoordinatorClient, find_coordinator, ray_ram_tier
         from elastic.snapshotter import Snapshotter
 
         torch.set_num_threads(1)
         # Wait for RAM copies as long as a loaded CI machine may take: these tests assert
         # where the copies are, and a put slower than the default grace leaves a shard
         # storage-only (by design, in a real run).
-        elastic.persist.RAM_GRACE_MIN_S = 20.0
+        elastic.write.persist.RAM_GRACE_MIN_S = 20.0
         self.ts = build(seed=seed)
         if ballast:  # state of ``ballast`` more float32s, the same in every rank and seed
             self.ts.registry.register("ballast", nn.Linear(ballast, 1, bias=False))

@@ -23,7 +23,7 @@ from typing import Any
 import pytest
 import torch
 
-from elastic.store import SnapshotStore
+from elastic.store.snapshot_store import SnapshotStore
 from elastic.testing import run_group
 from trainer.cli import main
 from trainer.config import FitConfig

@@ -9,7 +9,7 @@ import torch
 from safetensors.torch import load_file
 
 from elastic.catalog import export_model
-from elastic.store import SnapshotStore
+from elastic.store.snapshot_store import SnapshotStore
 
 
 def final_state(run: Path, tmp: Path, steps: int) -> dict[str, torch.Tensor]:

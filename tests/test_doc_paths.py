@@ -1,7 +1,7 @@
 """Docstrings, comments and the documents (README, docs/, benchmarks/reports/) name only files
 that exist, and the documents link only to files and headings that exist.
 
-A file named in prose (``elastic/format.py``, ``tests/test_sketch_fusions.py``,
+A file named in prose (``elastic/format/records.py``, ``tests/test_sketch_fusions.py``,
 ``recipes/tiny.toml``) must be in the repository: a name with a directory resolves from the
 repository root, the naming file's directory or its parent; a bare name (``policy.py``)
 matches some file of the repository. Documents a page places outside the repository
@@ -121,10 +121,10 @@ def _missing(path: Path, names: set[str]) -> Iterator[str]:
 
 def test_path_finder_reads_prose_only(tmp_path) -> None:
     module = tmp_path / "m.py"
-    module.write_text('"""See elastic/format.py and nowhere/gone.py."""\n'
+    module.write_text('"""See elastic/format/records.py and nowhere/gone.py."""\n'
                       'X = "not/prose.py"  # but this comment names gone2.py\n')
     found = [ref for _, text in _prose(module) for ref in PATH_RE.findall(text)]
-    assert found == ["elastic/format.py", "nowhere/gone.py", "gone2.py"]
+    assert found == ["elastic/format/records.py", "nowhere/gone.py", "gone2.py"]
     assert PATH_RE.findall("https://x.io/a.py, a.py.bak, `../shared/DESIGN.md`") == [
         "../shared/DESIGN.md"]
 

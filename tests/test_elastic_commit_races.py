@@ -17,14 +17,14 @@ from typing import Any
 
 import pytest
 
-from elastic.commit import CommitCore
+from elastic.coord.commit import CommitCore
+from elastic.coord.local_coordinator import LocalCoordinator
+from elastic.coord.receipts import manifest_from_receipts
 from elastic.errors import StorageUnavailableError
 from elastic.faults import FaultInjector
-from elastic.format import DEFAULT_BLOCK_BYTES, MANIFEST_NAME, chunk_name, shard_filename
-from elastic.local_coordinator import LocalCoordinator
-from elastic.ram_store import RamStore
-from elastic.receipts import manifest_from_receipts
-from elastic.store import SnapshotStore
+from elastic.format.records import DEFAULT_BLOCK_BYTES, MANIFEST_NAME, chunk_name, shard_filename
+from elastic.store.ram_store import RamStore
+from elastic.store.snapshot_store import SnapshotStore
 
 WORLD = 2
 

@@ -17,12 +17,13 @@ import pytest
 import torch
 from torch import nn
 
-from elastic.layout import Piece, Target
-from elastic.ram_store import RamStore
-from elastic.registry import StateRegistry
-from elastic.restore import ByteSource, plan_targets, read_tensors
+from elastic.read.byte_source import ByteSource
+from elastic.read.restore import plan_targets, read_tensors
 from elastic.snapshotter import Snapshotter
-from elastic.store import SnapshotStore
+from elastic.state.layout import Piece, Target
+from elastic.state.registry import StateRegistry
+from elastic.store.ram_store import RamStore
+from elastic.store.snapshot_store import SnapshotStore
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -218,7 +219,7 @@ _RSS_SCRIPT = textwrap.dedent("""
     import torch
     from torch import nn
     sys.path.insert(0, sys.argv[1])
-    from elastic.registry import StateRegistry
+    from elastic.state.registry import StateRegistry
     from elastic.snapshotter import Snapshotter
 
     def rss():
@@ -274,7 +275,7 @@ def test_restore_peak_memory_is_about_one_state(tmp_path) -> None:
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="mincore is Linux's")
 def test_prefault_touches_fresh_pages_and_leaves_resident_ones_alone() -> None:
-    from elastic.prefault import MIN_BYTES, prefault, resident_pages
+    from elastic.read.prefault import MIN_BYTES, prefault, resident_pages
 
     def resident(t: torch.Tensor) -> float:
         pages = resident_pages(t)

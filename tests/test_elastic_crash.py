@@ -16,11 +16,11 @@ import pytest
 import torch
 
 from elastic.catalog import verify
+from elastic.coord.local_coordinator import LocalCoordinator
 from elastic.faults import PHASES, FaultInjector
-from elastic.format import DEFAULT_BLOCK_BYTES
-from elastic.local_coordinator import LocalCoordinator
+from elastic.format.records import DEFAULT_BLOCK_BYTES
 from elastic.snapshotter import Snapshotter
-from elastic.store import SnapshotStore
+from elastic.store.snapshot_store import SnapshotStore
 from elastic.testing import build, crash_in_child, full_state, restore_fresh, train_step
 
 WORKER_PHASES = [p for p in PHASES if not p.startswith("commit")]

@@ -17,12 +17,12 @@ from typing import Any
 import pytest
 import torch
 
-from elastic.capture import Captured, ShardImage
-from elastic.layout import Piece
-from elastic.persist import Persister
-from elastic.ram_store import RamTier
+from elastic.state.layout import Piece
 from elastic.storage import local_files
-from elastic.store import SnapshotStore
+from elastic.store.ram_store import RamTier
+from elastic.store.snapshot_store import SnapshotStore
+from elastic.write.capture import Captured, ShardImage
+from elastic.write.persist import Persister
 
 
 def _fsync_failing_on_directories(code: int) -> Any:

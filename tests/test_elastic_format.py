@@ -14,14 +14,15 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from safetensors import safe_open
 
-from elastic.capture import ShardImage
-from elastic.format import Manifest, TensorRecord, crc32_blocks
-from elastic.layout import Piece, Target, owned_pieces
-from elastic.registry import decode_tree, encode_tree
-from elastic.restore import ByteSource, read_tensors
+from elastic.format.records import Manifest, TensorRecord, crc32_blocks
+from elastic.read.byte_source import ByteSource
+from elastic.read.restore import read_tensors
 from elastic.snapshotter import Snapshotter
-from elastic.store import SnapshotStore
+from elastic.state.layout import Piece, Target, owned_pieces
+from elastic.state.registry import decode_tree, encode_tree
+from elastic.store.snapshot_store import SnapshotStore
 from elastic.testing import build, full_state, train_step
+from elastic.write.capture import ShardImage
 
 
 @settings(max_examples=40, deadline=None)
@@ -160,8 +161,8 @@ def test_capture_keeps_buffers_a_later_forward_reassigns_or_mutates(
     snapshot still holds both buffers as they were when the capture began (P2)."""
     import threading
 
-    from elastic.capture import Capturer
-    from elastic.registry import StateRegistry
+    from elastic.state.registry import StateRegistry
+    from elastic.write.capture import Capturer
 
     net = _CountingNet()
     registry = StateRegistry()
@@ -214,7 +215,7 @@ def test_a_cuda_restore_fills_the_live_tensors_through_pinned_staging(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """On a GPU the restore reads into the live CUDA tensors (same memory before and after)
     through pinned staging buffers; a fresh optimizer's moments are made on the GPU."""
-    import elastic.device_stage as device_stage
+    import elastic.read.device_stage as device_stage
 
     run = str(tmp_path / "run")
     ts = build(seed=2, device="cuda")

@@ -17,14 +17,14 @@ import threading
 import pytest
 import torch
 
+from elastic.coord.generation import GENERATION_NAME
+from elastic.coord.local_coordinator import LocalCoordinator
 from elastic.errors import StorageUnavailableError
 from elastic.faults import FaultInjector
-from elastic.format import DEFAULT_BLOCK_BYTES, MANIFEST_NAME, step_dirname
-from elastic.generation import GENERATION_NAME
-from elastic.local_coordinator import LocalCoordinator
-from elastic.ram_store import RamTier, in_process_tier
+from elastic.format.records import DEFAULT_BLOCK_BYTES, MANIFEST_NAME, step_dirname
 from elastic.snapshotter import Snapshotter
-from elastic.store import SnapshotStore
+from elastic.store.ram_store import RamTier, in_process_tier
+from elastic.store.snapshot_store import SnapshotStore
 from elastic.testing import build, full_state, restore_fresh, train_step
 
 
@@ -175,7 +175,7 @@ def test_a_second_coordinator_fences_the_first(tmp_path) -> None:
 
 
 def test_lease_taken_over_fences_commits(tmp_path) -> None:
-    from elastic.lease import RunLease
+    from elastic.lease.run_lease import RunLease
 
     run = str(tmp_path / "run")
     store = SnapshotStore(run)

@@ -19,14 +19,15 @@ import torch
 import torch.distributed as dist
 from safetensors.torch import load_file, save_file
 
-import elastic.group_read as group_read_module
+import elastic.read.group_read as group_read_module
 import elastic.snapshotter as snapshotter_module
-from elastic.format import Manifest
-from elastic.group_read import group_read_tensors
-from elastic.restore import ByteSource, plan_targets, read_tensors
+from elastic.format.records import Manifest
+from elastic.read.byte_source import ByteSource
+from elastic.read.group_read import group_read_tensors
+from elastic.read.restore import plan_targets, read_tensors
 from elastic.snapshotter import Snapshotter
 from elastic.storage import MERGE_HOLE_BYTES, READ_INTO_MAX_WASTE, merge_ranges
-from elastic.store import SnapshotStore
+from elastic.store.snapshot_store import SnapshotStore
 from elastic.testing import build, full_state, run_group, train_step
 
 BLOCK = 256  # small checksum blocks: TinyNet's tensors span several, as real ones do
@@ -247,8 +248,8 @@ def test_s3_restore_reads_merge_holes_only_up_to_a_sixteenth() -> None:
 
 
 def _settle_rank(rank: int, world_size: int, case: str, out: str) -> None:
-    from elastic import group_read
     from elastic.errors import SnapshotIntegrityError
+    from elastic.read import group_read
 
     errors: dict[int, Exception] = (
         {0: TimeoutError()} if case == "empty message"  # str() == "": a bare deadline

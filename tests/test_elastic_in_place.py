@@ -1,9 +1,8 @@
-"""Restore in place (elastic/restore.py, elastic/device_stage.py): a restore writes into the
-live model and optimizer tensors (same storage before and after), allocates nothing
-state-sized beyond optimizer state that did not exist yet, and a corrupt chunk found mid-restore
-falls back to the previous snapshot bitwise; the staging path a GPU restore takes never lets a
-buffer be read into before its copies ended, and copies nothing of a batch that fails its
-checksums."""
+"""Restore in place (elastic/read/restore.py, elastic/read/device_stage.py): a restore writes into
+the live model and optimizer tensors (same storage before and after), allocates nothing state-sized
+beyond optimizer state that did not exist yet, and a corrupt chunk found mid-restore falls back to
+the previous snapshot bitwise; the staging path a GPU restore takes never lets a buffer be read into
+before its copies ended, and copies nothing of a batch that fails its checksums."""
 
 from __future__ import annotations
 
@@ -19,13 +18,12 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-import elastic.read_batches as read_batches
-from elastic.device_stage import read_staged
+import elastic.read.read_batches as read_batches
 from elastic.errors import SnapshotIntegrityError
-from elastic.format import MANIFEST_NAME, shard_filename, step_dirname
-from elastic.read_batches import place
-from elastic.registry import StateRegistry
-from elastic.restore import (
+from elastic.format.records import MANIFEST_NAME, shard_filename, step_dirname
+from elastic.read.device_stage import read_staged
+from elastic.read.read_batches import place
+from elastic.read.restore import (
     ByteSource,
     allocate,
     check_headers,
@@ -34,7 +32,8 @@ from elastic.restore import (
     read_tensors,
 )
 from elastic.snapshotter import Snapshotter
-from elastic.store import SnapshotStore
+from elastic.state.registry import StateRegistry
+from elastic.store.snapshot_store import SnapshotStore
 
 WIDTH = 128
 

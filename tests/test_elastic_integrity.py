@@ -12,8 +12,8 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file
 
-from elastic.format import MANIFEST_NAME, shard_filename, step_dirname
-from elastic.restore import SnapshotMismatchError
+from elastic.format.records import MANIFEST_NAME, shard_filename, step_dirname
+from elastic.read.restore import SnapshotMismatchError
 from elastic.snapshotter import Snapshotter
 from elastic.testing import TrainState, build, full_state, json_state, train_step
 from trainer.cli import main as baton_main
@@ -119,7 +119,7 @@ def test_different_model_is_a_clear_error(tmp_path) -> None:
     ts.model.extra = torch.nn.Linear(3, 3)  # unexpected-by-snapshot -> missing in snapshot
     ts.model.out = torch.nn.Linear(10, 5)  # shape mismatch
     del ts.model.mid  # present in snapshot -> unexpected
-    from elastic.registry import StateRegistry
+    from elastic.state.registry import StateRegistry
 
     reg = StateRegistry()
     reg.register("model", ts.model)

@@ -16,7 +16,7 @@ from typing import Any
 
 import pytest
 
-from elastic.lease import (
+from elastic.lease.run_lease import (
     LEASE_NAME,
     LeaseHeldError,
     LeaseLostError,
@@ -24,7 +24,7 @@ from elastic.lease import (
     lease_holds,
     ray_job_id_from_env,
 )
-from elastic.store import SnapshotStore
+from elastic.store.snapshot_store import SnapshotStore
 
 T0 = 1_800_000_000.0  # 2027-01-15 08:00:00 UTC
 
@@ -243,7 +243,7 @@ class _Pauses:
 
 
 def test_the_renew_thread_retries_soon_after_a_storage_failure(tmp_path: Path) -> None:
-    from elastic.lease import RENEW_RETRY_S
+    from elastic.lease.run_lease import RENEW_RETRY_S
 
     clock = FakeClock()
     lease = _lease(str(tmp_path / "run"), clock, 101)
@@ -276,8 +276,8 @@ def test_ray_job_id_from_env() -> None:
 
 _HOLD_AND_DIE = """
 import os, sys
-from elastic.lease import RunLease
-from elastic.store import SnapshotStore
+from elastic.lease.run_lease import RunLease
+from elastic.store.snapshot_store import SnapshotStore
 RunLease(SnapshotStore(sys.argv[1])).acquire()
 os._exit(0)  # dies without releasing, as a SIGKILLed driver would
 """
@@ -302,7 +302,7 @@ def test_a_live_holder_hidden_by_hidepid_is_not_taken_over(
     not proof it died (the lease stays held until it expires); a pid that is really gone is."""
     import builtins
 
-    import elastic.lease as lease_module
+    import elastic.lease.run_lease as lease_module
 
     holder = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
     try:

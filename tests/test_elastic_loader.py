@@ -35,7 +35,7 @@ from torch.utils.data import TensorDataset
 from data_state.map_loader import MapStyleLoader
 from elastic.errors import ReplicasDivergedError
 from elastic.replicas import fingerprints
-from elastic.store import SnapshotStore
+from elastic.store.snapshot_store import SnapshotStore
 from elastic.testing import run_group
 from trainer.session import Session, UsageError
 

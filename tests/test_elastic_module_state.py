@@ -1,5 +1,5 @@
 """The registry's model and optimizer state, computed without DCP for a plain or DDP model,
-equal DCP's and load alike (elastic/module_state.py); wrapped and sharded models go through
+equal DCP's and load alike (elastic/state/module_state.py); wrapped and sharded models go through
 DCP."""
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
-from elastic.module_state import ModelState, OptimizerState, plain_prefix
+from elastic.state.module_state import ModelState, OptimizerState, plain_prefix
 from elastic.testing import run_group
 
 

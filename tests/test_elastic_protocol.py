@@ -1,4 +1,4 @@
-"""The coordinator protocol (elastic/protocol.py) is complete and spoken by every coordinator.
+"""The coordinator protocol (elastic/coord/protocol.py) is complete and spoken by every coordinator.
 
 Without Ray: the local and store coordinators define every protocol method with the
 protocol's parameters, and the Ray client forwards exactly the protocol's methods to its
@@ -12,13 +12,13 @@ from typing import Any
 
 import pytest
 
-from elastic.local_coordinator import LocalCoordinator
-from elastic.protocol import PROTOCOL_METHODS, CoordinatorClient
-from elastic.store_coordinator import StoreCoordinator
+from elastic.coord.local_coordinator import LocalCoordinator
+from elastic.coord.protocol import PROTOCOL_METHODS, CoordinatorClient
+from elastic.coord.store_coordinator import StoreCoordinator
 
 
 def _parameters(fn: Any) -> list[tuple[str, Any]]:
-    # Once elastic.coordinator made LocalCoordinator an actor class in this process (any
+    # Once elastic.coord.ray_actors made LocalCoordinator an actor class in this process (any
     # earlier test importing it), Ray's tracing hook shows `_ray_trace_ctx` on its methods.
     return [(p.name, p.default) for p in inspect.signature(fn).parameters.values()
             if p.name not in ("self", "_ray_trace_ctx")]
@@ -55,7 +55,7 @@ class _FakeHandle:
 
 def test_ray_client_forwards_exactly_the_protocol(monkeypatch) -> None:
     ray = pytest.importorskip("ray")
-    from elastic.coordinator import RayCoordinatorClient
+    from elastic.coord.ray_actors import RayCoordinatorClient
 
     monkeypatch.setattr(ray, "get", lambda ref: ("got", ref))
     handle = _FakeHandle()

@@ -1,4 +1,4 @@
-"""The RAM tier without Ray (elastic/ram_store.py): ring placement, the per-node cap, what a
+"""The RAM tier without Ray (elastic/store/ram_store.py): ring placement, the per-node cap, what a
 store keeps, and a coordinator that handles metadata only.
 
 Nodes are in-process ``RamStore`` objects here (the Ray actor is the same class made
@@ -14,14 +14,14 @@ import numpy as np
 import torch
 from torch import nn
 
-from elastic.format import DEFAULT_BLOCK_BYTES, MANIFEST_NAME
-from elastic.local_coordinator import LocalCoordinator
-from elastic.persist import RAM_GRACE_MIN_S
-from elastic.protocol import CoordinatorClient
-from elastic.ram_store import RamStore, RamStoreClient, RamTier, StoreLost, ring_holders
+from elastic.coord.local_coordinator import LocalCoordinator
+from elastic.coord.protocol import CoordinatorClient
+from elastic.format.records import DEFAULT_BLOCK_BYTES, MANIFEST_NAME
 from elastic.snapshotter import Snapshotter
-from elastic.store import SnapshotStore
+from elastic.store.ram_store import RamStore, RamStoreClient, RamTier, StoreLost, ring_holders
+from elastic.store.snapshot_store import SnapshotStore
 from elastic.testing import build, full_state, train_step
+from elastic.write.persist import RAM_GRACE_MIN_S
 
 # ------------------------------------------------------------------------------ placement
 

@@ -30,9 +30,9 @@ BALLAST = 1 << 20  # 4 MiB of extra state, so the state dwarfs the receipts
 def test_coordinator_restart_node_loss_and_ram_restore(tmp_path) -> None:
     from ray.cluster_utils import Cluster
 
-    from elastic.coordinator import NAMESPACE, coordinator_name, get_or_create_coordinator
-    from elastic.ram_store import ring_holders
-    from elastic.store import SnapshotStore
+    from elastic.coord.ray_actors import NAMESPACE, coordinator_name, get_or_create_coordinator
+    from elastic.store.ram_store import ring_holders
+    from elastic.store.snapshot_store import SnapshotStore
     from elastic.testing import SnapshotWorker, build, full_state, train_step
 
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")

@@ -1,4 +1,4 @@
-"""Parallel verified reads (elastic/read_batches.py): a tensor larger than a batch is cut into
+"""Parallel verified reads (elastic/read/read_batches.py): a tensor larger than a batch is cut into
 block-aligned pieces verified on several threads (and, from a local store, read by them);
 every byte still lands once, bitwise, counted once, and a corrupt block anywhere is found and
 named."""
@@ -13,14 +13,15 @@ import pytest
 import torch
 from torch import nn
 
-import elastic.read_batches as read_batches
+import elastic.read.read_batches as read_batches
 from elastic.errors import SnapshotIntegrityError
-from elastic.layout import Piece, Target
-from elastic.read_batches import ReadOp, place, split_direct
-from elastic.registry import StateRegistry
-from elastic.restore import ByteSource, plan_targets, read_tensors
+from elastic.read.byte_source import ByteSource
+from elastic.read.read_batches import ReadOp, place, split_direct
+from elastic.read.restore import plan_targets, read_tensors
 from elastic.snapshotter import Snapshotter
-from elastic.store import SnapshotStore
+from elastic.state.layout import Piece, Target
+from elastic.state.registry import StateRegistry
+from elastic.store.snapshot_store import SnapshotStore
 
 BLOCK = 1024
 

@@ -1,4 +1,4 @@
-"""`elastic.receipts.manifest_from_receipts`: the checks between "every rank reported" and the
+"""`elastic.coord.receipts.manifest_from_receipts`: the checks between "every rank reported" and the
 commit. Each broken receipt set must raise (the step is then aborted, never committed); a
 whole one becomes the manifest the restore reads."""
 
@@ -10,8 +10,8 @@ from typing import Any
 
 import pytest
 
-from elastic.format import Manifest, shard_filename
-from elastic.receipts import manifest_from_receipts
+from elastic.coord.receipts import manifest_from_receipts
+from elastic.format.records import Manifest, shard_filename
 
 STEP, WORLD, GENERATION = 7, 2, 3
 

@@ -23,9 +23,9 @@ from torch import nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 
 from elastic.errors import SnapshotMisfitError
-from elastic.registry import SnapshotMismatchError, StateRegistry
 from elastic.snapshotter import Snapshotter
-from elastic.store import SnapshotStore
+from elastic.state.registry import SnapshotMismatchError, StateRegistry
+from elastic.store.snapshot_store import SnapshotStore
 from elastic.testing import Cursor, build, full_state, train_step
 
 
@@ -163,7 +163,7 @@ def test_a_worker_short_of_memory_quarantines_nothing(tmp_path: Path, monkeypatc
     the worker's shortage, not the snapshots' fault. Restore raises one line naming it on
     every snapshot's behalf, nothing is quarantined or rewound, and once memory is there the
     newest snapshot restores bitwise (P7: doubt never destroys)."""
-    import elastic.restore as restore_module
+    import elastic.read.restore as restore_module
     from elastic.errors import RestoreMemoryError
 
     run = str(tmp_path / "run")

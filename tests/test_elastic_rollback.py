@@ -20,14 +20,14 @@ from typing import Any
 import pytest
 import torch
 
-from elastic.format import MAX_GENERATION, step_dirname
-from elastic.generation import GENERATION_NAME, read_generation
-from elastic.lease import LeaseLostError, RunLease
-from elastic.registry import SnapshotMismatchError
+from elastic.coord.generation import GENERATION_NAME, read_generation
+from elastic.format.records import MAX_GENERATION, step_dirname
+from elastic.lease.run_lease import LeaseLostError, RunLease
 from elastic.set_aside import restore_quarantined, under_lease
 from elastic.snapshotter import Snapshotter
+from elastic.state.registry import SnapshotMismatchError
 from elastic.storage import JSONBoundsError
-from elastic.store import SnapshotStore
+from elastic.store.snapshot_store import SnapshotStore
 from elastic.testing import TrainState, build, full_state, json_state, train_step
 from trainer.cli import main
 

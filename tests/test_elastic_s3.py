@@ -14,7 +14,7 @@ import torch
 
 from elastic.faults import FaultInjector
 from elastic.snapshotter import Snapshotter
-from elastic.store import SnapshotStore
+from elastic.store.snapshot_store import SnapshotStore
 from elastic.testing import build, full_state, train_step
 from trainer.cli import main as baton_main
 

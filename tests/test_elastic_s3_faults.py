@@ -16,7 +16,7 @@ import torch
 
 from elastic.errors import StorageUnavailableError
 from elastic.snapshotter import Snapshotter
-from elastic.store import SnapshotStore
+from elastic.store.snapshot_store import SnapshotStore
 from elastic.testing import build, full_state, train_step
 
 

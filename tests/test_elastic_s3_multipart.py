@@ -15,11 +15,11 @@ from torch import nn
 
 import elastic.storage.storage_io as storage_io
 from elastic.faults import FaultInjector
-from elastic.registry import StateRegistry
 from elastic.snapshotter import Snapshotter
+from elastic.state.registry import StateRegistry
 from elastic.storage import Storage
 from elastic.storage.s3_multipart import multipart_etag, part_ranges
-from elastic.store import SnapshotStore
+from elastic.store.snapshot_store import SnapshotStore
 
 PART = 5 << 20  # S3's smallest part
 

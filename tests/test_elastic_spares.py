@@ -14,13 +14,13 @@ import pytest
 import torch
 
 from elastic.catalog import verify
+from elastic.coord.local_coordinator import LocalCoordinator
 from elastic.faults import FaultInjector
-from elastic.format import DEFAULT_BLOCK_BYTES
-from elastic.local_coordinator import LocalCoordinator
+from elastic.format.records import DEFAULT_BLOCK_BYTES
 from elastic.snapshotter import Snapshotter
 from elastic.storage import spares
 from elastic.storage.local_files import LocalFiles
-from elastic.store import SnapshotStore
+from elastic.store.snapshot_store import SnapshotStore
 from elastic.testing import build, crash_in_child, full_state, restore_fresh, train_step
 
 

@@ -16,9 +16,9 @@ import pytest
 from s3_fault_proxy import S3FaultProxy
 
 from elastic.errors import SnapshotIntegrityError, StorageUnavailableError
-from elastic.format import MANIFEST_NAME
+from elastic.format.records import MANIFEST_NAME
 from elastic.storage.retry import RetryPolicy, call_with_retries, is_transient
-from elastic.store import SnapshotStore
+from elastic.store.snapshot_store import SnapshotStore
 
 DATA = bytes(range(256)) * 64  # 16 KiB, every byte value
 

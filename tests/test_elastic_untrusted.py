@@ -24,7 +24,8 @@ import torch
 
 from elastic.catalog import export_model, verify
 from elastic.errors import ManifestError, SnapshotIntegrityError
-from elastic.format import (
+from elastic.format.manifest_check import parse_manifest
+from elastic.format.records import (
     MANIFEST_NAME,
     MAX_HEADER_BYTES,
     ChunkRecord,
@@ -34,9 +35,7 @@ from elastic.format import (
     shard_filename,
     step_dirname,
 )
-from elastic.manifest_check import parse_manifest
-from elastic.registry import SnapshotMismatchError
-from elastic.restore import (
+from elastic.read.restore import (
     ByteSource,
     check_compatible,
     check_headers,
@@ -44,7 +43,8 @@ from elastic.restore import (
     read_tensors,
 )
 from elastic.snapshotter import Snapshotter
-from elastic.store import SnapshotStore
+from elastic.state.registry import SnapshotMismatchError
+from elastic.store.snapshot_store import SnapshotStore
 from elastic.testing import TrainState, build, full_state, json_state, train_step
 from trainer.cli import main as baton_main
 

@@ -205,7 +205,7 @@ def _train_llama(rank: int, world_size: int, run: str, dataset: str, dtype: str,
 def _check_resumed(tmp_path: Path, whole: Path, resumed: Path, dtype: str) -> None:
     """The stopped-and-continued run ends where the whole run ends; fp32 snapshots; fp16's
     loss scaler in them."""
-    from elastic.store import SnapshotStore
+    from elastic.store.snapshot_store import SnapshotStore
 
     a, b = final_state(whole, tmp_path, STEPS), final_state(resumed, tmp_path, STEPS)
     assert a.keys() == b.keys()

@@ -33,7 +33,7 @@ from data_state.dataset import TokenDataset
 from data_state.loader import ResumableLoader
 from elastic.catalog import verify
 from elastic.portable import PortableRun
-from elastic.store import SnapshotStore
+from elastic.store.snapshot_store import SnapshotStore
 from trainer.config import OptimConfig, load_recipe
 from trainer.loop import WorkerEnv, run_worker
 from trainer.on_jax import JaxTrainState, load_train_state, save_train_state

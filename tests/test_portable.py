@@ -33,13 +33,13 @@ import torch.distributed as dist
 from test_elastic_untrusted import _chunk, _edit, _shard, _snapdir, pristine, run  # noqa: F401
 
 from elastic.catalog import verify
+from elastic.coord.generation import read_generation
 from elastic.errors import ManifestError, SnapshotIntegrityError
-from elastic.format import MANIFEST_NAME, crc32_blocks
-from elastic.generation import read_generation
-from elastic.lease import LeaseHeldError, RunLease
+from elastic.format.records import MANIFEST_NAME, crc32_blocks
+from elastic.lease.run_lease import LeaseHeldError, RunLease
 from elastic.portable import PortableRun, write_snapshot
 from elastic.snapshotter import Snapshotter
-from elastic.store import SnapshotStore
+from elastic.store.snapshot_store import SnapshotStore
 from elastic.testing import build, full_state, json_state, run_group, train_step
 from trainer.cli import main as baton_main
 

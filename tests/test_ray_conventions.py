@@ -19,7 +19,7 @@ import torch
 from safetensors.torch import load_file
 from torch import nn
 
-from elastic.store import SnapshotStore
+from elastic.store.snapshot_store import SnapshotStore
 from trainer.cli import main as baton_main
 from trainer.fork import parse_source
 from trainer.session import Session, UsageError

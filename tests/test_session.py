@@ -18,10 +18,10 @@ from torch import nn
 from torch.utils.data import TensorDataset
 
 from data_state.map_loader import MapStyleLoader
+from elastic.coord.local_coordinator import LocalCoordinator
 from elastic.errors import FatalRunError
-from elastic.format import DEFAULT_BLOCK_BYTES
-from elastic.local_coordinator import LocalCoordinator
-from elastic.store import SnapshotStore
+from elastic.format.records import DEFAULT_BLOCK_BYTES
+from elastic.store.snapshot_store import SnapshotStore
 from elastic.testing import run_group
 from trainer.session import PreemptedError, Session
 

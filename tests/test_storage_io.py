@@ -21,7 +21,7 @@ import pytest
 from s3_fault_proxy import S3FaultProxy
 
 from elastic.errors import SnapshotIntegrityError, StorageUnavailableError
-from elastic.lease_io import LEASE_NAME, LeaseConflict, lease_backend
+from elastic.lease.lease_io import LEASE_NAME, LeaseConflict, lease_backend
 from elastic.storage import (
     MAX_SPAN_BYTES,
     MERGE_HOLE_BYTES,
@@ -31,7 +31,7 @@ from elastic.storage import (
     TruncatedError,
     merge_ranges,
 )
-from elastic.store import SnapshotStore
+from elastic.store.snapshot_store import SnapshotStore
 
 ROOT = Path(__file__).resolve().parents[1]
 # The storage layer: the only modules that import fsspec (see elastic/storage/storage_io.py).
@@ -328,7 +328,7 @@ def test_the_storage_layer_is_a_leaf() -> None:
         from_elastic = {n for n in baton_imports(path) if n.split(".")[0] == "elastic"}
         assert from_elastic <= {"elastic.storage"}, f"{path.name} imports {from_elastic}"
     probe = ("import sys, elastic.storage; "
-             "print(sorted(m for m in ('torch', 'ray', 'elastic.store', 'elastic.registry') "
+             "print(sorted(m for m in ('torch', 'ray', 'elastic.store', 'elastic.state') "
              "if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", probe], cwd=ROOT, capture_output=True,
                          text=True, timeout=120, check=True).stdout.strip()

@@ -36,7 +36,7 @@ from ray_harness import (
     start_head,
 )
 
-from elastic.store import SnapshotStore
+from elastic.store.snapshot_store import SnapshotStore
 from trainer.metrics import read_records, summarize
 
 WORKER_TYPE = "gpu_spot_worker"

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from elastic.store import SnapshotStore
+from elastic.store.snapshot_store import SnapshotStore
 from trainer.cli import main
 
 ROOT = Path(__file__).resolve().parents[1]

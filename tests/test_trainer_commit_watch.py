@@ -14,9 +14,9 @@ from typing import Any
 import pytest
 from snapshot_compare import assert_same_state, final_state
 
-from elastic.format import DEFAULT_BLOCK_BYTES
-from elastic.local_coordinator import LocalCoordinator
-from elastic.store import SnapshotStore
+from elastic.coord.local_coordinator import LocalCoordinator
+from elastic.format.records import DEFAULT_BLOCK_BYTES
+from elastic.store.snapshot_store import SnapshotStore
 from trainer.commit_watch import STALE_INTERVALS, CommitWatch, final_commit_error
 from trainer.config import load_recipe
 from trainer.loop import WorkerEnv, run_worker

@@ -28,7 +28,7 @@ import pytest
 import ray
 from snapshot_compare import assert_same_state, final_state
 
-from elastic.store import SnapshotStore
+from elastic.store.snapshot_store import SnapshotStore
 from trainer.config import load_recipe
 from trainer.metrics import read_records
 from trainer.on_ray.local_cluster import LocalCluster

@@ -35,7 +35,7 @@ from ray.train.v2.api.data_parallel_trainer import DataParallelTrainer
 from ray.train.v2.api.exceptions import WorkerGroupError
 
 from elastic.errors import FatalRunError, StorageUnavailableError
-from elastic.store import SnapshotStore
+from elastic.store.snapshot_store import SnapshotStore
 from elastic.version import code_version, package_dirs, package_version, source_digest
 from trainer.config import FitConfig, ScalingSettings, load_recipe
 from trainer.loop import WorkerEnv, dataset_errors_are_fatal, run_worker

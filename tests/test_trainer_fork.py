@@ -20,8 +20,8 @@ from safetensors.torch import load_file
 from snapshot_compare import assert_same_state, final_state
 
 from elastic.catalog import export_model
-from elastic.lease import RunLease
-from elastic.store import SnapshotStore
+from elastic.lease.run_lease import RunLease
+from elastic.store.snapshot_store import SnapshotStore
 from trainer.cli import main
 from trainer.config import load_recipe
 from trainer.metrics import read_records

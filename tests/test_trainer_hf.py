@@ -21,7 +21,7 @@ pytest.importorskip("transformers")
 
 from elastic.catalog import export_model  # noqa: E402
 from elastic.errors import FatalRunError  # noqa: E402
-from elastic.store import SnapshotStore  # noqa: E402
+from elastic.store.snapshot_store import SnapshotStore  # noqa: E402
 from elastic.testing import run_group  # noqa: E402
 from trainer.cli import main  # noqa: E402
 from trainer.config import ConfigError, load_recipe  # noqa: E402

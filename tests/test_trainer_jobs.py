@@ -28,7 +28,7 @@ from ray_harness import (
     start_head,
 )
 
-from elastic.store import SnapshotStore
+from elastic.store.snapshot_store import SnapshotStore
 from trainer.metrics import read_records, summarize
 
 # What a job uploads: the source tree, not environments, caches or run outputs.

@@ -13,7 +13,7 @@ import pytest
 import torch
 from snapshot_compare import assert_same_state, final_state
 
-from elastic.store import SnapshotStore
+from elastic.store.snapshot_store import SnapshotStore
 from elastic.testing import run_group
 from trainer.config import load_recipe
 from trainer.loop import WorkerEnv, run_worker

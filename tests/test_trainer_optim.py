@@ -16,7 +16,7 @@ import torch
 from snapshot_compare import assert_same_state, final_state
 
 from elastic.errors import FatalRunError
-from elastic.store import SnapshotStore
+from elastic.store.snapshot_store import SnapshotStore
 from elastic.testing import run_group
 from trainer.cli import main
 from trainer.config import FitConfig, OptimConfig, load_recipe
@@ -119,7 +119,7 @@ def test_plain_sgd_state_is_read_without_an_optimizer_step() -> None:
     param groups instead, its parameters named exactly as DCP names them."""
     from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 
-    from elastic.module_state import OptimizerState
+    from elastic.state.module_state import OptimizerState
 
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.ReLU(), torch.nn.Linear(3, 2))

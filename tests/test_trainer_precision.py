@@ -21,7 +21,7 @@ import torch
 from snapshot_compare import final_state, relative_difference
 
 import trainer.loop
-from elastic.store import SnapshotStore
+from elastic.store.snapshot_store import SnapshotStore
 from elastic.testing import run_group
 from trainer.config import PRECISIONS, ConfigError, load_recipe
 from trainer.loop import WorkerEnv, run_worker

@@ -22,7 +22,7 @@ from inprocess_fit import InProcessFit, train_worker
 from inprocess_fit import baton as _baton
 from snapshot_compare import assert_same_state, final_state
 
-from elastic.store import SnapshotStore
+from elastic.store.snapshot_store import SnapshotStore
 from trainer.cli import main
 from trainer.config import load_recipe
 from trainer.metrics import read_records
@@ -143,7 +143,7 @@ def test_python_api_accepts_a_schedule_change_with_accept_schedule(
     with pytest.raises(RunDirError, match="accept_schedule"):
         check_run_dir(cfg)
     # Not while a driver holds the run: its session entry is its own to close.
-    from elastic.lease import LeaseHeldError, RunLease
+    from elastic.lease.run_lease import LeaseHeldError, RunLease
 
     store = SnapshotStore(str(run))
     before = read_sessions(store)

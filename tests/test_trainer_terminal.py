@@ -109,7 +109,7 @@ def test_optimizer_state_is_read_from_the_manifest_state() -> None:
     """On the JSON state a snapshot's manifest stores (the registry's skeletons)."""
     import torch
 
-    from elastic.registry import StateRegistry
+    from elastic.state.registry import StateRegistry
 
     model = torch.nn.Linear(3, 2)
     optimizer = torch.optim.AdamW(model.parameters())

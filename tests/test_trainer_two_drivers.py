@@ -17,8 +17,8 @@ from pathlib import Path
 import pytest
 from ray_harness import ROOT, RayHead, ray_client_env, start_head
 
-from elastic.lease import LEASE_NAME, LeaseHeldError, RunLease
-from elastic.store import SnapshotStore
+from elastic.lease.run_lease import LEASE_NAME, LeaseHeldError, RunLease
+from elastic.store.snapshot_store import SnapshotStore
 from trainer.config import load_recipe
 
 BATON = str(Path(sys.executable).with_name("baton"))

@@ -24,10 +24,10 @@ import pytest
 import torch
 from inprocess_fit import InProcessFit
 
-from elastic.format import MANIFEST_NAME, step_dirname
+from elastic.format.records import MANIFEST_NAME, step_dirname
 from elastic.snapshotter import Snapshotter
 from elastic.storage import RefusedEntryError
-from elastic.store import SnapshotStore
+from elastic.store.snapshot_store import SnapshotStore
 from elastic.testing import TrainState, build, full_state, train_step
 from trainer.cli import main
 from trainer.metrics import MetricsWriter, read_records

@@ -2,14 +2,13 @@
 
 Contract: bad recipes, overrides and run directories exit with code 2 and one line naming
 the field and the fix, before Ray starts; so does a run directory whose lease another live
-driver holds (`elastic.lease`; `--force-takeover` takes it anyway); a run that gives up (an
-error no restart can fix, or `scaling.max_failures` restarts) exits with code 1 and one
-line, `error: <the worker's message> (after N restarts)`; `fit` shows a progress bar with
-ETA on a terminal (one plain line per second elsewhere: step/total, loss, tokens/s, workers,
-last commit, ETA), each restart as one event line, Ray's own messages in RUN/logs/ray.log
-(`trainer.terminal`, `trainer.on_ray.monitor.RunFeed`, `trainer.on_ray.ray_messages`),
-and a summary with formatted numbers at the end; `report` writes a PNG and prints the summary
-table.
+driver holds (`elastic.lease.run_lease`; `--force-takeover` takes it anyway); a run that gives up
+(an error no restart can fix, or `scaling.max_failures` restarts) exits with code 1 and one line,
+`error: <the worker's message> (after N restarts)`; `fit` shows a progress bar with ETA on a
+terminal (one plain line per second elsewhere: step/total, loss, tokens/s, workers, last commit,
+ETA), each restart as one event line, Ray's own messages in RUN/logs/ray.log (`trainer.terminal`,
+`trainer.on_ray.monitor.RunFeed`, `trainer.on_ray.ray_messages`), and a summary with formatted
+numbers at the end; `report` writes a PNG and prints the summary table.
 
 Sessions (`trainer.session_log`): `--until STEP` and `--time-limit 2h30m` end the session
 early with that step committed, exit 0 and print `stopped at step N; continue with: <the
@@ -178,8 +177,8 @@ def _cmd_fit(args: argparse.Namespace) -> int:
     except (ConfigError, RunDirError, ValueError) as err:
         console.print(f"[red]error:[/red] {escape(one_line(err))}")
         return 2
-    from elastic.lease import LeaseHeldError, LeaseLostError, RunLease
-    from elastic.store import SnapshotStore
+    from elastic.lease.run_lease import LeaseHeldError, LeaseLostError, RunLease
+    from elastic.store.snapshot_store import SnapshotStore
 
     # One driver per run directory: take the lease before Ray starts (and before importing
     # it), so a second driver fails in a second instead of after a cluster start-up.

@@ -8,7 +8,7 @@ Contract:
   the lease and before Ray; each failure is one `RunDirError` (a `ValueError`) line naming the
   field or flag and the fix:
   * the source run exists and `step` is one of its committed snapshots (its manifest is
-    parsed and validated as untrusted input, `elastic.manifest_check`);
+    parsed and validated as untrusted input, `elastic.format.manifest_check`);
   * the new run directory (`cfg.snapshots.run_uri`) holds no run (no `run.json`, snapshots,
     session log or `generation.json`; a prepared `data/` or a released lease may be there),
     or only what a fork killed before its commit left (`interrupted_fork`: a `run.json` with
@@ -51,10 +51,10 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from elastic.format import Manifest, crc32_blocks, parse_header
-from elastic.generation import GENERATION_NAME
+from elastic.coord.generation import GENERATION_NAME
+from elastic.format.records import Manifest, crc32_blocks, parse_header
 from elastic.snapshot_ref import split_snapshot_dir
-from elastic.store import SnapshotStore
+from elastic.store.snapshot_store import SnapshotStore
 from trainer.config import FitConfig
 from trainer.optim import optimizer_change
 from trainer.preflight import dataset_fingerprint, with_dataset_vocab
@@ -339,7 +339,7 @@ def make_fork(plan: ForkPlan, cfg: FitConfig) -> ForkResult:
 
 
 def _run_info(versions: dict[str, str]) -> dict[str, Any]:
-    from elastic.format import FORMAT_VERSION
+    from elastic.format.records import FORMAT_VERSION
 
     return {"format_version": FORMAT_VERSION, **versions}
 

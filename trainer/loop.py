@@ -41,8 +41,8 @@ from torch import nn
 
 from data_state import Microbatch, ResumableLoader, TokenDataset
 from data_state.manifest import DatasetError
+from elastic.coord.protocol import CoordinatorClient
 from elastic.errors import FatalRunError
-from elastic.protocol import CoordinatorClient
 from sketch_ops import sketch_model, sketch_seed
 from trainer.config import ConfigError, FitConfig
 from trainer.hf import build_hf_model, causal_lm_loss, dataset_vocab_size

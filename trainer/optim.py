@@ -9,7 +9,7 @@ Contract:
     same update as a whole one). On CPU the per-parameter loop, as torch itself defaults to
     there: the fused and foreach kernels are built for GPUs, and on CPU foreach only adds a
     list of temporaries per step without a speed-up.
-  * `sgd`: `momentum` (0: plain SGD, which keeps no optimizer state; `elastic.registry`
+  * `sgd`: `momentum` (0: plain SGD, which keeps no optimizer state; `elastic.state.registry`
     snapshots its param groups alone), `nesterov` (needs momentum); weight decay is SGD's
     own (L2, added to the gradient).
   * `adafactor`: `torch.optim.Adafactor` (factored second moments: a row and a column
@@ -19,7 +19,7 @@ Contract:
   `factory` (the Python API's `FitConfig.optimizer_factory`) replaces all of that: it is
   called with the (wrapped) model and must return a `torch.optim.Optimizer`, else
   `ConfigError` naming `optimizer_factory`. Whatever optimizer is built, its whole state goes
-  into the snapshot (`elastic.registry`, keyed by parameter name) and reshards; a stateless
+  into the snapshot (`elastic.state.registry`, keyed by parameter name) and reshards; a stateless
   one (e.g. SGD without momentum) has only its param groups there.
 - `lr_at(cfg, total_steps, step)` is the learning rate of `step` (0-based: the update that
   completes step `step + 1`): linear warmup over `warmup_steps` to `lr`, then per

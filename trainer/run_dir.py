@@ -43,8 +43,8 @@ import logging
 import uuid
 from typing import Any
 
-from elastic.generation import GENERATION_NAME
-from elastic.store import SnapshotStore
+from elastic.coord.generation import GENERATION_NAME
+from elastic.store.snapshot_store import SnapshotStore
 from trainer.config import ConfigError, FitConfig, hf_source_field, raw_hf_config
 from trainer.optim import optimizer_change
 from trainer.preflight import (

@@ -25,7 +25,7 @@ import sys
 import time
 from typing import Any
 
-from elastic.store import SnapshotStore
+from elastic.store.snapshot_store import SnapshotStore
 from trainer.session_log import SESSIONS_NAME, read_sessions
 
 _RUN_MARKERS = ("run.json", "snapshots", SESSIONS_NAME)
@@ -126,7 +126,7 @@ def _last_loss(run_uri: str) -> float | None:
 
 def _lease(run: SnapshotStore, now: float) -> str:
     """"live", "dead" (left behind by a driver that is gone or stopped renewing) or "none"."""
-    from elastic.lease import RunLease, holder_is_dead
+    from elastic.lease.run_lease import RunLease, holder_is_dead
 
     try:
         record = RunLease(run).read()

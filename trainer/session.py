@@ -86,11 +86,11 @@ import torch
 from torch import nn
 
 from data_state import ResumableLoader
+from elastic.coord.protocol import CoordinatorClient
 from elastic.errors import FatalRunError, SnapshotIntegrityError
 from elastic.preemption import PreemptionNotice, PreemptionWatcher
-from elastic.protocol import CoordinatorClient
-from elastic.registry import SnapshotMismatchError, StateRegistry
 from elastic.snapshotter import Snapshotter
+from elastic.state.registry import SnapshotMismatchError, StateRegistry
 from trainer import session_setup as setup
 from trainer.config import SnapshotConfig
 from trainer.parallel import unwrapped

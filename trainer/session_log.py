@@ -41,7 +41,7 @@ from collections.abc import Callable
 from typing import Any
 
 from elastic.storage import INT64, finite_number
-from elastic.store import SnapshotStore
+from elastic.store.snapshot_store import SnapshotStore
 from trainer.config import SCHEDULES, FitConfig
 
 log = logging.getLogger("baton.sessions")
@@ -205,7 +205,7 @@ def accept_schedule(cfg: FitConfig) -> str:
     """Python API twin of `baton fit --reschedule`: record the recipe's schedule as the run's
     from its newest committed step, so `trainer.fit(cfg)` continues with it; returns what the
     schedule does from there (one line)."""
-    from elastic.lease import RunLease
+    from elastic.lease.run_lease import RunLease
     from trainer.optim import describe_schedule
 
     store = SnapshotStore(cfg.snapshots.run_uri)

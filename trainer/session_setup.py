@@ -34,11 +34,11 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from elastic.coord.protocol import CoordinatorClient
 from elastic.errors import FatalRunError
-from elastic.protocol import CoordinatorClient
-from elastic.ram_store import RamTier
 from elastic.snapshot_ref import checkpoint_uri, split_snapshot_dir
-from elastic.store import SnapshotStore
+from elastic.store.ram_store import RamTier
+from elastic.store.snapshot_store import SnapshotStore
 from trainer.config import SnapshotConfig
 from trainer.parallel import parallelism_of
 

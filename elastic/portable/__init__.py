@@ -14,9 +14,9 @@ Modules:
 - ``arrays``: safetensors dtype names <-> numpy, ``decode_state``.
 
 Every check is the PyTorch path's own: the manifest is validated by
-``elastic.manifest_check``, the files by ``elastic.chunk_checks``, a manifest to commit by
-``elastic.receipts``. Importing this package loads no torch (``tests/test_portable.py``
-checks it in a fresh interpreter).
+``elastic.format.manifest_check``, the files by ``elastic.format.chunk_checks``, a manifest to
+commit by ``elastic.coord.receipts``. Importing this package loads no torch
+(``tests/test_portable.py`` checks it in a fresh interpreter).
 """
 
 from __future__ import annotations

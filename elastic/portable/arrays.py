@@ -3,7 +3,7 @@
 Contract
 --------
 * ``numpy_dtype(name)``: the little-endian numpy dtype of a safetensors dtype name the format
-  allows (``elastic.format.DTYPE_NAMES``). ``BF16`` has no numpy dtype: it is
+  allows (``elastic.format.records.DTYPE_NAMES``). ``BF16`` has no numpy dtype: it is
   ``ml_dtypes.bfloat16`` (installed with JAX); without ml_dtypes a BF16 tensor is refused in
   one line naming the tensor and the fix.
 * ``dtype_name(dtype)``: the inverse, for the writer; an unsupported dtype (complex, uint16,
@@ -11,8 +11,8 @@ Contract
 * ``decode_state(tree, tensors)``: a manifest's ``state`` (or one component of it) with every
   ``{"__tensor__": key}`` replaced by ``tensors[key]``, ``{"__tuple__": [...]}`` by a tuple and
   ``{"__items__": [[k, v], ...]}`` by a dict with non-string keys (the tags
-  ``elastic.registry`` writes). The tree was checked by ``elastic.manifest_check`` when the
-  manifest was parsed; nothing in it is executed.
+  ``elastic.state.registry`` writes). The tree was checked by ``elastic.format.manifest_check`` when
+  the manifest was parsed; nothing in it is executed.
 
 numpy only: no torch.
 """
@@ -25,7 +25,7 @@ from typing import Any
 import numpy as np
 
 from elastic.errors import ManifestError
-from elastic.format import ITEMS_TAG, TENSOR_TAG, TUPLE_TAG
+from elastic.format.records import ITEMS_TAG, TENSOR_TAG, TUPLE_TAG
 
 # Explicit little-endian: safetensors stores every element little-endian.
 _NUMPY: dict[str, str] = {"F64": "<f8", "F32": "<f4", "F16": "<f2", "I64": "<i8", "I32": "<i4",

@@ -3,17 +3,18 @@
 Contract
 --------
 ``PortableRun(run_uri, storage_options=None)`` opens a run directory (local path or
-``s3://bucket/prefix/run``) through Baton's storage layer (``elastic.store.SnapshotStore``):
+``s3://bucket/prefix/run``) through Baton's storage layer
+(``elastic.store.snapshot_store.SnapshotStore``):
 
 * ``committed_steps()``: the committed snapshots (those with a ``manifest.json``), ascending;
   ``newest()`` the last one (``ValueError`` naming the run when there is none).
-* ``manifest(step)``: the parsed manifest, validated by ``elastic.manifest_check`` (the one
+* ``manifest(step)``: the parsed manifest, validated by ``elastic.format.manifest_check`` (the one
   set of checks every reader applies; P8).
 * ``read(step=None, keys=None)`` -> ``Snapshot``: the logical (unsharded) tensors named by
   ``keys`` (default: all), each assembled from its chunks into one C-contiguous numpy array,
   and the JSON ``state``. Before any tensor byte is read, every used shard file passes the
   shard-file rule and every used chunk is compared with its file's safetensors header
-  (``elastic.chunk_checks``); every byte read is verified against the manifest's crc32
+  (``elastic.format.chunk_checks``); every byte read is verified against the manifest's crc32
   blocks. A failure is ``SnapshotIntegrityError`` (``ManifestError`` for a malformed or unsafe
   snapshot), one line naming the snapshot and the field, file, chunk or block; nothing is
   returned then. Nothing is unpickled or executed.
@@ -38,16 +39,16 @@ from typing import Any
 
 import numpy as np
 
-from elastic.chunk_checks import (
+from elastic.errors import SnapshotIntegrityError
+from elastic.format.chunk_checks import (
     check_headers,
     check_shard_file,
     snapshot_label,
     verify_blocks,
 )
-from elastic.errors import SnapshotIntegrityError
-from elastic.format import ChunkRecord, Manifest, SafetensorsHeader
+from elastic.format.records import ChunkRecord, Manifest, SafetensorsHeader
 from elastic.portable.arrays import decode_state, numpy_dtype
-from elastic.store import SnapshotStore
+from elastic.store.snapshot_store import SnapshotStore
 
 
 @dataclass

@@ -6,25 +6,25 @@ Contract
 lease_ttl_s=60.0)`` commits snapshot ``step`` of the run at ``run_uri`` holding ``tensors``
 (logical key -> numpy array, keys ``<component>.<name>``) and ``state`` (component -> JSON
 skeleton whose ``{"__tensor__": key}`` leaves reference every tensor exactly once, as
-``elastic.registry`` writes it), and returns its ``Manifest``. It follows the run's rules for
+``elastic.state.registry`` writes it), and returns its ``Manifest``. It follows the run's rules for
 writers (P3, P7):
 
-* **One writer.** It takes the run lease (``elastic.lease.RunLease``) for the duration of the
-  write and releases it after. A live Baton driver holding the lease makes it refuse
-  (``LeaseHeldError``, one line naming the holder): stop that driver first. A lease left by a
-  dead holder on this host is taken over as a driver would.
+* **One writer.** It takes the run lease (``elastic.lease.run_lease.RunLease``) for the duration of
+  the write and releases it after. A live Baton driver holding the lease makes it refuse
+  (``LeaseHeldError``, one line naming the holder): stop that driver first. A lease left by a dead
+  holder on this host is taken over as a driver would.
 * **A generation of its own.** It starts a new worker-group generation (``generation.json``
   + 1), so its shard file ``shard-00000-of-00001-gNNNNNN.safetensors`` is a name no other
   writer uses, written create-only.
 * **The manifest last, create-only.** The manifest is built from a receipt by
-  ``elastic.receipts.manifest_from_receipts`` — the coordinator's own checks, which include
+  ``elastic.coord.receipts.manifest_from_receipts`` — the coordinator's own checks, which include
   every check a restore makes of a manifest — and written with an exclusive create after the
-  fencing check (``elastic.generation.fencing_reason``: no newer generation started and the
+  fencing check (``elastic.coord.generation.fencing_reason``: no newer generation started and the
   lease still ours). A step that is already committed, or that is not newer than the newest
   committed step, is refused (``ValueError``): a committed snapshot is never overwritten, and
   restore would never pick an older one.
 * On any failure before the commit, the files of its generation are removed
-  (``elastic.generation.delete_generation_files``); nothing else is touched.
+  (``elastic.coord.collect.delete_generation_files``); nothing else is touched.
 
 One shard, one chunk per tensor, layout ``ddp``, world size 1: any world size and layout
 restores it (restore reshards). The shard is built in memory (its size in bytes); arrays of
@@ -39,8 +39,11 @@ from typing import Any
 
 import numpy as np
 
+from elastic.coord.collect import delete_generation_files, remove_failed_manifest
+from elastic.coord.generation import fencing_reason, read_generation, write_generation
+from elastic.coord.receipts import manifest_from_receipts
 from elastic.errors import FencedError
-from elastic.format import (
+from elastic.format.records import (
     DEFAULT_BLOCK_BYTES,
     FORMAT_VERSION,
     ChunkRecord,
@@ -51,17 +54,9 @@ from elastic.format import (
     crc32_blocks,
     shard_filename,
 )
-from elastic.generation import (
-    delete_generation_files,
-    fencing_reason,
-    read_generation,
-    remove_failed_manifest,
-    write_generation,
-)
-from elastic.lease import RunLease
+from elastic.lease.run_lease import RunLease
 from elastic.portable.arrays import dtype_name
-from elastic.receipts import manifest_from_receipts
-from elastic.store import SnapshotStore
+from elastic.store.snapshot_store import SnapshotStore
 from elastic.version import code_version
 
 

@@ -46,7 +46,7 @@ import numpy as np
 import optax
 
 from data_state.loader import ResumableLoader
-from elastic.format import TENSOR_TAG, Manifest
+from elastic.format.records import TENSOR_TAG, Manifest
 from elastic.portable import PortableRun, Snapshot, write_snapshot
 from trainer.config_train import OptimConfig
 from trainer.on_jax.layout_map import LayoutMap

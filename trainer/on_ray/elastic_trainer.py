@@ -11,10 +11,10 @@ Contract:
 - It is `trainer.on_ray.scaling.BatonTorchTrainer` (Ray Train's `TorchTrainer` whose restarts
   after a node loss go straight to the size the live nodes hold, whose `FatalRunError`s fail the run
   once, whose `fit()` raises a one-line `RunFailedError`) with, around `fit()`:
-  * the run lease (`elastic.lease.RunLease`): acquired (`force_takeover` takes it from a live
-    driver) and released when not passed in; renewed during the fit either way. A lease
-    taken over meanwhile raises `LeaseLostError` (its commits were refused);
-  * the run's coordinator actor (`elastic.coordinator.get_or_create_coordinator`, one per run
+  * the run lease (`elastic.lease.run_lease.RunLease`): acquired (`force_takeover` takes it from a
+    live driver) and released when not passed in; renewed during the fit either way. A lease taken
+    over meanwhile raises `LeaseLostError` (its commits were refused);
+  * the run's coordinator actor (`elastic.coord.ray_actors.get_or_create_coordinator`, one per run
     and lease), kept alive until `fit()` returns; `trainer.coordinator` is its handle
     meanwhile, `trainer.health` its final `health()`;
   * `trainer.on_ray.resize.SnapshotBeforeResize` added to `run_config.callbacks` (a planned resize
@@ -56,8 +56,8 @@ import ray.train
 from ray.train.v2.api.config import RunConfig, ScalingConfig
 
 from elastic.errors import FatalRunError
-from elastic.lease import LeaseLostError, RunLease
-from elastic.store import SnapshotStore
+from elastic.lease.run_lease import LeaseLostError, RunLease
+from elastic.store.snapshot_store import SnapshotStore
 from elastic.version import code_version
 from trainer.config import SnapshotConfig
 from trainer.on_ray.resize import SnapshotBeforeResize
@@ -194,7 +194,7 @@ class ElasticTorchTrainer(BatonTorchTrainer):
         return result
 
     def _fit_leased(self, lease: RunLease) -> Any:
-        from elastic.coordinator import get_or_create_coordinator, release_ram_stores
+        from elastic.coord.ray_actors import get_or_create_coordinator, release_ram_stores
 
         if not ray.is_initialized():
             ray.init()
@@ -244,7 +244,7 @@ class ElasticTorchTrainer(BatonTorchTrainer):
         lease_token = self._lease_token
 
         def train_func_in_session_context() -> Any:
-            from elastic.coordinator import (
+            from elastic.coord.ray_actors import (
                 RayCoordinatorClient,
                 get_or_create_coordinator,
                 ray_ram_tier,

@@ -45,9 +45,9 @@ import ray.train
 from ray.train.torch import TorchConfig
 from ray.train.v2.api.config import FailureConfig, RunConfig, ScalingConfig
 
-from elastic.coordinator import HEAD_NODE_RESOURCES
-from elastic.lease import LeaseLostError, RunLease
-from elastic.store import SnapshotStore
+from elastic.coord.ray_actors import HEAD_NODE_RESOURCES
+from elastic.lease.run_lease import LeaseLostError, RunLease
+from elastic.store.snapshot_store import SnapshotStore
 from trainer.commit_watch import CommitWatch, FinalCommitError, final_commit_error
 from trainer.config import FitConfig
 from trainer.loop import WorkerEnv, run_worker
@@ -179,16 +179,15 @@ def fit(
     use it so that node losses and additions land mid-run on a fast machine.
     `record_samples` adds each step's global sample indices to the metrics (a data audit:
     tests check that every sample of an epoch was trained exactly once over committed steps).
-    `lease`: the run lease this driver holds (`elastic.lease`); when None, fit acquires one
-    (`force_takeover` takes it even from a live driver) and releases it at the end, so the
-    Python API is one-driver-per-run too. A lease passed in is renewed during the fit and
-    left to its owner to release. Raises `LeaseHeldError` when another driver holds the run,
+    `lease`: the run lease this driver holds (`elastic.lease.run_lease`); when None, fit acquires
+    one (`force_takeover` takes it even from a live driver) and releases it at the end, so the
+    Python API is one-driver-per-run too. A lease passed in is renewed during the fit and left to
+    its owner to release. Raises `LeaseHeldError` when another driver holds the run,
     `LeaseLostError` when the lease was taken over during the fit (its commits were refused).
-    `until`: stop after that step; `stop`: once set (Ctrl-C, a time limit), stop at the next
-    step boundary. Either way the workers commit a snapshot of the step they stopped at and
-    end normally; `FitResult.stopped_at` is that step (None when the run reached
-    `config.steps`). With `stop`, the caller owns SIGINT (Ray Train's abort handler is not
-    installed).
+    `until`: stop after that step; `stop`: once set (Ctrl-C, a time limit), stop at the next step
+    boundary. Either way the workers commit a snapshot of the step they stopped at and end normally;
+    `FitResult.stopped_at` is that step (None when the run reached `config.steps`). With `stop`, the
+    caller owns SIGINT (Ray Train's abort handler is not installed).
     """
     resumed_from = check_run_dir(config)
     own_lease = lease is None

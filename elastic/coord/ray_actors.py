@@ -7,13 +7,13 @@ Contract
 node (the ``node:__internal_head__`` resource, as Ray's own state actor does) with
 ``max_restarts=-1``. The actor is ``LocalCoordinator`` itself made remote (threaded, so a
 slow store never blocks a poll): all protocol logic (generations, receipts, commit,
-fencing, GC, abort, quarantine, rebuild-from-store) lives in ``elastic.commit`` and is
+fencing, GC, abort, quarantine, rebuild-from-store) lives in ``elastic.coord.commit`` and is
 tested without Ray. When the actor restarts it rebuilds its view from the store (no
 committed snapshot is lost) and its RAM index from the run's live stores (below).
 
 The RAM copies of the newest snapshot live on peers, not on the head: one ``RamStore``
 actor per node and run (``get_or_create_ram_store``: ``baton-ram-<run>-<node>``, the very
-class of ``elastic.ram_store`` made remote, pinned to its node with a hard node affinity,
+class of ``elastic.store.ram_store`` made remote, pinned to its node with a hard node affinity,
 detached so that it outlives the worker that created it, gone with its node). A worker's
 ``ray_ram_tier`` puts its shard into the stores of the next nodes on the ring
 (``snapshots.ram_replicas``) and reads ranges from whichever store the coordinator names.
@@ -26,7 +26,7 @@ the answers (``LocalCoordinator.recover_ram_index``), so restores after the rest
 read peer copies; a store that is gone or silent is left out (its files: storage).
 
 ``RayCoordinatorClient(handle)`` is what a worker passes to ``Snapshotter(coordinator=...)``:
-a proxy that forwards the protocol's methods (``elastic.protocol.PROTOCOL_METHODS``) to the
+a proxy that forwards the protocol's methods (``elastic.coord.protocol.PROTOCOL_METHODS``) to the
 actor; type checkers see it as a ``CoordinatorClient`` through its ``__getattr__``.
 """
 
@@ -42,10 +42,10 @@ import numpy as np
 import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-from elastic.format import DEFAULT_BLOCK_BYTES
-from elastic.local_coordinator import LocalCoordinator
-from elastic.protocol import PROTOCOL_METHODS
-from elastic.ram_store import (
+from elastic.coord.local_coordinator import LocalCoordinator
+from elastic.coord.protocol import PROTOCOL_METHODS
+from elastic.format.records import DEFAULT_BLOCK_BYTES
+from elastic.store.ram_store import (
     PutWaiter,
     RamStore,
     RamStoreClient,
@@ -53,7 +53,7 @@ from elastic.ram_store import (
     Requests,
     StoreLost,
 )
-from elastic.store import SnapshotStore
+from elastic.store.snapshot_store import SnapshotStore
 
 log = logging.getLogger("baton.elastic")
 
@@ -149,7 +149,7 @@ def find_coordinator(name: str, namespace: str = NAMESPACE) -> ray.actor.ActorHa
 
 
 class RayCoordinatorClient:
-    """The worker side of the coordinator protocol (``elastic.protocol``) over the actor.
+    """The worker side of the coordinator protocol (``elastic.coord.protocol``) over the actor.
 
     A generic proxy: each protocol method is ``ray.get(handle.<method>.remote(...))`` on the
     actor, which is ``LocalCoordinator`` itself, so there is no second copy of the
@@ -168,7 +168,7 @@ class RayCoordinatorClient:
         # Only reached for names not found normally (so never for handle, poll, flush).
         if name not in RayCoordinatorClient._FORWARDED:
             raise AttributeError(f"{type(self).__name__} has no attribute {name!r} "
-                                 "(not a method of elastic.protocol.CoordinatorClient)")
+                                 "(not a method of elastic.coord.protocol.CoordinatorClient)")
         remote_method = getattr(self.handle, name)
 
         def call(*args: Any, **kwargs: Any) -> Any:
@@ -272,7 +272,7 @@ def release_ram_stores(run_uri: str, lease_token: str | None = None) -> int:
 
 
 class RayRamStoreClient:
-    """``elastic.ram_store.RamStoreClient`` over a store actor: a dead actor (its node
+    """``elastic.store.ram_store.RamStoreClient`` over a store actor: a dead actor (its node
     lost) or an unschedulable one is ``StoreLost``, so callers fall back to storage."""
 
     def __init__(self, handle: ray.actor.ActorHandle) -> None:
@@ -332,7 +332,7 @@ def ray_ram_tier(run_uri: str, *, cap_bytes: int | None, replicas: int = 1,
 
     node = ray.get_runtime_context().get_node_id()
     # One copy into the object store per shard, whatever ``replicas``: every store of the
-    # ring is sent its reference (elastic.ram_store: how the bytes travel).
+    # ring is sent its reference (elastic.store.ram_store: how the bytes travel).
     tier = RamTier(node, live_nodes, store_on, replicas=replicas, share=ray.put)
     tier.prepare()  # the stores start while this worker restores and trains its first steps
     return tier

@@ -19,7 +19,7 @@ or S3 this thread reads the batches in order and the pool verifies them meanwhil
 direct op is cut into batch-sized pieces (``split_direct``), so one tensor's blocks are read
 and verified in parallel. It returns only once nothing writes into the tensors any
 more. It reads each op once: callers that must not read a byte twice
-(``elastic.group_read``) plan ops that do not overlap. Values are copied bitwise; nothing
+(``elastic.read.group_read``) plan ops that do not overlap. Values are copied bitwise; nothing
 is ever unpickled.
 """
 
@@ -27,21 +27,15 @@ from __future__ import annotations
 
 import operator
 import os
-import warnings
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING
 
 import torch
 
-# snapshot_label is re-exported: elastic.restore and elastic.group_read take it from here.
-from elastic.chunk_checks import snapshot_label as snapshot_label
-from elastic.chunk_checks import verify_blocks
-from elastic.format import ChunkRecord, Manifest
-from elastic.layout import Target
-
-if TYPE_CHECKING:
-    from elastic.restore import ByteSource
+from elastic.format.chunk_checks import verify_blocks
+from elastic.format.records import ChunkRecord, Manifest
+from elastic.read.byte_source import ByteSource
+from elastic.state.layout import Target
 
 # Reads are issued in batches of about this many bytes: it bounds each staging buffer (partial
 # checksum blocks, whole chunks a resharded target needs a part of) and what one call to the
@@ -57,8 +51,6 @@ VERIFY_THREADS = max(1, min(4, len(os.sched_getaffinity(0)) if hasattr(os, "sche
 # so the crc32 reads bytes the kernel has just copied while they are still in the CPU's
 # cache: 0.37 GB read + verified on one thread in 47 ms in 32 MiB pieces, 38.5 ms in 1-4 MiB.
 VERIFY_PIECE_BYTES = 4 << 20
-# Copies of at least this many bytes go through torch (``copy_bytes``).
-TORCH_COPY_MIN_BYTES = 1 << 20
 
 
 @dataclass(frozen=True)
@@ -244,18 +236,6 @@ def verify_pool() -> ThreadPoolExecutor:
         _POOL.append(ThreadPoolExecutor(max_workers=VERIFY_THREADS,
                                         thread_name_prefix="baton-verify"))
     return _POOL[0]
-
-
-def copy_bytes(dst: memoryview, src: memoryview) -> None:
-    """``dst[:] = src`` (same length); large copies through torch, which uses the process's
-    threads (a 32 MiB copy: 21 GB/s on this 2-core machine against the memoryview's 14)."""
-    if len(dst) < TORCH_COPY_MIN_BYTES:
-        dst[:] = src
-        return
-    with warnings.catch_warnings():  # a source from the RAM tier may be read-only
-        warnings.simplefilter("ignore", UserWarning)
-        source = torch.frombuffer(src, dtype=torch.uint8)
-    torch.frombuffer(dst, dtype=torch.uint8).copy_(source)
 
 
 def copy_staged(p: Placed, raw: memoryview) -> None:

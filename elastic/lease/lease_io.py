@@ -20,7 +20,7 @@ ETag; local disk: the bytes themselves) and writes only on that version:
 * ``honours_conditions()`` says whether the store enforces these conditions (local disk:
   always; S3: a probe write, below).
 * This module only moves bytes: what a record means (tokens, expiry, who may take over) is
-  ``elastic.lease``'s.
+  ``elastic.lease.run_lease``'s.
 
 Atomicity
 ---------
@@ -45,7 +45,7 @@ Atomicity
   check refuses its manifests from the moment the file changed.
 * Stores without conditional writes (S3-compatible servers that ignore ``If-None-Match`` /
   ``If-Match``): detected once per lease by a probe write (a second ``If-None-Match: *`` PUT
-  of a scratch object that must fail; ``elastic.lease`` logs a warning); the lease is then
+  of a scratch object that must fail; ``elastic.lease.run_lease`` logs a warning); the lease is then
   *advisory*. Every operation still re-reads the lease and compares tokens first, so a driver
   notices a takeover at its next renew, and ``lease_holds`` still fences manifests; but two
   drivers whose acquires (or takeovers) interleave within one request round trip can both
@@ -61,7 +61,7 @@ from collections.abc import Iterator
 from typing import Any, Protocol
 
 from elastic.storage import RefusedEntryError
-from elastic.store import SnapshotStore
+from elastic.store.snapshot_store import SnapshotStore
 
 LEASE_NAME = "lease.json"
 _LOCK_NAME = ".lease.lock"

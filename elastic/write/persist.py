@@ -6,7 +6,7 @@ Contract
 at once. The thread (1) writes the image as the shard file through the store (temp name +
 rename locally, one PUT on S3), while a second thread computes the crc32 of every checksum
 block, once, from the image, and a third sends the shard file's bytes to the RAM tier
-(``elastic.ram_store``: the stores of the next nodes on the ring, never the coordinator; a
+(``elastic.store.ram_store``: the stores of the next nodes on the ring, never the coordinator; a
 store may refuse it, e.g. over its cap, and that shard is then storage-only), and (2) reports the
 receipt to the coordinator, naming the nodes that took a RAM copy (``"ram"``; a copy not
 acknowledged within as long again as the write took, at least ``RAM_GRACE_MIN_S``, is left
@@ -38,13 +38,13 @@ from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from typing import Any
 
-from elastic.capture import Captured
+from elastic.coord.protocol import CoordinatorClient
 from elastic.errors import describe
 from elastic.faults import FaultInjector
-from elastic.format import ChunkRecord, shard_filename
-from elastic.protocol import CoordinatorClient
-from elastic.ram_store import RamTier
-from elastic.store import SnapshotStore
+from elastic.format.records import ChunkRecord, shard_filename
+from elastic.store.ram_store import RamTier
+from elastic.store.snapshot_store import SnapshotStore
+from elastic.write.capture import Captured
 
 log = logging.getLogger("baton.elastic")
 

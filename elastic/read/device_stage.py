@@ -4,7 +4,7 @@ staging buffers, each block verified before it is copied to the device.
 Contract
 --------
 ``read_to(placed, source, manifest)`` is what a restore calls to fill its placed ops: ops
-whose destination is in host memory go to ``elastic.read_batches.read_placed`` (read
+whose destination is in host memory go to ``elastic.read.read_batches.read_placed`` (read
 straight into the tensors, then verified); every other op goes, device by device, to
 ``read_staged`` with that device's ``Copier``.
 
@@ -19,7 +19,7 @@ tier (``ByteSource.parallel_reads``) the verifying pool's threads read and verif
 at once, and batches are copied to the device in file order as they are ready.
 
 * Bytes of a batch that fails verification never reach the device; those of earlier batches
-  did (``elastic.restore`` states what a failed restore leaves behind and what follows).
+  did (``elastic.read.restore`` states what a failed restore leaves behind and what follows).
 * It returns, or raises, only once every copy it issued has finished and no thread writes
   into its buffers any more: a fallback restore never races with a copy of this one.
 * Host memory beyond the state: ``buffers`` × ``buffer_bytes`` (4–6 × 32 MiB), plus, for an
@@ -35,12 +35,13 @@ from __future__ import annotations
 
 from collections import deque
 from concurrent.futures import Future
-from typing import TYPE_CHECKING, Protocol
+from typing import Protocol
 
 import torch
 
-from elastic.format import Manifest
-from elastic.read_batches import (
+from elastic.format.records import Manifest
+from elastic.read.byte_source import ByteSource
+from elastic.read.read_batches import (
     VERIFY_THREADS,
     Placed,
     batches_of,
@@ -50,9 +51,6 @@ from elastic.read_batches import (
     verify,
     verify_pool,
 )
-
-if TYPE_CHECKING:
-    from elastic.restore import ByteSource
 
 # Each staging buffer holds this many bytes (a batch); a CUDA copy of 32 MiB from pinned
 # memory takes ~1.5 ms, a read of it from the page cache ~6 ms, so copies keep up.

@@ -5,7 +5,7 @@ Contract
 A restore is ``check_compatible`` → ``plan_targets`` → ``read_tensors`` →
 ``StateRegistry.load``: everything is checked that can be before a byte is read, and every
 byte is verified before anything is loaded. The manifest was validated when it was parsed
-(``elastic.manifest_check.parse_manifest``); what it claims about the files is checked
+(``elastic.format.manifest_check.parse_manifest``); what it claims about the files is checked
 here, because a manifest is untrusted input (P8, docs/design.md):
 
 * ``check_compatible``: the snapshot's model tensors are the registered model's (else
@@ -25,7 +25,7 @@ here, because a manifest is untrusted input (P8, docs/design.md):
   shard — that is contiguous, has the target's dtype and local shape and is the only tensor
   of the registry on its storage becomes the target's ``fill``: the restore writes into it,
   on the CPU with ``preadv`` straight into its memory, on a GPU through bounded pinned
-  staging buffers (``elastic.device_stage``), and loading it is a copy onto itself. Tied or
+  staging buffers (``elastic.read.device_stage``), and loading it is a copy onto itself. Tied or
   aliased tensors, other components' tensors and state that does not exist yet are
   allocated (once, on their device). Memory beyond what the process holds: the staging
   buffers and the state that did not exist yet (a fresh optimizer's moments).
@@ -55,17 +55,14 @@ here, because a manifest is untrusted input (P8, docs/design.md):
 * What a restore reads. Alone (``read_tensors``: one process, or no process group): each
   rank reads its needed ranges widened to whole checksum blocks, so a rank that needs part
   of a chunk reads up to two partial blocks more (a whole chunk smaller than a block), and a
-  DDP group reads the state W times. With its group (``elastic.group_read``, what
+  DDP group reads the state W times. With its group (``elastic.read.group_read``, what
   ``Snapshotter.restore`` uses when torch.distributed has its world size): every block the
   group needs is read once, by one rank, and sent to the others, so a DDP restore reads 1×
   the state in all (about state / W per rank) and an FSDP2 restore the union of the blocks
   its ranks need (1.0× at W=2 → W'=4, against 1.9× alone at GPT-2-small shapes), plus each
   used file's header once per rank that reads from it. On S3 ranges are merged into fewer
   requests only while a request's holes stay within 1/16 of its bytes.
-* ``ByteSource`` is where bytes come from: the RAM tier (peers' stores, file by file; what
-  they do not hold or lost comes from storage) or the store. On a local store it refuses a
-  shard file that is a symbolic link, not a regular file or whose real path is not in the
-  snapshot's directory (``ManifestError``); a missing file is ``SnapshotIntegrityError``.
+* Bytes come from a ``ByteSource`` (``elastic.read.byte_source``): the RAM tier or the store.
 
 ``collector_paused()`` is the context a restore runs in: Python's cyclic garbage collector off.
 Bad input never surfaces as RuntimeError/KeyError/TypeError/IndexError: every failure is a
@@ -79,35 +76,30 @@ import contextlib
 import gc
 import math
 import operator
-import os
-import threading
-from collections.abc import Callable, Collection, Iterator
-from dataclasses import dataclass, field
+from collections.abc import Collection, Iterator
 from typing import Any
 
 import torch
 
-from elastic.chunk_checks import check_headers, check_shard_file
-from elastic.device_stage import read_to
 from elastic.errors import (
     ManifestError,
     RestoreMemoryError,
-    SnapshotIntegrityError,
     SnapshotMisfitError,
 )
-from elastic.format import (
+from elastic.format.chunk_checks import check_headers
+from elastic.format.chunk_checks import snapshot_label as _snap
+from elastic.format.records import (
     Manifest,
-    SafetensorsHeader,
     str_to_dtype,
 )
-from elastic.layout import Piece, Target, storage_owners, target_piece, with_fill
-from elastic.prefault import prefault
-from elastic.read_batches import Placed, ReadOp, copy_bytes, place
-from elastic.read_batches import snapshot_label as _snap
-from elastic.registry import SnapshotMismatchError, StateRegistry
-from elastic.store import SnapshotStore
+from elastic.read.byte_source import ByteSource
+from elastic.read.device_stage import read_to
+from elastic.read.prefault import prefault
+from elastic.read.read_batches import Placed, ReadOp, place
+from elastic.state.layout import Piece, Target, storage_owners, target_piece, with_fill
+from elastic.state.registry import SnapshotMismatchError, StateRegistry
 
-__all__ = ["ByteSource", "SnapshotMismatchError", "allocate", "check_compatible",
+__all__ = ["SnapshotMismatchError", "allocate", "check_compatible",
            "check_coverage", "check_headers", "collector_paused", "plan_reads", "plan_targets",
            "read_tensors"]
 
@@ -124,101 +116,6 @@ def collector_paused() -> Iterator[None]:
     finally:
         if was_enabled:
             gc.enable()
-
-# (file, start, end) requests -> bytes (any buffer) per request, None for a request the
-# source does not hold (read from storage), or None when it serves none of them.
-ReadMany = Callable[[list[tuple[str, int, int]]], list[Any] | None]
-
-
-@dataclass
-class ByteSource:
-    """Reads of one snapshot: from the RAM tier when ``ram`` serves them (file by file:
-    whatever it does not hold comes from ``store``), else from ``store``.
-    One per restore (or verify): it caches the files' headers and the symlink checks.
-    ``bytes_into`` counts the bytes ``read_into`` delivered, ``staged_bytes`` those of them
-    that went to a staging buffer first (resharding reads whole chunks into one).
-    ``read_into`` may be called from several threads at once when ``parallel_reads``
-    (a local store and no RAM tier: each call opens its own file handles)."""
-
-    store: SnapshotStore
-    step: int
-    ram: ReadMany | None = None
-    used_ram: bool = False
-    used_storage: bool = False
-    headers: dict[str, SafetensorsHeader] = field(default_factory=dict)
-    bytes_into: int = 0
-    staged_bytes: int = 0
-    _safe_files: set[str] = field(default_factory=set)
-    _counts: threading.Lock = field(default_factory=threading.Lock, repr=False)
-
-    @property
-    def parallel_reads(self) -> bool:
-        """Whether ``read_into`` may run on several threads at once (see the class)."""
-        return self.ram is None and self.store.is_local
-
-    def count_staged(self, nbytes: int) -> None:
-        with self._counts:
-            self.staged_bytes += nbytes
-
-    def read_many(self, requests: list[tuple[str, int, int]]) -> list[bytes]:
-        """Small reads (file headers) as ``bytes``."""
-        bufs = [bytearray(end - start) for _, start, end in requests]
-        self.read_into([(file, start, [memoryview(b)])
-                        for (file, start, _), b in zip(requests, bufs, strict=True)])
-        return [bytes(b) for b in bufs]
-
-    def read_into(self, reads: list[tuple[str, int, list[memoryview]]]) -> None:
-        """Fill each read's buffers with consecutive bytes of its file from its offset on
-        (exact: a short file is ``SnapshotIntegrityError``). The RAM tier serves what it
-        holds; storage reads the rest, each file's ranges straight into the buffers."""
-        if not reads:
-            return
-        with self._counts:
-            self.bytes_into += sum(len(b) for _, _, bufs in reads for b in bufs)
-        if self.ram is not None:
-            got = self.ram([(f, start, start + sum(len(b) for b in bufs))
-                            for f, start, bufs in reads])
-            rest = []
-            for (file, start, bufs), data in zip(reads, got or [None] * len(reads),
-                                                 strict=True):
-                if data is None:  # not held (or its store is gone): storage
-                    rest.append((file, start, bufs))
-                    continue
-                self.used_ram = True
-                view = memoryview(data).cast("B")
-                if len(view) != sum(len(b) for b in bufs):
-                    raise SnapshotIntegrityError(
-                        f"{_snap(self.step)}: the RAM copy of {file} ends before byte "
-                        f"{start + sum(len(b) for b in bufs)}; truncated")
-                pos = 0
-                for buf in bufs:
-                    copy_bytes(buf, view[pos: pos + len(buf)])
-                    pos += len(buf)
-            reads = rest
-            if not reads:
-                return
-        self.used_storage = True
-        by_file: dict[str, list[tuple[int, list[memoryview]]]] = {}
-        for file, start, bufs in reads:
-            by_file.setdefault(file, []).append((start, bufs))
-        for file, members in sorted(by_file.items()):
-            path = self.store.step_path(self.step, file)
-            self._refuse_links(file, path)
-            try:
-                self.store.read_into(path, members)
-            except FileNotFoundError as err:
-                raise SnapshotIntegrityError(f"{_snap(self.step)}: shard file {file} is "
-                                             "missing") from err
-
-    def _refuse_links(self, file: str, path: str) -> None:
-        """A local shard must be a regular file inside the snapshot's own directory
-        (``elastic.chunk_checks.check_shard_file``); checked once per file."""
-        if not self.store.is_local or file in self._safe_files:
-            return
-        check_shard_file(self.store, self.step, file)
-        if os.path.isfile(path):
-            self._safe_files.add(file)
-
 
 def check_compatible(registry: StateRegistry, manifest: Manifest,
                      templates: dict[str, torch.Tensor],
@@ -322,8 +219,8 @@ def plan_reads(manifest: Manifest, targets: dict[str, Target]) -> list[ReadOp]:
 
 def allocate(targets: dict[str, Target], step: int) -> dict[str, torch.Tensor]:
     """One tensor per target: its ``fill`` (the live tensor), else a new one on the
-    target's device (a GPU's through ``elastic.device_stage``), a CPU one with its pages
-    faulted in (``elastic.prefault``: faults taken inside the read syscall that fills it
+    target's device (a GPU's through ``elastic.read.device_stage``), a CPU one with its pages
+    faulted in (``elastic.read.prefault``: faults taken inside the read syscall that fills it
     cost about twice as much)."""
     local: dict[str, torch.Tensor] = {}
     for key, t in targets.items():
@@ -363,11 +260,11 @@ def read_tensors(manifest: Manifest, targets: dict[str, Target],
 
     Each target's tensor is its live tensor or allocated once, and its bytes are read
     straight into it (local disk: ``preadv`` into the tensor's memory; a GPU's through
-    ``elastic.device_stage``); only the partial checksum blocks at the edges of a needed
+    ``elastic.read.device_stage``); only the partial checksum blocks at the edges of a needed
     range, and whole chunks of which a resharded target needs a non-contiguous part, pass
-    through a staging buffer (``elastic.read_batches``). Every block is verified before
+    through a staging buffer (``elastic.read.read_batches``). Every block is verified before
     anything is loaded; a failure once reading has begun leaves the live tensors unspecified
-    (module contract). This reads alone; ``elastic.group_read`` reads with its group."""
+    (module contract). This reads alone; ``elastic.read.group_read`` reads with its group."""
     ops = plan_reads(manifest, targets)
     check_headers(manifest, [(op.key, op.chunk) for op in ops], source)
     local = allocate(targets, manifest.step)

@@ -38,7 +38,7 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from elastic.faults import FaultInjector
-from elastic.format import (
+from elastic.format.records import (
     ChunkRecord,
     HeaderEntry,
     build_header,
@@ -46,8 +46,8 @@ from elastic.format import (
     crc32_blocks,
     dtype_to_str,
 )
-from elastic.layout import DEFAULT_SPLIT_MIN_BYTES, OwnedPiece, Piece, owned_pieces
-from elastic.registry import FlatState, StateRegistry
+from elastic.state.layout import DEFAULT_SPLIT_MIN_BYTES, OwnedPiece, Piece, owned_pieces
+from elastic.state.registry import FlatState, StateRegistry
 
 
 @dataclass(frozen=True)

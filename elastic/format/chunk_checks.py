@@ -3,9 +3,9 @@
 Contract
 --------
 Both readers of the format use these, so a crafted snapshot is refused the same way by the
-PyTorch restore (``elastic.restore``, ``elastic.read_batches``) and by the framework-neutral
-reader (``elastic.portable``); the manifest itself was checked when it was parsed
-(``elastic.manifest_check``).
+PyTorch restore (``elastic.read.restore``, ``elastic.read.read_batches``) and by the
+framework-neutral reader (``elastic.portable``); the manifest itself was checked when it was parsed
+(``elastic.format.manifest_check``).
 
 * ``check_shard_file(store, step, file)``: on a local store a shard file must be a regular
   file inside the snapshot's own directory; a symbolic link, or a path resolving elsewhere,
@@ -34,7 +34,7 @@ from collections.abc import Sequence
 from typing import Protocol
 
 from elastic.errors import ManifestError, SnapshotIntegrityError
-from elastic.format import (
+from elastic.format.records import (
     MAX_HEADER_BYTES,
     ChunkRecord,
     Manifest,
@@ -43,7 +43,6 @@ from elastic.format import (
     parse_header,
     step_dirname,
 )
-from elastic.store import SnapshotStore
 
 HEADER_BATCH_BYTES = 64 << 20  # header bytes per read batch (real ones: KiB-MiB per file)
 
@@ -53,7 +52,7 @@ def snapshot_label(step: int) -> str:
 
 
 class HeaderSource(Protocol):
-    """Where ``check_headers`` reads file headers from (``elastic.restore.ByteSource``,
+    """Where ``check_headers`` reads file headers from (``elastic.read.byte_source.ByteSource``,
     ``elastic.portable.reader``'s source)."""
 
     headers: dict[str, SafetensorsHeader]
@@ -61,7 +60,17 @@ class HeaderSource(Protocol):
     def read_many(self, requests: list[tuple[str, int, int]]) -> list[bytes]: ...
 
 
-def check_shard_file(store: SnapshotStore, step: int, file: str) -> None:
+class StepFiles(Protocol):
+    """Where a snapshot's files are (``elastic.store.SnapshotStore``): whether the store is
+    local, and the path of a step's directory or of a file in it."""
+
+    @property
+    def is_local(self) -> bool: ...
+
+    def step_path(self, step: int, name: str = "") -> str: ...
+
+
+def check_shard_file(store: StepFiles, step: int, file: str) -> None:
     """A local shard must be a regular file inside the snapshot's own directory: a symlink
     could make a reader read any file the process can read into a weight, a FIFO would block
     its open forever, and a directory would read as unreachable storage."""

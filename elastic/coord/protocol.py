@@ -6,10 +6,10 @@ Contract
 training loop) uses; callers never probe for optional methods. Three implementations speak
 all of it:
 
-* ``elastic.local_coordinator.LocalCoordinator``: in-process, and also the Ray actor itself;
-* ``elastic.store_coordinator.StoreCoordinator``: multi-process groups without Ray
+* ``elastic.coord.local_coordinator.LocalCoordinator``: in-process, and also the Ray actor itself;
+* ``elastic.coord.store_coordinator.StoreCoordinator``: multi-process groups without Ray
   (receipts through the store, rank 0 commits; no RAM copy, no on-demand requests);
-* ``elastic.coordinator.RayCoordinatorClient``: the worker side of the Ray actor, a generic
+* ``elastic.coord.ray_actors.RayCoordinatorClient``: the worker side of the Ray actor, a generic
   proxy that forwards exactly ``PROTOCOL_METHODS`` (minus the local no-ops ``poll`` and
   ``flush``) to the actor, so adding a method here and to ``LocalCoordinator`` is all it
   takes to reach it over Ray.
@@ -78,7 +78,7 @@ class CoordinatorClient(Protocol):
     def ram_locations(self, step: int) -> dict[str, list[str]]:
         """Which nodes' RAM stores hold a copy of each shard file of ``step`` (metadata
         from the receipts; empty when none). The bytes are read from those stores
-        (``elastic.ram_store.RamTier``), never through the coordinator."""
+        (``elastic.store.ram_store.RamTier``), never through the coordinator."""
         ...
 
     def read_manifest(self, step: int) -> bytes | None:

@@ -20,10 +20,11 @@ and what is wrong:
   names a tensor of ``tensors`` under its own component (``"<component>.``...), and every
   tensor is referenced exactly once.
 
-What the manifest cannot prove alone is checked when the files are read (``elastic.restore``
-compares each used chunk with its file's safetensors header, ``elastic.format.parse_header``)
-and when the state is loaded (``StateRegistry.check_state`` compares it with the live
-components). Pure functions of the JSON: nothing is read, allocated per element or executed.
+What the manifest cannot prove alone is checked when the files are read (``elastic.read.restore``
+compares each used chunk with its file's safetensors header,
+``elastic.format.records.parse_header``) and when the state is loaded (``StateRegistry.check_state``
+compares it with the live components). Pure functions of the JSON: nothing is read, allocated per
+element or executed.
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ from collections.abc import Iterator
 from typing import Any, NoReturn
 
 from elastic.errors import ManifestError
-from elastic.format import (
+from elastic.format.records import (
     DTYPE_NAMES,
     FORMAT_NAME,
     FORMAT_VERSION,

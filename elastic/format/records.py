@@ -18,8 +18,9 @@ A snapshot of step ``s`` of a run lives in ``RUN/snapshots/{s:09d}/``:
 
 This module holds the records, their serialisation and the safetensors header (built by
 ``build_header``, parsed untrusted by ``parse_header``). A manifest is untrusted input
-(P8, docs/design.md): it is decoded and validated by ``elastic.manifest_check.parse_manifest``,
-whose contract lists every check; anything malformed is one ``ManifestError`` line.
+(P8, docs/design.md): it is decoded and validated by
+``elastic.format.manifest_check.parse_manifest``, whose contract lists every check; anything
+malformed is one ``ManifestError`` line.
 
 Everything here is pure data and pure functions: no torch.distributed, no storage, no Ray.
 Nothing read from a snapshot is ever executed or unpickled; JSON and raw bytes only.
@@ -56,10 +57,11 @@ DEFAULT_BLOCK_BYTES = 4 << 20
 LAYOUTS = ("ddp", "fsdp")
 
 # A safetensors header longer than this is refused before it is read, so a corrupt length
-# fails clearly instead of as a huge read; a manifest's bounds live in elastic.manifest_check.
+# fails clearly instead of as a huge read; a manifest's bounds live in
+# elastic.format.manifest_check.
 MAX_HEADER_BYTES = 100 << 20
 
-# Tags of the JSON skeletons (elastic.registry encodes and decodes them).
+# Tags of the JSON skeletons (elastic.state.registry encodes and decodes them).
 TENSOR_TAG = "__tensor__"
 TUPLE_TAG = "__tuple__"
 ITEMS_TAG = "__items__"  # dicts whose keys are not all strings (e.g. int-keyed)
@@ -116,7 +118,7 @@ def step_dirname(step: int) -> str:
 
 # Bounds of the numbers a shard file name carries: a name is written by shard_filename and
 # read by parse_shard_name, one grammar. A run that somehow reaches MAX_GENERATION worker-group
-# attempts is refused in one line (elastic.generation), never named in a form no reader takes.
+# attempts is refused in one line (elastic.coord.generation), never named in a form no reader takes.
 MAX_GENERATION = 999_999_999
 MAX_NAMED_WORLD_SIZE = 9_999_999
 # "-gNNNNNN" has at least six digits; the older form without it is what format version 1

@@ -13,9 +13,9 @@ The trainer registers each component once::
 
 Models and optimizers are seen as ``torch.distributed.checkpoint.state_dict`` sees them
 (``get_model_state_dict`` / ``get_optimizer_state_dict`` and the ``set_*`` twins; a plain or
-DDP model's without DCP's per-call cost, never stepping an optimizer: ``elastic.module_state``),
-so optimizer state is keyed by parameter FQN, never by position, and FSDP2 parameters come
-out as DTensors (their local shards). Every other component's
+DDP model's without DCP's per-call cost, never stepping an optimizer:
+``elastic.state.module_state``), so optimizer state is keyed by parameter FQN, never by position,
+and FSDP2 parameters come out as DTensors (their local shards). Every other component's
 ``state_dict()`` must be a tree of dicts, lists, tuples, str/int/float/bool/None and tensors.
 
 ``flatten()`` turns the registry into (a) a flat ``{name: tensor}`` map — names are
@@ -59,8 +59,8 @@ import torch
 from torch import nn
 
 from elastic.errors import ManifestError, SnapshotMisfitError
-from elastic.format import ITEMS_TAG, TENSOR_TAG, TUPLE_TAG, json_kind, short_repr
-from elastic.module_state import ModelState, OptimizerState
+from elastic.format.records import ITEMS_TAG, TENSOR_TAG, TUPLE_TAG, json_kind, short_repr
+from elastic.state.module_state import ModelState, OptimizerState
 
 
 class SnapshotMismatchError(ValueError):

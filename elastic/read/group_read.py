@@ -57,20 +57,21 @@ import torch
 import torch.distributed as dist
 
 from elastic.collectives import agree_max, all_gather_ints, group_device
-from elastic.device_stage import read_to
 from elastic.errors import RestoreMemoryError, SnapshotIntegrityError, StorageUnavailableError
-from elastic.format import ChunkRecord, Manifest
-from elastic.layout import Target
-from elastic.read_batches import (
+from elastic.format.chunk_checks import check_headers, snapshot_label
+from elastic.format.records import ChunkRecord, Manifest
+from elastic.read.byte_source import ByteSource
+from elastic.read.device_stage import read_to
+from elastic.read.read_batches import (
     Placed,
     ReadOp,
     memory,
     narrow_direct,
     place,
-    snapshot_label,
     verify,
 )
-from elastic.restore import ByteSource, allocate, check_coverage, check_headers, plan_reads
+from elastic.read.restore import allocate, check_coverage, plan_reads
+from elastic.state.layout import Target
 
 # Shared spans are cut into pieces of at most this many bytes (whole checksum blocks), the unit
 # of balancing the reads between ranks.

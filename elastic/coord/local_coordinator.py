@@ -2,11 +2,11 @@
 
 Contract
 --------
-``LocalCoordinator`` speaks ``elastic.protocol.CoordinatorClient`` for one run, in-process
-or as the Ray actor (``elastic.coordinator`` makes this very class remote). It adds to
-``elastic.commit.CommitCore`` (generations, receipts, commit, fencing, GC, quarantine):
+``LocalCoordinator`` speaks ``elastic.coord.protocol.CoordinatorClient`` for one run, in-process
+or as the Ray actor (``elastic.coord.ray_actors`` makes this very class remote). It adds to
+``elastic.coord.commit.CommitCore`` (generations, receipts, commit, fencing, GC, quarantine):
 
-* The RAM tier's index, metadata only: which node's store (``elastic.ram_store``) holds
+* The RAM tier's index, metadata only: which node's store (``elastic.store.ram_store``) holds
   which shard file of which step, as the receipts say (``receipt["ram"]``: the nodes that
   took the file). ``ram_locations(step)`` answers restores; when a snapshot commits or is
   aborted the stores concerned are told what to keep (``RamStore.keep``: the newest commit
@@ -38,10 +38,10 @@ import time
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from elastic.commit import CommitCore
+from elastic.coord.commit import CommitCore
 from elastic.faults import FaultInjector
-from elastic.ram_store import RamStoreClient, StoreLost
-from elastic.store import SnapshotStore
+from elastic.store.ram_store import RamStoreClient, StoreLost
+from elastic.store.snapshot_store import SnapshotStore
 
 log = logging.getLogger("baton.elastic")
 

@@ -50,8 +50,8 @@ from collections.abc import Callable
 from typing import Any
 
 from elastic.errors import ManifestError, StorageUnavailableError
-from elastic.format import MANIFEST_NAME, Manifest, is_shard_name, step_dirname
-from elastic.manifest_check import MAX_MANIFEST_BYTES, parse_manifest
+from elastic.format.manifest_check import MAX_MANIFEST_BYTES, parse_manifest
+from elastic.format.records import MANIFEST_NAME, Manifest, is_shard_name, step_dirname
 from elastic.storage import (
     RefusedEntryError,
     Storage,

@@ -131,7 +131,7 @@ class Target:
     piece: Piece
     device: torch.device
     wrap: Callable[[torch.Tensor], torch.Tensor]
-    # The live local tensor a restore writes into (``elastic.restore.plan_targets`` with
+    # The live local tensor a restore writes into (``elastic.read.restore.plan_targets`` with
     # ``in_place``): contiguous, of the piece's shape and dtype, sole owner of its storage.
     # None: the restore allocates the piece's tensor.
     fill: torch.Tensor | None = field(default=None, compare=False)

@@ -4,7 +4,7 @@ Contract
 --------
 ``RamStore`` holds shard-file bytes for one run on one node. It is plain Python: in-process
 it is used as is (world size 1, tests), and on a Ray cluster the very same class is the
-per-node actor (``elastic.coordinator.get_or_create_ram_store``: named
+per-node actor (``elastic.coord.ray_actors.get_or_create_ram_store``: named
 ``baton-ram-<run>-<node>`` in namespace ``baton``, pinned to its node, detached so that it
 outlives the worker that created it; it dies with its node).
 
@@ -96,7 +96,7 @@ PutWaiter = Callable[[float | None], bool]
 
 class RamStoreClient(Protocol):
     """What a worker and the coordinator call on a store (a ``RamStore`` in-process, or
-    the Ray actor through ``elastic.coordinator.RayRamStoreClient``). ``start_put`` has
+    the Ray actor through ``elastic.coord.ray_actors.RayRamStoreClient``). ``start_put`` has
     taken what it needs of ``data`` when it returns (a Ray call serialises its arguments
     then); the store's answer may come later."""
 

@@ -18,15 +18,15 @@ from __future__ import annotations
 import time
 from typing import Any
 
+from elastic.coord.local_coordinator import LocalCoordinator
 from elastic.faults import FaultInjector
-from elastic.format import RECEIPT_SUFFIX, shard_filename
-from elastic.local_coordinator import LocalCoordinator
-from elastic.manifest_check import MAX_MANIFEST_BYTES
-from elastic.store import SnapshotStore
+from elastic.format.manifest_check import MAX_MANIFEST_BYTES
+from elastic.format.records import RECEIPT_SUFFIX, shard_filename
+from elastic.store.snapshot_store import SnapshotStore
 
 
 class StoreCoordinator:
-    """``elastic.protocol.CoordinatorClient`` for one rank of a group without Ray."""
+    """``elastic.coord.protocol.CoordinatorClient`` for one rank of a group without Ray."""
 
     def __init__(self, store: SnapshotStore, rank: int, world_size: int, *, keep_last: int,
                  block_bytes: int, faults: FaultInjector | None = None) -> None:

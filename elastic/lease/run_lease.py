@@ -33,7 +33,7 @@ The lease is the object ``RUN/lease.json``::
 Atomicity
 ---------
 Every write is conditional on the version of the lease just read, so of two drivers racing
-for the lease at most one wins. ``elastic.lease_io`` holds the storage primitives and states
+for the lease at most one wins. ``elastic.lease.lease_io`` holds the storage primitives and states
 the guarantees per store (S3 If-None-Match / If-Match; local disk link + ``flock``) and where
 they stop: on stores that ignore conditional writes the lease is advisory, and a driver
 notices a takeover at its next renew while ``lease_holds`` still fences its manifests.
@@ -53,9 +53,9 @@ import uuid
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from elastic.lease_io import LEASE_NAME, LeaseConflict, lease_backend
+from elastic.lease.lease_io import LEASE_NAME, LeaseConflict, lease_backend
 from elastic.storage import finite_number, is_int64, loads_json
-from elastic.store import SnapshotStore
+from elastic.store.snapshot_store import SnapshotStore
 
 _ATTEMPTS = 5  # read-then-conditional-write rounds before giving up on a contended lease
 RENEW_MARGIN_S = 5.0  # a renew's storage calls end this long before the lease would expire

@@ -1,4 +1,4 @@
-"""The commit protocol, as plain Python (the Ray actor in coordinator.py is this, made remote).
+"""The commit protocol, as plain Python (the Ray actor in ray_actors.py is this, made remote).
 
 Contract
 --------
@@ -24,7 +24,7 @@ Contract
   reply never waits for them. ``settle()`` waits for those handed over so far; one lost to a
   crash is redone by a later collection or the next coordinator's start. A manifest write
   that raised may have landed (a lost answer): the step's files are deleted only once its
-  manifest is known to be absent (``generation.remove_failed_manifest``).
+  manifest is known to be absent (``collect.remove_failed_manifest``).
 * ``fail(step, rank, reason, generation)`` / ``worker_lost(rank)`` abort the affected
   in-flight snapshots and delete the files their generation wrote (never another
   generation's). An in-flight snapshot older than ``pending_timeout_s``, or beyond the
@@ -42,8 +42,8 @@ Contract
 
 Storage I/O happens outside the core's lock (``_lock``), so a slow store never blocks a
 worker's poll or another report; a commit's fencing read and manifest write hold the
-generation lock. ``elastic.local_coordinator.LocalCoordinator`` wraps the core with the
-in-memory copy and the on-demand requests (``elastic.protocol``). A receipt is a JSON-able
+generation lock. ``elastic.coord.local_coordinator.LocalCoordinator`` wraps the core with the
+in-memory copy and the on-demand requests (``elastic.coord.protocol``). A receipt is a JSON-able
 dict: ``step, rank, world_size, generation, layout, file, chunks`` (tensor key -> chunk
 records) and, from rank 0, ``skeletons`` and ``catalog`` (all logical tensors).
 """
@@ -59,19 +59,13 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
+from elastic.coord.collect import collect, delete_generation_files, remove_failed_manifest
+from elastic.coord.generation import fencing_reason, read_generation, write_generation
+from elastic.coord.receipts import manifest_from_receipts
 from elastic.errors import FencedError, describe
 from elastic.faults import FaultInjector
-from elastic.format import Manifest
-from elastic.generation import (
-    collect,
-    delete_generation_files,
-    fencing_reason,
-    read_generation,
-    remove_failed_manifest,
-    write_generation,
-)
-from elastic.receipts import manifest_from_receipts
-from elastic.store import SnapshotStore
+from elastic.format.records import Manifest
+from elastic.store.snapshot_store import SnapshotStore
 
 log = logging.getLogger("baton.elastic")
 
@@ -392,7 +386,7 @@ class CommitCore:
         self._housekeeping.submit(self._collect, actions, old, newest)
 
     def _collect(self, actions: list[_Action], old: list[int], newest: int) -> None:
-        """The deletions of ``gc``, on the housekeeping thread (``generation.collect``)."""
+        """The deletions of ``gc``, on the housekeeping thread (``collect.collect``)."""
         collect(self.store, actions, old, self._leftover, label=f"after step {newest}")
 
     def _leftover(self, step: int) -> bool:

@@ -33,8 +33,8 @@ import math
 from typing import Any
 
 from elastic.errors import ManifestError
-from elastic.format import ChunkRecord, Manifest, TensorRecord, shard_filename
-from elastic.manifest_check import check_manifest
+from elastic.format.manifest_check import check_manifest
+from elastic.format.records import ChunkRecord, Manifest, TensorRecord, shard_filename
 
 
 def manifest_from_receipts(

@@ -1,0 +1,24 @@
+"""Reading a snapshot back: check, plan, read, verify, load — resharded to this rank.
+
+* ``restore``: the plan (``check_compatible`` → ``plan_targets`` → ``read_tensors``) and its
+  rule for what a failed restore leaves.
+* ``byte_source``: where the bytes come from (``ByteSource``: the RAM tier or the store).
+* ``read_batches``: planned byte ranges read into tensors in bounded batches, every checksum
+  block verified on a thread pool.
+* ``device_stage``: tensors the reader cannot write directly (a GPU's), through bounded pinned
+  staging buffers.
+* ``group_read``: a process group reads each byte once and exchanges what several ranks need.
+* ``prefault``: a fresh tensor's pages faulted in before a read fills it.
+
+Imports ``elastic.state``, ``elastic.store``, ``elastic.format`` and below; nothing of the
+commit (``elastic.coord``) or of writing.
+"""
+
+from __future__ import annotations
+
+from elastic.read.byte_source import ByteSource
+from elastic.read.group_read import group_read_tensors
+from elastic.read.restore import check_compatible, plan_targets, read_tensors
+
+__all__ = ["ByteSource", "check_compatible", "group_read_tensors", "plan_targets",
+           "read_tensors"]
