@@ -39,7 +39,7 @@ class Trainee:
     def __init__(self, spec: dict[str, Any]) -> None:
         from sketch_ops import sketch_model
         from trainer.config import ModelConfig
-        from trainer.model import GPT
+        from trainer.train.model import GPT
 
         torch.manual_seed(0)
         cfg = ModelConfig(
@@ -168,7 +168,7 @@ def ensure_quality_corpus() -> None:
 def training_tokens_per_s(ds: Any, steps: int, seq_len: int = 256, microbatch: int = 8) -> float:
     """Tokens/s the built-in GPT trains on: median step time after a warm-up step."""
     from trainer.config import ModelConfig
-    from trainer.model import GPT
+    from trainer.train.model import GPT
 
     torch.manual_seed(0)
     model = GPT(ModelConfig(vocab_size=ds.vocab_size, d_model=256, n_layers=4, n_heads=4),

@@ -36,7 +36,7 @@ from benchmarks.common import RESULTS, moto_s3, write_json
 from benchmarks.common_training import training_tokens_per_s
 from data_state import ResumableLoader, TokenDataset, prepare_corpus
 from trainer.config import ModelConfig
-from trainer.model import GPT
+from trainer.train.model import GPT
 
 DEFAULT_OUT = RESULTS / "data_throughput.json"
 SEQ_LEN, MICROBATCH, GLOBAL_BATCH = 256, 8, 64

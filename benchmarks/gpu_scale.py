@@ -91,7 +91,7 @@ def snapshot_targets(got: dict[str, Any]) -> dict[str, Any]:
 def large_fits(config: Path, device: torch.device, workdir: str) -> str:
     """'' when the large model's state fits this machine (module docstring), else why not."""
     from trainer.config import ModelConfig
-    from trainer.hf import build_hf_model
+    from trainer.train.hf import build_hf_model
 
     with torch.device("meta"):
         params = sum(p.numel() for p in build_hf_model(ModelConfig(hf_config=str(config)))

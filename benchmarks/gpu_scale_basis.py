@@ -5,7 +5,7 @@ Contract:
 - `measure_steps(widths, layers, seq, batch, rounds, device, dtype)`: the built-in GPT at
   each width (`layers[i]` blocks, d/128 heads, byte vocabulary) in four configurations —
   `exact`, `exact-recompute` (the MLP recomputed: exact gradients at BASIS's memory),
-  `checkpoint` (every block recomputed) and `basis-default` (`trainer.model.SKETCH_LAYERS`,
+  `checkpoint` (every block recomputed) and `basis-default` (`trainer.train.model.SKETCH_LAYERS`,
   R = n/16, the MLP recomputed) — built side by side (`benchmarks.common_training.Trainee`,
   fused AdamW on CUDA, bf16 autocast), two warm-up rounds, then `rounds` rounds of one step
   each in turns; per configuration the median step time and its ratio to exact's in the
@@ -47,7 +47,7 @@ LR, WARMUP_SHARE, FINAL_EVAL_SEQS = 1e-3, 0.1, 256
 def measure_steps(widths: list[int], layers: list[int], seq: int, batch: int, rounds: int,
                   device: torch.device, dtype: str) -> list[dict[str, Any]]:
     """Every configuration at each width, in turns (module contract)."""
-    from trainer.model import SKETCH_LAYERS
+    from trainer.train.model import SKETCH_LAYERS
 
     rows: list[dict[str, Any]] = []
     for d_model, n_layers in zip(widths, layers, strict=True):
@@ -92,8 +92,8 @@ def _train_one(corpus: str, seed: int, sketched: bool, steps: int, microbatch: i
     from data_state import ResumableLoader, TokenDataset
     from sketch_ops import sketch_model
     from trainer.config import ModelConfig, OptimConfig
-    from trainer.model import GPT, SKETCH_LAYERS
-    from trainer.optim import WarmupCosine, build_optimizer
+    from trainer.train.model import GPT, SKETCH_LAYERS
+    from trainer.train.optim import WarmupCosine, build_optimizer
 
     train_set, val_set = TokenDataset(corpus, "train"), TokenDataset(corpus, "val")
     torch.manual_seed(seed)

@@ -69,9 +69,9 @@ def standard_train_fn(config: dict[str, Any]) -> None:
 
     from data_state import ResumableLoader, TokenDataset
     from sketch_ops import sketch_seed
-    from trainer.loop import build_model, next_token_loss
-    from trainer.optim import WarmupCosine, build_optimizer
-    from trainer.parallel import all_reduce_sum, loss_weight
+    from trainer.train.loop import build_model, next_token_loss
+    from trainer.train.optim import WarmupCosine, build_optimizer
+    from trainer.train.parallel import all_reduce_sum, loss_weight
 
     cfg, log_path, pace_s = config["cfg"], Path(config["log"]), config["pace_s"]
     model_only = bool(config.get("model_only", False))

@@ -89,9 +89,9 @@ def run_baton(cluster: Any, plan: Plan, work: Path, dataset: str, tag: str) -> d
 
     from elastic.catalog import export_model
     from elastic.store.snapshot_store import SnapshotStore
-    from trainer.metrics import read_records
     from trainer.on_ray.monitor import get_monitor
     from trainer.on_ray.ray_fit import fit
+    from trainer.run.metrics import read_records
 
     run = work / f"baton-{tag}"
     cfg = _config(plan, run, dataset)
@@ -153,7 +153,8 @@ def run_standard(cluster: Any, plan: Plan, work: Path, dataset: str, tag: str,
 
 
 def analyse(records: list[dict[str, Any]], killed_at: float) -> dict[str, Any]:
-    """Recovery figures from `start`/`step` records (see `trainer.metrics`) and the kill time."""
+    """Recovery figures from `start`/`step` records (see `trainer.run.metrics`) and the kill
+    time."""
     starts = [r for r in records if r["kind"] == "start"]
     steps = [r for r in records if r["kind"] == "step"]
     after = [s for s in starts if s["time"] > killed_at]

@@ -166,7 +166,7 @@ def kernel_times(dev: torch.device) -> dict[str, float]:
 
 def step_runners(dev: torch.device) -> list[Timed]:
     """3. The configurations whose steps are timed, with their ablations."""
-    from trainer.model import SKETCH_LAYERS
+    from trainer.train.model import SKETCH_LAYERS
 
     seq = 2048 if dev.type == "cuda" else 128
     base = {"checkpoint": False, "seq_len": seq, "batch": 8, "device": dev.type}

@@ -7,7 +7,7 @@ autocast (Baton's `precision.dtype = "bf16"`: fp32 master weights) on `--batch` 
 - `exact`: exact backprop (norms fused into the linears they feed);
 - `exact-recompute`: exact backprop with the MLP recomputed (`mlp_recompute = "always"`), the
   exact way to the memory BASIS's default saves;
-- `basis-default`: `trainer.model.SKETCH_LAYERS` (the MLP's down-projection, recomputed MLP);
+- `basis-default`: `trainer.train.model.SKETCH_LAYERS` (the MLP's down-projection, recomputed MLP);
 - `basis-all`: every linear layer sketched (the MLP recomputed, since its proj is sketched);
 - `basis-all-norecompute`: every linear sketched, nothing recomputed (the speed mode).
 Sketches have R = n / `--rank-share` rows (n = batch x seq tokens). Steps are timed between
@@ -41,7 +41,7 @@ import torch
 from sketch_ops import sketch_model, sketch_seed
 from sketch_ops.launch_count import LaunchCounter
 from trainer.config import ModelConfig
-from trainer.model import GPT, SKETCH_LAYERS
+from trainer.train.model import GPT, SKETCH_LAYERS
 
 CONFIGS: list[dict[str, Any]] = [
     {"name": "exact", "include": None, "mlp_recompute": "auto"},

@@ -5,7 +5,7 @@ scaled to d_model 256, 4 layers, 4 query / 2 key-value heads (head_dim 64), inte
 688 (Llama's 8/3·d, rounded to a multiple of 16), random init, fp32, with the vocabulary of
 the prepared corpus (the byte-level embedded corpus `benchmarks/sketch_quality.py` trains on,
 `common_training.ensure_quality_corpus`: 12 MB of Python's standard library, sequences of 256
-predicted tokens). Its loss is the model's own causal-LM loss (`trainer.hf.causal_lm_loss`).
+predicted tokens). Its loss is the model's own causal-LM loss (`trainer.train.hf.causal_lm_loss`).
 
 Variants (`VARIANTS` in `benchmarks/sketch_llama_variants.py`), BASIS ones at R = n/16: exact
 backprop (the model as `transformers` builds it); exact with the SwiGLU MLP recomputed and the

@@ -4,7 +4,7 @@ One training step (forward, backward, AdamW update) of the built-in GPT (d_model
 4 heads, vocab 256, microbatch of 8 sequences, fp32, CPU) at several sequence lengths, for:
 exact backprop (the built-in GPT, norms fused into the linear layers they feed); the same with
 plain modules (no fusion); full per-block checkpointing; exact backprop with the MLP recomputed;
-BASIS with the default policy (`trainer.model.SKETCH_LAYERS`) at each rank; BASIS in every
+BASIS with the default policy (`trainer.train.model.SKETCH_LAYERS`) at each rank; BASIS in every
 linear layer (docs/design.md §4 as written); the speed mode (every block linear sketched, nothing
 recomputed); BASIS with checkpointing.
 
@@ -60,7 +60,7 @@ def configurations(ranks: list[int], combined_ranks: list[int]) -> list[dict[str
     """The measured configurations; the first is exact backprop, the reference of the ratios.
     `ranks` are run with the default policy, the last of them also in every linear layer and
     in the speed mode; `combined_ranks` with checkpointing."""
-    from trainer.model import SKETCH_LAYERS
+    from trainer.train.model import SKETCH_LAYERS
 
     exact = {"rank": 0, "checkpoint": False}
     policy = {"checkpoint": False, "include": list(SKETCH_LAYERS)}

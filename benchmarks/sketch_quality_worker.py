@@ -44,8 +44,8 @@ def build(v: Variant, seed: int) -> tuple[Any, Any, Any]:
     """Model, optimizer and schedule for `v`, initialised from `seed`."""
     from sketch_ops import sketch_model
     from trainer.config import ModelConfig, OptimConfig
-    from trainer.model import GPT
-    from trainer.optim import WarmupCosine, build_optimizer
+    from trainer.train.model import GPT
+    from trainer.train.optim import WarmupCosine, build_optimizer
 
     torch.manual_seed(seed)
     model = GPT(

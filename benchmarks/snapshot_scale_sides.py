@@ -30,7 +30,7 @@ from elastic.read.restore import (
 from elastic.state.registry import StateRegistry
 from elastic.store.snapshot_store import SnapshotStore
 from trainer.config import ModelConfig
-from trainer.model import GPT
+from trainer.train.model import GPT
 
 # GPT shapes whose fp32 parameters + AdamW moments come to about the named size.
 SHAPES = {0.3: (512, 7), 1.2: (1024, 8), 3.0: (1536, 9)}

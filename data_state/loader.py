@@ -30,7 +30,7 @@ Contract:
   `shuffle=False` reads every epoch in dataset order (the cursor's fingerprint says so, so a
   snapshot of a shuffled run is refused by an in-order loader and back).
 - `pending` is True between `next_step()` and `advance()`: a step was handed out and not
-  committed (`trainer.session.Session` refuses to end a step while its loader is pending).
+  committed (`trainer.train.session.Session` refuses to end a step while its loader is pending).
 - Subclasses choose what a step's part becomes (`_materialize`): token microbatches here,
   collated items in `data_state.map_loader`.
 - A background thread prefetches up to `prefetch_steps` steps into a bounded queue; errors in

@@ -12,7 +12,7 @@ Layout of a prepared dataset:
 
 Each Parquet row is one sequence: `tokens` is a FIXED_LEN_BYTE_ARRAY of `seq_len` tokens in
 `token_dtype` (little-endian). `seq_len` counts stored tokens: a language model that predicts
-token t+1 from tokens <= t (as `trainer/model.py` does) gets `seq_len - 1` predictions per
+token t+1 from tokens <= t (as `trainer/train/model.py` does) gets `seq_len - 1` predictions per
 sequence.
 
 `fingerprint(split)` is the dataset identity a data cursor is tied to. It hashes only what

@@ -55,7 +55,8 @@ from torch import nn
 from . import dispatch, reference
 from .function import fused_weight_grad, input_sketch, weight_grad_estimate
 from .layer import SketchedLinear
-from .seeds import SketchPlan, effective_rank, layer_seed, make_plan, plan_order
+from .plan import SketchPlan
+from .seeds import effective_rank, layer_seed, make_plan, plan_order
 
 BLOCK_ROWS = 2048  # the most rows per block on the CPU; a GPU's cap is never below it
 # On a GPU a block's widest temporary may take this much. Each block costs the host a fixed

@@ -26,7 +26,7 @@ import torch
 from . import plan_hash, reference
 
 if TYPE_CHECKING:
-    from .seeds import SketchPlan
+    from .plan import SketchPlan
 
 BACKEND_ENV = "BATON_SKETCH_BACKEND"
 _BACKENDS = ("auto", "torch", "triton")

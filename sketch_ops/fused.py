@@ -32,7 +32,8 @@ GELU keeps its n × 4d input, and sketched layers then save their weight-gradien
 without paying for the recompute (the fastest step, not the smallest).
 
 Because x is kept for the recompute anyway, sketching fc saves no memory here: a plain fc gets
-its exact weight gradient for free (the built-in GPT's default, `trainer.model.SKETCH_LAYERS`).
+its exact weight gradient for free (the built-in GPT's default,
+`trainer.train.model.SKETCH_LAYERS`).
 Under autocast the norm runs unfused in front (as `nn.LayerNorm` would, in fp32), and the fused
 function keeps its output instead of x.
 """

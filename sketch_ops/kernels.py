@@ -33,7 +33,7 @@ import triton.language as tl
 from .plan_hash import MULTIPLIERS, SIGN_SALT, seed_words
 
 if TYPE_CHECKING:  # annotations only: seeds draws plans through dispatch, which imports this
-    from .seeds import SketchPlan
+    from .plan import SketchPlan
 
 _BLOCK_J = 16  # rows gathered per loop iteration
 _BLOCK_N = 64  # columns per program

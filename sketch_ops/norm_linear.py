@@ -14,7 +14,7 @@ Why: in a pre-norm transformer every norm feeds a linear layer (attention's qkv,
 the LM head), and unfused both keep an n × N tensor: the norm its input, the linear layer the
 norm's output. Fused, one is kept. This saves memory for exact backprop, and it makes an exact
 layer behind a norm cost no more memory than a sketched one, so BASIS need not sketch it (see
-`trainer.model.SKETCH_LAYERS`).
+`trainer.train.model.SKETCH_LAYERS`).
 
 `layer_norm_rows` and `layer_norm_rows_backward` are the LayerNorm forward and backward on
 n × N rows; the fused MLP (`fused.py`) uses them to take a norm in front as well.

@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING
 import torch
 
 if TYPE_CHECKING:  # annotations only: seeds draws plans through dispatch, which imports this
-    from .seeds import SketchPlan
+    from .plan import SketchPlan
 
 
 EPS = 1e-8

@@ -30,10 +30,11 @@ from trainer.config import (
 if TYPE_CHECKING:
     from trainer.on_ray.elastic_trainer import ElasticTorchTrainer
     from trainer.on_ray.ray_fit import FitResult
-    from trainer.session import Session
+    from trainer.train.session import Session
 
 # Public names loaded on first use: the module that holds each.
-_LAZY = {"Session": "trainer.session", "ElasticTorchTrainer": "trainer.on_ray.elastic_trainer"}
+_LAZY = {"Session": "trainer.train.session",
+         "ElasticTorchTrainer": "trainer.on_ray.elastic_trainer"}
 
 
 def __getattr__(name: str) -> Any:

@@ -17,7 +17,7 @@ snapshots export --format orbax|npz``). Needs the optional extra ``baton-train[j
 
 Why under ``trainer``: the adapter composes the snapshot format (``elastic.portable``, which
 needs no torch) with what the trainer knows — its models' parameter names, the optimizer's
-param-group rule, the learning-rate schedule (``trainer.optim.lr_at``, used as is, not
+param-group rule, the learning-rate schedule (``trainer.train.optim.lr_at``, used as is, not
 re-implemented) — and DESIGN's import direction lets only ``trainer`` compose them.
 """
 

@@ -1,9 +1,9 @@
-"""The built-in GPT in Flax: the forward of ``trainer.model.GPT``, for a loaded snapshot.
+"""The built-in GPT in Flax: the forward of ``trainer.train.model.GPT``, for a loaded snapshot.
 
 Contract: ``FlaxGPT.for_params(params, n_heads)`` maps token ids ``(batch, seq)`` to logits
 ``(batch, seq, vocab)`` with the parameters ``trainer.on_jax.layout_map.gpt_map`` builds from a
 Baton snapshot (vocabulary, width, depth and longest sequence come from their shapes);
-``next_token_loss(model, params, tokens)`` is ``trainer.loop.next_token_loss``: the mean
+``next_token_loss(model, params, tokens)`` is ``trainer.train.loop.next_token_loss``: the mean
 cross-entropy of predicting ``tokens[:, 1:]`` from ``tokens[:, :-1]``. fp32 throughout.
 
 The same maths as the PyTorch model, layer by layer: pre-norm blocks (LayerNorm eps 1e-5,
@@ -39,7 +39,7 @@ class Attention(nn.Module):
         batch, seq, d = x.shape
         qkv = nn.Dense(3 * d, use_bias=False, name="qkv")(x)
         qv_bias = self.param("qv_bias", nn.initializers.zeros, (2 * d,))
-        # The key gets no bias: softmax ignores a per-query constant (trainer/model.py).
+        # The key gets no bias: softmax ignores a per-query constant (trainer/train/model.py).
         bias = jnp.concatenate([qv_bias[:d], jnp.zeros((d,), x.dtype), qv_bias[d:]])
         q, k, v = jnp.split(qkv + bias, 3, axis=-1)
         q, k, v = (t.reshape(batch, seq, self.n_heads, d // self.n_heads) for t in (q, k, v))

@@ -20,7 +20,7 @@ the same map carries the parameters and both moments (``exp_avg``, ``exp_avg_sq`
 ``trainer.on_jax.state`` does. The maps work on any array type with numpy's ``transpose``,
 ``concatenate`` and ``split`` semantics (numpy in, numpy out; JAX arrays are converted).
 
-Ready maps: ``gpt_map(n_layers)`` for the built-in GPT (``trainer.model``; the Flax module is
+Ready maps: ``gpt_map(n_layers)`` for the built-in GPT (``trainer.train.model``; the Flax module is
 ``trainer.on_jax.gpt.FlaxGPT``) and ``llama_map(...)`` for Hugging Face
 ``LlamaForCausalLM`` names (module ``trainer.on_jax.llama.FlaxLlama``), whose q/k/v are fused.
 """
@@ -129,7 +129,7 @@ def _get(tree: Mapping[str, Any], path: tuple[str, ...], name: str) -> Any:
 
 
 def gpt_map(n_layers: int) -> LayoutMap:
-    """The built-in GPT (``trainer.model.GPT``) <-> ``trainer.on_jax.gpt.FlaxGPT``."""
+    """The built-in GPT (``trainer.train.model.GPT``) <-> ``trainer.on_jax.gpt.FlaxGPT``."""
     rules = [Rule(("tok_emb", "embedding"), ("tok_emb.weight",)),
              Rule(("pos_emb", "embedding"), ("pos_emb.weight",))]
     for i in range(n_layers):

@@ -3,7 +3,7 @@
 Contract: ``FlaxLlama.from_hf_config(config)`` (a ``config.json`` dict of ``model_type``
 "llama") maps token ids ``(batch, seq)`` to logits ``(batch, seq, vocab)`` with the
 parameters ``llama_map_for(config)`` builds from the PyTorch names (q/k/v fused into one
-kernel); its loss is ``trainer.hf.causal_lm_loss``'s quantity, the mean cross-entropy of
+kernel); its loss is ``trainer.train.hf.causal_lm_loss``'s quantity, the mean cross-entropy of
 ``tokens[:, 1:]`` given the prefix (``trainer.on_jax.gpt.next_token_loss``).
 
 As in transformers: RMSNorm ``x / sqrt(mean(x^2) + eps) * w`` in fp32; rotary embeddings on

@@ -22,7 +22,7 @@ import jax
 from trainer.on_jax.gpt import FlaxGPT, next_token_loss
 from trainer.on_jax.layout_map import LayoutMap, gpt_map
 from trainer.on_jax.llama import FlaxLlama, llama_map_for
-from trainer.run_dir import HF_MODEL_CONFIG_KEY
+from trainer.train.continuation import HF_MODEL_CONFIG_KEY
 
 
 @dataclass(frozen=True)

@@ -17,7 +17,7 @@ the update a Baton run makes with ``torch.optim.AdamW`` after
 * clipping: torch scales every gradient by ``min(1, max_norm / (norm + 1e-6))`` with the
   global L2 norm; ``optax.clip_by_global_norm`` has no ``1e-6`` and only scales above the
   bound, hence ``torch_clip_by_global_norm``;
-* the learning rate of update ``t`` (0-based) is ``trainer.optim.lr_at(cfg, steps, t)``,
+* the learning rate of update ``t`` (0-based) is ``trainer.train.optim.lr_at(cfg, steps, t)``,
   computed by Baton's own function into a table (``AdamWSettings.lrs``) that the optax
   schedule indexes with its ``count`` (clamped to the table's end, where every schedule is
   flat); torch's ``LrSchedule`` sets the same value before the update.

@@ -12,7 +12,7 @@ verified, the same checks as the PyTorch restore) and returns a ``JaxTrainState`
   snapshot's ``exp_avg``/``exp_avg_sq`` through the same map, ``count`` = the step; the
   weight-decay mask is the snapshot's own param groups (those with ``weight_decay > 0``: for a
   built-in optimizer, matrices only); betas, eps and weight decay come from the param groups,
-  the schedule and ``grad_clip`` from ``run.json``'s recipe (``trainer.optim.lr_at``);
+  the schedule and ``grad_clip`` from ``run.json``'s recipe (``trainer.train.optim.lr_at``);
 * ``step``, ``data`` (the data cursor, JSON; ``loader()`` gives the numpy loader at it),
   ``seed`` (the run's), ``config`` (the recipe from ``run.json``).
 
@@ -48,11 +48,11 @@ import optax
 from data_state.loader import ResumableLoader
 from elastic.format.records import TENSOR_TAG, Manifest
 from elastic.portable import PortableRun, Snapshot, write_snapshot
-from trainer.config_train import OptimConfig
+from trainer.config.training import OptimConfig
 from trainer.on_jax.layout_map import LayoutMap
 from trainer.on_jax.models import for_run
 from trainer.on_jax.optim import AdamWSettings, adam_state, baton_adamw, set_adam_state
-from trainer.optim import lr_at
+from trainer.train.optim import lr_at
 
 MOMENTS = ("exp_avg", "exp_avg_sq")
 _KNOWN = ("model", "optim", "sched", "data", "trainer")

@@ -6,7 +6,7 @@ passes a third of the steps (the run continues on 1 worker), adds a node back on
 two thirds (Ray Train grows the group to 2 again), and prints a summary: final loss, steps,
 restarts, steps redone, snapshot stall, the events (the demo's node changes and each
 restart, as announced during the run), memory saved by sketching, where the report PNG is.
-During the run it shows what `baton fit` shows (`trainer.terminal`: progress bar or plain
+During the run it shows what `baton fit` shows (`trainer.run.terminal`: progress bar or plain
 lines, restart events); Ray's own messages about the killed node go to RUN/logs/ray.log.
 The run directory is fresh each time: one an earlier demo made (marked `.baton-demo`) is
 removed first; anything else there (a real run, a link, other files) is refused in one line.
@@ -63,7 +63,7 @@ def activation_bytes(cfg: FitConfig) -> tuple[int, int]:
 
     from sketch_ops import sketch_seed
     from sketch_ops.memory import saved_bytes
-    from trainer.loop import build_model, next_token_loss
+    from trainer.train.loop import build_model, next_token_loss
 
     vocab = cfg.model.vocab_size or 256  # 0: the dataset's; the demo's corpus is bytes
     tokens = torch.randint(0, vocab, (cfg.data.microbatch_size, cfg.data.seq_len))
@@ -101,12 +101,13 @@ def fresh_demo_dir(run_dir: Path) -> None:
 def run_demo(recipe: str, run_dir: str) -> int:
     import ray
 
+    from elastic.coord.ray_actors import NAMESPACE
     from trainer.on_ray.local_cluster import LocalCluster
-    from trainer.on_ray.monitor import NAMESPACE, RunFeed
+    from trainer.on_ray.monitor import RunFeed
     from trainer.on_ray.ray_fit import fit
     from trainer.on_ray.ray_messages import ray_log_path, ray_log_root, ray_messages_to
-    from trainer.report import write_report
-    from trainer.terminal import ProgressDisplay, fmt_mib, fmt_ratio, print_summary
+    from trainer.run.report import write_report
+    from trainer.run.terminal import ProgressDisplay, fmt_mib, fmt_ratio, print_summary
 
     fresh_demo_dir(Path(run_dir))
     cfg = load_recipe(recipe, [f'snapshots.run_uri="{Path(run_dir).resolve()}"'])

@@ -21,7 +21,7 @@ Contract:
     redoes nothing);
   * around the user's `train_func` on every worker: the code-version check (a worker on
     other Baton code is a `FatalRunError`; `BATON_SKIP_CODE_CHECK=1` turns it off) and the
-    worker context every `trainer.session.Session` starts from (run directory, snapshot
+    worker context every `trainer.train.session.Session` starts from (run directory, snapshot
     settings, coordinator, Ray Train's preemption notice, `until`).
 - Ray Train's conventions: `fit()` returns Ray Train's `Result` whose `checkpoint` is a
   `ray.train.Checkpoint` of the newest committed snapshot's directory (`RUN/snapshots/<step>`;
@@ -62,7 +62,7 @@ from elastic.version import code_version
 from trainer.config import SnapshotConfig
 from trainer.on_ray.resize import SnapshotBeforeResize
 from trainer.on_ray.scaling import BatonTorchTrainer
-from trainer.session import WorkerContext, open_session, run_directory, worker_context
+from trainer.train.session import WorkerContext, open_session, run_directory, worker_context
 
 # Set to 1 to let workers run other code than the driver: only for a checkout that is edited
 # while a local cluster trains from it (a worker started after the edit would be refused).

@@ -6,8 +6,9 @@ Contract:
   changes: a worker-group error in which any worker raised `elastic.errors.FatalRunError` (an
   error no restart can fix: a corrupt dataset, a recipe that disagrees with the run it
   continues, a worker on other code) is RAISEd at once, without a retry; and a group that
-  stopped on a preemption notice after committing its snapshot (`trainer.session.PreemptedError`)
-  is charged to `max_preemption_failures`, as Ray Train charges its own preemptions, not to
+  stopped on a preemption notice after committing its snapshot
+  (`trainer.train.session.PreemptedError`) is charged to `max_preemption_failures`, as Ray
+  Train charges its own preemptions, not to
   `max_failures` (it lost no work); and a worker group that could not start (Ray Train's
   `WorkerGroupStartupTimeoutError` / `WorkerGroupStartupFailedError`, which Ray Train
   retries forever by default) is charged to `max_failures` with the worker-group failures,
@@ -23,7 +24,7 @@ Contract:
   `run_failed_error(error)` builds it from the verdict the policy wrote, else from the error.
 
 It subclasses Ray Train V2 internals (`DefaultFailurePolicy`, `FailurePolicy`), hence the
-pinned Ray range; `tests/test_trainer_failures.py` tests the decisions.
+pinned Ray range; `tests/ray/test_trainer_failures.py` tests the decisions.
 """
 
 from __future__ import annotations
@@ -116,7 +117,7 @@ def start_timeout_s() -> float:
 
 def stopped_on_preemption_notice(error: TrainingFailedError) -> bool:
     """Whether a worker stopped on a preemption notice after committing its snapshot."""
-    return any(_is_a(e, "trainer.session", "PreemptedError") for e in _worker_errors(error))
+    return any(_is_a(e, "trainer.train.session", "PreemptedError") for e in _worker_errors(error))
 
 
 def last_error_message(error: TrainingFailedError) -> str:

@@ -8,7 +8,7 @@ Contract:
   fault schedules (the demo removes a node once a step is reached), numbers every record
   it gets (`since` hands the driver those after a cursor; the newest `keep` only), writes
   everything to the run directory through `MetricsWriter`, and passes every record to the
-  `[logging]` sinks it was created with (`trainer.sinks`: TensorBoard, MLflow; opened at
+  `[logging]` sinks it was created with (`trainer.run.sinks`: TensorBoard, MLflow; opened at
   the first record, flushed about once a second). So sinks see each record once, in order,
   whatever entry point started the fit, and training workers need no sink packages. It
   holds no training state: losing it loses only unflushed metrics. `flush()` (the end of a
@@ -20,7 +20,7 @@ Contract:
 - `RunFeed(cfg, display)` is an `on_progress` callable for `trainer.fit`: on each call (the
   driver's poller, about once a second) it fetches the monitor's new records, notes which
   Ray nodes died or joined (`NodeWatch`), announces each worker-group start and restart as
-  one line (`trainer.terminal.RestartTracker`) and shows the progress record. Without a
+  one line (`trainer.run.terminal.RestartTracker`) and shows the progress record. Without a
   display, events go to the `baton.fit` log. It never raises from a poll: a progress
   display must not break a fit. `close()` polls once more and ends the display.
 """
@@ -35,12 +35,12 @@ from typing import Any
 
 import ray
 
+from elastic.coord.ray_actors import NAMESPACE
 from trainer.config import FitConfig, LoggingConfig
-from trainer.metrics import MetricsWriter
-from trainer.sinks import SinkSet, open_sinks
-from trainer.terminal import ProgressDisplay, RestartTracker, snapshot_has_optimizer_state
+from trainer.run.metrics import MetricsWriter
+from trainer.run.sinks import SinkSet, open_sinks
+from trainer.run.terminal import ProgressDisplay, RestartTracker, snapshot_has_optimizer_state
 
-NAMESPACE = "baton"
 log = logging.getLogger("baton.fit")
 
 

@@ -4,7 +4,7 @@ Contract:
 - Validates everything that can be checked before Ray starts (config, run directory
   reachable and holding the same model if it already has snapshots), prepares the embedded
   corpus when `data.uri` is empty, connects to Ray (`RAY_ADDRESS`, else a local one), starts
-  the run's progress monitor, and runs the worker loop (`trainer.loop`) on
+  the run's progress monitor, and runs the worker loop (`trainer.train.loop`) on
   `trainer.on_ray.elastic_trainer.ElasticTorchTrainer` — the same drop-in for `TorchTrainer` any Ray
   Train loop can use (lease, coordinator, restart and failure policies, snapshot before a
   planned resize) — with `ScalingConfig(num_workers=(min, max))`. Ray Train places the
@@ -16,10 +16,10 @@ Contract:
   `stopped_at`.
 - Shows what happens to snapshots: every progress record carries the newest committed step,
   and a `warning` when none has committed for 3 snapshot intervals, with the workers' reason
-  (`trainer.commit_watch`). A run that trains to its last step but cannot commit it raises
+  (`trainer.run.commit_watch`). A run that trains to its last step but cannot commit it raises
   `FinalCommitError` (the CLI exits 1 and says why); the committed snapshots stay usable.
 - Right after connecting, before the trainer starts, refuses (`ConfigError`) a worker that no
-  alive node can hold (`trainer.preflight.check_worker_fits`: `scaling.cpus_per_worker`, a GPU),
+  alive node can hold (`trainer.run.preflight.check_worker_fits`: `scaling.cpus_per_worker`, a GPU),
   unless the cluster has an autoscaler that can add nodes (`_cluster_can_grow`).
 - Raises `trainer.on_ray.failures.RunFailedError` (one line: the worker's message and the restarts)
   when the run gives up: at once on an error no restart can fix (`FatalRunError`: a bad
@@ -45,17 +45,17 @@ import ray.train
 from ray.train.torch import TorchConfig
 from ray.train.v2.api.config import FailureConfig, RunConfig, ScalingConfig
 
-from elastic.coord.ray_actors import HEAD_NODE_RESOURCES
+from elastic.coord.ray_actors import HEAD_NODE_RESOURCES, NAMESPACE
 from elastic.lease.run_lease import LeaseLostError, RunLease
 from elastic.store.snapshot_store import SnapshotStore
-from trainer.commit_watch import CommitWatch, FinalCommitError, final_commit_error
 from trainer.config import FitConfig
-from trainer.loop import WorkerEnv, run_worker
-from trainer.metrics import RunSummary, read_records, summarize
 from trainer.on_ray.elastic_trainer import ElasticTorchTrainer
-from trainer.on_ray.monitor import NAMESPACE, RunMonitor, get_monitor, monitor_name
-from trainer.preflight import check_worker_fits, ensure_dataset
-from trainer.run_dir import check_run_dir
+from trainer.on_ray.monitor import RunMonitor, get_monitor, monitor_name
+from trainer.run.commit_watch import CommitWatch, FinalCommitError, final_commit_error
+from trainer.run.metrics import RunSummary, read_records, summarize
+from trainer.run.preflight import check_worker_fits, ensure_dataset
+from trainer.run.run_dir import check_run_dir
+from trainer.train.loop import WorkerEnv, run_worker
 
 log = logging.getLogger("baton.fit")
 
@@ -294,7 +294,7 @@ def _poll_progress(monitor: Any, trainer: ElasticTorchTrainer, watch: CommitWatc
                    on_progress: Callable[[dict[str, Any]], None] | None,
                    done: threading.Event) -> None:
     """About once a second: hand rank 0's newest step record (with the newest commit) to
-    `on_progress`, and warn when snapshots stopped committing (`trainer.commit_watch`):
+    `on_progress`, and warn when snapshots stopped committing (`trainer.run.commit_watch`):
     as the record's `warning` when there is a progress display, else in the log."""
     last_step = None
     while not done.wait(1.0):

@@ -1,4 +1,4 @@
-"""What a `trainer.session.Session` starts from, and what it refuses.
+"""What a `trainer.train.session.Session` starts from, and what it refuses.
 
 Contract:
 - `WorkerContext` is what the driver hands each worker (`ElasticTorchTrainer` installs it with
@@ -18,6 +18,8 @@ Contract:
   (it is told its share: `ResumableLoader`, `MapStyleLoader`) restores anywhere.
 - `rank_and_world_size()`: from `torch.distributed`, else (0, 1); `layout_of(model)`: "fsdp"
   when parameters are DTensors (FSDP2), else "ddp" (replicated, or one rank).
+- `state_registry(...)`: everything a Session snapshots, under its fixed keys (`model`,
+  `optim`, `sched`, `data`, `scaler`, the caller's extras, `PROGRESS_KEY`).
 """
 
 from __future__ import annotations
@@ -26,10 +28,11 @@ import contextlib
 import dataclasses
 import logging
 import weakref
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
+import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
@@ -37,15 +40,16 @@ from torch.distributed.tensor import DTensor
 from elastic.coord.protocol import CoordinatorClient
 from elastic.errors import FatalRunError
 from elastic.snapshot_ref import checkpoint_uri, split_snapshot_dir
+from elastic.state.registry import StateRegistry
 from elastic.store.ram_store import RamTier
 from elastic.store.snapshot_store import SnapshotStore
 from trainer.config import SnapshotConfig
-from trainer.parallel import parallelism_of
-
-if TYPE_CHECKING:
-    from trainer.session import Session
+from trainer.train.parallel import parallelism_of
 
 log = logging.getLogger("baton.session")
+
+# The session's own state in the snapshot (the key Baton's loop has always used).
+PROGRESS_KEY = "trainer"
 
 DEFAULT_SNAPSHOT_EVERY = 100
 
@@ -68,8 +72,22 @@ class WorkerContext:
     close_at_return: bool = False
 
 
+class OpenSession(Protocol):
+    """What this module needs of a process's open `trainer.train.session.Session`."""
+
+    snapshotter: Any  # its `elastic.Snapshotter`
+
+    @property
+    def step(self) -> int: ...
+
+    @property
+    def closed(self) -> bool: ...
+
+    def close(self, commit: bool = True) -> None: ...
+
+
 _context: WorkerContext | None = None
-_open: weakref.ref[Session] | None = None  # the one open Session of this process
+_open: weakref.ref[OpenSession] | None = None  # the one open Session of this process
 
 
 @contextlib.contextmanager
@@ -87,13 +105,13 @@ def current_context() -> WorkerContext | None:
     return _context
 
 
-def open_session() -> Session | None:
+def open_session() -> OpenSession | None:
     """The open (not closed) `Session` of this process, if any."""
     session = _open() if _open is not None else None
     return session if session is not None and not session.closed else None
 
 
-def note_open(session: Session) -> None:
+def note_open(session: OpenSession) -> None:
     """`session` is now this process's open Session (`refuse_misuse` refuses another)."""
     global _open
     _open = weakref.ref(session)
@@ -186,3 +204,29 @@ def rank_and_world_size() -> tuple[int, int]:
 def layout_of(model: nn.Module) -> str:
     """FSDP2 shards parameters as DTensors; anything else is replicated (DDP or one rank)."""
     return "fsdp" if any(isinstance(p, DTensor) for p in model.parameters()) else "ddp"
+
+
+def state_registry(model: nn.Module, optimizer: torch.optim.Optimizer | None, scheduler: Any,
+                   data: Any, scaler: torch.amp.GradScaler | None,
+                   extras: Mapping[str, Any] | None, progress: Any, rank: int,
+                   world_size: int) -> StateRegistry:
+    """Everything a Session snapshots, under its fixed keys: the model, the optimizer, the
+    schedule, the data position (a `WorldSizeFree` loader told its share first), fp16's loss
+    scale, the caller's extras and the session's own progress."""
+    registry = StateRegistry()
+    registry.register("model", model)
+    if optimizer is not None:
+        registry.register("optim", optimizer, model=model)
+    if scheduler is not None:
+        registry.register("sched", scheduler)
+    if data is not None:
+        if isinstance(data, WorldSizeFree):
+            data.reshard(rank=rank, world_size=world_size)
+        registry.register("data", data)
+    if scaler is not None and scaler.is_enabled():
+        # fp16's loss scale; optional: a run switching into fp16 starts from a fresh one
+        registry.register("scaler", scaler, optional=True)
+    for key, extra in (extras or {}).items():
+        registry.register(key, extra)
+    registry.register(PROGRESS_KEY, progress)
+    return registry

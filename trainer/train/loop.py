@@ -5,7 +5,7 @@ Contract: `run_worker(cfg, env)` trains from the newest committed snapshot of
 driver asks for), on `env.world_size` ranks that already share a process group (or a single
 process), and returns a `WorkerResult`. `build` makes the model, optimizer, schedule and data;
 `train_step` trains one step; `record` makes and hands out its metrics; `run_worker` is only
-control flow on a `trainer.session.Session` — the same public API any Ray Train loop uses —
+control flow on a `trainer.train.session.Session` — the same public API any Ray Train loop uses —
 which restores, snapshots, answers preemption and planned resizes, and commits the end.
 Under Ray (`trainer.on_ray.ray_fit`) the session finds the coordinator in the worker context that
 `trainer.on_ray.elastic_trainer.ElasticTorchTrainer` installs; `env.coordinator` overrides it
@@ -21,7 +21,7 @@ Why the trajectory does not depend on the world size (promise P1):
 Only float summation order changes with the world size.
 
 A snapshot holds model, optimizer, LR schedule, data cursor, the step and, in fp16, the loss
-scale (promise P2; `[precision]`: `trainer.precision`, state always fp32); it is
+scale (promise P2; `[precision]`: `trainer.train.precision`, state always fp32); it is
 captured right after the optimizer update of a step, so the data cursor and the schedule
 have been advanced for exactly the committed steps (promise P5).
 """
@@ -45,10 +45,11 @@ from elastic.coord.protocol import CoordinatorClient
 from elastic.errors import FatalRunError
 from sketch_ops import sketch_model, sketch_seed
 from trainer.config import ConfigError, FitConfig
-from trainer.hf import build_hf_model, causal_lm_loss, dataset_vocab_size
-from trainer.model import GPT, SKETCH_LAYERS
-from trainer.optim import LrSchedule, build_optimizer
-from trainer.parallel import (
+from trainer.train.continuation import RunDirError, check_continuation, model_config_record
+from trainer.train.hf import build_hf_model, causal_lm_loss, dataset_vocab_size
+from trainer.train.model import GPT, SKETCH_LAYERS
+from trainer.train.optim import LrSchedule, build_optimizer
+from trainer.train.parallel import (
     accumulation_passes,
     all_reduce_sum,
     gather_samples,
@@ -56,9 +57,8 @@ from trainer.parallel import (
     loss_weight,
     wrap_model,
 )
-from trainer.precision import autocast, ensure_optimizer_state, loss_scaler
-from trainer.run_dir import RunDirError, check_continuation, model_config_record
-from trainer.session import Session
+from trainer.train.precision import autocast, ensure_optimizer_state, loss_scaler
+from trainer.train.session import Session
 
 
 def next_token_loss(model: nn.Module, tokens: torch.Tensor) -> torch.Tensor:
@@ -78,7 +78,7 @@ def loss_function(cfg: FitConfig) -> Callable[[nn.Module, torch.Tensor], torch.T
 def build_model(cfg: FitConfig, device: torch.device | None = None) -> nn.Module:
     """The same initial model on every rank (seeded), on `device` (default: where it was
     built), with BASIS layers when sketching is on: the Python API's `model_factory`, a Hugging
-    Face model (`[model] hf_config` / `init_from`, `trainer.hf`) or the built-in GPT. Layers
+    Face model (`[model] hf_config` / `init_from`, `trainer.train.hf`) or the built-in GPT. Layers
     are chosen by `sketch.include`: the built-in GPT's default is `SKETCH_LAYERS`, any other
     model's "auto" (`sketch_ops.probe`: one probe step on a microbatch of zeros, the same on
     every rank, so P1 holds)."""

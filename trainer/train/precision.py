@@ -5,7 +5,7 @@ Contract:
   parameter. Under DDP (and in a single process) `autocast` runs each forward in
   `torch.autocast` on the worker's device type, which casts per op (matmuls in the low
   dtype, reductions such as softmax, norms and cross-entropy in fp32). Under FSDP2,
-  `fsdp_policy` is the `MixedPrecisionPolicy` that `trainer.parallel.wrap_model` gives every
+  `fsdp_policy` is the `MixedPrecisionPolicy` that `trainer.train.parallel.wrap_model` gives every
   `fully_shard`: the all-gathered (unsharded) copies are in the low dtype, the sharded fp32
   parameters are what the optimizer updates, gradients are reduced (and accumulated) in fp32,
   and the root's outputs come back in fp32 so a loss computed outside the model (the built-in

@@ -2,7 +2,7 @@
 `[eval]`, `[logging]` and `[precision]`.
 
 Contract: each section is a dataclass documented per field and validated in `__post_init__`
-(types first, `config_checks.check_types`); a bad value raises one `ConfigError` naming the
+(types first, `checks.check_types`); a bad value raises one `ConfigError` naming the
 dotted field and the fix. A field that applies to one optimizer or schedule only is refused,
 not ignored, when set for another.
 """
@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from elastic.storage import absolute_uri
-from trainer.config_checks import check_types, default_of, require
+from trainer.config.checks import check_types, default_of, require
 
 
 @dataclass
@@ -47,7 +47,7 @@ class DataConfig:
         return self.global_batch // self.microbatch_size
 
 
-# The values of OptimConfig.name and OptimConfig.schedule (trainer.optim builds them).
+# The values of OptimConfig.name and OptimConfig.schedule (trainer.train.optim builds them).
 OPTIMIZERS = ("adamw", "sgd", "adafactor")
 SCHEDULES = ("cosine", "linear", "constant", "wsd")
 # Fields that only one optimizer (or schedule) uses: set away from their default for another
@@ -59,7 +59,7 @@ _SCHEDULE_FIELDS = {"decay_fraction": "wsd"}
 
 @dataclass
 class OptimConfig:
-    """The optimizer and its learning-rate schedule (`trainer.optim`): linear warmup over
+    """The optimizer and its learning-rate schedule (`trainer.train.optim`): linear warmup over
     `warmup_steps`, then `schedule`. The schedule is a function of these fields and the run's
     `steps` only, so stopping early never changes it."""
 
@@ -194,7 +194,7 @@ class EvalConfig:
 @dataclass
 class LoggingConfig:
     """Optional metrics sinks fed with rank 0's per-step records on the driver
-    (`trainer.sinks`). Each needs its extra: `pip install baton-train[tensorboard]`,
+    (`trainer.run.sinks`). Each needs its extra: `pip install baton-train[tensorboard]`,
     `baton-train[mlflow]`. They write under RUN/`dir`, so they need a local run directory."""
 
     tensorboard: bool = False  # TensorBoard event files in RUN/<dir>/tensorboard
@@ -225,13 +225,13 @@ class LoggingConfig:
         return self.tensorboard or self.mlflow
 
 
-# The values of PrecisionConfig.dtype (trainer.precision maps them to torch dtypes).
+# The values of PrecisionConfig.dtype (trainer.train.precision maps them to torch dtypes).
 PRECISIONS = ("fp32", "bf16", "fp16")
 
 
 @dataclass
 class PrecisionConfig:
-    """The dtype forward and backward compute in (`trainer.precision`). Master weights,
+    """The dtype forward and backward compute in (`trainer.train.precision`). Master weights,
     optimizer state and snapshots stay fp32 in every dtype, so a run may be continued in
     another one."""
 

@@ -1,63 +1,61 @@
-"""Driver-side checks and set-up of a run directory, done before Ray starts.
+"""What a continued run must keep, and the records it is checked against: the one rule the
+driver applies before Ray starts (`trainer.run.run_dir.check_run_dir`) and every worker's
+rank 0 applies again (`trainer.train.loop`), so the two refuse exactly the same recipes.
 
 Contract:
-- `check_run_dir(cfg)` fails fast with `RunDirError` when the run URI cannot be reached or
-  written, or when it already holds a run that this recipe cannot continue
-  (`check_continuation`); returns the newest committed step (0 if none), so the CLI can say
-  "continuing from step N".
 - `check_continuation(cfg, fingerprint=..., reschedule=False)` refuses — `RunDirError` naming
   the field, the saved and the new value, and the fix — a recipe that changes what a
   continued run must keep: `seed`, `data.seq_len`, the model's shape (`TENSOR_SHAPE_FIELDS`;
   not for a custom `model_factory`), the optimizer (its state is restored:
-  `trainer.optim.optimizer_change`: `optim.name`, a custom
-  `optimizer_factory` or not), the dataset (its train split's fingerprint differs from
-  the one the newest snapshot's data cursor was made on), or, unless `reschedule`, the
-  learning-rate schedule (`trainer.session_log.SCHEDULE_FIELDS`: `steps`, `optim.lr`,
-  `optim.warmup_steps`, `optim.min_lr_ratio`, `optim.schedule`, `optim.decay_fraction`;
-  the fix names `--reschedule`). Saved values
-  come from `run.json`'s `config` (written by the run's first session; the fixed fields never
-  change after), the session log for the schedule (`trainer.session_log.saved_schedule`) and
-  the newest committed manifest's data cursor. A Hugging Face model's config is part of
-  the model: `run.json` records its `config.json` object (`model_config_record`, key
-  `hf_model_config`), and a continued run whose `model.hf_config` / `model.init_from` holds
-  other content (wherever the file now lives), or that switches between a Hugging Face model
-  and the built-in GPT, is refused naming the field and the first key that differs; the fix
-  is to restore the file or to fork into a new run directory (`baton fit --from`), whose own
-  checks compare tensor shapes. What cannot be read is not held against the
-  recipe (doubt never refuses). The driver runs it before Ray starts and every worker's rank 0
-  runs it again (`trainer.loop`), so the two refuse exactly the same recipes (a schedule
-  change the driver accepted is in the session log before the workers start).
-- `held_run_parts(store)` lists what of a run a directory holds; `interrupted_fork(store)`
-  says whether that is only what a fork killed before its commit left, which
-  `clear_interrupted_fork` removes (`trainer.fork`).
-- Before anything else, `check_run_dir` runs `trainer.preflight`'s `check_dataset` and
-  `check_local_capacity` (the dataset and a place for the workers).
-(`RUN/run.json`, with the recipe and library versions, is written once by the first
-worker's `elastic.Snapshotter`.)
+  `trainer.train.optim.optimizer_change`: `optim.name`, a custom `optimizer_factory` or not),
+  the dataset (its train split's fingerprint differs from the one the newest snapshot's data
+  cursor was made on), or, unless `reschedule`, the learning-rate schedule
+  (`SCHEDULE_FIELDS`: `steps`, `optim.lr`, `optim.warmup_steps`, `optim.min_lr_ratio`,
+  `optim.schedule`, `optim.decay_fraction`; the fix names `--reschedule`). Saved values come
+  from `run.json`'s `config` (written by the run's first session; the fixed fields never
+  change after), the session log for the schedule (`saved_schedule`) and the newest
+  committed manifest's data cursor. A Hugging Face model's config is part of the model:
+  `run.json` records its `config.json` object (`model_config_record`, key
+  `HF_MODEL_CONFIG_KEY`), and a continued run whose `model.hf_config` / `model.init_from`
+  holds other content (wherever the file now lives), or that switches between a Hugging Face
+  model and the built-in GPT, is refused naming the field and the first key that differs; the
+  fix is to restore the file or to fork into a new run directory (`baton fit --from`), whose
+  own checks compare tensor shapes. What cannot be read is not held against the recipe
+  (doubt never refuses).
+- The learning-rate schedule is a function of the recipe's schedule fields (`schedule_of`),
+  so stopping early never changes it. An entry or `run.json` written before a field existed
+  holds what the run was trained with then (`ADDED_LATER`: cosine). `saved_schedule(store,
+  step)` is the schedule the run was trained with up to committed step `step`: that of the
+  newest session entry that started at or before `step` (a session started later and rolled
+  back does not count), else the first session's `run.json` config; None when neither can be
+  read. `schedule_changes` lists the fields a recipe changes.
+- `read_sessions(store)`: the valid entries of `RUN/sessions.json` (the session log the
+  driver writes, `trainer.run.session_log`), oldest first. The file is untrusted: an
+  unreadable file, or an entry without a valid `from_step` and `schedule`, is ignored
+  (logged), never a crash.
 """
 
 from __future__ import annotations
 
 import json
 import logging
-import uuid
 from typing import Any
 
-from elastic.coord.generation import GENERATION_NAME
+from elastic.storage import INT64, finite_number
 from elastic.store.snapshot_store import SnapshotStore
-from trainer.config import ConfigError, FitConfig, hf_source_field, raw_hf_config
-from trainer.optim import optimizer_change
-from trainer.preflight import (
-    check_dataset,
-    check_local_capacity,
-    data_uri,
-    dataset_fingerprint,
-    with_dataset_vocab,
-)
-from trainer.session_log import SESSIONS_NAME, saved_schedule, schedule_changes
+from trainer.config import SCHEDULES, ConfigError, FitConfig, hf_source_field, raw_hf_config
+from trainer.train.optim import optimizer_change
+
+log = logging.getLogger("baton.sessions")
+
+SESSIONS_NAME = "sessions.json"
+SCHEDULE_FIELDS = ("steps", "optim.lr", "optim.warmup_steps", "optim.min_lr_ratio",
+                   "optim.schedule", "optim.decay_fraction")
+# Schedule fields younger than the session log, with the value every run had before them.
+ADDED_LATER: dict[str, Any] = {"optim.schedule": "cosine", "optim.decay_fraction": 0.2}
 
 # Fields that fix tensor shapes (and what the tensors mean): a continued run and a fork
-# (`trainer.fork`) must keep them. `model.*` is skipped for a custom model_factory.
+# (`trainer.run.fork`) must keep them. `model.*` is skipped for a custom model_factory.
 TENSOR_SHAPE_FIELDS = (
     "data.seq_len", "model.vocab_size", "model.d_model", "model.n_layers", "model.n_heads",
 )
@@ -75,58 +73,7 @@ class RunDirError(ValueError):
     """The run directory is unreachable or holds an incompatible run."""
 
 
-def held_run_parts(store: SnapshotStore) -> list[str]:
-    """What of a run the directory holds (empty: none; a prepared `data/` or a released
-    lease is not a run)."""
-    found = [n for n in ("run.json", SESSIONS_NAME, GENERATION_NAME)
-             if store.exists(store.path(n))]
-    if store.all_steps():
-        found.append("snapshots/")
-    return found
-
-
-def interrupted_fork(store: SnapshotStore) -> bool:
-    """Whether the directory holds only what a fork killed before its commit left: a
-    `run.json` recording a parent, no committed snapshot and no session log (a forked run
-    that ever trained has both). Nothing there was committed, so nothing is lost by
-    replacing it."""
-    if store.exists(store.path(SESSIONS_NAME)) or store.committed_steps():
-        return False
-    info = store.read_run_json()
-    return info is not None and isinstance(info.get("parent"), dict)
-
-
-def clear_interrupted_fork(store: SnapshotStore) -> None:
-    """Remove what `interrupted_fork` found, run.json last (the caller holds the lease)."""
-    for step in store.all_steps():
-        store.delete_step(step)
-    for name in (GENERATION_NAME, "run.json"):
-        store.remove(store.path(name))
-    logging.getLogger("baton.fork").warning(
-        "%s: removed what an interrupted fork left (no committed snapshot); forking again",
-        store.run_uri)
-
-
-def _probe_writable(run_uri: str) -> SnapshotStore:
-    """Write and delete a small object, through the store the workers will use. Buckets are
-    never created here: a mistyped bucket name must be an error, not a new bucket."""
-    try:
-        store = SnapshotStore(run_uri)
-        if store.is_local:
-            store.makedirs(store.root)
-        elif not store.exists(store.root.split("/", 1)[0]):
-            raise FileNotFoundError(f"bucket {store.root.split('/', 1)[0]!r} does not exist")
-        probe = store.path(f".baton-probe-{uuid.uuid4().hex[:8]}")
-        store.write_file(probe, b"ok", durable=False)
-        store.remove(probe)
-        return store
-    except Exception as err:  # noqa: BLE001 - any failure here means "cannot use this URI"
-        raise RunDirError(
-            f"snapshots.run_uri {run_uri!r} is not reachable or not writable "
-            f"({type(err).__name__}: {err}). For s3:// check the bucket exists and the AWS "
-            "credentials/endpoint (AWS_ENDPOINT_URL) are set; for a path, check permissions."
-        ) from err
-
+# ---------------------------------------------------------------------- the check
 
 _MISSING = object()
 
@@ -154,7 +101,7 @@ def shape_value(name: str, value: Any) -> Any:
     """`value` of field `name` as the built-in model used it: a `model.vocab_size` of 0 (the
     dataset's, unresolved: a run started by `run_worker` itself) built the byte vocabulary."""
     if name == "model.vocab_size" and value == 0:
-        from trainer.model import BYTE_VOCAB_SIZE
+        from trainer.train.model import BYTE_VOCAB_SIZE
 
         return BYTE_VOCAB_SIZE
     return value
@@ -279,38 +226,105 @@ def _refuse_schedule_change(cfg: FitConfig, store: SnapshotStore, step: int,
         f"{name}: the run in {cfg.snapshots.run_uri} was trained to committed step {step} "
         f"with {name} = {json.dumps(saved)}, this recipe asks for {json.dumps(new)}; that "
         "changes its learning-rate schedule from here. Pass --reschedule to accept it (from "
-        "Python: trainer.session_log.accept_schedule(cfg)), or keep it: "
+        "Python: trainer.run.session_log.accept_schedule(cfg)), or keep it: "
         f"--set {name}={json.dumps(saved)}"
     )
 
 
-def check_run_dir(cfg: FitConfig, *, reschedule: bool = False) -> int:
-    """All of the pre-flight checks above; returns the newest committed step (0 if none).
-    `reschedule` accepts a change of the learning-rate schedule (`baton fit --reschedule`)."""
-    check_dataset(cfg)
-    check_local_capacity(cfg)
-    store = _probe_writable(cfg.snapshots.run_uri)
-    committed = store.committed_steps()
-    if not committed:
-        _refuse_quarantined_only(cfg, store)
-    uri = data_uri(cfg)  # an empty data.uri: the corpus `ensure_dataset` prepared
-    # run.json holds the vocab the driver resolved: compare it with this recipe's, resolved.
-    check_continuation(with_dataset_vocab(cfg, uri) if committed else cfg,
-                       fingerprint=dataset_fingerprint(uri) if committed else None,
-                       store=store, committed=committed, reschedule=reschedule)
-    return max(committed, default=0)
+# ---------------------------------------------------------------------- schedule
+
+def schedule_of(cfg: FitConfig) -> dict[str, Any]:
+    """The recipe's schedule fields, by dotted name."""
+    return {"steps": cfg.steps, "optim.lr": cfg.optim.lr,
+            "optim.warmup_steps": cfg.optim.warmup_steps,
+            "optim.min_lr_ratio": cfg.optim.min_lr_ratio,
+            "optim.schedule": cfg.optim.schedule,
+            "optim.decay_fraction": cfg.optim.decay_fraction}
 
 
-def _refuse_quarantined_only(cfg: FitConfig, store: SnapshotStore) -> None:
-    """A run whose every snapshot was rejected must not quietly start again from step 0:
-    the quarantined snapshots are the run's only trained state, and a person decides."""
-    rows = store.quarantined()
-    if not rows:
-        return
-    newest = rows[-1]
-    raise RunDirError(
-        f"snapshots.run_uri {cfg.snapshots.run_uri!r} has no committed snapshot, but "
-        f"{len(rows)} quarantined (newest: step {newest['step']}: {newest['reason']}). "
-        f"Inspect {newest['where']}; to start this run over, move the quarantine/ directory "
-        "away (or use another --run-dir)."
-    )
+def _from_config(config: Any) -> dict[str, Any] | None:
+    """The schedule fields of a `run.json` config, or None if any is missing."""
+    out: dict[str, Any] = {}
+    for name in SCHEDULE_FIELDS:
+        value = config
+        for part in name.split("."):
+            if not isinstance(value, dict) or part not in value:
+                value = ADDED_LATER.get(name, _ABSENT)
+                break
+            value = value[part]
+        if value is _ABSENT:
+            return None
+        out[name] = value
+    return out
+
+
+_ABSENT = object()
+
+
+def saved_schedule(store: SnapshotStore, step: int,
+                   run_json: dict[str, Any] | None = None) -> dict[str, Any] | None:
+    """The schedule the run was trained with up to committed `step` (module contract)."""
+    for entry in reversed(read_sessions(store)):
+        if entry["from_step"] <= step:
+            return dict(entry["schedule"])
+    if run_json is None:
+        try:
+            run_json = store.read_run_json()
+        except (ValueError, OSError):
+            return None
+    return _from_config((run_json or {}).get("config"))
+
+
+def schedule_changes(saved: dict[str, Any] | None, cfg: FitConfig
+                     ) -> list[tuple[str, Any, Any]]:
+    """(field, saved value, recipe value) for each schedule field the recipe changes."""
+    if saved is None:
+        return []
+    wanted = schedule_of(cfg)
+    return [(name, saved[name], wanted[name]) for name in SCHEDULE_FIELDS
+            if name in saved and _schedule_value(name, saved[name])
+            and saved[name] != wanted[name]]
+
+
+def bounded_number(value: Any) -> bool:
+    return finite_number(value) and (not isinstance(value, int) or abs(value) < INT64)
+
+
+def _schedule_value(name: str, value: Any) -> bool:
+    """Whether `value` is one that field `name` can hold (untrusted input)."""
+    return value in SCHEDULES if name == "optim.schedule" else bounded_number(value)
+
+
+# ---------------------------------------------------------------------- the session log
+
+def _valid_entry(entry: Any) -> bool:
+    if not isinstance(entry, dict):
+        return False
+    start, schedule = entry.get("from_step"), entry.get("schedule")
+    if not (bounded_number(start) and isinstance(start, int) and start >= 0):
+        return False
+    if not isinstance(schedule, dict):
+        return False
+    for name, value in ADDED_LATER.items():
+        schedule.setdefault(name, value)
+    return all(_schedule_value(n, schedule.get(n)) for n in SCHEDULE_FIELDS)
+
+
+def read_sessions(store: SnapshotStore) -> list[dict[str, Any]]:
+    """The valid entries of `RUN/sessions.json`, oldest first ([] if none can be read)."""
+    path = store.path(SESSIONS_NAME)
+    try:
+        if not store.exists(path):
+            return []
+        raw = store.read_json(path)  # bounded; a link or a FIFO is refused, never waited on
+    except (ValueError, OSError) as err:
+        log.warning("%s: unreadable (%s); the session log is ignored", path, err)
+        return []
+    entries = raw.get("sessions") if isinstance(raw, dict) else None
+    if not isinstance(entries, list):
+        log.warning("%s: not a Baton session log; ignored", path)
+        return []
+    valid = [e for e in entries if _valid_entry(e)]
+    if len(valid) != len(entries):
+        log.warning("%s: %d malformed entries ignored", path, len(entries) - len(valid))
+    return valid

@@ -3,7 +3,7 @@
 Contract:
 - `wrap_model(model, parallelism, device, precision=)` returns the model as DDP (replicated)
   or FSDP2 (`fully_shard` per transformer block, `shard_units`, then the root, each with
-  `precision`'s `MixedPrecisionPolicy`, `trainer.precision`); with no process group (a single
+  `precision`'s `MixedPrecisionPolicy`, `trainer.train.precision`); with no process group (a single
   process) the model is returned as is. DDP takes no precision: the loop autocasts.
 - `accumulation_passes(num_mine, num_microbatches, world_size, parallelism)` is how many
   forward/backward passes this rank runs in a step. FSDP2 issues collectives in every pass,
@@ -32,7 +32,7 @@ from torch import nn
 from torch.distributed.fsdp import FSDPModule, fully_shard
 from torch.nn.parallel import DistributedDataParallel
 
-from trainer.precision import fsdp_policy, fsdp_root_policy
+from trainer.train.precision import fsdp_policy, fsdp_root_policy
 
 
 def distributed() -> bool:

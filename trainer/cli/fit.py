@@ -1,4 +1,4 @@
-"""`baton fit`, `baton report` and `baton demo` (registered into `trainer.cli`).
+"""`baton fit` (registered into `trainer.cli.main`).
 
 Contract: bad recipes, overrides and run directories exit with code 2 and one line naming
 the field and the fix, before Ray starts; so does a run directory whose lease another live
@@ -6,11 +6,11 @@ driver holds (`elastic.lease.run_lease`; `--force-takeover` takes it anyway); a 
 (an error no restart can fix, or `scaling.max_failures` restarts) exits with code 1 and one line,
 `error: <the worker's message> (after N restarts)`; `fit` shows a progress bar with ETA on a
 terminal (one plain line per second elsewhere: step/total, loss, tokens/s, workers, last commit,
-ETA), each restart as one event line, Ray's own messages in RUN/logs/ray.log (`trainer.terminal`,
-`trainer.on_ray.monitor.RunFeed`, `trainer.on_ray.ray_messages`), and a summary with formatted
-numbers at the end; `report` writes a PNG and prints the summary table.
+ETA), each restart as one event line, Ray's own messages in RUN/logs/ray.log
+(`trainer.run.terminal`, `trainer.on_ray.monitor.RunFeed`, `trainer.on_ray.ray_messages`),
+and a summary with formatted numbers at the end.
 
-Sessions (`trainer.session_log`): `--until STEP` and `--time-limit 2h30m` end the session
+Sessions (`trainer.run.session_log`): `--until STEP` and `--time-limit 2h30m` end the session
 early with that step committed, exit 0 and print `stopped at step N; continue with: <the
 command>`; so does the first Ctrl-C (SIGINT) on the driver ("stopping after the current
 step"); a second Ctrl-C aborts at once (exit 130; the steps since the last commit are lost).
@@ -18,7 +18,7 @@ The time limit stops early enough for the final commit (`TimeBudget`'s rule). Co
 with another learning-rate schedule (`steps`, `optim.lr`, `optim.warmup_steps`,
 `optim.min_lr_ratio`) is refused unless `--reschedule`, which prints what the schedule does
 from there. Each session is recorded in `RUN/sessions.json` with its outcome.
-Forks (`trainer.fork`): `--from RUN[@STEP]` starts the new run `--run-dir` from a committed
+Forks (`trainer.run.fork`): `--from RUN[@STEP]` starts the new run `--run-dir` from a committed
 snapshot of RUN, optimizer warm (`--data-cursor auto|keep|reset`); refusals are one line,
 exit 2, before Ray starts.
 """
@@ -42,10 +42,10 @@ from typing import Any
 from rich.console import Console
 from rich.markup import escape
 
-from trainer.cli import one_line
+from trainer.cli.main import one_line
 from trainer.config import ConfigError, load_recipe
-from trainer.run_dir import RunDirError, check_run_dir
-from trainer.session_log import TimeBudget, parse_duration
+from trainer.run.run_dir import RunDirError, check_run_dir
+from trainer.run.session_log import TimeBudget, parse_duration
 
 console = Console(stderr=True, soft_wrap=True)  # never wrap: logs are parsed
 
@@ -78,19 +78,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                           "epoch 0, or auto (keep it when the dataset and seed are the same)")
     fit.set_defaults(func=_cmd_fit)
 
-    report = subparsers.add_parser("report", help="plot a run's metrics into a PNG")
-    report.add_argument("run_uri")
-    report.add_argument("--out", help="PNG path (default: report.png in the current directory)")
-    report.set_defaults(func=_cmd_report)
-
-    demo = subparsers.add_parser("demo", help="the elastic demo on a local multi-node cluster")
-    demo.add_argument("--recipe", default="recipes/default.toml")
-    demo.add_argument("--run-dir", default="runs/demo")
-    demo.set_defaults(func=_cmd_demo)
-
 
 class _FitTerminal:
-    """What a fit shows (`trainer.terminal`): a progress bar with ETA (one plain line per
+    """What a fit shows (`trainer.run.terminal`): a progress bar with ETA (one plain line per
     update off a terminal) and each worker-group start and restart as an event line
     (`RunFeed`), with Ray's own messages sent to a log file whose path is printed once
     (`ray_messages_to`). The `[logging]` sinks are fed by the run's monitor, not here.
@@ -99,7 +89,7 @@ class _FitTerminal:
     def __init__(self, cfg: Any) -> None:
         from trainer.on_ray.monitor import RunFeed
         from trainer.on_ray.ray_messages import ray_log_path, ray_log_root, ray_messages_to
-        from trainer.terminal import ProgressDisplay
+        from trainer.run.terminal import ProgressDisplay
 
         self.feed = RunFeed(cfg, ProgressDisplay(cfg.steps, console))
         self._ray_messages = contextlib.ExitStack()
@@ -123,7 +113,7 @@ class _Session:
 
     until: int | None = None
     time_limit_s: float | None = None
-    fork: Any = None  # trainer.fork.ForkPlan
+    fork: Any = None  # trainer.run.fork.ForkPlan
 
 
 MAX_PACE_S = 3600.0  # --pace: seconds of sleep per step (demos and tests)
@@ -155,25 +145,33 @@ def _parse_session(args: argparse.Namespace, cfg: Any, resumed: int | None) -> _
     return session
 
 
-def _cmd_fit(args: argparse.Namespace) -> int:
-    started = time.monotonic()  # a --time-limit counts from here: the whole command
+def _check_before_lease(args: argparse.Namespace) -> tuple[Any, _Session, int]:
+    """The recipe, this session's flags, the fork's plan and the run directory's checks, all
+    before the lease and Ray: (the config, the session, the newest committed step). Raises
+    `ConfigError`, `RunDirError` or `ValueError` (one line each)."""
     overrides = list(args.overrides)
     if args.run_dir:
         overrides.append(f"snapshots.run_uri={json.dumps(args.run_dir)}")
-    try:
-        cfg = load_recipe(args.recipe, overrides)
-        if args.data_cursor is not None and not args.fork_from:
-            raise ValueError("--data-cursor: only with --from RUN[@STEP] (a fork); a continued "
-                             "run always keeps its data cursor")
-        _parse_session(args, cfg, None)  # flag syntax first: no storage touched for a typo
-        plan = None
-        if args.fork_from:
-            from trainer.fork import parse_source, plan_fork
+    cfg = load_recipe(args.recipe, overrides)
+    if args.data_cursor is not None and not args.fork_from:
+        raise ValueError("--data-cursor: only with --from RUN[@STEP] (a fork); a continued "
+                         "run always keeps its data cursor")
+    _parse_session(args, cfg, None)  # flag syntax first: no storage touched for a typo
+    plan = None
+    if args.fork_from:
+        from trainer.run.fork import parse_source, plan_fork
 
-            plan = plan_fork(cfg, *parse_source(args.fork_from), args.data_cursor or "auto")
-        resumed = check_run_dir(cfg, reschedule=args.reschedule)
-        session = _parse_session(args, cfg, plan.step if plan is not None else resumed)
-        session.fork = plan
+        plan = plan_fork(cfg, *parse_source(args.fork_from), args.data_cursor or "auto")
+    resumed = check_run_dir(cfg, reschedule=args.reschedule)
+    session = _parse_session(args, cfg, plan.step if plan is not None else resumed)
+    session.fork = plan
+    return cfg, session, resumed
+
+
+def _cmd_fit(args: argparse.Namespace) -> int:
+    started = time.monotonic()  # a --time-limit counts from here: the whole command
+    try:
+        cfg, session, resumed = _check_before_lease(args)
     except (ConfigError, RunDirError, ValueError) as err:
         console.print(f"[red]error:[/red] {escape(one_line(err))}")
         return 2
@@ -192,9 +190,9 @@ def _cmd_fit(args: argparse.Namespace) -> int:
     # Renewed from now on: making a fork (preparing its corpus, copying its shards) may take
     # longer than the lease's ttl, and a lease left to expire meanwhile could be taken over.
     lease.start_renewing()
-    from trainer.commit_watch import FinalCommitError
     from trainer.on_ray.failures import RunFailedError
-    from trainer.session_log import begin_session, end_session
+    from trainer.run.commit_watch import FinalCommitError
+    from trainer.run.session_log import begin_session, end_session
 
     outcome, step, began = "failed", None, False
     try:
@@ -243,11 +241,11 @@ def _cmd_fit(args: argparse.Namespace) -> int:
 def _start_session(args: argparse.Namespace, cfg: Any, store: Any, session: _Session,
                    resumed: int) -> int:
     """Under the lease: make the fork, say what this session starts from; returns the step."""
-    from trainer.optim import describe_schedule
-    from trainer.session_log import saved_schedule, schedule_changes
+    from trainer.train.continuation import saved_schedule, schedule_changes
+    from trainer.train.optim import describe_schedule
 
     if session.fork is not None:
-        from trainer.fork import make_fork
+        from trainer.run.fork import make_fork
 
         fork = make_fork(session.fork, cfg)
         console.print(
@@ -291,7 +289,7 @@ def _fit_interruptibly(cfg: Any, args: argparse.Namespace, session: _Session,
     budget = TimeBudget(session.time_limit_s) if session.time_limit_s is not None else None
     # Imports Ray: only once the input is known to be good.
     from trainer.on_ray.ray_fit import connect_ray, fit
-    from trainer.preflight import ensure_dataset
+    from trainer.run.preflight import ensure_dataset
 
     cfg = ensure_dataset(cfg)  # the default corpus, prepared once before Ray starts
     stop = threading.Event()
@@ -378,27 +376,6 @@ def _continue_command(args: argparse.Namespace) -> str:
 
 
 def _print_summary(summary: dict[str, Any]) -> None:
-    from trainer.terminal import print_summary
+    from trainer.run.terminal import print_summary
 
     print_summary(summary, Console(soft_wrap=True))
-
-
-def _cmd_report(args: argparse.Namespace) -> int:
-    from trainer.report import write_report
-
-    out = args.out or "report.png"
-    try:
-        summary = write_report(args.run_uri, out)
-    except (ValueError, OSError) as err:  # no such run, no metrics, unwritable --out
-        console.print(f"[red]error:[/red] {escape(one_line(err))}")
-        return 2
-    _print_summary(summary.to_dict())
-    console.print(f"report written to {out}")
-    return 0
-
-
-def _cmd_demo(args: argparse.Namespace) -> int:
-    from trainer.on_ray.demo import run_demo
-
-    return run_demo(args.recipe, args.run_dir)
-

@@ -2,7 +2,7 @@
 Hugging Face causal LM from local files) and `[sketch]` (`SketchConfig`: BASIS layers).
 
 Contract: each section is a dataclass documented per field and validated in `__post_init__`
-(types first, `config_checks.check_types`); a bad value raises one `ConfigError` naming the
+(types first, `checks.check_types`); a bad value raises one `ConfigError` naming the
 dotted field and the fix. The Hugging Face helpers (`require_transformers`,
 `check_local_source`, `raw_hf_config`, `hf_source_field`) read local files only: nothing is
 downloaded, imported from the model directory or executed.
@@ -16,13 +16,13 @@ from pathlib import Path
 from typing import Any
 
 from elastic.storage import Storage
-from trainer.config_checks import ConfigError, check_types, default_of, require
+from trainer.config.checks import ConfigError, check_types, default_of, require
 
 # The values of ModelConfig.mlp_recompute.
 MLP_RECOMPUTE = ("auto", "always", "never")
 
 
-# --- Hugging Face model sources ([model] hf_config / init_from; the model itself: trainer.hf)
+# --- Hugging Face model sources ([model] hf_config / init_from; the model itself: trainer.train.hf)
 HF_INSTALL_HINT = "pip install baton-train[hf]"
 
 
@@ -80,14 +80,14 @@ def hf_source_field(hf_config: str, init_from: str) -> tuple[str, str]:
 
 @dataclass
 class ModelConfig:
-    """Shape and memory options of the built-in GPT (`trainer.model.GPT`), validated once.
+    """Shape and memory options of the built-in GPT (`trainer.train.model.GPT`), validated once.
 
     The recipe's `[model]` section. The context length is not here: `GPT(config, seq_len=)`
     takes it, from `data.seq_len` in a fit (a sequence's length is the data's to say).
     Defaults are the tiny CPU model used by tests."""
 
     # Token ids the model has. 0 (the default) = the dataset's vocabulary: the driver reads it
-    # from dataset.json before the model is built (`trainer.preflight.with_dataset_vocab`);
+    # from dataset.json before the model is built (`trainer.run.preflight.with_dataset_vocab`);
     # a model built from a recipe alone, with no dataset, gets the byte vocabulary (256).
     vocab_size: int = 0
     d_model: int = 64  # the built-in GPT's width (a multiple of n_heads)
@@ -103,7 +103,7 @@ class ModelConfig:
     # values and gradients, one n × d tensor less kept per norm. False runs them as separate
     # modules, so forward hooks on those linear layers fire (for analysis).
     fuse_norms: bool = True
-    # A Hugging Face causal LM instead of the built-in GPT (`trainer.hf`; needs
+    # A Hugging Face causal LM instead of the built-in GPT (`trainer.train.hf`; needs
     # `pip install baton-train[hf]`; then d_model, n_layers, n_heads and the two options above
     # are not used): a local config.json or model directory, randomly initialised from `seed`;
     # `model.vocab_size` 0 takes the config's, a set value replaces it. Relative paths in a
@@ -133,7 +133,7 @@ class ModelConfig:
 
     @property
     def is_hf(self) -> bool:
-        """A Hugging Face model (`trainer.hf`) rather than the built-in GPT."""
+        """A Hugging Face model (`trainer.train.hf`) rather than the built-in GPT."""
         return bool(self.hf_config or self.init_from)
 
     def _check_hf(self) -> None:
@@ -167,7 +167,7 @@ class SketchConfig:
     # proportional to 1/sqrt(in_features) (sketch_ops.policy); not together with rank.
     memory_budget_mib: float = 0.0
     # Module-name globs, or "auto" (a probe step picks the layers whose sketch frees memory:
-    # sketch_ops.probe); [] = the built-in GPT's policy (trainer.model.SKETCH_LAYERS), "auto"
+    # sketch_ops.probe); [] = the built-in GPT's policy (trainer.train.model.SKETCH_LAYERS), "auto"
     # for any other model.
     include: list[str] | str = field(default_factory=list)
     estimator: str = "centered"  # or "basis" (sketch_ops.function)

@@ -7,18 +7,12 @@ Contract:
   newest committed step). The file is plain JSON, rewritten whole (atomic on local disk, one
   PUT on S3), and untrusted when read: an unreadable file, or an entry without a valid
   `from_step` and `schedule`, is ignored (logged), never a crash; doubt never refuses.
-- The learning-rate schedule is a function of the recipe's schedule fields
-  (`SCHEDULE_FIELDS`: `steps`, `optim.lr`, `optim.warmup_steps`, `optim.min_lr_ratio`,
-  `optim.schedule`, `optim.decay_fraction`), so stopping early never changes it. An entry or
-  `run.json` written before a field existed holds what the run was trained with then
-  (`ADDED_LATER`: cosine). `saved_schedule(store, step)` is the schedule the run was
-  trained with up to committed step `step`: that of the newest session entry that started at
-  or before `step` (a session started later and rolled back does not count), else the
-  first session's `run.json` config; None when neither can be read. `schedule_changes`
-  lists the fields a recipe changes. `trainer.run_dir.check_continuation` refuses a change
-  unless asked (`--reschedule`, or `accept_schedule(cfg)` from Python, which records the
-  recipe's schedule as the run's from its newest committed step, under the run lease:
-  `LeaseHeldError` while a driver trains the run).
+- The schedule a run was trained with (`saved_schedule`, `schedule_changes`, the reading of
+  the log, `read_sessions`) is `trainer.train.continuation`'s, where the check that refuses
+  a changed schedule lives; it is refused unless asked (`--reschedule`, or
+  `accept_schedule(cfg)` from Python, which records the recipe's schedule as the run's from
+  its newest committed step, under the run lease: `LeaseHeldError` while a driver trains the
+  run).
 - `parse_duration("2h30m")` reads `--time-limit`: one or more of `<number>h`, `<number>m`,
   `<number>s` in that order (e.g. `2h30m`, `45m`, `90s`, `1.5h`); anything else, or zero, is
   a `ValueError` with one line naming the flag and the accepted forms.
@@ -33,25 +27,17 @@ Contract:
 
 from __future__ import annotations
 
-import logging
 import re
 import time
 from collections import deque
 from collections.abc import Callable
 from typing import Any
 
-from elastic.storage import INT64, finite_number
 from elastic.store.snapshot_store import SnapshotStore
-from trainer.config import SCHEDULES, FitConfig
+from trainer.config import FitConfig
+from trainer.train.continuation import SESSIONS_NAME, bounded_number, read_sessions, schedule_of
 
-log = logging.getLogger("baton.sessions")
-
-SESSIONS_NAME = "sessions.json"
 SESSIONS_VERSION = 1
-SCHEDULE_FIELDS = ("steps", "optim.lr", "optim.warmup_steps", "optim.min_lr_ratio",
-                   "optim.schedule", "optim.decay_fraction")
-# Schedule fields younger than the session log, with the value every run had before them.
-ADDED_LATER: dict[str, Any] = {"optim.schedule": "cosine", "optim.decay_fraction": 0.2}
 OUTCOMES = ("finished", "stopped", "aborted", "failed")
 
 
@@ -73,104 +59,7 @@ def parse_duration(text: str, flag: str = "--time-limit") -> float:
     return total
 
 
-# ---------------------------------------------------------------------- schedule
-
-def schedule_of(cfg: FitConfig) -> dict[str, Any]:
-    """The recipe's schedule fields, by dotted name."""
-    return {"steps": cfg.steps, "optim.lr": cfg.optim.lr,
-            "optim.warmup_steps": cfg.optim.warmup_steps,
-            "optim.min_lr_ratio": cfg.optim.min_lr_ratio,
-            "optim.schedule": cfg.optim.schedule,
-            "optim.decay_fraction": cfg.optim.decay_fraction}
-
-
-def _from_config(config: Any) -> dict[str, Any] | None:
-    """The schedule fields of a `run.json` config, or None if any is missing."""
-    out: dict[str, Any] = {}
-    for name in SCHEDULE_FIELDS:
-        value = config
-        for part in name.split("."):
-            if not isinstance(value, dict) or part not in value:
-                value = ADDED_LATER.get(name, _ABSENT)
-                break
-            value = value[part]
-        if value is _ABSENT:
-            return None
-        out[name] = value
-    return out
-
-
-_ABSENT = object()
-
-
-def saved_schedule(store: SnapshotStore, step: int,
-                   run_json: dict[str, Any] | None = None) -> dict[str, Any] | None:
-    """The schedule the run was trained with up to committed `step` (module contract)."""
-    for entry in reversed(read_sessions(store)):
-        if entry["from_step"] <= step:
-            return dict(entry["schedule"])
-    if run_json is None:
-        try:
-            run_json = store.read_run_json()
-        except (ValueError, OSError):
-            return None
-    return _from_config((run_json or {}).get("config"))
-
-
-def schedule_changes(saved: dict[str, Any] | None, cfg: FitConfig
-                     ) -> list[tuple[str, Any, Any]]:
-    """(field, saved value, recipe value) for each schedule field the recipe changes."""
-    if saved is None:
-        return []
-    wanted = schedule_of(cfg)
-    return [(name, saved[name], wanted[name]) for name in SCHEDULE_FIELDS
-            if name in saved and _schedule_value(name, saved[name])
-            and saved[name] != wanted[name]]
-
-
-def _number(value: Any) -> bool:
-    return finite_number(value) and (not isinstance(value, int) or abs(value) < INT64)
-
-
-def _schedule_value(name: str, value: Any) -> bool:
-    """Whether `value` is one that field `name` can hold (untrusted input)."""
-    return value in SCHEDULES if name == "optim.schedule" else _number(value)
-
-
 # ---------------------------------------------------------------------- the session log
-
-def _valid_entry(entry: Any) -> bool:
-    if not isinstance(entry, dict):
-        return False
-    start, schedule = entry.get("from_step"), entry.get("schedule")
-    if not (_number(start) and isinstance(start, int) and start >= 0):
-        return False
-    if not isinstance(schedule, dict):
-        return False
-    for name, value in ADDED_LATER.items():
-        schedule.setdefault(name, value)
-    return all(_schedule_value(n, schedule.get(n)) for n in SCHEDULE_FIELDS)
-
-
-def read_sessions(store: SnapshotStore) -> list[dict[str, Any]]:
-    """The valid entries of `RUN/sessions.json`, oldest first ([] if none can be read)."""
-    path = store.path(SESSIONS_NAME)
-    try:
-        if not store.exists(path):
-            return []
-        raw = store.read_json(path)  # bounded; a link or a FIFO is refused, never waited on
-    except (ValueError, OSError) as err:
-        log.warning("%s: unreadable (%s); the session log is ignored", path, err)
-        return []
-    entries = raw.get("sessions") if isinstance(raw, dict) else None
-    if not isinstance(entries, list):
-        log.warning("%s: not a Baton session log; ignored", path)
-        return []
-    valid = [e for e in entries if _valid_entry(e)]
-    if len(valid) != len(entries):
-        log.warning("%s: %d malformed entries ignored", path, len(entries) - len(valid))
-    return valid
-
 
 def _write_sessions(store: SnapshotStore, entries: list[dict[str, Any]]) -> None:
     store.write_json(store.path(SESSIONS_NAME),
@@ -206,7 +95,7 @@ def accept_schedule(cfg: FitConfig) -> str:
     from its newest committed step, so `trainer.fit(cfg)` continues with it; returns what the
     schedule does from there (one line)."""
     from elastic.lease.run_lease import RunLease
-    from trainer.optim import describe_schedule
+    from trainer.train.optim import describe_schedule
 
     store = SnapshotStore(cfg.snapshots.run_uri)
     # Under the run lease, as a driver writes the log: while one trains this raises
@@ -242,7 +131,8 @@ class TimeBudget:
     def observe(self, record: dict[str, Any]) -> None:
         """Feed one progress record (`step`, `time` of its end, `last_commit`)."""
         step, ended = record.get("step"), record.get("time")
-        if not isinstance(step, int) or not isinstance(ended, int | float) or not _number(ended):
+        if (not isinstance(step, int) or not isinstance(ended, int | float)
+                or not bounded_number(ended)):
             return
         ended = float(ended)
         if self._last is not None and step > self._last[0]:

@@ -39,8 +39,8 @@ Contract:
   parts, `[x, y]`: every tensor along dim 0, per-sample lists too) into pieces of
   `microbatch_size` samples, gives
   each its part of the weight, and runs all but the last piece's forward/backward under
-  `trainer.parallel.grad_sync(model, last=False)`: every rank all-reduces exactly once per step,
-  whatever its number of pieces (an idle rank has one, of weight 0). With FSDP2, ranks with
+  `trainer.train.parallel.grad_sync(model, last=False)`: every rank all-reduces exactly once per
+  step, whatever its number of pieces (an idle rank has one, of weight 0). With FSDP2, ranks with
   fewer pieces add zero-weight passes so that every rank runs as many. A piece whose forward
   did not run inside the loop over it (`list(loader.microbatches(...))`) is a `UsageError`.
 """
@@ -49,7 +49,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Iterator
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import Any, Protocol
 
 import torch
 from torch import nn
@@ -57,14 +57,11 @@ from torch.utils._pytree import tree_leaves
 
 from data_state.share_loader import ShareLoader, StepShare
 from elastic.errors import FatalRunError
-from trainer.parallel import grad_sync, parallelism_of, unwrapped
-from trainer.session_setup import UsageError
-
-if TYPE_CHECKING:
-    from trainer.session import Session
+from trainer.train.parallel import grad_sync, parallelism_of, unwrapped
+from trainer.train.session_setup import UsageError
 
 
-def make_loader(session: Session, dataset: Any, *, batch_size: int, microbatch_size: int,
+def make_loader(session: LoaderOwner, dataset: Any, *, batch_size: int, microbatch_size: int,
                 shuffle: bool, seed: int, collate_fn: Any, drop_last: bool, num_workers: int,
                 fingerprint: str | None, saved: Any) -> ElasticDataLoader:
     """`Session.data_loader`'s loader: settings checked under the names the caller used,
@@ -117,6 +114,14 @@ class StepCounter(Protocol):
     optimizer_steps: int  # optimizer.step() calls so far (the session's pre-hook counts them)
 
     def step_done(self, *, boundary: bool = False) -> bool: ...
+
+
+class LoaderOwner(StepCounter, Protocol):
+    """What `make_loader` needs from its `Session`: the steps, this rank's share, the model."""
+
+    rank: int
+    world_size: int
+    model: nn.Module
 
 
 class ElasticDataLoader:

@@ -1,5 +1,5 @@
 """Pre-flight checks of what a run needs before Ray starts: a prepared dataset that fits the
-recipe, and a place for its workers. The driver runs them (`trainer.run_dir.check_run_dir`,
+recipe, and a place for its workers. The driver runs them (`trainer.run.run_dir.check_run_dir`,
 `trainer.on_ray.ray_fit`); each refusal is one `ConfigError` line naming the field and the fix.
 
 Contract:

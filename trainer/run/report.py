@@ -1,6 +1,6 @@
 """`baton report RUN_URI`: one PNG that tells the story of a run, plus a summary table.
 
-Contract: `write_report(run_uri, out_png)` reads the run's metrics (`trainer.metrics`) and
+Contract: `write_report(run_uri, out_png)` reads the run's metrics (`trainer.run.metrics`) and
 draws four panels: training and validation loss per step (each worker-group attempt in its
 own colour, so steps redone after a failure show as overlapping segments), tokens per
 second, world size over wall time with each restart marked, and a summary table. Returns
@@ -10,7 +10,7 @@ exist or has no valid metrics yet, `OSError` naming `out_png` if it cannot be wr
 `ValueError` if `out_png` resolves (links included) inside the run directory: a report is
 never written over a run's own files (an `--out` that is a link to a manifest would destroy
 a committed snapshot); it is written to the resolved path it was checked at.
-Invalid metrics records are skipped with a warning (`trainer.metrics.read_records`).
+Invalid metrics records are skipped with a warning (`trainer.run.metrics.read_records`).
 """
 
 from __future__ import annotations
@@ -24,8 +24,8 @@ matplotlib.use("Agg")  # files only; never needs a display
 import matplotlib.pyplot as plt  # noqa: E402
 
 from elastic.storage import Storage, output_problem, storage_errors  # noqa: E402
-from trainer.metrics import RunSummary, read_records, summarize  # noqa: E402
-from trainer.terminal import summary_rows  # noqa: E402
+from trainer.run.metrics import RunSummary, read_records, summarize  # noqa: E402
+from trainer.run.terminal import summary_rows  # noqa: E402
 
 
 def _check_run_uri(run_uri: str) -> None:

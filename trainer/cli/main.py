@@ -1,10 +1,9 @@
 """The `baton` command line.
 
 Contract: `main(argv)` parses `argv` (default `sys.argv[1:]`), runs one subcommand and returns
-its exit code. Each package that owns a command group exposes `register(subparsers)`, which
+its exit code. Each command module of `trainer.cli` exposes `register(subparsers)`, which
 adds its parsers and sets `func` (a callable taking the parsed namespace and returning an exit
-code). This module only wires the groups together, so every command is defined next to the
-code it drives.
+code). This module only wires the groups together.
 
 Errors: commands report bad input themselves (one line on stderr, exit 2). As a safety net, a
 `ValueError` that still escapes a command prints `error: <message>` on one line and exits 2,
@@ -22,11 +21,12 @@ import sys
 # (module, what it adds). Imported lazily so `baton --help` stays fast and a broken optional
 # group does not take the whole CLI down.
 _COMMAND_GROUPS: tuple[str, ...] = (
-    "data_state.cli",  # baton data prepare|inspect
-    "elastic.cli",  # baton snapshots ls|show|verify|export|rewind|restore-quarantined
-    "trainer.fit_cli",  # baton fit|report|demo
-    "trainer.runs",  # baton runs ls
-    "trainer.sketch_plan",  # baton sketch-plan
+    "trainer.cli.data",  # baton data prepare|inspect
+    "trainer.cli.snapshots",  # baton snapshots ls|show|verify|export|rewind|restore-quarantined
+    "trainer.cli.fit",  # baton fit
+    "trainer.cli.report",  # baton report|demo
+    "trainer.cli.runs",  # baton runs ls
+    "trainer.cli.sketch_plan",  # baton sketch-plan
 )
 
 

@@ -15,10 +15,10 @@ Contract:
     a parent, no committed snapshot, no session log), and neither directory
     lies inside the other: a fork never writes into its parent;
   * nothing that fixes a tensor shape changes: the fields of
-    `trainer.run_dir.TENSOR_SHAPE_FIELDS` against the parent's `run.json`, then every model
-    tensor (name and shape, from the recipe's model built on the meta device) against the
+    `trainer.train.continuation.TENSOR_SHAPE_FIELDS` against the parent's `run.json`, then every
+    model tensor (name and shape, from the recipe's model built on the meta device) against the
     snapshot's, so a custom `model_factory` is covered too;
-  * the optimizer is the parent's (`trainer.optim.optimizer_change`: `optim.name`, a
+  * the optimizer is the parent's (`trainer.train.optim.optimizer_change`: `optim.name`, a
     custom `optimizer_factory` or not): the fork restores its state;
   * `steps` is past the fork step (a fork's step count continues the parent's);
   * `data_cursor`: `keep` needs the same seed (the cursor carries it) and, when `data.uri`
@@ -56,17 +56,15 @@ from elastic.format.records import Manifest, crc32_blocks, parse_header
 from elastic.snapshot_ref import split_snapshot_dir
 from elastic.store.snapshot_store import SnapshotStore
 from trainer.config import FitConfig
-from trainer.optim import optimizer_change
-from trainer.preflight import dataset_fingerprint, with_dataset_vocab
-from trainer.run_dir import (
+from trainer.run.preflight import dataset_fingerprint, with_dataset_vocab
+from trainer.run.run_dir import clear_interrupted_fork, held_run_parts, interrupted_fork
+from trainer.train.continuation import (
     TENSOR_SHAPE_FIELDS,
     RunDirError,
-    clear_interrupted_fork,
-    held_run_parts,
-    interrupted_fork,
     model_config_record,
     shape_value,
 )
+from trainer.train.optim import optimizer_change
 
 DATA_CURSOR_CHOICES = ("auto", "keep", "reset")
 _GENERATION_RE = re.compile(r"-g(\d{6})\.safetensors$")
@@ -233,7 +231,7 @@ def _model_shapes(cfg: FitConfig) -> dict[str, tuple[int, ...]] | None:
     """The recipe's model parameter and buffer shapes, built without memory (meta device)."""
     import torch
 
-    from trainer.loop import build_model
+    from trainer.train.loop import build_model
 
     try:
         with torch.device("meta"):
@@ -265,7 +263,7 @@ def _keep_cursor(plan: ForkPlan, cfg: FitConfig, fingerprint: str | None) -> boo
 
 
 def _parent_loss(source_uri: str, step: int) -> float | None:
-    from trainer.metrics import read_records
+    from trainer.run.metrics import read_records
 
     try:
         losses = [r["loss"] for r in read_records(source_uri)
@@ -279,7 +277,7 @@ def make_fork(plan: ForkPlan, cfg: FitConfig) -> ForkResult:
     """Write the fork's first committed snapshot and its lineage (module contract)."""
     from data_state.cursor import DataCursor
     from elastic.snapshotter import library_versions
-    from trainer.preflight import ensure_dataset
+    from trainer.run.preflight import ensure_dataset
 
     data_cfg = ensure_dataset(cfg)  # data.uri set, model.vocab_size resolved
     _refuse_shape_change(data_cfg, plan.source.run_uri, plan.parent_config, plan.manifest)

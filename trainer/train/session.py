@@ -22,7 +22,7 @@ or, step by step with a loader of its own (`data_state.ResumableLoader`, `MapSty
 
 Contract
 --------
-- Refused, each in one line (`UsageError`, `trainer.session_setup`): a second open Session in
+- Refused, each in one line (`UsageError`, `trainer.train.session_setup`): a second open Session in
   the process, and above world size 1 a model that is neither DDP (what
   `ray.train.torch.prepare_model` returns) nor FSDP2. `unwrapped_model` is the model inside a
   DDP wrapper (the model itself at world size 1, where `prepare_model` does not wrap).
@@ -60,7 +60,7 @@ Contract
   never captured. Under `ElasticTorchTrainer` the last step is committed when the training
   function returns, not when the loop ends: code after the loop that fails restarts the group
   from an earlier snapshot and runs the loop again (never past it with its variables unset).
-- `data_loader(dataset, batch_size=, ...)`: the elastic `DataLoader` (`trainer.data_loader`),
+- `data_loader(dataset, batch_size=, ...)`: the elastic `DataLoader` (`trainer.train.data_loader`),
   registered as `data` and restored from the snapshot; at most one, made before training.
   A `ResumableLoader` whose `next_step()` was not `advance()`d when the step ends: a
   `UsageError` naming the fix.
@@ -90,11 +90,11 @@ from elastic.coord.protocol import CoordinatorClient
 from elastic.errors import FatalRunError, SnapshotIntegrityError
 from elastic.preemption import PreemptionNotice, PreemptionWatcher
 from elastic.snapshotter import Snapshotter
-from elastic.state.registry import SnapshotMismatchError, StateRegistry
-from trainer import session_setup as setup
+from elastic.state.registry import SnapshotMismatchError
 from trainer.config import SnapshotConfig
-from trainer.parallel import unwrapped
-from trainer.session_setup import (  # noqa: F401 - the public names of trainer.session
+from trainer.train import session_setup as setup
+from trainer.train.parallel import unwrapped
+from trainer.train.session_setup import (  # noqa: F401 - the public names of trainer.train.session
     UsageError,
     WorkerContext,
     current_context,
@@ -104,12 +104,10 @@ from trainer.session_setup import (  # noqa: F401 - the public names of trainer.
 )
 
 if TYPE_CHECKING:
-    from trainer.data_loader import ElasticDataLoader
+    from trainer.train.data_loader import ElasticDataLoader
 
 log = logging.getLogger("baton.session")
 
-# The session's own state in the snapshot (the key Baton's loop has always used).
-PROGRESS_KEY = "trainer"
 # Asking the platform for a preemption notice is a barrier across workers: not every step.
 PREEMPTION_CHECK_EVERY = 5
 # After the snapshot for a planned resize, how long to wait for the teardown before training
@@ -171,22 +169,8 @@ class Session:
         self._data = data
         self.until = until if until is not None else context.until if context else None
         self._progress = _Progress()
-        self.registry = StateRegistry()
-        self.registry.register("model", model)
-        if optimizer is not None:
-            self.registry.register("optim", optimizer, model=model)
-        if scheduler is not None:
-            self.registry.register("sched", scheduler)
-        if data is not None:
-            if isinstance(data, setup.WorldSizeFree):
-                data.reshard(rank=self.rank, world_size=self.world_size)
-            self.registry.register("data", data)
-        if scaler is not None and scaler.is_enabled():
-            # fp16's loss scale; optional: a run switching into fp16 starts from a fresh one
-            self.registry.register("scaler", scaler, optional=True)
-        for key, extra in (extras or {}).items():
-            self.registry.register(key, extra)
-        self.registry.register(PROGRESS_KEY, self._progress)
+        self.registry = setup.state_registry(model, optimizer, scheduler, data, scaler, extras,
+                                             self._progress, self.rank, self.world_size)
         self.snapshotter = Snapshotter(
             settings.run_uri, self.registry, rank=self.rank, world_size=self.world_size,
             layout=layout or setup.layout_of(model),
@@ -245,9 +229,9 @@ class Session:
                     collate_fn: Callable[[list[Any]], Any] | None = None,
                     drop_last: bool = False, num_workers: int = 0,
                     fingerprint: str | None = None) -> ElasticDataLoader:
-        """The elastic `DataLoader` of this session (`trainer.data_loader`): `batch_size` is
+        """The elastic `DataLoader` of this session (`trainer.train.data_loader`): `batch_size` is
         the global batch; the data position is restored from the snapshot."""
-        from trainer.data_loader import make_loader
+        from trainer.train.data_loader import make_loader
 
         if self._loader is not None or "data" in self.registry.keys():
             raise UsageError("Session.data_loader: this session already has its data loader "

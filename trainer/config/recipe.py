@@ -2,10 +2,10 @@
 
 Contract:
 - Every section is a dataclass documented per field and validated in `__post_init__`
-  (`trainer/config_model.py`: `[model]`, `[sketch]`; `trainer/config_train.py`: the others;
+  (`trainer/config/model.py`: `[model]`, `[sketch]`; `trainer/config/training.py`: the others;
   all importable from here); a bad value raises `ConfigError` (a `ValueError`) naming the
   dotted field (`optim.lr`) and the fix. Types are checked first, for every field, from the
-  dataclass annotations (`config_checks.check_types`): `steps = "10"`, `steps = true` or
+  dataclass annotations (`checks.check_types`): `steps = "10"`, `steps = true` or
   `d_model = 32.0` is one `ConfigError`, never a `TypeError`.
 - `load_recipe(path, overrides)` reads a TOML recipe, applies `key=value` overrides
   (`optim.lr=3e-4`; the value is parsed as TOML, else taken as a string) and returns a
@@ -26,8 +26,8 @@ from typing import Any
 
 import torch
 
-from trainer.config_checks import ConfigError, check_types, require
-from trainer.config_model import (
+from trainer.config.checks import ConfigError, check_types, require
+from trainer.config.model import (
     HF_INSTALL_HINT,
     MLP_RECOMPUTE,
     ModelConfig,
@@ -38,7 +38,7 @@ from trainer.config_model import (
     raw_hf_config,
     require_transformers,
 )
-from trainer.config_train import (
+from trainer.config.training import (
     OPTIMIZERS,
     PRECISIONS,
     SCHEDULES,
@@ -51,8 +51,8 @@ from trainer.config_train import (
     SnapshotConfig,
 )
 
-# The sections and helpers live in config_model / config_train (config_checks: the shared
-# validation); this module is where the rest of Baton imports them from.
+# The sections and helpers live in `model` / `training` (`checks`: the shared validation);
+# the room's face, `trainer.config`, is where the rest of Baton imports them from.
 __all__ = [
     "HF_INSTALL_HINT", "MLP_RECOMPUTE", "OPTIMIZERS", "PRECISIONS", "SCHEDULES", "ConfigError",
     "DataConfig", "EvalConfig", "FitConfig", "LoggingConfig", "ModelConfig", "OptimConfig",
@@ -98,7 +98,7 @@ class FitConfig:
     # With model_factory: loss_fn(model, tokens) returns the microbatch's scalar loss.
     loss_fn: Callable[[torch.nn.Module, torch.Tensor], torch.Tensor] | None = None
     # Python API only: build your own optimizer from the (wrapped) model instead of
-    # optim.name's; optim.lr and the schedule still set its learning rate (trainer.optim).
+    # optim.name's; optim.lr and the schedule still set its learning rate (trainer.train.optim).
     optimizer_factory: Callable[[torch.nn.Module], torch.optim.Optimizer] | None = None
 
     def __post_init__(self) -> None:

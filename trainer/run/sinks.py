@@ -7,7 +7,7 @@ Contract:
   config is validated (`trainer.config.LoggingConfig`: one line naming
   `pip install baton-train[tensorboard]`), so before Ray starts.
 - Sinks run in the run's monitor actor on the head node (`trainer.on_ray.monitor`), next to the
-  driver, and receive its records (`trainer.metrics` kinds), so training workers need no
+  driver, and receive its records (`trainer.run.metrics` kinds), so training workers need no
   extra packages. From each `step` record they log `loss`, `val_loss`, `lr`,
   `tokens_per_s`, `world_size` and `snapshot_stall_s` (when present) at its `step`.
 - Exactly once per step, also across restarts and driver sessions: a sink logs a step only

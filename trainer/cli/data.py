@@ -38,6 +38,13 @@ def register(subparsers: Any) -> None:
     data = subparsers.add_parser("data", help="prepare and inspect token datasets")
     commands = data.add_subparsers(dest="data_command", metavar="COMMAND")
 
+    _add_prepare(commands)
+    _add_inspect(commands)
+    data.set_defaults(func=lambda _args: (data.print_help(), 2)[1])
+
+
+def _add_prepare(commands: Any) -> None:
+    """`data prepare SOURCE... --out URI`: documents -> Parquet token shards."""
     prepare = commands.add_parser(
         "prepare",
         help="text, JSON Lines, Parquet or save_to_disk inputs -> Parquet token shards",
@@ -107,6 +114,9 @@ def register(subparsers: Any) -> None:
     prepare.add_argument("--quiet", action="store_true", help="no progress output")
     prepare.set_defaults(func=_prepare)
 
+
+def _add_inspect(commands: Any) -> None:
+    """`data inspect URI`: a dataset's summary, its checks, its first sequences."""
     inspect = commands.add_parser("inspect", help="summarise (and optionally verify) a dataset")
     inspect.add_argument("uri", help="dataset URI (directory or s3://...)")
     inspect.add_argument("--split", default=None, help="only this split (default: all)")
@@ -120,7 +130,6 @@ def register(subparsers: Any) -> None:
     )
     inspect.add_argument("--json", action="store_true", help="print the summary as JSON")
     inspect.set_defaults(func=_inspect)
-    data.set_defaults(func=lambda _args: (data.print_help(), 2)[1])
 
 
 def _fail(command: str, message: object) -> int:

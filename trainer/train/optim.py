@@ -30,13 +30,13 @@ Contract:
   * `constant`: `lr` (`min_lr_ratio` is not used);
   * `wsd` (warmup-stable-decay): `lr` until the last `decay_fraction` of the run
     (`decay_start`), then linear to `floor` at `total_steps`.
-  It is a pure function of the recipe (`SCHEDULE_FIELDS` of `trainer.session_log`: the run's
+  It is a pure function of the recipe (`SCHEDULE_FIELDS` of `trainer.train.continuation`: the run's
   `steps` and the `optim` schedule fields), never of when a session started or stopped:
   stopping early and continuing lands on exactly the same learning rates.
 - `LrSchedule` applies it to every parameter group of an optimizer (a factory's too: the
   recipe's `optim.lr` and schedule drive its learning rate). Its whole snapshot state is the
   step counter: the schedule's shape always comes from the recipe being run, so a snapshot
-  can never silently override a changed `steps` or `lr` (`trainer.session_log` refuses such
+  can never silently override a changed `steps` or `lr` (`trainer.train.continuation` refuses such
   a change when a run continues, unless asked for; `describe_schedule` says what it does from
   there). `WarmupCosine` is the name it had when cosine was the only schedule.
 - `optimizer_change(saved_config, cfg)` tells whether the optimizer state of a run made with

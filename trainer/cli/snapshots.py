@@ -16,7 +16,7 @@ nothing newer was committed since (``elastic.set_aside``; both hold the run leas
 driver's run is refused in one line, exit 1). ``ls`` lists quarantined snapshots and step
 entries refused as links too.
 ``ls`` and ``show`` accept ``--json`` for machine-readable output. ``export --format hf``
-writes a Hugging Face model directory (``trainer.hf.export_hf``) for runs of an HF model and
+writes a Hugging Face model directory (``trainer.train.hf.export_hf``) for runs of an HF model and
 refuses, in one line, a run of the built-in GPT. ``export --format npz`` writes every logical
 tensor and the JSON state into one ``.npz`` file; ``--format orbax`` the run's JAX train state
 (Flax params, AdamW moments and count) as an Orbax checkpoint in a new directory, with
@@ -249,7 +249,7 @@ def _export(args: argparse.Namespace) -> int:
         if args.format in ("orbax", "npz"):
             return _export_jax(args, step)
         if args.format == "hf":
-            from trainer.hf import export_hf  # the trainer's model side (optional extra)
+            from trainer.train.hf import export_hf  # the trainer's model side (optional extra)
 
             n, tokenizer = export_hf(store, step, os.path.realpath(args.out))
             print(f"wrote snapshot {step} ({n} tensors) as a Hugging Face model with the "

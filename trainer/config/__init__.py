@@ -1,0 +1,59 @@
+"""The recipe: `FitConfig`, its sections and their checks, loaded from TOML.
+
+The room's modules
+------------------
+* ``recipe``: ``FitConfig`` (the whole run), ``load_recipe`` (TOML + ``key=value``
+  overrides), ``from_dict``, ``apply_override``; its docstring is the room's contract.
+* ``model``: the model-side sections, ``[model]`` (the built-in GPT or a Hugging Face model
+  from local files) and ``[sketch]`` (BASIS).
+* ``training``: ``[data]``, ``[optim]``, ``[snapshots]``, ``[scaling]``, ``[eval]``,
+  ``[logging]``, ``[precision]``.
+* ``checks``: ``ConfigError`` and the validation every section shares.
+* ``recipe_doc``: ``docs/recipes.md``, generated from the fields' own comments
+  (``python -m trainer.config.recipe_doc``).
+
+Import rule (``tests/project/test_imports.py``): the config room is the lowest of
+``trainer``'s rooms; it imports ``elastic.storage`` and ``sketch_ops``, never the worker
+(``trainer.train``), the driver (``trainer.run``), Ray or the commands. Nothing here starts a
+process or reads anything a recipe names beyond local model config files.
+
+Callers outside the room import the names below from here.
+"""
+
+from __future__ import annotations
+
+from trainer.config.recipe import (
+    HF_INSTALL_HINT,
+    MLP_RECOMPUTE,
+    OPTIMIZERS,
+    PRECISIONS,
+    SCHEDULES,
+    ConfigError,
+    DataConfig,
+    EvalConfig,
+    FitConfig,
+    LoggingConfig,
+    ModelConfig,
+    OptimConfig,
+    PrecisionConfig,
+    ScalingSettings,
+    SketchConfig,
+    SnapshotConfig,
+    apply_override,
+    callable_name,
+    check_local_source,
+    config_file,
+    from_dict,
+    hf_source_field,
+    load_recipe,
+    raw_hf_config,
+    require_transformers,
+)
+
+__all__ = [
+    "HF_INSTALL_HINT", "MLP_RECOMPUTE", "OPTIMIZERS", "PRECISIONS", "SCHEDULES", "ConfigError",
+    "DataConfig", "EvalConfig", "FitConfig", "LoggingConfig", "ModelConfig", "OptimConfig",
+    "PrecisionConfig", "ScalingSettings", "SketchConfig", "SnapshotConfig", "apply_override",
+    "callable_name", "check_local_source", "config_file", "from_dict", "hf_source_field",
+    "load_recipe", "raw_hf_config", "require_transformers",
+]
