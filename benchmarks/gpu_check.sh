@@ -126,7 +126,7 @@ EOF
 
 # The test files holding `gpu` tests: collecting only these keeps the step independent of the
 # test-only extras (moto, boto3, mlflow) that other test modules import.
-gpu_test_files() { grep -l "pytest.mark.gpu" tests/test_*.py; }
+gpu_test_files() { grep -l "pytest.mark.gpu" tests/*/test_*.py; }
 
 step_pytest_gpu() {
     # multigpu tests (the group read over NCCL) only where there are two GPUs or more.
@@ -140,8 +140,8 @@ step_pytest_gpu() {
 
 step_triton_kernels() {
     env -u TRITON_INTERPRET -u BATON_SKETCH_BACKEND "$PY" -m pytest -q -rs -p no:cacheprovider \
-        -m gpu -k triton --junitxml="$WORK/triton.xml" tests/test_sketch_triton.py \
-        tests/test_gpu_paths.py
+        -m gpu -k triton --junitxml="$WORK/triton.xml" tests/sketch/test_sketch_triton.py \
+        tests/gpu/test_gpu_paths.py
     local rc=$?
     pytest_figures "$WORK/triton.xml" && return $rc
 }

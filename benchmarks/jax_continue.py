@@ -13,7 +13,7 @@ weight decay on matrices and gradient clipping) trains with Baton's worker loop:
 
 Printed: ||x - x_ref|| / ||x_ref|| over the parameters, over exp_avg and over exp_avg_sq at
 step 15, and the wall time of the JAX load, 5 JAX steps (jit included) and the save. The tests
-(tests/test_jax_continue.py) assert 1e-5.
+(tests/jax/test_jax_continue.py) assert 1e-5.
 
     python benchmarks/jax_continue.py [--workdir DIR]
 """

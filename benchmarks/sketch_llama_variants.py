@@ -90,7 +90,7 @@ VARIANTS = [
     Variant("auto", 'BASIS R=n/16, include="auto" (fusions + probe)', sketched=True,
             include="auto"),
     # The same, the fused MLP keeping only its input: one n x I tensor less per MLP, one matmul
-    # more (its gradients are "auto"'s up to rounding: tests/test_sketch_swiglu.py).
+    # more (its gradients are "auto"'s up to rounding: tests/sketch/test_sketch_swiglu.py).
     Variant("auto-keep-x", 'BASIS R=n/16, include="auto", keep_gate=False', sketched=True,
             include="auto", keep_gate=False, train=False),
     # What "auto" should choose on this Llama, by name: the built-in GPT's policy carried over

@@ -61,7 +61,7 @@ POLICY = ("blocks.*.mlp.proj",)  # trainer.model.SKETCH_LAYERS
 VARIANTS: list[Variant] = [
     Variant("exact", "exact backprop", group="baseline"),
     # Exact gradients by construction (torch's checkpointing; the recomputed MLP is checked by
-    # tests/test_sketch_fusions.py): each seed must end at exact's loss for that seed, which
+    # tests/sketch/test_sketch_fusions.py): each seed must end at exact's loss for that seed, which
     # checks the benchmark as much as them.
     Variant("ckpt", "activation checkpointing", checkpoint=True, group="baseline"),
     Variant("exact-recompute", "exact, MLP recomputed", mlp_recompute="always", group="baseline"),

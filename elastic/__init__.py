@@ -19,7 +19,7 @@ over ``lease/`` (one driver per run), ``store/`` (the run directory, the RAM tie
 ``state/`` (the registry, module state, layouts), ``format/`` (records and the checks every
 reader applies) and ``storage/`` (the storage layer, the project's leaf). ``portable/`` is the
 framework-neutral reader and writer of the format. Each room's ``__init__`` states its
-contract and its few public names; ``tests/test_imports.py`` keeps the import order
+contract and its few public names; ``tests/project/test_imports.py`` keeps the import order
 (face > write, read, portable > coord > lease > store, state > format > errors and the
 shared pieces > storage).
 

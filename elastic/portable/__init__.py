@@ -16,7 +16,7 @@ Modules:
 Every check is the PyTorch path's own: the manifest is validated by
 ``elastic.format.manifest_check``, the files by ``elastic.format.chunk_checks``, a manifest to
 commit by ``elastic.coord.receipts``. Importing this package loads no torch
-(``tests/test_portable.py`` checks it in a fresh interpreter).
+(``tests/elastic/test_portable.py`` checks it in a fresh interpreter).
 """
 
 from __future__ import annotations

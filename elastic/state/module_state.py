@@ -17,7 +17,7 @@ Contract
   ``_fqn_modifiers``). A plain model's FQNs are its state-dict keys less the prefix, so both
   classes compute DCP's result from the module's and the optimizer's own state dicts; any
   other model goes through DCP. The two paths give equal state dicts and load alike
-  (tests/test_elastic_module_state.py compares them).
+  (tests/elastic/test_elastic_module_state.py compares them).
 
 Why the plain path: DCP walks every parameter name through the module tree (``_get_fqns``)
 on every call, ~3 ms per call at ~90 parameters on this CPU — four calls per restore (get

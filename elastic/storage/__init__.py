@@ -18,11 +18,11 @@ The room's modules
 * ``errors``: what a failure means: ``SnapshotIntegrityError`` and ``TruncatedError``
   (definite), ``StorageUnavailableError`` (doubt), ``ShortReadError`` (transient).
 
-Import rule (kept true by ``tests/test_imports.py`` and ``tests/test_storage_io.py``): these
-modules import the standard library, fsspec/s3fs and each other, nothing else of Baton. No
-other Baton module imports fsspec or s3fs. ``elastic/__init__`` loads its names lazily, so
-``import elastic.storage`` pulls in neither torch nor Ray: ``data_state`` uses this room and
-no other part of ``elastic``.
+Import rule (kept true by ``tests/project/test_imports.py`` and
+``tests/storage/test_storage_io.py``): these modules import the standard library, fsspec/s3fs
+and each other, nothing else of Baton. No other Baton module imports fsspec or s3fs.
+``elastic/__init__`` loads its names lazily, so ``import elastic.storage`` pulls in neither
+torch nor Ray: ``data_state`` uses this room and no other part of ``elastic``.
 
 Callers outside the room import the names below from here, whichever module defines them.
 """

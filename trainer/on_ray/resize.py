@@ -9,7 +9,7 @@ group down. The new group restores exactly that step, so a scale-up redoes no st
 A failure restart is not a planned resize and is not delayed.
 
 It uses Ray Train V2's internal controller callback API (`ControllerCallback`), hence the
-pinned Ray version range; `tests/test_trainer_autoscale.py` covers it.
+pinned Ray version range; `tests/ray/test_trainer_autoscale.py` covers it.
 """
 
 from __future__ import annotations

@@ -36,8 +36,8 @@ Contract:
 
 It uses Ray Train V2 internals (`ElasticScalingPolicy`, `DefaultFailurePolicy`, the
 `_initialize_and_run_controller` hook, the coordinator's `recompute` flag), hence the pinned
-Ray range (>=2.60,<2.61); `tests/test_trainer_scaling.py` pins the parts it relies on and tests
-the decisions on fake cluster states; `tests/test_trainer_elastic.py` checks the restart time
+Ray range (>=2.60,<2.61); `tests/ray/test_trainer_scaling.py` pins the parts it relies on and tests
+the decisions on fake cluster states; `tests/ray/test_trainer_elastic.py` checks the restart time
 on a real node loss.
 """
 

@@ -1,0 +1,108 @@
+"""A Ray Train loop as Ray's "Saving and Loading Checkpoints" guide writes one: `TorchTrainer`,
+`train_func(config)`, `prepare_model`, an epoch loop over a `DataLoader` with a
+`DistributedSampler` and `set_epoch`, AdamW, a `LambdaLR` warmup-cosine schedule, rank 0
+`torch.save` into `ray.train.report(checkpoint=...)` once per epoch, and
+`ray.train.get_checkpoint()` to resume. `tests/ray/migration_baton.py` is the same loop converted
+to Baton; docs/ray-train-loop.md shows `diff` of the two files (code only) and
+tests/ray/test_ray_train_migration.py checks it and runs the converted loop.
+
+`record(...)` and `fail_once(...)` are the test's instruments, the same in both files: each
+step's samples per rank, and one failure in the code after the loop.
+"""
+
+import json
+import math
+import os
+import tempfile
+import time
+
+import ray.train
+import ray.train.torch
+import torch
+import torch.nn.functional as F
+from ray.train import Checkpoint
+from ray.train.torch import TorchTrainer
+from torch import nn
+from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
+
+
+def train_func(config):
+    rank = ray.train.get_context().get_world_rank()
+    world_size = ray.train.get_context().get_world_size()
+    model = ray.train.torch.prepare_model(make_model(config))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=config["lr"], weight_decay=0.01)
+    steps = config["epochs"] * math.ceil(config["items"] / config["batch_size"])
+    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, warmup_cosine(config["warmup"], steps))
+    dataset = make_dataset(config)
+    sampler = DistributedSampler(dataset, shuffle=True, seed=config["seed"])
+    loader = DataLoader(dataset, batch_size=config["batch_size"] // world_size, sampler=sampler)
+    start_epoch = 0
+    checkpoint = ray.train.get_checkpoint()
+    if checkpoint:
+        with checkpoint.as_directory() as directory:
+            state = torch.load(os.path.join(directory, "checkpoint.pt"))
+        model.module.load_state_dict(state["model"])
+        optimizer.load_state_dict(state["optimizer"])
+        schedule.load_state_dict(state["schedule"])
+        start_epoch = state["epoch"] + 1
+    for epoch in range(start_epoch, config["epochs"]):
+        sampler.set_epoch(epoch)
+        for ids, x, y in loader:
+            loss = F.mse_loss(model(x), y)
+            optimizer.zero_grad()
+            loss.backward()
+            optimizer.step()
+            schedule.step()
+            record(config, rank, world_size, epoch, schedule.last_epoch, ids)
+        metrics = {"epoch": epoch, "loss": loss.item()}
+        with tempfile.TemporaryDirectory() as directory:
+            checkpoint = None
+            if rank == 0:
+                torch.save({"model": model.module.state_dict(), "epoch": epoch,
+                            "optimizer": optimizer.state_dict(),
+                            "schedule": schedule.state_dict()},
+                           os.path.join(directory, "checkpoint.pt"))
+                checkpoint = Checkpoint.from_directory(directory)
+            ray.train.report(metrics, checkpoint=checkpoint)
+    fail_once(config, rank)
+    record(config, rank, world_size, epoch, schedule.last_epoch, [], loss=loss.item())
+
+
+def make_trainer(config, run_uri, scaling_config, run_config):
+    return TorchTrainer(train_func, train_loop_config=config,
+                        scaling_config=scaling_config, run_config=run_config)
+
+
+def make_model(config):
+    torch.manual_seed(config["seed"])
+    return nn.Sequential(nn.Linear(8, 32), nn.Tanh(), nn.Linear(32, 1))
+
+
+def make_dataset(config):
+    generator = torch.Generator().manual_seed(config["seed"])
+    x = torch.randn(config["items"], 8, generator=generator)
+    return TensorDataset(torch.arange(config["items"]), x, x[:, :4].sum(1, keepdim=True).sin())
+
+
+def warmup_cosine(warmup, total):
+    def factor(step):
+        if step < warmup:
+            return (step + 1) / warmup
+        return 0.5 * (1 + math.cos(math.pi * (step - warmup) / max(1, total - warmup)))
+    return factor
+
+
+def record(config, rank, world_size, epoch, step, ids, **extra):
+    """One JSON line per rank and step (the test's audit), then the test's pace."""
+    line = {"pid": os.getpid(), "rank": rank, "world_size": world_size, "epoch": epoch,
+            "step": step, "ids": [int(i) for i in ids], "time": time.time(), **extra}
+    with open(config["log"], "a") as out:
+        out.write(json.dumps(line) + "\n")
+    time.sleep(config["pace_s"] if ids != [] else 0)
+
+
+def fail_once(config, rank):
+    """The code after the loop fails once (the test's fault), on rank 0."""
+    if rank == 0 and config.get("fail_after_loop") and not os.path.exists(config["marker"]):
+        open(config["marker"], "w").close()
+        raise RuntimeError("injected failure in the code after the training loop")
