@@ -48,6 +48,7 @@ from elastic.read.restore import (
     plan_targets,
     read_tensors,
 )
+from elastic.settings import SnapshotSettings
 from elastic.snapshotter import Snapshotter
 from elastic.state.registry import StateRegistry
 from elastic.store.snapshot_store import SnapshotStore
@@ -58,7 +59,7 @@ SIDES = ("baton", "torch", "dcp")
 def build_llama(config: Path, device: torch.device) -> tuple[Any, Any, StateRegistry]:
     """The model of `config` (random init on `device`), its AdamW with state, a registry."""
     from trainer.config import ModelConfig
-    from trainer.hf import build_hf_model
+    from trainer.train.hf import build_hf_model
 
     torch.manual_seed(0)
     with torch.device(device):
@@ -96,7 +97,8 @@ class Sides:
         self.model, self.optim, self.registry = model, optim, registry
         self.workdir, self.device = workdir, device
         self.run = os.path.join(workdir, "baton-run")
-        self.snap = Snapshotter(self.run, registry, keep_last=1, ram=False)
+        self.snap = Snapshotter(self.run, registry,
+                                settings=SnapshotSettings(keep_last=1, ram=False))
         cuda = device.type == "cuda"
         self.stager = DefaultStager(StagingOptions(use_pinned_memory=cuda,
                                                    use_shared_memory=False,

@@ -87,6 +87,7 @@ from benchmarks.snapshot_scale_sides import (
     torch_save,
     train_step,
 )
+from elastic.settings import SnapshotSettings
 from elastic.snapshotter import Snapshotter
 from elastic.store.snapshot_store import SnapshotStore
 
@@ -127,7 +128,7 @@ def measure(size: float, rounds: int, workdir: str) -> dict[str, Any]:
     train_step(model, optim, 1)
     nbytes = state_bytes(registry)
     run = os.path.join(workdir, "run")
-    snap = Snapshotter(run, registry, keep_last=2)
+    snap = Snapshotter(run, registry, settings=SnapshotSettings(keep_last=2))
     receipts = count_coordinator_bytes(snap)
     store = SnapshotStore(run)
     rows: dict[str, list[float]] = {k: [] for k in (

@@ -39,6 +39,7 @@ from benchmarks.common import (
     write_json,
 )
 from benchmarks.snapshot_scale_sides import build, state_bytes, torch_save, train_step
+from elastic.settings import SnapshotSettings
 from elastic.snapshotter import Snapshotter
 
 
@@ -83,7 +84,8 @@ def save_both(size: float, workdir: str) -> int:
     the children read out of the page cache)."""
     model, optim, registry = build(size)
     train_step(model, optim, 1)
-    snap = Snapshotter(os.path.join(workdir, "run"), registry, keep_last=2)
+    snap = Snapshotter(os.path.join(workdir, "run"), registry,
+                       settings=SnapshotSettings(keep_last=2))
     snap.after_step(2, force=True)
     snap.persister.wait()
     snap.close()

@@ -15,6 +15,7 @@ import torch
 
 from benchmarks.common import alternating, moto_s3, timed
 from benchmarks.snapshot_scale_sides import baton_restore, build, torch_restore, train_step
+from elastic.settings import SnapshotSettings
 from elastic.snapshotter import Snapshotter
 from elastic.store.snapshot_store import SnapshotStore
 
@@ -32,7 +33,7 @@ def measure_s3(size: float, rounds: int) -> dict[str, Any]:
         bucket = f"bench-{uuid.uuid4().hex[:8]}"
         client.create_bucket(Bucket=bucket)
         run = f"s3://{bucket}/run"
-        snap = Snapshotter(run, registry, keep_last=2, ram=False)
+        snap = Snapshotter(run, registry, settings=SnapshotSettings(keep_last=2, ram=False))
         store = SnapshotStore(run)
         rows: dict[str, list[float]] = {k: [] for k in (
             "s3_persist", "s3_save", "s3_restore", "s3_load")}

@@ -39,14 +39,17 @@ import time
 import torch
 
 from benchmarks.common import RESULTS, moto_s3, timed, write_json
+from elastic.settings import SnapshotSettings
 from elastic.snapshotter import Snapshotter
 from elastic.state.registry import StateRegistry
 from trainer.config import ModelConfig
-from trainer.model import GPT
+from trainer.train.model import GPT
 
 CFG = ModelConfig(vocab_size=6144, d_model=512, n_layers=6, n_heads=8)
 SEQ_LEN = 128
 BATCH = 4
+# A restore that reads storage only (no RAM tier).
+NO_RAM = SnapshotSettings(ram=False)
 
 
 class Run:
@@ -79,7 +82,8 @@ class Run:
 def baton_pipelined_stall(run: Run, root: str, snapshots: int, every: int) -> list[float]:
     """Stall of snapshot s = time in begin_capture at step s + time in wait_capture just
     before the optimizer step of s+1 (what the copy did not hide behind forward/backward)."""
-    snap = Snapshotter(root, run.registry, snapshot_every=every, on_busy="wait")
+    snap = Snapshotter(root, run.registry,
+                       settings=SnapshotSettings(snapshot_every=every, on_busy="wait"))
     began: dict[int, float] = {}
     waited: dict[int, float] = {}
     for step in range(1, every * (snapshots + 1) + 2):
@@ -105,7 +109,8 @@ def replica_check(run: Run, reps: int) -> list[float]:
 
 
 def baton_blocking_stall(run: Run, root: str, reps: int) -> list[float]:
-    snap = Snapshotter(root, run.registry, snapshot_every=1, on_busy="wait")
+    snap = Snapshotter(root, run.registry,
+                       settings=SnapshotSettings(snapshot_every=1, on_busy="wait"))
     out = []
     for i in range(reps + 1):
         snap.persister.wait()
@@ -142,7 +147,7 @@ def dcp_async_stall(run: Run, root: str, reps: int) -> list[float]:
 
 
 def throughput(run: Run, root: str, pairs: int, every: int) -> dict[str, float]:
-    snap = Snapshotter(root, run.registry, snapshot_every=every)
+    snap = Snapshotter(root, run.registry, settings=SnapshotSettings(snapshot_every=every))
     plain, snapped = [], []
     step = 0
     for _ in range(pairs):
@@ -168,13 +173,14 @@ def throughput(run: Run, root: str, pairs: int, every: int) -> dict[str, float]:
 def restore_times(root: str, reps: int, s3_uri: str | None) -> dict[str, float]:
     src = Run(seed=1)
     src.step()
-    snap = Snapshotter(root, src.registry, snapshot_every=1, on_busy="wait")
+    snap = Snapshotter(root, src.registry,
+                       settings=SnapshotSettings(snapshot_every=1, on_busy="wait"))
     snap.after_step(1)
     snap.close()
     dst = Run(seed=2)
     # Warm-up: the first load into a fresh optimizer creates its state (DCP steps it once
     # with zero gradients); that one-off cost belongs to neither path.
-    Snapshotter(root, dst.registry, ram=False).restore()
+    Snapshotter(root, dst.registry, settings=NO_RAM).restore()
     out: dict[str, float] = {}
     ram, disk = [], []
     for _ in range(reps):
@@ -182,16 +188,17 @@ def restore_times(root: str, reps: int, s3_uri: str | None) -> dict[str, float]:
                                ram_tier=snap.ram_tier)
         ram.append(timed(ram_snap.restore))
         assert ram_snap.restored_from == ("ram", 1)
-        disk_snap = Snapshotter(root, dst.registry, ram=False)
+        disk_snap = Snapshotter(root, dst.registry, settings=NO_RAM)
         disk.append(timed(disk_snap.restore))
         assert disk_snap.restored_from == ("storage", 1)
     out["ram_s"] = statistics.median(ram)
     out["local_disk_s"] = statistics.median(disk)
     if s3_uri:
-        s3 = Snapshotter(s3_uri, src.registry, snapshot_every=1, ram=False, on_busy="wait")
+        s3 = Snapshotter(s3_uri, src.registry, settings=SnapshotSettings(
+            snapshot_every=1, ram=False, on_busy="wait"))
         s3.after_step(1)
         s3.close()
-        s3_dst = Snapshotter(s3_uri, dst.registry, ram=False)
+        s3_dst = Snapshotter(s3_uri, dst.registry, settings=NO_RAM)
         out["s3_s"] = timed(s3_dst.restore)
     return out
 

@@ -4,6 +4,7 @@ The face (this package's top-level modules)
 -------------------------------------------
 * ``Snapshotter`` (``snapshotter``): one per worker: capture at step boundaries, persist in
   the background, restore the newest committed snapshot resharded to this rank's layout.
+* ``SnapshotSettings`` (``settings``): a ``Snapshotter``'s tunables, one frozen object.
 * ``PreemptionWatcher`` (``preemption``): SIGTERM / a preemption notice -> a forced snapshot.
 * ``errors``: what a failure means (definite, doubt, fatal) decides what Baton does.
 * ``catalog`` (list, describe, verify, export, copy a shard checked) and ``set_aside``
@@ -51,6 +52,7 @@ if TYPE_CHECKING:
     from elastic.lease import LeaseHeldError, LeaseLostError, RunLease
     from elastic.preemption import PreemptionWatcher
     from elastic.set_aside import restore_quarantined, rewind
+    from elastic.settings import SnapshotSettings
     from elastic.snapshotter import Snapshotter
     from elastic.state import SnapshotMismatchError, StateRegistry
     from elastic.store import SnapshotStore
@@ -71,6 +73,7 @@ _LAZY = {
     "SnapshotIntegrityError": "elastic.errors",
     "SnapshotMismatchError": "elastic.state",
     "SnapshotMisfitError": "elastic.errors",
+    "SnapshotSettings": "elastic.settings",
     "SnapshotStore": "elastic.store",
     "Snapshotter": "elastic.snapshotter",
     "StateRegistry": "elastic.state",

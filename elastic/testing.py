@@ -133,11 +133,13 @@ def restore_fresh(run_uri: str, seed: int = 21) -> tuple[int, dict[str, torch.Te
 
 def _crashing_child(run_uri: str, phase: str, step: int, durable: bool) -> None:
     from elastic.faults import FaultInjector
+    from elastic.settings import SnapshotSettings
     from elastic.snapshotter import Snapshotter
 
     faults = FaultInjector().arm(phase, step=step, action="exit")
     ts = build(seed=5)
-    snap = Snapshotter(run_uri, ts.registry, snapshot_every=2, faults=faults, durable=durable)
+    snap = Snapshotter(run_uri, ts.registry,
+                       settings=SnapshotSettings(snapshot_every=2, durable=durable), faults=faults)
     for s in range(1, step + 1):
         train_step(ts, s)
         snap.after_step(s)
@@ -226,6 +228,7 @@ class SnapshotWorker:
                  ballast: int = 0) -> None:
         import elastic.write.persist
         from elastic.coord.ray_actors import RayCoordinatorClient, find_coordinator, ray_ram_tier
+        from elastic.settings import SnapshotSettings
         from elastic.snapshotter import Snapshotter
 
         torch.set_num_threads(1)
@@ -237,9 +240,9 @@ class SnapshotWorker:
         if ballast:  # state of ``ballast`` more float32s, the same in every rank and seed
             self.ts.registry.register("ballast", nn.Linear(ballast, 1, bias=False))
         client = RayCoordinatorClient(find_coordinator(coordinator_name, namespace))
-        self.snap = Snapshotter(run_uri, self.ts.registry, rank, world_size,
-                                coordinator=client, snapshot_every=2, durable=False,
-                                split_min_bytes=64, generation=generation,
+        settings = SnapshotSettings(snapshot_every=2, durable=False, split_min_bytes=64)
+        self.snap = Snapshotter(run_uri, self.ts.registry, rank, world_size, settings,
+                                coordinator=client, generation=generation,
                                 ram_tier=ray_ram_tier(run_uri, cap_bytes=None))
         self.node = self.snap.ram_tier.node if self.snap.ram_tier else None
 

@@ -9,9 +9,13 @@
   staging buffers.
 * ``group_read``: a process group reads each byte once and exchanges what several ranks need.
 * ``prefault``: a fresh tensor's pages faulted in before a read fills it.
+* ``verdict``: ``Verdict``, what the ranks agree on about a read (all-reduce MAX).
+* ``newest``: the newest committed snapshot every rank can read, falling back past corrupt
+  ones (``restore_newest``; ``Snapshotter.restore`` calls it).
 
-Imports ``elastic.state``, ``elastic.store``, ``elastic.format`` and below; nothing of the
-commit (``elastic.coord``) or of writing.
+Imports ``elastic.state``, ``elastic.store``, ``elastic.format`` and below, and of the commit
+(``elastic.coord``) only the coordinator's interface (``newest``: which snapshots are
+committed, quarantining one); nothing of writing.
 """
 
 from __future__ import annotations

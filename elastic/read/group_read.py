@@ -71,6 +71,7 @@ from elastic.read.read_batches import (
     verify,
 )
 from elastic.read.restore import allocate, check_coverage, plan_reads
+from elastic.read.verdict import Verdict
 from elastic.state.layout import Target
 
 # Shared spans are cut into pieces of at most this many bytes (whole checksum blocks), the unit
@@ -87,9 +88,6 @@ ROUND_BYTES = 64 << 20
 
 # A failing rank's message, as far as the others repeat it.
 _MESSAGE_BYTES = 500
-# Failure codes agreed across ranks (the maximum wins), as Snapshotter.restore ranks them:
-# a rank short of memory outranks doubt, which outranks a corrupt block.
-_OK, _CORRUPT, _UNREACHABLE, _NO_MEMORY, _OTHER = 0, 1, 2, 3, 4
 
 
 @dataclass(frozen=True)
@@ -109,16 +107,17 @@ def _chunks(manifest: Manifest) -> list[tuple[str, ChunkRecord]]:
     return [(key, c) for key in sorted(manifest.tensors) for c in manifest.tensors[key].chunks]
 
 
-def _failure_code(err: BaseException) -> int:
+def _failure_code(err: BaseException) -> Verdict:
+    """The verdict on a failed read (``elastic.read.verdict``: the maximum wins)."""
     if isinstance(err, RestoreMemoryError):
-        return _NO_MEMORY
+        return Verdict.NO_MEMORY
     if isinstance(err, FileNotFoundError):  # the store answered: the file is not there
-        return _CORRUPT
+        return Verdict.CORRUPT
     if isinstance(err, (SnapshotIntegrityError, ValueError)):
-        return _CORRUPT
+        return Verdict.CORRUPT
     if isinstance(err, (StorageUnavailableError, OSError)):
-        return _UNREACHABLE
-    return _OTHER
+        return Verdict.UNREACHABLE
+    return Verdict.OTHER
 
 
 def _settle(err: Exception | None, step: int, what: str) -> None:
@@ -126,9 +125,9 @@ def _settle(err: Exception | None, step: int, what: str) -> None:
     with the error type of the agreed worst failure (so every rank takes the same path:
     fall back, wait for storage, or stop), a failing rank with its own error when it is of
     that kind, the others naming the first failing rank and its message."""
-    code = _OK if err is None else _failure_code(err)
-    worst = agree_max(code)
-    if worst == _OK:
+    code = Verdict.OK if err is None else _failure_code(err)
+    worst = Verdict(agree_max(int(code)))
+    if worst == Verdict.OK:
         return
     # Never an empty message (a bare TimeoutError()): its rank must still be found.
     mine = (str(err) or type(err).__name__) if err is not None else ""
@@ -137,11 +136,11 @@ def _settle(err: Exception | None, step: int, what: str) -> None:
         raise err
     rank, message = next((r, bytes(m).decode(errors="replace")) for r, m in enumerate(said) if m)
     where = f"{snapshot_label(step)}: rank {rank} failed while {what}: {message}"
-    if worst == _CORRUPT:
+    if worst == Verdict.CORRUPT:
         raise SnapshotIntegrityError(where) from err
-    if worst == _UNREACHABLE:
+    if worst == Verdict.UNREACHABLE:
         raise StorageUnavailableError(where) from err
-    if worst == _NO_MEMORY:
+    if worst == Verdict.NO_MEMORY:
         raise RestoreMemoryError(where) from err
     raise RuntimeError(where) from err
 

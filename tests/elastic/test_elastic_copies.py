@@ -19,6 +19,7 @@ from torch import nn
 
 from elastic.read.byte_source import ByteSource
 from elastic.read.restore import plan_targets, read_tensors
+from elastic.settings import SnapshotSettings
 from elastic.snapshotter import Snapshotter
 from elastic.state.layout import Piece, Target
 from elastic.state.registry import StateRegistry
@@ -53,7 +54,7 @@ def _flat(registry: StateRegistry) -> dict[str, torch.Tensor]:
 
 def test_restore_reads_each_byte_once_into_its_destination(tmp_path) -> None:
     model, optim, registry = _state()
-    snap = Snapshotter(str(tmp_path), registry, durable=False, ram=False)
+    snap = Snapshotter(str(tmp_path), registry, settings=SnapshotSettings(durable=False, ram=False))
     _train(model, optim, 1)
     snap.after_step(1, force=True)
     snap.close()
@@ -113,7 +114,7 @@ def test_loaded_model_tensors_are_adopted_not_copied(tmp_path) -> None:
 
     model, optim, registry = state(0)
     step(model, optim)
-    snap = Snapshotter(str(tmp_path), registry, durable=False, ram=False)
+    snap = Snapshotter(str(tmp_path), registry, settings=SnapshotSettings(durable=False, ram=False))
     snap.after_step(1, force=True)
     snap.close()
     step(model, optim)
@@ -142,7 +143,8 @@ def test_resharded_restore_stages_only_what_it_must(tmp_path) -> None:
     """A rank of another world size reads only its rows; only the partial checksum blocks
     at the edges of its range pass through the staging buffer."""
     model, optim, registry = _state(width=512)
-    snap = Snapshotter(str(tmp_path), registry, durable=False, ram=False, block_bytes=4096)
+    snap = Snapshotter(str(tmp_path), registry,
+                       settings=SnapshotSettings(durable=False, ram=False, block_bytes=4096))
     _train(model, optim, 1)
     snap.after_step(1, force=True)
     snap.close()
@@ -170,7 +172,8 @@ def test_persist_allocates_nothing_state_sized(tmp_path) -> None:
     buffer its store dropped. The RAM copy still holds each snapshot's own bytes."""
     model, optim, registry = _state(width=1024)  # ~12.6 MB of state
     state_bytes = sum(t.numel() * t.element_size() for t in registry.flatten().tensors.values())
-    snap = Snapshotter(str(tmp_path), registry, durable=False, keep_last=2)
+    snap = Snapshotter(str(tmp_path), registry,
+                       settings=SnapshotSettings(durable=False, keep_last=2))
     for step in (1, 2):
         _train(model, optim, step)
         snap.after_step(step, force=True)
@@ -220,6 +223,7 @@ _RSS_SCRIPT = textwrap.dedent("""
     from torch import nn
     sys.path.insert(0, sys.argv[1])
     from elastic.state.registry import StateRegistry
+    from elastic.settings import SnapshotSettings
     from elastic.snapshotter import Snapshotter
 
     def rss():
@@ -232,7 +236,7 @@ _RSS_SCRIPT = textwrap.dedent("""
     registry = StateRegistry()
     registry.register("model", model)
     registry.register("optim", optim)
-    snap = Snapshotter(sys.argv[2], registry, durable=False, ram=False)
+    snap = Snapshotter(sys.argv[2], registry, settings=SnapshotSettings(durable=False, ram=False))
     if sys.argv[3] == "save":
         model(torch.randn(4, 1024)).sum().backward()
         optim.step()
@@ -309,11 +313,12 @@ def test_restore_runs_with_the_garbage_collector_paused(tmp_path) -> None:
     model, optim, registry = _state(width=16)
     registry.register("probe", Probe())
     _train(model, optim, 1)
-    snap = Snapshotter(str(tmp_path), registry, durable=False, ram=False)
+    snap = Snapshotter(str(tmp_path), registry, settings=SnapshotSettings(durable=False, ram=False))
     snap.after_step(1, force=True)
     snap.close()
     assert gc.isenabled()
-    restorer = Snapshotter(str(tmp_path), registry, durable=False, ram=False)
+    restorer = Snapshotter(str(tmp_path), registry,
+                           settings=SnapshotSettings(durable=False, ram=False))
     assert restorer.restore() == 1
     restorer.close()
     assert seen == [False] and gc.isenabled()

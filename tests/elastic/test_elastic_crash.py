@@ -19,6 +19,7 @@ from elastic.catalog import verify
 from elastic.coord.local_coordinator import LocalCoordinator
 from elastic.faults import PHASES, FaultInjector
 from elastic.format.records import DEFAULT_BLOCK_BYTES
+from elastic.settings import SnapshotSettings
 from elastic.snapshotter import Snapshotter
 from elastic.store.snapshot_store import SnapshotStore
 from elastic.testing import build, crash_in_child, full_state, restore_fresh, train_step
@@ -40,17 +41,8 @@ def _two_rank_run(
 ) -> tuple[list, list[Snapshotter], dict[int, dict]]:
     states = states or [build(seed=5), build(seed=5)]
     snaps = [
-        Snapshotter(
-            run,
-            s.registry,
-            r,
-            2,
-            coordinator=coord,
-            snapshot_every=2,
-            faults=faults,
-            durable=False,
-            split_min_bytes=64,
-        )
+        Snapshotter(run, s.registry, r, 2, coordinator=coord, faults=faults,
+                    settings=SnapshotSettings(snapshot_every=2, durable=False, split_min_bytes=64))
         for r, s in enumerate(states)
     ]
     refs = {}
@@ -94,16 +86,8 @@ def test_restarted_coordinator_refuses_late_receipts(tmp_path) -> None:
     coord_a = LocalCoordinator(store, keep_last=3, block_bytes=DEFAULT_BLOCK_BYTES)
     states, snaps, _ = _two_rank_run(run, coord_a, faults, range(1, 5))
     snaps = [
-        Snapshotter(
-            run,
-            s.registry,
-            r,
-            2,
-            coordinator=coord_a,
-            snapshot_every=2,
-            durable=False,
-            split_min_bytes=64,
-        )
+        Snapshotter(run, s.registry, r, 2, coordinator=coord_a,
+                    settings=SnapshotSettings(snapshot_every=2, durable=False, split_min_bytes=64))
         for r, s in enumerate(states)
     ]
     for r in (0, 1):
@@ -166,7 +150,8 @@ def test_commit_replies_before_its_deletions_and_settle_waits_for_them(
 
     monkeypatch.setattr(store, "retire_step", slow_retire)
     state = build(seed=3)
-    snap = Snapshotter(str(tmp_path / "run"), state.registry, coordinator=coord, durable=False)
+    snap = Snapshotter(str(tmp_path / "run"), state.registry, coordinator=coord,
+                       settings=SnapshotSettings(durable=False))
     for step in (1, 2):
         train_step(state, step)
         snap.after_step(step, force=True)

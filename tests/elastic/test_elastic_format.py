@@ -17,6 +17,7 @@ from safetensors import safe_open
 from elastic.format.records import Manifest, TensorRecord, crc32_blocks
 from elastic.read.byte_source import ByteSource
 from elastic.read.restore import read_tensors
+from elastic.settings import SnapshotSettings
 from elastic.snapshotter import Snapshotter
 from elastic.state.layout import Piece, Target, owned_pieces
 from elastic.state.registry import decode_tree, encode_tree
@@ -112,7 +113,9 @@ def test_pipelined_capture_is_a_consistent_cut(tmp_path) -> None:
     wait_capture before optimizer.step: the snapshot holds exactly step s (P2)."""
     run = str(tmp_path / "run")
     ts = build(seed=2)
-    snap = Snapshotter(run, ts.registry, snapshot_every=2, split_min_bytes=64, on_busy="wait")
+    snap = Snapshotter(run, ts.registry,
+                       settings=SnapshotSettings(snapshot_every=2, split_min_bytes=64,
+                                                 on_busy="wait"))
     expected = None
     for step in range(1, 5):
         gen = torch.Generator().manual_seed(1000 + step)
@@ -194,7 +197,8 @@ def test_capture_keeps_buffers_a_later_forward_reassigns_or_mutates(
 def test_saved_on_cuda_restores_on_cpu_and_back(tmp_path) -> None:
     run = str(tmp_path / "run")
     ts = build(seed=2, device="cuda")
-    snap = Snapshotter(run, ts.registry, snapshot_every=2, split_min_bytes=64)
+    snap = Snapshotter(run, ts.registry,
+                       settings=SnapshotSettings(snapshot_every=2, split_min_bytes=64))
     for step in range(1, 3):
         train_step(ts, step)
         snap.after_step(step)
@@ -219,7 +223,8 @@ def test_a_cuda_restore_fills_the_live_tensors_through_pinned_staging(
 
     run = str(tmp_path / "run")
     ts = build(seed=2, device="cuda")
-    snap = Snapshotter(run, ts.registry, snapshot_every=2, split_min_bytes=64)
+    snap = Snapshotter(run, ts.registry,
+                       settings=SnapshotSettings(snapshot_every=2, split_min_bytes=64))
     for step in range(1, 3):
         train_step(ts, step)
         snap.after_step(step)

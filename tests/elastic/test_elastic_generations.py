@@ -22,6 +22,7 @@ from elastic.coord.local_coordinator import LocalCoordinator
 from elastic.errors import StorageUnavailableError
 from elastic.faults import FaultInjector
 from elastic.format.records import DEFAULT_BLOCK_BYTES, MANIFEST_NAME, step_dirname
+from elastic.settings import SnapshotSettings
 from elastic.snapshotter import Snapshotter
 from elastic.store.ram_store import RamTier, in_process_tier
 from elastic.store.snapshot_store import SnapshotStore
@@ -36,8 +37,10 @@ def _coordinator(run: str, **kwargs) -> LocalCoordinator:
 def _group(run: str, coord: LocalCoordinator, seed: int, faults: FaultInjector | None = None,
            world: int = 2, ram_tier: RamTier | None = None):
     states = [build(seed=seed) for _ in range(world)]
-    snaps = [Snapshotter(run, s.registry, r, world, coordinator=coord, snapshot_every=2,
-                         durable=False, split_min_bytes=64, faults=faults, ram_tier=ram_tier)
+    snaps = [Snapshotter(run, s.registry, r, world, coordinator=coord, faults=faults,
+                         ram_tier=ram_tier,
+                         settings=SnapshotSettings(snapshot_every=2, durable=False,
+                                                   split_min_bytes=64))
              for r, s in enumerate(states)]
     return states, snaps
 
@@ -251,7 +254,7 @@ def test_unreachable_storage_at_restore_changes_nothing(tmp_path, monkeypatch) -
     monkeypatch.setattr(SnapshotStore, "read_into", unreachable_into)
     ts = build(seed=99)
     with pytest.raises(StorageUnavailableError, match="nothing was changed"):
-        Snapshotter(run, ts.registry, ram=False).restore()
+        Snapshotter(run, ts.registry, settings=SnapshotSettings(ram=False)).restore()
     monkeypatch.undo()
     assert SnapshotStore(run).committed_steps() == [2, 4]
     assert {s: _files_of(run, s) for s in (2, 4)} == before

@@ -20,11 +20,12 @@ import torch.distributed as dist
 from safetensors.torch import load_file, save_file
 
 import elastic.read.group_read as group_read_module
-import elastic.snapshotter as snapshotter_module
+import elastic.read.newest as newest_module
 from elastic.format.records import Manifest
 from elastic.read.byte_source import ByteSource
 from elastic.read.group_read import group_read_tensors
 from elastic.read.restore import plan_targets, read_tensors
+from elastic.settings import SnapshotSettings
 from elastic.snapshotter import Snapshotter
 from elastic.storage import MERGE_HOLE_BYTES, READ_INTO_MAX_WASTE, merge_ranges
 from elastic.store.snapshot_store import SnapshotStore
@@ -45,9 +46,10 @@ def _header_bytes(manifest: Manifest, files: set[str]) -> int:
 def _save(rank: int, world_size: int, run: str, layout: str, steps: tuple[int, ...],
           block_bytes: int) -> None:
     ts = build(seed=7, layout=layout, world_size=world_size)
-    snap = Snapshotter(run, ts.registry, rank, world_size, layout=layout, snapshot_every=10**6,
-                       split_min_bytes=64, durable=False, block_bytes=block_bytes,
-                       keep_last=len(steps))
+    snap = Snapshotter(run, ts.registry, rank, world_size,
+                       settings=SnapshotSettings(layout=layout, snapshot_every=10**6,
+                                                 split_min_bytes=64, durable=False,
+                                                 block_bytes=block_bytes, keep_last=len(steps)))
     for step in range(1, max(steps) + 1):
         train_step(ts, step)
         if step in steps:
@@ -72,11 +74,12 @@ def _restore_ddp(rank: int, world_size: int, run: str, out: str,
             super().__init__(*args, **kwargs)
             sources.append(self)
 
-    snapshotter_module.ByteSource = Counting  # type: ignore[misc]  # this process only
+    newest_module.ByteSource = Counting  # type: ignore[misc]  # this process only
     # Over NCCL the model lives on this rank's GPU (as a real DDP worker's).
     device = f"cuda:{torch.cuda.current_device()}" if dist.get_backend() == "nccl" else "cpu"
     ts = build(seed=99, layout="ddp", world_size=world_size, device=device)
-    snap = Snapshotter(run, ts.registry, rank, world_size, layout="ddp", snapshot_every=10**6)
+    snap = Snapshotter(run, ts.registry, rank, world_size,
+                       settings=SnapshotSettings(layout="ddp", snapshot_every=10**6))
     before = snap.store.stats.bytes_read
     step = snap.restore()
     store_bytes = snap.store.stats.bytes_read - before
@@ -291,7 +294,8 @@ def _restore_out_of_memory(rank: int, world_size: int, run: str, out: str) -> No
 
         group_read_module.torch = _NoMemory()  # type: ignore[assignment]  # this process only
     ts = build(seed=99, layout="ddp", world_size=world_size)
-    snap = Snapshotter(run, ts.registry, rank, world_size, layout="ddp", snapshot_every=10**6)
+    snap = Snapshotter(run, ts.registry, rank, world_size,
+                       settings=SnapshotSettings(layout="ddp", snapshot_every=10**6))
     try:
         snap.restore()
         raised = ["nothing", ""]
@@ -324,8 +328,8 @@ def test_an_allocation_failure_in_the_exchange_is_agreed_not_waited_for(tmp_path
 
 def _skip_when_one_rank_is_busy(rank: int, world_size: int, run: str, out: str) -> None:
     ts = build(seed=7, layout="ddp", world_size=world_size)
-    snap = Snapshotter(run, ts.registry, rank, world_size, layout="ddp", snapshot_every=2,
-                       durable=False)
+    snap = Snapshotter(run, ts.registry, rank, world_size,
+                       settings=SnapshotSettings(layout="ddp", snapshot_every=2, durable=False))
     snap.persister.busy = lambda: rank == 1  # type: ignore[method-assign]  # rank 1 only
     for step in (1, 2):
         train_step(ts, step)

@@ -31,6 +31,7 @@ from elastic.read.restore import (
     plan_targets,
     read_tensors,
 )
+from elastic.settings import SnapshotSettings
 from elastic.snapshotter import Snapshotter
 from elastic.state.registry import StateRegistry
 from elastic.store.snapshot_store import SnapshotStore
@@ -103,8 +104,9 @@ def _nbytes(tensors: dict[str, torch.Tensor]) -> int:
 def _train_run(run: str, steps: int = 4) -> dict[int, dict[str, torch.Tensor]]:
     """Snapshots at steps 2 and 4 (small checksum blocks: many per tensor); the state at each."""
     trained = State(seed=3)
-    snap = Snapshotter(run, trained.registry, snapshot_every=2, keep_last=5, durable=False,
-                       ram=False, block_bytes=4096)
+    snap = Snapshotter(run, trained.registry,
+                       settings=SnapshotSettings(snapshot_every=2, keep_last=5, durable=False,
+                                                 ram=False, block_bytes=4096))
     refs = {}
     for step in range(1, steps + 1):
         trained.step(step)
@@ -130,7 +132,7 @@ def test_restore_writes_into_the_live_tensors_and_allocates_nothing_state_sized(
     live.step(3)  # a process that holds its optimizer state (every parameter's)
     before = live.pointers()
     params = [id(p) for p in live.model.parameters()]
-    snap = Snapshotter(run, live.registry, ram=False)
+    snap = Snapshotter(run, live.registry, settings=SnapshotSettings(ram=False))
     with Allocations() as allocated:
         assert snap.restore() == 4
     assert live.pointers() == before  # every model and optimizer tensor: the same memory
@@ -156,7 +158,7 @@ def test_a_fresh_optimizer_s_moments_are_created_once(tmp_path: Path) -> None:
     live = State(seed=11)
     model_ptrs = {k: v for k, v in live.pointers().items() if k.startswith("model.")}
     with Allocations() as allocated:
-        assert Snapshotter(run, live.registry, ram=False).restore() == 4
+        assert Snapshotter(run, live.registry, settings=SnapshotSettings(ram=False)).restore() == 4
     _assert_equal(live.flat(), refs[4])
     assert {k: v for k, v in live.pointers().items() if k.startswith("model.")} == model_ptrs
     moments = _nbytes({k: v for k, v in refs[4].items() if k.endswith(("exp_avg", "exp_avg_sq"))})
@@ -168,7 +170,8 @@ def test_a_fresh_optimizer_s_moments_are_created_once(tmp_path: Path) -> None:
 def test_the_ram_tier_fills_the_same_live_tensors(tmp_path: Path, tier: str) -> None:
     trained = State(seed=3)
     trained.step(1)
-    snap = Snapshotter(str(tmp_path), trained.registry, durable=False, block_bytes=4096)
+    snap = Snapshotter(str(tmp_path), trained.registry,
+                       settings=SnapshotSettings(durable=False, block_bytes=4096))
     snap.after_step(1, force=True)
     snap.persister.wait()
     snap.coordinator.flush(0)
@@ -229,7 +232,7 @@ def test_a_corrupt_chunk_mid_restore_falls_back_to_the_previous_snapshot_bitwise
             raise
 
     monkeypatch.setattr(read_batches, "verify", watched)
-    snap = Snapshotter(run, live.registry, ram=False)
+    snap = Snapshotter(run, live.registry, settings=SnapshotSettings(ram=False))
     assert snap.restore() == 2
     assert overwritten and overwritten[0] >= 1, overwritten  # the fallback had work to do
     assert any("checksum mismatch" in e and "snapshot 4" in e for e in snap.restore_errors)

@@ -14,6 +14,7 @@ from safetensors.torch import load_file
 
 from elastic.format.records import MANIFEST_NAME, shard_filename, step_dirname
 from elastic.read.restore import SnapshotMismatchError
+from elastic.settings import SnapshotSettings
 from elastic.snapshotter import Snapshotter
 from elastic.testing import TrainState, build, full_state, json_state, train_step
 from trainer.cli import main as baton_main
@@ -22,15 +23,9 @@ from trainer.cli import main as baton_main
 def _train_run(run: str, steps: int = 4, every: int = 2) -> dict[int, dict[str, torch.Tensor]]:
     """Train with snapshots every `every` steps; return the full state at each snapshot."""
     ts = build(seed=3)
-    snap = Snapshotter(
-        run,
-        ts.registry,
-        snapshot_every=every,
-        keep_last=5,
-        durable=False,
-        block_bytes=256,
-        split_min_bytes=64,
-    )
+    snap = Snapshotter(run, ts.registry,
+                       settings=SnapshotSettings(snapshot_every=every, keep_last=5, durable=False,
+                                                 block_bytes=256, split_min_bytes=64))
     refs = {}
     for step in range(1, steps + 1):
         train_step(ts, step)

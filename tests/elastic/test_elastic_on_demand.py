@@ -5,13 +5,14 @@ from __future__ import annotations
 from pathlib import Path
 
 from elastic.preemption import PreemptionWatcher
+from elastic.settings import SnapshotSettings
 from elastic.snapshotter import Snapshotter
 from elastic.testing import build, train_step
 
 
 def test_a_request_is_met_by_the_next_commit_and_only_then(tmp_path: Path) -> None:
     ts = build(seed=3)
-    snap = Snapshotter(str(tmp_path), ts.registry, snapshot_every=100)
+    snap = Snapshotter(str(tmp_path), ts.registry, settings=SnapshotSettings(snapshot_every=100))
     coordinator = snap.coordinator
     watcher = PreemptionWatcher(requested=coordinator.snapshot_requested)
     train_step(ts, 1)

@@ -11,6 +11,7 @@ import time
 import torch
 
 from elastic.preemption import PreemptionWatcher
+from elastic.settings import SnapshotSettings
 from elastic.snapshotter import Snapshotter
 from elastic.testing import build, full_state, train_step
 
@@ -19,7 +20,7 @@ def _preempted_child(run: str, ready: str, out: str) -> None:
     torch.set_num_threads(1)  # the parent's reference below runs with one thread too
     watcher = PreemptionWatcher().install()
     ts = build(seed=5)
-    snap = Snapshotter(run, ts.registry, snapshot_every=10**6)
+    snap = Snapshotter(run, ts.registry, settings=SnapshotSettings(snapshot_every=10**6))
     for step in range(1, 100_000):
         train_step(ts, step)
         if step == 3:

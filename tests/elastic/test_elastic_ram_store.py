@@ -17,6 +17,7 @@ from torch import nn
 from elastic.coord.local_coordinator import LocalCoordinator
 from elastic.coord.protocol import CoordinatorClient
 from elastic.format.records import DEFAULT_BLOCK_BYTES, MANIFEST_NAME
+from elastic.settings import SnapshotSettings
 from elastic.snapshotter import Snapshotter
 from elastic.store.ram_store import RamStore, RamStoreClient, RamTier, StoreLost, ring_holders
 from elastic.store.snapshot_store import SnapshotStore
@@ -220,8 +221,10 @@ def _two_ranks(run: str, nodes: _Nodes, ballast: int, steps: int):
         ts = build(seed=5)
         ts.registry.register("ballast", _ballast(ballast))
         states.append(ts)
-        snaps.append(Snapshotter(run, ts.registry, rank, 2, coordinator=wire, snapshot_every=2,
-                                 durable=False, split_min_bytes=64, ram_tier=nodes.tier(node)))
+        snaps.append(Snapshotter(run, ts.registry, rank, 2, coordinator=wire,
+                                 ram_tier=nodes.tier(node),
+                                 settings=SnapshotSettings(snapshot_every=2, durable=False,
+                                                           split_min_bytes=64)))
     assert isinstance(wire, CoordinatorClient)
     for step in range(1, steps + 1):
         for ts, snap in zip(states, snaps, strict=True):
@@ -382,7 +385,7 @@ def test_a_copy_still_on_its_way_does_not_hold_up_the_commit(tmp_path) -> None:
 def test_a_bad_ram_copy_is_read_again_from_storage_not_quarantined(tmp_path) -> None:
     run = str(tmp_path / "run")
     ts = build(seed=5)
-    snap = Snapshotter(run, ts.registry, snapshot_every=2, durable=False)
+    snap = Snapshotter(run, ts.registry, settings=SnapshotSettings(snapshot_every=2, durable=False))
     for step in (1, 2):
         train_step(ts, step)
         snap.after_step(step)

@@ -18,6 +18,7 @@ from elastic.errors import SnapshotIntegrityError
 from elastic.read.byte_source import ByteSource
 from elastic.read.read_batches import ReadOp, place, split_direct
 from elastic.read.restore import plan_targets, read_tensors
+from elastic.settings import SnapshotSettings
 from elastic.snapshotter import Snapshotter
 from elastic.state.layout import Piece, Target
 from elastic.state.registry import StateRegistry
@@ -36,7 +37,8 @@ def _snapshot(run: str) -> dict[str, torch.Tensor]:
     optim.zero_grad()
     model(torch.randn(4, 96)).square().mean().backward()
     optim.step()
-    snap = Snapshotter(run, registry, durable=False, ram=False, block_bytes=BLOCK)
+    snap = Snapshotter(run, registry,
+                       settings=SnapshotSettings(durable=False, ram=False, block_bytes=BLOCK))
     snap.after_step(1, force=True)
     snap.close()
     return {k: v.detach().clone() for k, v in registry.flatten().tensors.items()}

@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 from safetensors.torch import load_file, save_file
 
+from elastic.settings import SnapshotSettings
 from elastic.snapshotter import Snapshotter
 from elastic.testing import build, full_state, json_state, run_group, train_step
 
@@ -30,16 +31,9 @@ def save_worker(rank: int, world_size: int, root: str) -> None:
     for layout in LAYOUTS:
         ts = build(seed=7, layout=layout, world_size=world_size)
         run = os.path.join(root, f"{layout}-w{world_size}")
-        snap = Snapshotter(
-            run,
-            ts.registry,
-            rank,
-            world_size,
-            layout=layout,
-            snapshot_every=SNAP_STEP,
-            split_min_bytes=64,
-            durable=False,
-        )
+        snap = Snapshotter(run, ts.registry, rank, world_size,
+                           settings=SnapshotSettings(layout=layout, snapshot_every=SNAP_STEP,
+                                                     split_min_bytes=64, durable=False))
         ref = js = None
         # Pipelined capture: the copy of step 3 overlaps step 4's forward/backward.
         for step in range(1, SNAP_STEP + CONT_STEPS + 1):
@@ -62,9 +56,8 @@ def load_worker(rank: int, world_size: int, runs: list[str]) -> None:
         saved_layout, saved_w = os.path.basename(run).split("-w")
         for layout in LAYOUTS:
             ts = build(seed=99, layout=layout, world_size=world_size)
-            snap = Snapshotter(
-                run, ts.registry, rank, world_size, layout=layout, snapshot_every=10**6
-            )
+            snap = Snapshotter(run, ts.registry, rank, world_size,
+                               settings=SnapshotSettings(layout=layout, snapshot_every=10**6))
             assert snap.restore() == SNAP_STEP
             got, js = full_state(ts), json_state(ts)
             for step in range(SNAP_STEP + 1, SNAP_STEP + CONT_STEPS + 1):

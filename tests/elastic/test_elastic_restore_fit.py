@@ -23,6 +23,7 @@ from torch import nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 
 from elastic.errors import SnapshotMisfitError
+from elastic.settings import SnapshotSettings
 from elastic.snapshotter import Snapshotter
 from elastic.state.registry import SnapshotMismatchError, StateRegistry
 from elastic.store.snapshot_store import SnapshotStore
@@ -64,7 +65,7 @@ def test_parameters_without_optimizer_state_restore_and_train_on_bitwise(
 ) -> None:
     run = str(tmp_path / "run")
     model, optim, registry = _build(0, wrapped)
-    snap = Snapshotter(run, registry, snapshot_every=2)
+    snap = Snapshotter(run, registry, settings=SnapshotSettings(snapshot_every=2))
     for step in (1, 2):
         _step(model, optim, step)
         snap.after_step(step)
@@ -89,7 +90,7 @@ def test_parameters_without_optimizer_state_restore_and_train_on_bitwise(
 
 def _committed_run(run: str) -> dict[str, torch.Tensor]:
     ts = build(seed=0)
-    snap = Snapshotter(run, ts.registry, snapshot_every=2, keep_last=2)
+    snap = Snapshotter(run, ts.registry, settings=SnapshotSettings(snapshot_every=2, keep_last=2))
     for step in range(1, 7):
         train_step(ts, step)
         snap.after_step(step)
@@ -168,7 +169,7 @@ def test_a_worker_short_of_memory_quarantines_nothing(tmp_path: Path, monkeypatc
 
     run = str(tmp_path / "run")
     model, optim, registry = _build(0, wrapped=False)
-    snap = Snapshotter(run, registry, snapshot_every=2, keep_last=3)
+    snap = Snapshotter(run, registry, settings=SnapshotSettings(snapshot_every=2, keep_last=3))
     for step in (1, 2, 3, 4):
         _step(model, optim, step)
         snap.after_step(step)

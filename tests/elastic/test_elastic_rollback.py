@@ -24,6 +24,7 @@ from elastic.coord.generation import GENERATION_NAME, read_generation
 from elastic.format.records import MAX_GENERATION, step_dirname
 from elastic.lease.run_lease import LeaseLostError, RunLease
 from elastic.set_aside import restore_quarantined, under_lease
+from elastic.settings import SnapshotSettings
 from elastic.snapshotter import Snapshotter
 from elastic.state.registry import SnapshotMismatchError
 from elastic.storage import JSONBoundsError
@@ -55,8 +56,9 @@ def _code(version: int, seed: int) -> TrainState:
 
 
 def _snapshotter(run: Path, ts: TrainState) -> Snapshotter:
-    return Snapshotter(str(run), ts.registry, snapshot_every=2, keep_last=5, durable=False,
-                       block_bytes=256, split_min_bytes=64)
+    return Snapshotter(str(run), ts.registry,
+                       settings=SnapshotSettings(snapshot_every=2, keep_last=5, durable=False,
+                                                 block_bytes=256, split_min_bytes=64))
 
 
 def _train(run: Path, ts: TrainState, first: int, last: int) -> None:
@@ -242,8 +244,9 @@ def test_rewind_and_restore_quarantined_on_s3(s3_bucket: str, tmp_path: Path,
     run = f"s3://{s3_bucket}/runs/r"
 
     def train(ts: TrainState, first: int, last: int) -> None:
-        snap = Snapshotter(run, ts.registry, snapshot_every=2, keep_last=5, ram=False,
-                           block_bytes=256, split_min_bytes=64)
+        snap = Snapshotter(run, ts.registry,
+                           settings=SnapshotSettings(snapshot_every=2, keep_last=5, ram=False,
+                                                     block_bytes=256, split_min_bytes=64))
         assert snap.restore() == first - 1
         for step in range(first, last + 1):
             train_step(ts, step)
@@ -256,7 +259,7 @@ def test_rewind_and_restore_quarantined_on_s3(s3_bucket: str, tmp_path: Path,
     train(v2, 5, 8)
     final = full_state(v2)
     with pytest.raises(SnapshotMismatchError, match="--to 4 sets \\[6, 8\\] aside"):
-        Snapshotter(run, _code(1, seed=3).registry, ram=False).restore()
+        Snapshotter(run, _code(1, seed=3).registry, settings=SnapshotSettings(ram=False)).restore()
     store = SnapshotStore(run)
     assert store.committed_steps() == [2, 4, 6, 8] and store.quarantined() == []
     assert main(["snapshots", "rewind", run, "--to", "4"]) == 0
@@ -266,7 +269,7 @@ def test_rewind_and_restore_quarantined_on_s3(s3_bucket: str, tmp_path: Path,
     assert main(["snapshots", "verify", run, "8"]) == 0
     capsys.readouterr()
     again = _code(2, seed=9)
-    assert Snapshotter(run, again.registry, ram=False).restore() == 8
+    assert Snapshotter(run, again.registry, settings=SnapshotSettings(ram=False)).restore() == 8
     for key, value in final.items():
         assert torch.equal(full_state(again)[key], value), key
     store.write_file(store.path("sessions.json"), b"[" * 100_000 + b"]" * 100_000)
@@ -289,7 +292,7 @@ def test_a_sessions_rollback_is_the_runs_one_line_fatal_error(tmp_path: Path) ->
     """In a training loop (`trainer.Session`, what `baton fit` and a Ray Train loop run):
     the refusal is a `FatalRunError` (the run fails once, with this line), nothing moves."""
     from elastic.errors import FatalRunError
-    from trainer.session import Session
+    from trainer.train.session import Session
 
     run = str(tmp_path / "run")
 

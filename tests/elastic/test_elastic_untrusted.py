@@ -42,6 +42,7 @@ from elastic.read.restore import (
     plan_targets,
     read_tensors,
 )
+from elastic.settings import SnapshotSettings
 from elastic.snapshotter import Snapshotter
 from elastic.state.registry import SnapshotMismatchError
 from elastic.store.snapshot_store import SnapshotStore
@@ -58,8 +59,9 @@ def pristine(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[int, 
     """A run with committed snapshots 2 and 4, and the full state at each."""
     run = tmp_path_factory.mktemp("pristine") / "run"
     ts = build(seed=3)
-    snap = Snapshotter(str(run), ts.registry, snapshot_every=2, keep_last=5, durable=False,
-                       block_bytes=256, split_min_bytes=64)
+    snap = Snapshotter(str(run), ts.registry,
+                       settings=SnapshotSettings(snapshot_every=2, keep_last=5, durable=False,
+                                                 block_bytes=256, split_min_bytes=64))
     refs: dict[int, Any] = {}
     for step in range(1, 5):
         train_step(ts, step)

@@ -38,6 +38,7 @@ from elastic.errors import ManifestError, SnapshotIntegrityError
 from elastic.format.records import MANIFEST_NAME, crc32_blocks
 from elastic.lease.run_lease import LeaseHeldError, RunLease
 from elastic.portable import PortableRun, write_snapshot
+from elastic.settings import SnapshotSettings
 from elastic.snapshotter import Snapshotter
 from elastic.store.snapshot_store import SnapshotStore
 from elastic.testing import build, full_state, json_state, run_group, train_step
@@ -93,8 +94,9 @@ def test_reads_a_ddp_snapshot_bitwise(pristine) -> None:  # noqa: F811
 
 def _fsdp_worker(rank: int, world_size: int, run_uri: str) -> None:
     ts = build(seed=7, layout="fsdp", world_size=world_size)
-    snap = Snapshotter(run_uri, ts.registry, rank, world_size, layout="fsdp",
-                       snapshot_every=2, split_min_bytes=64, durable=False)
+    snap = Snapshotter(run_uri, ts.registry, rank, world_size,
+                       settings=SnapshotSettings(layout="fsdp", snapshot_every=2,
+                                                 split_min_bytes=64, durable=False))
     for step in (1, 2):
         train_step(ts, step)
         snap.after_step(step)

@@ -25,12 +25,13 @@ import torch
 from inprocess_fit import InProcessFit
 
 from elastic.format.records import MANIFEST_NAME, step_dirname
+from elastic.settings import SnapshotSettings
 from elastic.snapshotter import Snapshotter
 from elastic.storage import RefusedEntryError
 from elastic.store.snapshot_store import SnapshotStore
 from elastic.testing import TrainState, build, full_state, train_step
 from trainer.cli import main
-from trainer.metrics import MetricsWriter, read_records
+from trainer.run.metrics import MetricsWriter, read_records
 
 DEEP = b"[" * 100_000 + b"]" * 100_000
 TINY = str(Path(__file__).resolve().parents[2] / "recipes" / "tiny.toml")
@@ -48,8 +49,10 @@ def _run(run: Path, last: int, *, keep_last: int, seed: int = 0
          ) -> tuple[Snapshotter, TrainState]:
     """A run trained to ``last`` with a snapshot every 2 steps; its snapshotter still open."""
     ts = build(seed=seed)
-    snap = Snapshotter(str(run), ts.registry, snapshot_every=2, keep_last=keep_last,
-                       durable=False, block_bytes=256, split_min_bytes=64)
+    snap = Snapshotter(str(run), ts.registry,
+                       settings=SnapshotSettings(snapshot_every=2, keep_last=keep_last,
+                                                 durable=False, block_bytes=256,
+                                                 split_min_bytes=64))
     _train(snap, ts, 1, last)
     return snap, ts
 
@@ -153,8 +156,9 @@ def test_a_linked_newest_step_is_no_snapshot_of_the_run(
     at_4 = full_state(ts)
     (run / "snapshots" / step_dirname(6)).symlink_to(theirs, target_is_directory=True)
     ts2 = build(seed=9)
-    snap2 = Snapshotter(str(run), ts2.registry, snapshot_every=2, keep_last=5, durable=False,
-                        block_bytes=256, split_min_bytes=64)
+    snap2 = Snapshotter(str(run), ts2.registry,
+                        settings=SnapshotSettings(snapshot_every=2, keep_last=5, durable=False,
+                                                  block_bytes=256, split_min_bytes=64))
     assert snap2.restore() == 4 and snap2.restore_errors == []
     for key, value in at_4.items():
         assert torch.equal(full_state(ts2)[key], value), key
@@ -401,8 +405,8 @@ def test_the_drivers_ray_log_never_blocks_on_a_fifo_nor_writes_through_a_link(
 def test_a_models_config_json_deep_or_a_fifo_is_one_config_error(tmp_path: Path) -> None:
     """A recipe's `model.hf_config` is a person's file (a link into a hub cache is fine),
     read through the same bounded reader: never a RecursionError, never a hang."""
-    from trainer.config_checks import ConfigError
-    from trainer.config_model import raw_hf_config
+    from trainer.config.checks import ConfigError
+    from trainer.config.model import raw_hf_config
 
     config = tmp_path / "model" / "config.json"
     config.parent.mkdir()

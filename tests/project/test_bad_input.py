@@ -19,8 +19,8 @@ import pytest
 
 from trainer.cli import main
 from trainer.config import FitConfig, ScalingSettings, SnapshotConfig
-from trainer.metrics import MetricsWriter, read_records
-from trainer.preflight import check_worker_fits
+from trainer.run.metrics import MetricsWriter, read_records
+from trainer.run.preflight import check_worker_fits
 
 ROOT = Path(__file__).resolve().parents[2]
 TINY = str(ROOT / "recipes" / "tiny.toml")
@@ -229,12 +229,13 @@ def test_every_snapshots_command_refuses_bad_run_uris(
 def test_snapshots_export_out_must_be_a_file_outside_the_run(
     capsys: pytest.CaptureFixture[str], tmp_path: Path
 ) -> None:
+    from elastic.settings import SnapshotSettings
     from elastic.snapshotter import Snapshotter
     from elastic.testing import build, train_step
 
     run = tmp_path / "run"
     ts = build(seed=1)
-    snap = Snapshotter(str(run), ts.registry, snapshot_every=1)
+    snap = Snapshotter(str(run), ts.registry, settings=SnapshotSettings(snapshot_every=1))
     train_step(ts, 1)
     snap.after_step(1)
     snap.close()
@@ -288,18 +289,18 @@ def _raising(exc: BaseException) -> Callable[[object], int]:
 def test_safety_net_turns_escaping_errors_into_one_line(
     capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    import trainer.fit_cli
+    import trainer.cli.report
 
     monkeypatch.delenv("BATON_DEBUG", raising=False)
-    monkeypatch.setattr(trainer.fit_cli, "_cmd_demo", _raising(ValueError("bad\nthing")))
+    monkeypatch.setattr(trainer.cli.report, "_cmd_demo", _raising(ValueError("bad\nthing")))
     assert _one_line_error(capsys, ["demo"], 2) == "error: bad thing"
-    monkeypatch.setattr(trainer.fit_cli, "_cmd_demo",
+    monkeypatch.setattr(trainer.cli.report, "_cmd_demo",
                         _raising(PermissionError(13, "Permission denied", "/x")))
     _one_line_error(capsys, ["demo"], 1, "error:", "Permission denied")
     monkeypatch.setenv("BATON_DEBUG", "1")  # the traceback, for debugging
     with pytest.raises(PermissionError):
         main(["demo"])
-    monkeypatch.setattr(trainer.fit_cli, "_cmd_demo", _raising(KeyboardInterrupt()))
+    monkeypatch.setattr(trainer.cli.report, "_cmd_demo", _raising(KeyboardInterrupt()))
     monkeypatch.delenv("BATON_DEBUG")
     with pytest.raises(KeyboardInterrupt):
         main(["demo"])
@@ -395,7 +396,7 @@ def test_truncated_part_file_is_skipped_with_one_warning(
     (metrics / "part-z-000002.jsonl").write_text(
         '{"kind": "step", "step": "x"}\n[1, 2]\n{"kind": "note", "text": "kept"}\n'
     )
-    with caplog.at_level(logging.WARNING, logger="trainer.metrics"):
+    with caplog.at_level(logging.WARNING, logger="trainer.run.metrics"):
         records = read_records(str(tmp_path))
     assert [r["kind"] for r in records].count("step") == 3  # the good parts are all read
     assert {"kind": "note", "text": "kept"} in records  # unknown kinds pass through

@@ -13,6 +13,7 @@ import threading
 import torch
 
 from elastic.faults import FaultInjector
+from elastic.settings import SnapshotSettings
 from elastic.snapshotter import Snapshotter
 from elastic.store.snapshot_store import SnapshotStore
 from elastic.testing import build, full_state, train_step
@@ -22,7 +23,8 @@ from trainer.cli import main as baton_main
 def test_s3_save_list_restore(s3_bucket, capsys) -> None:
     run = f"s3://{s3_bucket}/runs/demo"
     ts = build(seed=4)
-    snap = Snapshotter(run, ts.registry, snapshot_every=2, split_min_bytes=64, ram=False)
+    snap = Snapshotter(run, ts.registry,
+                       settings=SnapshotSettings(snapshot_every=2, split_min_bytes=64, ram=False))
     for step in range(1, 5):
         train_step(ts, step)
         snap.after_step(step)
@@ -37,7 +39,7 @@ def test_s3_save_list_restore(s3_bucket, capsys) -> None:
     assert baton_main(["snapshots", "verify", run]) == 0
 
     fresh = build(seed=40)
-    restorer = Snapshotter(run, fresh.registry, ram=False)
+    restorer = Snapshotter(run, fresh.registry, settings=SnapshotSettings(ram=False))
     assert restorer.restore() == 4 and restorer.restored_from == ("storage", 4)
     for key, value in ref.items():
         assert torch.equal(full_state(fresh)[key], value), key
@@ -57,8 +59,9 @@ def test_s3_endpoint_down_fails_only_that_snapshot(s3_endpoint, s3_bucket) -> No
     faults = FaultInjector().arm("persist_begin", step=4, action=endpoint_dies_mid_persist)
     ts = build(seed=4)
     # Short storage deadlines: the dead endpoint fails snapshot 4 in seconds, not minutes.
-    snap = Snapshotter(run, ts.registry, snapshot_every=2, split_min_bytes=64, ram=False,
-                       faults=faults, storage_timeout_s=2.0, storage_retry_s=4.0)
+    snap = Snapshotter(run, ts.registry, faults=faults,
+                       settings=SnapshotSettings(snapshot_every=2, split_min_bytes=64, ram=False,
+                                                 storage_timeout_s=2.0, storage_retry_s=4.0))
     try:
         for step in range(1, 9):
             train_step(ts, step)
@@ -82,7 +85,7 @@ def test_s3_endpoint_down_fails_only_that_snapshot(s3_endpoint, s3_bucket) -> No
     assert snap.persister.last_error is None
     assert SnapshotStore(run).committed_steps() == [2, 10]
     fresh = build(seed=41)
-    restorer = Snapshotter(run, fresh.registry, ram=False)
+    restorer = Snapshotter(run, fresh.registry, settings=SnapshotSettings(ram=False))
     assert restorer.restore() == 10
     for key, value in full_state(ts).items():
         assert torch.equal(full_state(fresh)[key], value), key

@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from elastic.errors import StorageUnavailableError
+from elastic.settings import SnapshotSettings
 from elastic.snapshotter import Snapshotter
 from elastic.store.snapshot_store import SnapshotStore
 from elastic.testing import build, full_state, train_step
@@ -22,8 +23,9 @@ from elastic.testing import build, full_state, train_step
 
 def _train(run: str) -> dict[int, dict[str, torch.Tensor]]:
     ts = build(seed=4)
-    snap = Snapshotter(run, ts.registry, snapshot_every=2, split_min_bytes=64, ram=False,
-                       on_busy="wait")
+    snap = Snapshotter(run, ts.registry,
+                       settings=SnapshotSettings(snapshot_every=2, split_min_bytes=64, ram=False,
+                                                 on_busy="wait"))
     refs = {}
     for step in range(1, 5):
         train_step(ts, step)
@@ -44,7 +46,7 @@ def _snapshot_bytes(store: SnapshotStore) -> dict[str, bytes]:
 
 def _assert_restores(run: str, ref: dict[str, torch.Tensor], step: int) -> None:
     ts = build(seed=50)
-    snap = Snapshotter(run, ts.registry, ram=False)
+    snap = Snapshotter(run, ts.registry, settings=SnapshotSettings(ram=False))
     assert snap.restore() == step and snap.restore_errors == []
     for key, value in ref.items():
         assert torch.equal(full_state(ts)[key], value), key
@@ -60,7 +62,7 @@ def test_transient_500s_at_restore_keep_the_newest_snapshot(s3_faults, s3_bucket
     rule = s3_faults.add_rule("GET", r"/000000004/shard-.*\.safetensors", "status", status=500,
                               times=3)
     ts = build(seed=50)
-    snap = Snapshotter(run, ts.registry, ram=False)
+    snap = Snapshotter(run, ts.registry, settings=SnapshotSettings(ram=False))
     assert snap.restore() == 4
     assert rule.hits == 3 and snap.restore_errors == []
     for key, value in refs[4].items():
@@ -77,8 +79,9 @@ def test_unanswered_reads_at_restore_change_nothing(s3_faults, s3_bucket) -> Non
     before = _snapshot_bytes(store)
     s3_faults.add_rule("GET", r"/000000004/shard-.*\.safetensors", "blackhole", times=None)
     ts = build(seed=50)
-    snap = Snapshotter(run, ts.registry, ram=False, storage_timeout_s=2.0,
-                       storage_retry_s=6.0)
+    snap = Snapshotter(run, ts.registry,
+                       settings=SnapshotSettings(ram=False, storage_timeout_s=2.0,
+                                                 storage_retry_s=6.0))
     started = time.monotonic()
     with pytest.raises(StorageUnavailableError, match="nothing was changed"):
         snap.restore()

@@ -15,6 +15,7 @@ from torch import nn
 
 import elastic.storage.storage_io as storage_io
 from elastic.faults import FaultInjector
+from elastic.settings import SnapshotSettings
 from elastic.snapshotter import Snapshotter
 from elastic.state.registry import StateRegistry
 from elastic.storage import Storage
@@ -126,8 +127,9 @@ def test_a_fault_mid_upload_leaves_no_object_and_no_commit(s3_faults, s3_endpoin
     run = f"s3://{s3_bucket}/runs/multipart"
     model, optim, registry = _model_state()
     faults = FaultInjector().arm("persist_mid", step=2)
-    snap = Snapshotter(run, registry, ram=False, faults=faults, storage_timeout_s=10.0,
-                       storage_retry_s=10.0)
+    snap = Snapshotter(run, registry, faults=faults,
+                       settings=SnapshotSettings(ram=False, storage_timeout_s=10.0,
+                                                 storage_retry_s=10.0))
     saved: dict[str, torch.Tensor] = {}
     for step in (1, 2):
         _train(model, optim, step)
@@ -146,7 +148,7 @@ def test_a_fault_mid_upload_leaves_no_object_and_no_commit(s3_faults, s3_endpoin
     assert [n for n in store.step_files(2) if n.endswith(".safetensors")] == []
     assert _uploads(s3_endpoint.url, s3_bucket) == []
     _, _, fresh = _model_state()
-    restorer = Snapshotter(run, fresh, ram=False)
+    restorer = Snapshotter(run, fresh, settings=SnapshotSettings(ram=False))
     assert restorer.restore() == 1
     for key, value in saved.items():
         assert torch.equal(fresh.flatten().tensors[key], value), key

@@ -17,6 +17,7 @@ from elastic.catalog import verify
 from elastic.coord.local_coordinator import LocalCoordinator
 from elastic.faults import FaultInjector
 from elastic.format.records import DEFAULT_BLOCK_BYTES
+from elastic.settings import SnapshotSettings
 from elastic.snapshotter import Snapshotter
 from elastic.storage import spares
 from elastic.storage.local_files import LocalFiles
@@ -38,8 +39,9 @@ def _spares(run: str) -> dict[str, int]:
 
 def _two_ranks(run: str, coord: LocalCoordinator, faults: FaultInjector | None = None):
     states = [build(seed=5), build(seed=5)]
-    snaps = [Snapshotter(run, s.registry, r, 2, coordinator=coord, snapshot_every=2,
-                         faults=faults, durable=True, split_min_bytes=64)
+    snaps = [Snapshotter(run, s.registry, r, 2, coordinator=coord, faults=faults,
+                         settings=SnapshotSettings(snapshot_every=2, durable=True,
+                                                   split_min_bytes=64))
              for r, s in enumerate(states)]
     return states, snaps
 

@@ -86,7 +86,7 @@ def test_sketch_policy_reaches_the_model() -> None:
     from torch import nn
 
     from sketch_ops import SketchedLinear
-    from trainer.loop import build_model
+    from trainer.train.loop import build_model
 
     cfg = load_recipe(RECIPES[0], RUN + ["sketch.rank=8"])
     model = build_model(cfg)
@@ -133,3 +133,14 @@ def test_local_run_and_data_paths_are_made_absolute_on_the_driver(
     assert SnapshotConfig(run_uri="s3://bucket/runs/a").run_uri == "s3://bucket/runs/a"
     assert DataConfig(uri="file:///data/x").uri == "file:///data/x"
     assert DataConfig().uri == ""  # the embedded corpus
+
+
+def test_the_snapshots_section_gives_a_worker_s_snapshot_settings() -> None:
+    cfg = SnapshotConfig(run_uri="s3://bucket/runs/a", snapshot_every=5, keep_last=4,
+                         ram_copy_mib=2.0, storage_timeout_s=7.0, storage_retry_s=9.0)
+    settings = cfg.snapshot_settings("fsdp")
+    assert (settings.layout, settings.snapshot_every, settings.keep_last) == ("fsdp", 5, 4)
+    assert settings.ram and settings.ram_cap_bytes == 2 << 20
+    assert (settings.storage_timeout_s, settings.storage_retry_s) == (7.0, 9.0)
+    assert not SnapshotConfig(run_uri="r", ram_copy_mib=0).snapshot_settings("ddp").ram
+    assert not SnapshotConfig(run_uri="r", ram_replicas=0).snapshot_settings("ddp").ram

@@ -11,9 +11,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from elastic.storage import absolute_uri
 from trainer.config.checks import check_types, default_of, require
+
+if TYPE_CHECKING:
+    from elastic.settings import SnapshotSettings
 
 
 @dataclass
@@ -148,6 +152,18 @@ class SnapshotConfig:
         require(self.storage_timeout_s > 0, "snapshots.storage_timeout_s", "must be > 0")
         require(self.storage_retry_s >= self.storage_timeout_s, "snapshots.storage_retry_s",
                  f"must be >= snapshots.storage_timeout_s ({self.storage_timeout_s})")
+
+    def snapshot_settings(self, layout: str) -> SnapshotSettings:
+        """What a worker's ``Snapshotter`` is tuned with for this section and ``layout``
+        ("ddp" or "fsdp", the model's): the RAM tier is off when ``ram_copy_mib`` or
+        ``ram_replicas`` is 0, and ``ram_copy_mib`` caps an in-process RAM store."""
+        from elastic.settings import SnapshotSettings  # loads torch: only a worker asks
+
+        return SnapshotSettings(
+            layout=layout, snapshot_every=self.snapshot_every, keep_last=self.keep_last,
+            ram=self.ram_copy_mib != 0 and self.ram_replicas != 0,
+            ram_cap_bytes=int(self.ram_copy_mib * 2**20),
+            storage_timeout_s=self.storage_timeout_s, storage_retry_s=self.storage_retry_s)
 
 
 @dataclass

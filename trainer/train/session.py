@@ -173,14 +173,9 @@ class Session:
                                              self._progress, self.rank, self.world_size)
         self.snapshotter = Snapshotter(
             settings.run_uri, self.registry, rank=self.rank, world_size=self.world_size,
-            layout=layout or setup.layout_of(model),
+            settings=settings.snapshot_settings(layout or setup.layout_of(model)),
             coordinator=coordinator or (context.coordinator if context else None),
-            snapshot_every=settings.snapshot_every, keep_last=settings.keep_last,
-            ram=settings.ram_copy_mib != 0 and settings.ram_replicas != 0,
             ram_tier=context.ram_tier if context and coordinator is None else None,
-            ram_cap_bytes=int(settings.ram_copy_mib * 2**20),
-            storage_timeout_s=settings.storage_timeout_s,
-            storage_retry_s=settings.storage_retry_s,
             run_info=run_info,
         )
         self.coordinator: CoordinatorClient = self.snapshotter.coordinator

@@ -1,0 +1,222 @@
+"""Restore the newest committed snapshot every rank can read, falling back past corrupt ones.
+
+Contract
+--------
+``restore_newest(store, coordinator, registry, ...)`` tries the committed snapshots newest
+first (the coordinator's list) and returns the first one every rank read and verified,
+loaded into the registry, as ``Restored``; None when nothing is committed. For each one the
+ranks agree on a ``Verdict`` (``elastic.read.verdict``; all-reduce MAX) before any rank
+loads it:
+
+* ``CORRUPT``: reported by name in ``errors``, quarantined by the coordinator
+  (``reject``), and the previous one tried. A RAM copy that fails its checks is no verdict
+  on the snapshot: its files are read from storage first.
+* ``MISFIT``: nothing is moved; ``SnapshotMismatchError`` names the newest older snapshot
+  that fits (for an explicit ``baton snapshots rewind``), or says none does.
+* ``UNREACHABLE`` (``StorageUnavailableError``) and ``NO_MEMORY`` (``RestoreMemoryError``)
+  fail the restore and touch no snapshot.
+* A snapshot of another model (``SnapshotMismatchError`` from the checks) is raised as is.
+* Every committed snapshot corrupt: ``SnapshotIntegrityError``, each one quarantined.
+
+With ``group`` (a process group of this world size) the ranks read together
+(``elastic.read.group_read``), else each rank reads what it needs (``read_tensors``). The
+model's and optimizer's tensors are read in place (``elastic.read.restore``'s rule): the
+next snapshot tried overwrites all of them. The caller joins its generation first and
+rewinds the coordinator to the returned step after recording it.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+import torch
+
+from elastic.collectives import agree_max
+from elastic.coord.protocol import CoordinatorClient
+from elastic.errors import (
+    RestoreMemoryError,
+    SnapshotIntegrityError,
+    SnapshotMisfitError,
+    StorageUnavailableError,
+)
+from elastic.format.manifest_check import parse_manifest
+from elastic.format.records import Manifest
+from elastic.read.byte_source import ByteSource, ReadMany
+from elastic.read.group_read import group_read_tensors
+from elastic.read.restore import SnapshotMismatchError, check_compatible, plan_targets, read_tensors
+from elastic.read.verdict import Verdict
+from elastic.state.layout import Target
+from elastic.state.registry import StateRegistry
+from elastic.store.ram_store import RamTier
+from elastic.store.snapshot_store import SnapshotStore
+
+log = logging.getLogger("baton.elastic")
+T = TypeVar("T")
+
+# What a snapshot read needs: its manifest, this rank's targets, where the bytes come from.
+Prepared = tuple[Manifest, dict[str, Target], ByteSource]
+
+
+@dataclass(frozen=True)
+class Restored:
+    """The snapshot a restore loaded."""
+
+    step: int
+    tier: str  # "ram" when no rank of the group read storage and some rank read RAM
+    world_size: int  # the world size it was saved at
+    state: dict[str, Any]  # its JSON state per component
+
+
+def attempt(read: Callable[[], T]) -> tuple[T | None, Verdict, str]:
+    """``read()`` and this rank's verdict on it with its reason (module docstring); a
+    snapshot of another model is raised as is."""
+    try:
+        return read(), Verdict.OK, ""
+    except SnapshotMismatchError:
+        raise
+    except RestoreMemoryError as err:
+        return None, Verdict.NO_MEMORY, str(err)
+    except SnapshotMisfitError as err:
+        return None, Verdict.MISFIT, str(err)
+    except FileNotFoundError as err:  # the store answered: the file is not there
+        return None, Verdict.CORRUPT, f"missing file: {err}"
+    except (SnapshotIntegrityError, ValueError) as err:
+        return None, Verdict.CORRUPT, str(err)
+    except (StorageUnavailableError, OSError) as err:
+        return None, Verdict.UNREACHABLE, str(err)
+
+
+def agree(verdict: Verdict) -> Verdict:
+    """The verdict of every rank: the most decisive one (all ranks must call this)."""
+    return Verdict(agree_max(int(verdict)))
+
+
+def restore_newest(store: SnapshotStore, coordinator: CoordinatorClient,
+                   registry: StateRegistry, *, ram_tier: RamTier | None, group: bool,
+                   errors: list[str]) -> Restored | None:
+    """Load the newest committed snapshot every rank can read (module docstring); each
+    snapshot given up on is described in ``errors``."""
+    return _Fallback(store, coordinator, registry, ram_tier, group, errors).run()
+
+
+@dataclass
+class _Fallback:
+    store: SnapshotStore
+    coordinator: CoordinatorClient
+    registry: StateRegistry
+    ram_tier: RamTier | None
+    group: bool
+    errors: list[str]
+
+    def run(self) -> Restored | None:
+        steps = sorted(self.coordinator.committed_steps(), reverse=True)
+        run = self.store.run_uri
+        misfit = ""
+        for step in steps:
+            prepared, tensors, verdict, reason = self._read(step, ram=True)
+            ram_used = prepared is not None and prepared[2].used_ram
+            if verdict == Verdict.CORRUPT and agree_max(int(ram_used)):
+                # A RAM copy is not the snapshot: a bad one (a store's fault) is no verdict
+                # on the files. Read them from storage before judging the snapshot.
+                log.warning("snapshot %d: the RAM copy failed its checks (%s); reading "
+                            "storage", step, reason or "on another rank")
+                prepared, tensors, verdict, reason = self._read(step, ram=False)
+            if verdict == Verdict.NO_MEMORY:
+                raise RestoreMemoryError(
+                    f"snapshot {step} of {run} could not be restored: "
+                    f"{reason or 'another rank is short of memory'}; nothing was changed or "
+                    "removed")
+            if verdict == Verdict.UNREACHABLE:
+                raise StorageUnavailableError(
+                    f"snapshot {step} of {run} could not be read"
+                    f"{': ' + reason if reason else ' (on another rank)'}; nothing was "
+                    "changed or removed: the run restores it once storage answers again")
+            if verdict == Verdict.MISFIT:
+                misfit = (f"snapshot {step} of {run} does not fit the "
+                          f"registered state: {reason or 'on another rank'}")
+                self.errors.append(misfit)
+                self._refuse_rewind(steps, step, misfit)  # returns when no older one fits
+                break
+            if verdict == Verdict.CORRUPT:
+                msg = (f"snapshot {step} of {run} is unusable: "
+                       f"{reason or 'another rank found it corrupt'}")
+                self.errors.append(msg)
+                log.warning("%s; quarantined, trying the previous committed snapshot", msg)
+                self.coordinator.reject(step, msg)
+                continue
+            assert prepared is not None and tensors is not None
+            manifest, _, source = prepared
+            tier = agree_max(2 if source.used_storage else 1 if source.used_ram else 0)
+            # _prepare checked the state against the registry, which nothing has changed.
+            self.registry.load(tensors, manifest.state, checked=True)
+            return Restored(step, "ram" if tier == 1 else "storage", manifest.world_size,
+                            dict(manifest.state))
+        if misfit:
+            raise SnapshotMismatchError(
+                f"no committed snapshot of {run} fits the registered state "
+                "(none was moved; was the code, the model's dtype or a component's state "
+                f"changed?): {misfit}")
+        if steps:
+            raise SnapshotIntegrityError(
+                f"no committed snapshot of {run} could be restored (each was "
+                "moved to quarantine/): " + "; ".join(self.errors))
+        return None
+
+    def _refuse_rewind(self, steps: list[int], newest: int, misfit: str) -> None:
+        """Refuse (``newest`` does not fit; going back is a person's decision) naming the
+        newest older one that fits, reading no tensor; return when none does."""
+        for step in (s for s in steps if s < newest):
+            _, verdict, reason = attempt(functools.partial(self._prepare, step, False))
+            if agree(verdict) != Verdict.OK:
+                self.errors.append(f"snapshot {step}: {reason or 'on another rank'}")
+                continue
+            run, newer = self.store.run_uri, sorted(s for s in steps if step < s <= newest)
+            raise SnapshotMismatchError(
+                f"{misfit}. Nothing was moved. Run the code that wrote snapshot {newest}, or "
+                f"go back to snapshot {step}, the newest that fits this code: baton snapshots "
+                f"rewind {run} --to {step} sets {newer} aside (baton snapshots "
+                f"restore-quarantined {run} brings them back)")
+
+    def _read(self, step: int, *, ram: bool
+              ) -> tuple[Prepared | None, dict[str, torch.Tensor] | None, Verdict, str]:
+        """Read and verify ``step`` (with the group when ``group``): what was prepared, the
+        tensors, and the verdict agreed by every rank with this rank's reason."""
+        prepared, verdict, reason = attempt(functools.partial(self._prepare, step, ram))
+        tensors: dict[str, torch.Tensor] | None = None
+        if self.group:
+            if agree(verdict) == Verdict.OK:
+                assert prepared is not None
+                tensors, verdict, reason = attempt(
+                    functools.partial(group_read_tensors, *prepared))
+        elif prepared is not None:
+            tensors, verdict, reason = attempt(functools.partial(read_tensors, *prepared))
+        return prepared, tensors, agree(verdict), reason
+
+    def _prepare(self, step: int, ram: bool = True) -> Prepared:
+        """Snapshot ``step``'s manifest, checked against the registry, and what to read
+        (from the RAM tier first when ``ram``)."""
+        manifest = self._manifest(step)
+        live = self.registry.flatten()
+        check_compatible(self.registry, manifest, live.tensors, live.skeletons)
+        source = ByteSource(self.store, step, ram=self._ram_reader(step) if ram else None)
+        return manifest, plan_targets(manifest, live.tensors,  # in place (module doc)
+                                      in_place=self.registry.model_keys()), source
+
+    def _ram_reader(self, step: int) -> ReadMany | None:
+        """Reads of ``step`` from the RAM stores the coordinator says hold its files."""
+        if self.ram_tier is None:
+            return None
+        locations = self.coordinator.ram_locations(step)
+        if not locations:
+            return None
+        return functools.partial(self.ram_tier.read, step, locations)
+
+    def _manifest(self, step: int) -> Manifest:
+        data = self.coordinator.read_manifest(step)
+        if data is not None:
+            return parse_manifest(data, where=f"snapshot {step} (coordinator RAM)", step=step)
+        return self.store.load_manifest(step)
