@@ -87,6 +87,7 @@ from benchmarks.snapshot_scale_sides import (
     torch_save,
     train_step,
 )
+from elastic.coord.receipts import Receipt
 from elastic.settings import SnapshotSettings
 from elastic.snapshotter import Snapshotter
 from elastic.store.snapshot_store import SnapshotStore
@@ -97,8 +98,8 @@ def count_coordinator_bytes(snap: Snapshotter) -> list[int]:
     sizes: list[int] = []
     report = snap.coordinator.report_shard
 
-    def counted(receipt: dict[str, Any]) -> Any:
-        sizes.append(len(json.dumps(receipt)))
+    def counted(receipt: Receipt) -> Any:
+        sizes.append(len(json.dumps(receipt.to_json())))
         return report(receipt)
 
     snap.coordinator.report_shard = counted  # type: ignore[method-assign]

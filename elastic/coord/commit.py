@@ -15,9 +15,9 @@ Contract
   coordinator itself advanced, which would fence it).
 * ``report(receipt)`` records that one rank's shard of step ``s`` is durable. With all
   ``world_size`` receipts in, it checks them (``receipts.py``: exact cover, and every check a
-  restore makes), checks it is not fenced (``generation.py``), writes ``manifest.json`` with
-  an exclusive create (the commit; a committed name is never rewritten), then collects:
-  older in-flight steps are aborted, only the newest ``keep_last`` committed snapshots are
+  restore makes), and unless fenced writes ``manifest.json`` with an exclusive create
+  (``generation.commit_manifest``: the commit; a committed name is never rewritten), then
+  collects: older in-flight steps are aborted, only the newest ``keep_last`` committed snapshots are
   kept (older ones retired: ``SnapshotStore.retire_step``), and uncommitted leftovers older
   than the newest commit at the time of the deletion are deleted. The bookkeeping is done
   before ``report`` returns; the deletions run on one housekeeping thread, in order, so the
@@ -43,9 +43,8 @@ Contract
 Storage I/O happens outside the core's lock (``_lock``), so a slow store never blocks a
 worker's poll or another report; a commit's fencing read and manifest write hold the
 generation lock. ``elastic.coord.local_coordinator.LocalCoordinator`` wraps the core with the
-in-memory copy and the on-demand requests (``elastic.coord.protocol``). A receipt is a JSON-able
-dict: ``step, rank, world_size, generation, layout, file, chunks`` (tensor key -> chunk
-records) and, from rank 0, ``skeletons`` and ``catalog`` (all logical tensors).
+in-memory copy and the on-demand requests (``elastic.coord.protocol``). A receipt is an
+``elastic.coord.receipts.Receipt``.
 """
 
 from __future__ import annotations
@@ -60,9 +59,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from elastic.coord.collect import collect, delete_generation_files, remove_failed_manifest
-from elastic.coord.generation import fencing_reason, read_generation, write_generation
-from elastic.coord.receipts import manifest_from_receipts
-from elastic.errors import FencedError, describe
+from elastic.coord.generation import commit_manifest, read_generation, write_generation
+from elastic.coord.receipts import Receipt, manifest_from_receipts
+from elastic.errors import FencedError
 from elastic.faults import FaultInjector
 from elastic.format.records import Manifest
 from elastic.store.snapshot_store import SnapshotStore
@@ -79,7 +78,7 @@ class _Pending:
     world_size: int
     generation: int
     started: float
-    receipts: dict[int, dict[str, Any]] = field(default_factory=dict)
+    receipts: dict[int, Receipt] = field(default_factory=dict)
 
 
 # A storage action decided under the lock and carried out after it is released.
@@ -156,10 +155,10 @@ class CommitCore:
 
     # ------------------------------------------------------------------ protocol
 
-    def report(self, receipt: dict[str, Any]) -> int | None:
+    def report(self, receipt: Receipt) -> int | None:
         """Record one shard receipt; return the step if this receipt committed it."""
-        step, rank, world = int(receipt["step"]), int(receipt["rank"]), int(receipt["world_size"])
-        generation = int(receipt.get("generation", -1))
+        step, rank, world = receipt.step, receipt.rank, receipt.world_size
+        generation = receipt.generation
         commit: tuple[Manifest, bytes] | None = None
         actions: list[_Action] = []
         with self._lock:
@@ -289,19 +288,9 @@ class CommitCore:
         self.faults.hit(-1, step, "commit_begin")
         with self._generation_lock:  # exclusive with new_generation (module docstring)
             superseded = generation != self.generation  # set only under the generation lock
-            lease = self.lease_token
-            fenced = None if superseded else fencing_reason(self.store, generation, lease)
-            failure = None
-            if not superseded and fenced is None:
-                try:
-                    self.store.write_manifest(
-                        manifest, data=data, exclusive=True,
-                        mid_write=lambda: self.faults.hit(-1, step, "commit_manifest"))
-                except FileExistsError:
-                    fenced = (f"a manifest for step {step} already exists (written by another "
-                              "driver)")
-                except OSError as err:
-                    failure = f"manifest write failed: {describe(err)}"
+            fenced, failure = (None, None) if superseded else commit_manifest(
+                self.store, manifest, data, generation, self.lease_token,
+                mid_write=lambda: self.faults.hit(-1, step, "commit_manifest"))
             with self._lock:
                 self.committing.discard(step)
                 if superseded:

@@ -16,6 +16,14 @@ Contract
   may no longer commit — a newer generation was started elsewhere, or (when it holds a run
   lease, ``lease_token`` not None) the lease no longer names it, or either could not be read
   — or None. Reading fails closed: a coordinator that cannot tell does not commit.
+* ``commit_manifest(store, manifest, data, generation, lease_token, *, mid_write)`` is the
+  commit point: unless fenced, ``manifest.json`` (``data``) is created exclusively. It
+  returns ``(fenced, failure)``: why the coordinator may not commit (``fencing_reason``, or a
+  manifest for the step already there: another driver's), or why the write failed (an
+  ``OSError``, described; the write may have landed all the same); both None: committed.
+  The caller holds what excludes a new generation meanwhile (``CommitCore``'s generation
+  lock).
+
 Why a separate module: the commit protocol (``commit.py``) and ``baton fork`` (which copies a
 run and must carry its generation on) both read the file; neither owns its format. What a
 generation leaves behind is removed by ``collect.py``.
@@ -25,10 +33,12 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 
 from elastic.errors import describe
 from elastic.format.records import (
     MAX_GENERATION,
+    Manifest,
     short_repr,
 )
 from elastic.lease.run_lease import lease_holds
@@ -86,3 +96,20 @@ def fencing_reason(store: SnapshotStore, generation: int, lease_token: str | Non
         if not holds:
             return "the run lease was taken over by another driver"
     return None
+
+
+def commit_manifest(store: SnapshotStore, manifest: Manifest, data: bytes, generation: int,
+                    lease_token: str | None, *, mid_write: Callable[[], None]
+                    ) -> tuple[str | None, str | None]:
+    """Write ``manifest.json`` unless fenced: ``(fenced, failure)`` (module docstring)."""
+    fenced = fencing_reason(store, generation, lease_token)
+    if fenced is not None:
+        return fenced, None
+    try:
+        store.write_manifest(manifest, data=data, exclusive=True, mid_write=mid_write)
+    except FileExistsError:
+        return (f"a manifest for step {manifest.step} already exists (written by another "
+                "driver)"), None
+    except OSError as err:
+        return None, f"manifest write failed: {describe(err)}"
+    return None, None

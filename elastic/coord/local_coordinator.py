@@ -7,7 +7,7 @@ or as the Ray actor (``elastic.coord.ray_actors`` makes this very class remote).
 ``elastic.coord.commit.CommitCore`` (generations, receipts, commit, fencing, GC, quarantine):
 
 * The RAM tier's index, metadata only: which node's store (``elastic.store.ram_store``) holds
-  which shard file of which step, as the receipts say (``receipt["ram"]``: the nodes that
+  which shard file of which step, as the receipts say (``receipt.ram``: the nodes that
   took the file). ``ram_locations(step)`` answers restores; when a snapshot commits or is
   aborted the stores concerned are told what to keep (``RamStore.keep``: the newest commit
   plus the steps in flight). The coordinator never receives shard bytes: what it handles
@@ -31,7 +31,6 @@ store.
 
 from __future__ import annotations
 
-import json
 import logging
 import threading
 import time
@@ -39,6 +38,7 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from elastic.coord.commit import CommitCore
+from elastic.coord.receipts import Receipt, json_size
 from elastic.faults import FaultInjector
 from elastic.store.ram_store import RamStoreClient, StoreLost
 from elastic.store.snapshot_store import SnapshotStore
@@ -128,13 +128,15 @@ class LocalCoordinator:
 
     # ---------------------------------------------------------------- shards
 
-    def report_shard(self, receipt: dict[str, Any]) -> int | None:
-        holders = receipt.get("ram") or []
+    def report_shard(self, receipt: Receipt) -> int | None:
+        return self.report_received(receipt, json_size(receipt.to_json()))
+
+    def report_received(self, receipt: Receipt, nbytes: int) -> int | None:
+        """``report_shard`` of a receipt that arrived as ``nbytes`` bytes of JSON."""
         with self.lock:
-            self.handled_bytes += len(json.dumps(receipt, separators=(",", ":")))
-            if holders and isinstance(receipt.get("file"), str):
-                self.ram_index.setdefault(int(receipt["step"]), {})[receipt["file"]] = [
-                    str(node) for node in holders]
+            self.handled_bytes += nbytes
+            if receipt.ram:
+                self.ram_index.setdefault(receipt.step, {})[receipt.file] = list(receipt.ram)
         step = self.core.report(receipt)
         self._trim_ram()
         return step

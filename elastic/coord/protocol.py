@@ -14,8 +14,9 @@ all of it:
   ``flush``) to the actor, so adding a method here and to ``LocalCoordinator`` is all it
   takes to reach it over Ray.
 
-The coordinator handles metadata only: receipts (which name the nodes whose RAM stores took
-a copy of the shard, ``receipt["ram"]``), generations, commits, requests. Shard bytes go
+The coordinator handles metadata only: receipts (``elastic.coord.receipts.Receipt``, which
+name the nodes whose RAM stores took a copy of the shard, ``receipt.ram``), generations,
+commits, requests. Shard bytes go
 from a worker to its peers' RAM stores and to storage, never through it.
 
 Every method is safe to repeat: a retried call after a coordinator restart is either
@@ -26,7 +27,10 @@ it: only the driver calls them, on the actor handle.
 
 from __future__ import annotations
 
-from typing import Any, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
+
+if TYPE_CHECKING:
+    from elastic.coord.receipts import Receipt
 
 
 @runtime_checkable
@@ -45,7 +49,7 @@ class CoordinatorClient(Protocol):
 
     # ------------------------------------------------------------------ writing a snapshot
 
-    def report_shard(self, receipt: dict[str, Any]) -> int | None:
+    def report_shard(self, receipt: Receipt) -> int | None:
         """One rank's shard is durable; returns the step if this receipt committed it."""
         ...
 

@@ -44,6 +44,7 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from elastic.coord.local_coordinator import LocalCoordinator
 from elastic.coord.protocol import PROTOCOL_METHODS
+from elastic.coord.receipts import Receipt, json_size
 from elastic.format.records import DEFAULT_BLOCK_BYTES
 from elastic.store.ram_store import (
     PutWaiter,
@@ -86,6 +87,11 @@ class _StoreBackedCoordinator(LocalCoordinator):
             self.recover_ram_index(ram_holdings(run_uri, lease_token))
         except Exception as err:  # noqa: BLE001 - only an optimisation: storage still serves
             log.warning("could not recover the RAM index from the run's stores: %r", err)
+
+    def report_shard_json(self, receipt: dict[str, Any]) -> int | None:
+        """``report_shard`` of a receipt that crossed from a worker as JSON
+        (``RayCoordinatorClient.report_shard``), checked by ``Receipt.from_json``."""
+        return self.report_received(Receipt.from_json(receipt), json_size(receipt))
 
 
 # The actor *is* the local coordinator, made remote (its options: get_or_create_coordinator).
@@ -153,13 +159,14 @@ class RayCoordinatorClient:
 
     A generic proxy: each protocol method is ``ray.get(handle.<method>.remote(...))`` on the
     actor, which is ``LocalCoordinator`` itself, so there is no second copy of the
-    signatures to keep in step. ``poll`` and ``flush`` are local no-ops: receipts go
+    signatures to keep in step. ``report_shard`` sends the receipt as JSON (the actor's
+    ``report_shard_json`` reads it back). ``poll`` and ``flush`` are local no-ops: receipts go
     straight to the actor, so there is nothing to collect or wait for. Any other name is an
     ``AttributeError`` (driver-only controls such as ``request_snapshot`` go to the handle).
     """
 
     _LOCAL_NO_OPS = frozenset({"poll", "flush"})
-    _FORWARDED = PROTOCOL_METHODS - _LOCAL_NO_OPS
+    _FORWARDED = PROTOCOL_METHODS - _LOCAL_NO_OPS - {"report_shard"}
 
     def __init__(self, handle: ray.actor.ActorHandle) -> None:
         self.handle = handle
@@ -176,6 +183,12 @@ class RayCoordinatorClient:
 
         call.__name__ = name
         return call
+
+    def report_shard(self, receipt: Receipt) -> int | None:
+        """The receipt crosses to the actor as JSON (``Receipt.to_json``), never pickled."""
+        ref: Any = self.handle.report_shard_json.remote(receipt.to_json())
+        step: int | None = ray.get(ref)
+        return step
 
     def poll(self) -> None:
         """Receipts go straight to the actor; nothing to poll."""

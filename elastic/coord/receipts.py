@@ -1,7 +1,19 @@
-"""From the shard receipts of one step to its manifest: the checks that make a commit whole.
+"""One rank's receipt, and from the receipts of one step to its manifest: the checks that
+make a commit whole.
 
 Contract
 --------
+``Receipt`` is what a rank reports once its shard of a step is durable (``elastic.write.persist``
+makes it): ``step, rank, world_size, generation, layout, file, chunks`` (tensor key -> the
+``ChunkRecord``s this rank wrote), ``versions`` (the code that wrote it), ``ram`` (the nodes
+whose RAM stores took a copy of the file) and, from rank 0 only, ``skeletons`` (the state's
+JSON skeletons) and ``catalog`` (every logical tensor's ``TensorSpec``). In-process it is
+passed as is. Where it crosses Ray or the disk (a store group's receipt file) it travels as
+JSON: ``to_json()`` gives the plain object (its form on disk:
+``shard-R-of-W-gG.safetensors.receipt.json``) and ``Receipt.from_json(obj)`` reads one back,
+untrusted: a value of the wrong type or a missing field raises ``ValueError`` with one line
+naming it; nothing is unpickled.
+
 ``manifest_from_receipts(step, world_size, generation, receipts, *, block_bytes, versions)``
 builds the ``Manifest`` of ``step`` from the receipts of all ``world_size`` ranks (rank ->
 receipt, as ``commit.CommitCore.report`` collected them) and returns it with its
@@ -22,57 +34,177 @@ aborted, not committed:
   chunks inside their tensor and not overlapping, byte ranges, checksums, state
   references), so nothing is committed that a restore would refuse.
 
-The manifest's ``versions`` are ``versions`` (the coordinator's) updated with rank 0's. The
-receipts are JSON-able dicts (``commit.py`` lists their fields); nothing here reads storage.
+The manifest's ``versions`` are ``versions`` (the coordinator's) updated with rank 0's.
+Nothing here reads storage.
 """
 
 from __future__ import annotations
 
 import json
 import math
-from typing import Any
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, TypeVar
 
 from elastic.errors import ManifestError
 from elastic.format.manifest_check import check_manifest
-from elastic.format.records import ChunkRecord, Manifest, TensorRecord, shard_filename
+from elastic.format.records import (
+    ChunkRecord,
+    Manifest,
+    TensorRecord,
+    json_kind,
+    shard_filename,
+    short_repr,
+)
+
+V = TypeVar("V")
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    """A logical tensor of rank 0's catalog: its dtype (safetensors name) and full shape."""
+
+    dtype: str
+    shape: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class Receipt:
+    """One rank's shard of ``step`` is durable (module docstring)."""
+
+    step: int
+    rank: int
+    world_size: int
+    generation: int
+    layout: str
+    file: str
+    chunks: dict[str, tuple[ChunkRecord, ...]]
+    versions: dict[str, str]
+    ram: tuple[str, ...] = ()
+    skeletons: dict[str, Any] | None = None  # rank 0 only
+    catalog: dict[str, TensorSpec] | None = None  # rank 0 only
+
+    def to_json(self) -> dict[str, Any]:
+        """The receipt as a plain JSON object (its form on disk and over Ray)."""
+        obj: dict[str, Any] = {
+            "step": self.step, "rank": self.rank, "world_size": self.world_size,
+            "generation": self.generation, "layout": self.layout, "file": self.file,
+            "ram": list(self.ram),
+            "chunks": {k: [c.to_json() for c in v] for k, v in self.chunks.items()},
+            "versions": self.versions,
+        }
+        if self.skeletons is not None:
+            obj["skeletons"] = self.skeletons
+        if self.catalog is not None:
+            obj["catalog"] = {k: {"dtype": t.dtype, "shape": list(t.shape)}
+                              for k, t in self.catalog.items()}
+        return obj
+
+    @staticmethod
+    def from_json(obj: object) -> Receipt:
+        """A receipt from its JSON object (untrusted: ``ValueError`` naming what is wrong)."""
+        if not isinstance(obj, dict):
+            raise ValueError(f"receipt: expected an object, got {json_kind(obj)}")
+        where = f"receipt of rank {short_repr(obj.get('rank'))}"
+        catalog = obj.get("catalog")
+        return Receipt(
+            step=_int(obj, "step", where), rank=_int(obj, "rank", where),
+            world_size=_int(obj, "world_size", where),
+            generation=_int(obj, "generation", where),
+            layout=_str(obj, "layout", where), file=_str(obj, "file", where),
+            chunks=_mapping(obj, "chunks", where, lambda key, v: _chunks(v, f"{where}: "
+                                                                             f"chunks of {key!r}")),
+            versions=_mapping(obj, "versions", where, lambda key, v: _is(v, str, where)),
+            ram=tuple(_is(n, str, where) for n in _is(obj.get("ram", []), list, where)),
+            skeletons=None if obj.get("skeletons") is None else _is(obj["skeletons"], dict,
+                                                                     where),
+            catalog=None if catalog is None else _mapping(
+                obj, "catalog", where, lambda key, v: _spec(v, f"{where}: catalog {key!r}")),
+        )
+
+
+def json_size(obj: object) -> int:
+    """The bytes of ``obj`` as compact JSON (what a coordinator counts as handled)."""
+    return len(json.dumps(obj, separators=(",", ":")))
+
+
+def _is(value: object, kind: type[V], where: str) -> V:
+    if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
+        raise ValueError(f"{where}: expected {kind.__name__}, got {json_kind(value)} "
+                         f"{short_repr(value)}")
+    return value
+
+
+def _int(obj: dict[str, Any], key: str, where: str) -> int:
+    if key not in obj:
+        raise ValueError(f"{where}: no {key!r}")
+    return _is(obj[key], int, f"{where}: {key}")
+
+
+def _str(obj: dict[str, Any], key: str, where: str) -> str:
+    if key not in obj:
+        raise ValueError(f"{where}: no {key!r}")
+    return _is(obj[key], str, f"{where}: {key}")
+
+
+def _mapping(obj: dict[str, Any], key: str, where: str,
+             value: Callable[[str, Any], V]) -> dict[str, V]:
+    if key not in obj:
+        raise ValueError(f"{where}: no {key!r}")
+    entries = _is(obj[key], dict, f"{where}: {key}")
+    return {k: value(k, v) for k, v in entries.items()}
+
+
+def _chunks(value: object, where: str) -> tuple[ChunkRecord, ...]:
+    try:
+        return tuple(ChunkRecord.from_json(c) for c in _is(value, list, where))
+    except (KeyError, TypeError, IndexError, AttributeError, ValueError) as err:
+        raise ValueError(f"{where}: a malformed chunk ({type(err).__name__}: "
+                         f"{short_repr(err)})") from None
+
+
+def _spec(value: object, where: str) -> TensorSpec:
+    entry = _is(value, dict, where)
+    shape = _is(entry.get("shape"), list, f"{where}: shape")
+    return TensorSpec(dtype=_is(entry.get("dtype"), str, f"{where}: dtype"),
+                      shape=tuple(_is(n, int, f"{where}: shape") for n in shape))
 
 
 def manifest_from_receipts(
     step: int,
     world_size: int,
     generation: int,
-    receipts: dict[int, dict[str, Any]],
+    receipts: dict[int, Receipt],
     *,
     block_bytes: int,
     versions: dict[str, str],
 ) -> tuple[Manifest, bytes]:
     """The manifest of ``step`` from its ranks' receipts, checked (module docstring)."""
     head = receipts.get(0)
-    if head is None or "catalog" not in head:
+    if head is None or head.catalog is None:
         raise ValueError(f"step {step}: rank 0's receipt lacks the tensor catalog")
-    tensors = {
-        k: TensorRecord(dtype=v["dtype"], shape=tuple(v["shape"]))
-        for k, v in head["catalog"].items()
-    }
+    if head.skeletons is None:
+        raise ValueError(f"step {step}: rank 0's receipt lacks the state skeletons")
+    tensors = {k: TensorRecord(dtype=v.dtype, shape=v.shape) for k, v in head.catalog.items()}
     files = []
     for rank in sorted(receipts):
         receipt = receipts[rank]
-        if receipt.get("versions") != head.get("versions"):
+        if receipt.versions != head.versions:
             raise ValueError(
-                f"step {step}: rank {rank} runs {receipt.get('versions')}, "
-                f"rank 0 runs {head.get('versions')}; install the same Baton "
+                f"step {step}: rank {rank} runs {receipt.versions}, "
+                f"rank 0 runs {head.versions}; install the same Baton "
                 "on every node"
             )
-        if receipt["file"] != shard_filename(rank, world_size, generation):
+        if receipt.file != shard_filename(rank, world_size, generation):
             raise ValueError(
-                f"step {step}: rank {rank} wrote {receipt['file']!r}, not its "
+                f"step {step}: rank {rank} wrote {receipt.file!r}, not its "
                 f"generation-{generation} shard"
             )
-        files.append(receipt["file"])
-        for key, chunks in receipt["chunks"].items():
+        files.append(receipt.file)
+        for key, chunks in receipt.chunks.items():
             if key not in tensors:
                 raise ValueError(f"step {step}: rank {rank} wrote unknown tensor {key!r}")
-            tensors[key].chunks.extend(ChunkRecord.from_json(c) for c in chunks)
+            tensors[key].chunks.extend(chunks)
     for key, rec in tensors.items():
         covered = sum(math.prod(c.shape) for c in rec.chunks)
         if covered != math.prod(rec.shape):
@@ -82,12 +214,12 @@ def manifest_from_receipts(
     manifest = Manifest(
         step=step,
         world_size=world_size,
-        layout=head["layout"],
+        layout=head.layout,
         block_bytes=block_bytes,
         tensors=tensors,
-        state=head["skeletons"],
+        state=head.skeletons,
         files=files,
-        versions={**versions, **head.get("versions", {})},
+        versions={**versions, **head.versions},
     )
     data = manifest.to_bytes()
     try:

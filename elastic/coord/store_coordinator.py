@@ -3,14 +3,16 @@
 Contract
 --------
 Every rank constructs a ``StoreCoordinator``. Ranks other than 0 write each receipt as a
-small JSON file next to their shard (``shard-RRRRR-of-WWWWW-gGGGGGG.safetensors.receipt.json``;
-a failed persist writes ``{"failed": reason}`` there instead). Rank 0 owns the commit logic
-(a ``LocalCoordinator``): ``poll()`` — called by the snapshotter at every step boundary and
-by ``flush()`` — collects the receipts of its in-flight steps (for the generation that
-started them: another generation's receipt files are never read) and commits each step once
-all are in. No collective is needed, so it works from background threads and never blocks
-training. Rank 0 starts each generation (``new_generation``); the snapshotter broadcasts it.
-There is no RAM tier in this mode (``ram_locations`` names no store).
+small JSON file next to their shard
+(``shard-RRRRR-of-WWWWW-gGGGGGG.safetensors.receipt.json``: ``Receipt.to_json``; a failed
+persist writes ``{"failed": reason}`` there instead), which rank 0 reads back with
+``Receipt.from_json`` (a malformed one fails its step). Rank 0 owns the commit logic (a
+``LocalCoordinator``): ``poll()`` — called by the snapshotter at every step boundary and by
+``flush()`` — collects the receipts of its in-flight steps (for the generation that started
+them: another generation's receipt files are never read) and commits each step once all are
+in. No collective is needed, so it works from background threads and never blocks training.
+Rank 0 starts each generation (``new_generation``); the snapshotter broadcasts it. There is
+no RAM tier in this mode (``ram_locations`` names no store).
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import time
 from typing import Any
 
 from elastic.coord.local_coordinator import LocalCoordinator
+from elastic.coord.receipts import Receipt, json_size
 from elastic.faults import FaultInjector
 from elastic.format.manifest_check import MAX_MANIFEST_BYTES
 from elastic.format.records import RECEIPT_SUFFIX, shard_filename
@@ -52,14 +55,14 @@ class StoreCoordinator:
     def current_generation(self) -> int:
         return self._owner().current_generation()
 
-    def report_shard(self, receipt: dict[str, Any]) -> int | None:
+    def report_shard(self, receipt: Receipt) -> int | None:
         if self.local is not None:
             committed = self.local.report_shard(receipt)
             self.poll()
             return committed
-        step, world = int(receipt["step"]), int(receipt["world_size"])
-        path = self._receipt_path(step, self.rank, world, int(receipt["generation"]))
-        self.store.write_json(path, receipt)
+        path = self._receipt_path(receipt.step, self.rank, receipt.world_size,
+                                  receipt.generation)
+        self.store.write_json(path, receipt.to_json())
         return None
 
     def report_failure(self, step: int, rank: int, reason: str,
@@ -131,18 +134,20 @@ class StoreCoordinator:
                 if not self.store.exists(path):
                     continue
                 try:  # bounded: a receipt is a file of the run directory like any other
-                    receipt = self.store.read_json(path, max_bytes=MAX_MANIFEST_BYTES,
-                                                   nonfinite=True)
-                    if not isinstance(receipt, dict):
+                    obj = self.store.read_json(path, max_bytes=MAX_MANIFEST_BYTES,
+                                               nonfinite=True)
+                    if not isinstance(obj, dict):
                         raise ValueError(f"{path}: not a JSON object")
+                    receipt = None if "failed" in obj else Receipt.from_json(obj)
                 except (ValueError, OSError) as err:  # half-seen, removed meanwhile, a link
                     self.local.report_failure(step, r, f"unreadable receipt: {err}", generation)
                     break
-                if "failed" in receipt:
-                    self.local.report_failure(step, r, str(receipt["failed"]), generation,
-                                              str(receipt.get("where", "")))
+                if receipt is None:
+                    self.local.report_failure(step, r, str(obj["failed"]), generation,
+                                              str(obj.get("where", "")))
                     break
-                if self.local.report_shard(receipt) is not None or step not in core.pending:
+                if (self.local.report_received(receipt, json_size(obj)) is not None
+                        or step not in core.pending):
                     break
 
     def flush(self, timeout_s: float) -> None:

@@ -41,7 +41,7 @@ import numpy as np
 
 from elastic.coord.collect import delete_generation_files, remove_failed_manifest
 from elastic.coord.generation import fencing_reason, read_generation, write_generation
-from elastic.coord.receipts import manifest_from_receipts
+from elastic.coord.receipts import Receipt, TensorSpec, manifest_from_receipts
 from elastic.errors import FencedError
 from elastic.format.records import (
     DEFAULT_BLOCK_BYTES,
@@ -123,21 +123,20 @@ def _write_shard(store: SnapshotStore, step: int, generation: int,
     header = build_header(entries)
     image = bytearray(len(header) + offset)
     image[:len(header)] = header
-    chunks: dict[str, list[dict[str, Any]]] = {}
+    chunks: dict[str, tuple[ChunkRecord, ...]] = {}
     for (key, arr), entry in zip(arrays.items(), entries, strict=True):
         start = len(header) + entry.data_offsets[0]
         raw = arr.reshape(-1).view(np.uint8)
         memoryview(image)[start: start + arr.nbytes] = raw.data
-        chunks[key] = [ChunkRecord(
+        chunks[key] = (ChunkRecord(
             file=file, name=entry.name, offsets=(0,) * arr.ndim, shape=entry.shape,
             byte_range=(start, start + arr.nbytes),
             crc32=tuple(crc32_blocks(memoryview(image)[start: start + arr.nbytes],
-                                     DEFAULT_BLOCK_BYTES))).to_json()]
-    receipt = {"step": step, "rank": 0, "world_size": 1, "generation": generation,
-               "layout": "ddp", "file": file, "chunks": chunks, "versions": versions,
-               "skeletons": state,
-               "catalog": {k: {"dtype": e.dtype, "shape": list(e.shape)}
-                           for k, e in zip(arrays, entries, strict=True)}}
+                                     DEFAULT_BLOCK_BYTES))),)
+    receipt = Receipt(step=step, rank=0, world_size=1, generation=generation, layout="ddp",
+                      file=file, chunks=chunks, versions=versions, skeletons=state,
+                      catalog={k: TensorSpec(dtype=e.dtype, shape=e.shape)
+                               for k, e in zip(arrays, entries, strict=True)})
     # The coordinator's checks: a manifest a restore would refuse is never committed.
     manifest, data = manifest_from_receipts(step, 1, generation, {0: receipt},
                                             block_bytes=DEFAULT_BLOCK_BYTES, versions={})

@@ -7,13 +7,13 @@ at once. The thread (1) writes the image as the shard file through the store (te
 rename locally, one PUT on S3), while a second thread computes the crc32 of every checksum
 block, once, from the image, and a third sends the shard file's bytes to the RAM tier
 (``elastic.store.ram_store``: the stores of the next nodes on the ring, never the coordinator; a
-store may refuse it, e.g. over its cap, and that shard is then storage-only), and (2) reports the
-receipt to the coordinator, naming the nodes that took a RAM copy (``"ram"``; a copy not
-acknowledged within as long again as the write took, at least ``RAM_GRACE_MIN_S``, is left
-out: the RAM tier never holds up a commit). Nothing
-state-sized is allocated per snapshot: the file is written from the image's memory as is
-(local stores), and the RAM tier is sent a view of the image (a Ray store actor's call
-copies it into the object store; a store copies what it keeps into a buffer it recycles).
+store may refuse it, e.g. over its cap, and that shard is then storage-only), and (2) reports
+a ``Receipt`` (``elastic.coord.receipts``) to the coordinator, naming the nodes that took a
+RAM copy (``ram``; a copy not acknowledged within as long again as the write took, at least
+``RAM_GRACE_MIN_S``, is left out: the RAM tier never holds up a commit). Nothing state-sized
+is allocated per snapshot: the file is written from the image's memory as is (local stores),
+and the RAM tier is sent a view of the image (a Ray store actor's call copies it into the
+object store; a store copies what it keeps into a buffer it recycles).
 The shard's file name and receipt carry the worker group's generation, so the coordinator
 refuses them once another generation has started. Any failure — storage down, disk full,
 injected fault — is reported with ``report_failure`` (a reason a person can act on, e.g.
@@ -39,6 +39,7 @@ from concurrent.futures import Future, ThreadPoolExecutor, wait
 from typing import Any
 
 from elastic.coord.protocol import CoordinatorClient
+from elastic.coord.receipts import Receipt, TensorSpec
 from elastic.errors import describe
 from elastic.faults import FaultInjector
 from elastic.format.records import ChunkRecord, shard_filename
@@ -126,17 +127,13 @@ class Persister:
             ram_holders = [] if ram_put is None else _ram_holders(
                 ram_put, max(RAM_GRACE_MIN_S, time.monotonic() - started), cap.step)
             self.faults.hit(cap.rank, cap.step, "persist_end")
-            receipt: dict[str, Any] = {
-                "step": cap.step, "rank": cap.rank, "world_size": cap.world_size,
-                "generation": generation, "layout": self.layout, "file": file,
-                "ram": ram_holders,
-                "chunks": {k: [c.to_json() for c in v] for k, v in chunks.items()},
+            self.coordinator.report_shard(Receipt(
+                step=cap.step, rank=cap.rank, world_size=cap.world_size,
+                generation=generation, layout=self.layout, file=file,
+                chunks={k: tuple(v) for k, v in chunks.items()},
                 # Every receipt names the code that wrote it: the coordinator refuses to mix.
-                "versions": self.versions,
-            }
-            if cap.rank == 0:
-                receipt.update(skeletons=cap.skeletons, catalog=cap.catalog)
-            self.coordinator.report_shard(receipt)
+                versions=self.versions, ram=tuple(ram_holders),
+                **(_rank0_part(cap) if cap.rank == 0 else {})))
             self.persisted.append(cap.step)
             self.last_error = None
         except BaseException as err:  # a failed persist fails only this snapshot
@@ -152,6 +149,13 @@ class Persister:
         finally:  # the image is free only once nothing reads it
             pending: list[Future[Any]] = [f for f in (checksums, ram_put) if f is not None]
             wait(pending)
+
+
+def _rank0_part(cap: Captured) -> dict[str, Any]:
+    """What only rank 0's receipt carries: the state skeletons and the tensor catalog."""
+    return {"skeletons": cap.skeletons,
+            "catalog": {k: TensorSpec(dtype=v["dtype"], shape=tuple(v["shape"]))
+                        for k, v in cap.catalog.items()}}
 
 
 # The least a worker waits for its shard's RAM copies once the shard is durable (seconds).

@@ -12,6 +12,7 @@ nothing half-committed left behind.
 from __future__ import annotations
 
 import threading
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -19,7 +20,7 @@ import pytest
 
 from elastic.coord.commit import CommitCore
 from elastic.coord.local_coordinator import LocalCoordinator
-from elastic.coord.receipts import manifest_from_receipts
+from elastic.coord.receipts import Receipt, manifest_from_receipts
 from elastic.errors import StorageUnavailableError
 from elastic.faults import FaultInjector
 from elastic.format.records import DEFAULT_BLOCK_BYTES, MANIFEST_NAME, chunk_name, shard_filename
@@ -29,7 +30,7 @@ from elastic.store.snapshot_store import SnapshotStore
 WORLD = 2
 
 
-def _receipts(step: int, generation: int) -> list[dict[str, Any]]:
+def _receipts(step: int, generation: int) -> list[Receipt]:
     """Receipts of a 2-rank snapshot of one [2, 4] float32 tensor, a row per rank."""
     out = []
     for rank in range(WORLD):
@@ -43,7 +44,7 @@ def _receipts(step: int, generation: int) -> list[dict[str, Any]]:
         if rank == 0:
             receipt["catalog"] = {"model.w": {"dtype": "F32", "shape": [WORLD, 4]}}
             receipt["skeletons"] = {"model": {"w": {"__tensor__": "model.w"}}}
-        out.append(receipt)
+        out.append(Receipt.from_json(receipt))
     return out
 
 
@@ -212,8 +213,9 @@ def test_receipts_whose_chunks_overlap_are_not_committed() -> None:
     # Equal element counts, but rank 1 reports rank 0's row and none reports row 1: a
     # restore would refuse the manifest, so the commit must.
     receipts = dict(enumerate(_receipts(4, 1)))
-    chunk = receipts[1]["chunks"]["model.w"][0]
-    chunk["offsets"], chunk["name"] = [0, 0], chunk_name("model.w", (0, 0))
+    chunk = replace(receipts[1].chunks["model.w"][0], offsets=(0, 0),
+                    name=chunk_name("model.w", (0, 0)))
+    receipts[1] = replace(receipts[1], chunks={"model.w": (chunk,)})
     with pytest.raises(ValueError, match="overlap each other"):
         manifest_from_receipts(4, WORLD, 1, receipts, block_bytes=DEFAULT_BLOCK_BYTES,
                                versions={})
@@ -229,8 +231,8 @@ def test_a_ram_location_indexed_after_a_trim_read_the_state_is_kept(tmp_path: Pa
     generation = coord.new_generation()
     _write_shards(coord.core.store, 6, generation)
     for receipt in _receipts(6, generation):
-        stores["n1"].put(6, generation, receipt["file"], b"x" * 24)
-        coord.report_shard({**receipt, "ram": ["n1"]})
+        stores["n1"].put(6, generation, receipt.file, b"x" * 24)
+        coord.report_shard(replace(receipt, ram=("n1",)))
     assert coord.core.committed == [6]
     late = shard_filename(0, WORLD, generation)
     coord.ram_index[8] = {late: ["n2"]}  # indexed after the trim below read the state
@@ -254,12 +256,11 @@ def test_a_quarantined_only_commit_does_not_block_the_next_generation_s_ram_copi
                              block_bytes=DEFAULT_BLOCK_BYTES, ram_stores=lambda node: ram)
 
     def snapshot(step: int, generation: int) -> list[bool]:
-        took = [ram.put(step, generation, r["file"], np.full(24, step, np.uint8))
+        took = [ram.put(step, generation, r.file, np.full(24, step, np.uint8))
                 for r in _receipts(step, generation)]
         _write_shards(coord.core.store, step, generation)
         for r in _receipts(step, generation):
-            r["ram"] = ["local"] if took[r["rank"]] else []
-            coord.report_shard(r)
+            coord.report_shard(replace(r, ram=("local",) if took[r.rank] else ()))
         return took
 
     assert snapshot(10, coord.new_generation()) == [True, True]

@@ -17,6 +17,7 @@ from typing import Any
 import pytest
 import torch
 
+from elastic.coord.receipts import Receipt
 from elastic.state.layout import Piece
 from elastic.storage import local_files
 from elastic.store.ram_store import RamTier
@@ -75,10 +76,10 @@ def test_every_directory_a_durable_write_creates_is_made_durable_in_its_parent(
 
 class _Coordinator:
     def __init__(self) -> None:
-        self.receipts: list[dict[str, Any]] = []
+        self.receipts: list[Receipt] = []
         self.failures: list[str] = []
 
-    def report_shard(self, receipt: dict[str, Any]) -> None:
+    def report_shard(self, receipt: Receipt) -> None:
         self.receipts.append(receipt)
 
     def report_failure(self, step: int, rank: int, reason: str, generation: int,
@@ -101,4 +102,4 @@ def test_a_ram_tier_failure_leaves_the_durable_shard_reported(tmp_path: Path) ->
     persister.wait()
     persister.close()
     assert persister.last_error is None and coordinator.failures == []
-    assert [(r["step"], r["ram"]) for r in coordinator.receipts] == [(1, [])]  # storage-only
+    assert [(r.step, r.ram) for r in coordinator.receipts] == [(1, ())]  # storage-only

@@ -2,7 +2,7 @@
 
 Without Ray: the local and store coordinators define every protocol method with the
 protocol's parameters, and the Ray client forwards exactly the protocol's methods to its
-actor handle (a fake one here) and nothing else.
+actor handle (a fake one here) and nothing else, a receipt as its JSON form.
 """
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ import pytest
 
 from elastic.coord.local_coordinator import LocalCoordinator
 from elastic.coord.protocol import PROTOCOL_METHODS, CoordinatorClient
+from elastic.coord.receipts import Receipt
 from elastic.coord.store_coordinator import StoreCoordinator
 
 
@@ -62,10 +63,18 @@ def test_ray_client_forwards_exactly_the_protocol(monkeypatch) -> None:
     client = RayCoordinatorClient(handle)
     assert isinstance(client, CoordinatorClient)
 
-    for name in sorted(PROTOCOL_METHODS - {"poll", "flush"}):
+    generic = sorted(PROTOCOL_METHODS - {"poll", "flush", "report_shard"})
+    for name in generic:
         assert getattr(client, name)(1, key=2) == ("got", ("ref", name))
-    assert [c[0] for c in handle.calls] == sorted(PROTOCOL_METHODS - {"poll", "flush"})
+    assert [c[0] for c in handle.calls] == generic
     assert all(c[1:] == ((1,), {"key": 2}) for c in handle.calls)
+
+    # A receipt crosses as its JSON form, read back checked by the actor (never pickled).
+    receipt = Receipt(step=2, rank=1, world_size=2, generation=1, layout="ddp",
+                      file="shard-00001-of-00002-g000001.safetensors", chunks={},
+                      versions={"baton": "1"}, ram=("n1",))
+    assert client.report_shard(receipt) == ("got", ("ref", "report_shard_json"))
+    assert handle.calls[-1] == ("report_shard_json", (receipt.to_json(),), {})
 
     # Receipts go straight to the actor: poll and flush never reach it.
     client.poll()

@@ -16,6 +16,7 @@ from torch import nn
 
 from elastic.coord.local_coordinator import LocalCoordinator
 from elastic.coord.protocol import CoordinatorClient
+from elastic.coord.receipts import Receipt
 from elastic.format.records import DEFAULT_BLOCK_BYTES, MANIFEST_NAME
 from elastic.settings import SnapshotSettings
 from elastic.snapshotter import Snapshotter
@@ -190,7 +191,8 @@ def _json_only(value: Any, where: str) -> None:
 
 class _Wire:
     """What a worker's calls to a remote coordinator carry: every argument must be plain
-    JSON data (no bytes, arrays or views), and its size is counted."""
+    JSON data (no bytes, arrays or views; a receipt crosses as its JSON form, as to the Ray
+    actor), and its size is counted."""
 
     def __init__(self, coordinator: LocalCoordinator) -> None:
         self.coordinator = coordinator
@@ -200,8 +202,12 @@ class _Wire:
         method = getattr(self.coordinator, name)
 
         def call(*args: Any, **kwargs: Any) -> Any:
+            if name == "report_shard":
+                args = (args[0].to_json(),)
             _json_only([list(args), kwargs], name)
             self.sent += len(json.dumps([list(args), kwargs]))
+            if name == "report_shard":
+                return method(Receipt.from_json(args[0]))
             return method(*args, **kwargs)
 
         return call
