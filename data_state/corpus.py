@@ -110,6 +110,71 @@ def prepare_corpus(
     storage_options: Mapping[str, Any] | None = None,
 ) -> DatasetManifest:
     """Prepare `sources` (default corpus if empty/None) into a dataset at `out`."""
+    _check_options(seq_len=seq_len, val_fraction=val_fraction, max_bytes=max_bytes,
+                   workers=workers, tokenizer=tokenizer, train_tokenizer=train_tokenizer,
+                   text_field=text_field, text_column=text_column)
+    fs, root = storage.resolve(out, storage_options)
+    manifest_path = storage.join(root, MANIFEST_NAME)
+    if fs.exists(manifest_path) and not overwrite:
+        raise ValueError(
+            f"{out} already holds a dataset ({MANIFEST_NAME}); pass overwrite=True "
+            "(CLI: --overwrite) to replace it, or choose another --out"
+        )
+    tok = _given_tokenizer(tokenizer, train_tokenizer, eos_token)
+    inputs = _default_inputs() if not sources else discover(sources, storage_options)
+    inputs = cap(inputs, max_bytes)
+    if not inputs:
+        raise ValueError("no source files to prepare (max_bytes smaller than the first file?)")
+    read = ReadOptions(text_field, text_column, val_fraction, storage_options)
+    units = plan_units(inputs, val_fraction=val_fraction, text_column=text_column,
+                       storage_options=storage_options)
+    if tok is None:
+        tok = _train_tokenizer(units, read, train_tokenizer or 0, workers=workers,
+                               use_ray=use_ray, progress=progress)
+    shape = _ShardShape.of(tok, seq_len, rows_per_group, sequences_per_shard)
+    if fs.exists(manifest_path):  # overwrite: the old manifest must not describe new shards
+        fs.remove(manifest_path)
+    if tok.file_bytes is not None:
+        storage.write_atomic(fs, storage.join(root, TOKENIZER_FILE), tok.file_bytes)
+    job = Job(tok.file_bytes, getattr(tok, "eos_token", None), read, tokenize=True)
+    wanted = [s for s in SPLITS if not (s == "val" and val_fraction == 0)]
+    if use_ray:
+        uri = root if fs.is_local else out  # an absolute path: Ray workers have their own cwd
+        splits, seen = _write_on_ray(uri, storage_options, str(tok.dtype), shape, units, job,
+                                     wanted, out, progress, inputs, read)
+    else:
+        writers = {split: SplitWriter(fs, root, split, seq_len=shape.seq_len, dtype=tok.dtype,
+                                      rows_per_group=shape.rows_per_group,
+                                      per_shard=shape.per_shard)
+                   for split in SPLITS}
+        seen = _consume(run_units(units, job, workers=workers), units, writers, progress,
+                        inputs, read)
+        splits = {split: writers[split].finish(where=out) for split in wanted}
+    manifest = DatasetManifest(
+        seq_len=seq_len,
+        token_dtype=str(tok.dtype),
+        tokenizer="tokenizers" if isinstance(tok, HFTokenizer) else BYTES,
+        vocab_size=tok.vocab_size,
+        eod_token=tok.eos_id,
+        rows_per_group=shape.rows_per_group,
+        splits=splits,
+        sources=_sources_record(sources, inputs, seen.files, seen.skipped, seen.rows),
+        tokenizer_file=TOKENIZER_FILE if tok.file_bytes is not None else None,
+        tokenizer_sha256=(hashlib.sha256(tok.file_bytes).hexdigest()
+                          if tok.file_bytes is not None else None),
+        special_tokens=dict(tok.special_tokens),
+        made_by=_made_by(tok, tokenizer, train_tokenizer, val_fraction, max_bytes,
+                         text_field, text_column, inputs),
+    )
+    manifest.validate(where=out)
+    storage.write_atomic(fs, manifest_path, manifest.to_json().encode())
+    return manifest
+
+
+def _check_options(*, seq_len: int, val_fraction: float, max_bytes: int | None, workers: int,
+                   tokenizer: str, train_tokenizer: int | None, text_field: str,
+                   text_column: str) -> None:
+    """Refuse options that cannot prepare a dataset, before anything is read or written."""
     if seq_len < 2:
         raise ValueError(f"seq_len must be >= 2 (one input and one target), got {seq_len}")
     if not 0.0 <= val_fraction < 1.0:
@@ -123,97 +188,83 @@ def prepare_corpus(
     if not text_field or not text_column:
         raise ValueError("--text-field and --text-column must not be empty")
 
-    fs, root = storage.resolve(out, storage_options)
-    manifest_path = storage.join(root, MANIFEST_NAME)
-    if fs.exists(manifest_path) and not overwrite:
-        raise ValueError(
-            f"{out} already holds a dataset ({MANIFEST_NAME}); pass overwrite=True "
-            "(CLI: --overwrite) to replace it, or choose another --out"
-        )
-    tok: Tokenizer | None = None
-    if train_tokenizer is None:  # a bad tokenizer fails before any input is read
-        tok = load_tokenizer(tokenizer, eos_token=eos_token)
-    elif eos_token is not None:
+
+def _given_tokenizer(tokenizer: str, train_tokenizer: int | None,
+                     eos_token: str | None) -> Tokenizer | None:
+    """The tokenizer named by `tokenizer`, loaded before any input is read (a bad one fails
+    first); None when one is to be trained (`train_tokenizer`)."""
+    if train_tokenizer is None:
+        return load_tokenizer(tokenizer, eos_token=eos_token)
+    if eos_token is not None:
         raise ValueError("--eos-token applies to --tokenizer PATH (a trained BPE uses "
                          "<|endoftext|>)")
-    inputs = _default_inputs() if not sources else discover(sources, storage_options)
-    inputs = cap(inputs, max_bytes)
-    if not inputs:
-        raise ValueError("no source files to prepare (max_bytes smaller than the first file?)")
-    read = ReadOptions(text_field, text_column, val_fraction, storage_options)
-    units = plan_units(inputs, val_fraction=val_fraction, text_column=text_column,
-                       storage_options=storage_options)
-    if tok is None:
-        tok = _train_tokenizer(units, read, train_tokenizer or 0, workers=workers,
-                               use_ray=use_ray, progress=progress)
+    return None
 
-    rows_per_group = rows_per_group or max(1, ROW_GROUP_BYTES // (seq_len * tok.dtype.itemsize))
-    per_shard = sequences_per_shard or max(rows_per_group,
-                                           SHARD_BYTES // (seq_len * tok.dtype.itemsize))
-    if rows_per_group < 1 or per_shard < 1:
-        raise ValueError("rows_per_group and sequences_per_shard must be >= 1")
-    if fs.exists(manifest_path):  # overwrite: the old manifest must not describe new shards
-        fs.remove(manifest_path)
-    if tok.file_bytes is not None:
-        storage.write_atomic(fs, storage.join(root, TOKENIZER_FILE), tok.file_bytes)
 
-    job = Job(tok.file_bytes, getattr(tok, "eos_token", None), read, tokenize=True)
-    wanted = [s for s in SPLITS if not (s == "val" and val_fraction == 0)]
-    writers: dict[str, SplitWriter] = {}
-    on_ray = None  # use_ray: shards are written on the cluster (ray_tokenize.RayShardWriter)
-    if use_ray:
-        from data_state.ray_tokenize import RayShardWriter, ShardLayout  # Ray only when asked
+@dataclass(frozen=True)
+class _ShardShape:
+    """Tokens per sequence, sequences per Parquet row group and per shard file."""
 
-        uri = root if fs.is_local else out  # an absolute path: Ray workers have their own cwd
-        on_ray = RayShardWriter(ShardLayout(uri, storage_options, str(tok.dtype), seq_len,
-                                            rows_per_group, per_shard))
-        results = on_ray.tokenize(units, job)
-    else:
-        writers = {
-            split: SplitWriter(fs, root, split, seq_len=seq_len, dtype=tok.dtype,
-                               rows_per_group=rows_per_group, per_shard=per_shard)
-            for split in SPLITS
-        }
-        results = run_units(units, job, workers=workers)
-    files: list[dict[str, Any]] = []
-    skipped: list[dict[str, str]] = []
-    rows: dict[str, Counter[str]] = {}
+    seq_len: int
+    rows_per_group: int
+    per_shard: int
+
+    @staticmethod
+    def of(tok: Tokenizer, seq_len: int, rows_per_group: int | None,
+           sequences_per_shard: int | None) -> _ShardShape:
+        """The sizes given, else about `ROW_GROUP_BYTES` and `SHARD_BYTES` of tokens."""
+        rows = rows_per_group or max(1, ROW_GROUP_BYTES // (seq_len * tok.dtype.itemsize))
+        per_shard = sequences_per_shard or max(rows,
+                                               SHARD_BYTES // (seq_len * tok.dtype.itemsize))
+        if rows < 1 or per_shard < 1:
+            raise ValueError("rows_per_group and sequences_per_shard must be >= 1")
+        return _ShardShape(seq_len, rows, per_shard)
+
+
+@dataclass
+class _Seen:
+    """What the tokenizing pass found: documents' files, unusable files, rows per input."""
+
+    files: list[dict[str, Any]]
+    skipped: list[dict[str, str]]
+    rows: dict[str, Counter[str]]
+
+
+def _consume(results: Iterator[UnitResult], units: Sequence[Unit],
+             writers: Mapping[str, SplitWriter], progress: bool, inputs: Sequence[InputFile],
+             read: ReadOptions) -> _Seen:
+    """Append every unit's tokens to its split's writer (none on Ray: the cluster writes
+    them) and collect what was found; an input with no document at all is a `ValueError`."""
+    seen = _Seen([], [], {})
+    for result in _with_progress(results, units, "prepare: tokenizing", progress):
+        for split, writer in writers.items():
+            writer.append(result.tokens[split])
+        seen.files += result.files
+        seen.skipped += result.skipped_files
+        merge_rows(seen.rows, result.rows)
+    documents = len(seen.files) + sum(c["train"] + c["val"] for c in seen.rows.values())
+    if documents == 0:
+        raise ValueError(_no_text_message(inputs, seen.skipped, seen.rows, read.text_field,
+                                          read.text_column))
+    return seen
+
+
+def _write_on_ray(uri: str, storage_options: Mapping[str, Any] | None, dtype: str,
+                  shape: _ShardShape, units: Sequence[Unit], job: Job, wanted: list[str],
+                  out: str, progress: bool, inputs: Sequence[InputFile], read: ReadOptions
+                  ) -> tuple[dict[str, SplitInfo], _Seen]:
+    """Tokenize and write the shards on the Ray cluster (`ray_tokenize.RayShardWriter`):
+    the wanted splits' records and what was found."""
+    from data_state.ray_tokenize import RayShardWriter, ShardLayout  # Ray only when asked
+
+    on_ray = RayShardWriter(ShardLayout(uri, storage_options, dtype, shape.seq_len,
+                                        shape.rows_per_group, shape.per_shard))
+    results = on_ray.tokenize(units, job)
     try:
-        for result in _with_progress(results, units, "prepare: tokenizing", progress):
-            for split, writer in writers.items():
-                writer.append(result.tokens[split])
-            files += result.files
-            skipped += result.skipped_files
-            merge_rows(rows, result.rows)
-
-        documents = len(files) + sum(c["train"] + c["val"] for c in rows.values())
-        if documents == 0:
-            raise ValueError(_no_text_message(inputs, skipped, rows, text_field, text_column))
-        splits: dict[str, SplitInfo] = (
-            on_ray.finish(wanted, where=out) if on_ray is not None
-            else {split: writers[split].finish(where=out) for split in wanted})
+        seen = _consume(results, units, {}, progress, inputs, read)
+        return on_ray.finish(wanted, where=out), seen
     finally:
-        if on_ray is not None:
-            on_ray.close()
-    manifest = DatasetManifest(
-        seq_len=seq_len,
-        token_dtype=str(tok.dtype),
-        tokenizer="tokenizers" if isinstance(tok, HFTokenizer) else BYTES,
-        vocab_size=tok.vocab_size,
-        eod_token=tok.eos_id,
-        rows_per_group=rows_per_group,
-        splits=splits,
-        sources=_sources_record(sources, inputs, files, skipped, rows),
-        tokenizer_file=TOKENIZER_FILE if tok.file_bytes is not None else None,
-        tokenizer_sha256=(hashlib.sha256(tok.file_bytes).hexdigest()
-                          if tok.file_bytes is not None else None),
-        special_tokens=dict(tok.special_tokens),
-        made_by=_made_by(tok, tokenizer, train_tokenizer, val_fraction, max_bytes,
-                         text_field, text_column, inputs),
-    )
-    manifest.validate(where=out)
-    storage.write_atomic(fs, manifest_path, manifest.to_json().encode())
-    return manifest
+        on_ray.close()
 
 
 def _default_inputs() -> list[InputFile]:
