@@ -208,7 +208,7 @@ import torch
 from safetensors.torch import load_file
 from elastic.catalog import export_model
 from elastic.store.snapshot_store import SnapshotStore
-from trainer.metrics import read_records
+from trainer.run.metrics import read_records
 
 work, steps = sys.argv[1], 16
 def final(run):

@@ -31,8 +31,8 @@ import torch
 from data_state import prepare_corpus
 from elastic.portable import PortableRun
 from trainer.config import load_recipe
-from trainer.loop import WorkerEnv, run_worker
 from trainer.on_jax import JaxTrainState, load_train_state, save_train_state
+from trainer.train.loop import WorkerEnv, run_worker
 
 ROOT = Path(__file__).resolve().parents[1]
 

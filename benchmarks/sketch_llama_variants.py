@@ -126,7 +126,7 @@ class CausalLM:
         self.hf = hf_model
 
     def loss(self, tokens: Any) -> Any:
-        from trainer.hf import causal_lm_loss
+        from trainer.train.hf import causal_lm_loss
 
         return causal_lm_loss(self.hf, tokens)
 
@@ -176,8 +176,8 @@ def build(v: Variant, size: Size, vocab: int, seq: int, microbatch: int, seed: i
 
     from sketch_ops import sketch_model
     from trainer.config import OptimConfig
-    from trainer.hf import causal_lm_loss
-    from trainer.optim import WarmupCosine, build_optimizer
+    from trainer.train.hf import causal_lm_loss
+    from trainer.train.optim import WarmupCosine, build_optimizer
 
     torch.manual_seed(seed)
     hf = llama(size, vocab, seq)

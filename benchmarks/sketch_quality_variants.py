@@ -57,7 +57,7 @@ BLOCK_LINEARS = ("blocks.*.attn.*", "blocks.*.mlp.*")
 NO_FC = ("blocks.*.attn.*", "blocks.*.mlp.proj", "lm_head")  # the fused MLP keeps fc's input
 MLP_HEAD = ("blocks.*.mlp.*", "lm_head")
 OLD_POLICY = ("blocks.*.attn.*", "blocks.*.mlp.proj")  # the default before the norm fusion
-POLICY = ("blocks.*.mlp.proj",)  # trainer.model.SKETCH_LAYERS
+POLICY = ("blocks.*.mlp.proj",)  # trainer.train.model.SKETCH_LAYERS
 VARIANTS: list[Variant] = [
     Variant("exact", "exact backprop", group="baseline"),
     # Exact gradients by construction (torch's checkpointing; the recomputed MLP is checked by

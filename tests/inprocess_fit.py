@@ -1,7 +1,7 @@
 """`baton fit` without Ray, for the session and fork tests.
 
 `InProcessFit(world_size)` stands in for `trainer.on_ray.ray_fit.fit` (monkeypatched): it runs the
-real worker loop (`trainer.loop.run_worker`) on `world_size` gloo processes (or in this
+real worker loop (`trainer.train.loop.run_worker`) on `world_size` gloo processes (or in this
 process for 1), with the real pre-flight (`check_run_dir`), the real metrics files and the
 real snapshots; only Ray's placement and restarts are left out. `until` is passed to the
 loop as its planned stop; `stop` (the Ctrl-C / time-limit event) is honoured before
@@ -27,10 +27,10 @@ from elastic.store.snapshot_store import SnapshotStore
 from elastic.testing import run_group
 from trainer.cli import main
 from trainer.config import FitConfig
-from trainer.loop import WorkerEnv, run_worker
-from trainer.metrics import MetricsWriter, read_records, summarize
-from trainer.preflight import ensure_dataset
-from trainer.run_dir import check_run_dir
+from trainer.run.metrics import MetricsWriter, read_records, summarize
+from trainer.run.preflight import ensure_dataset
+from trainer.run.run_dir import check_run_dir
+from trainer.train.loop import WorkerEnv, run_worker
 
 
 def train_worker(rank: int, world_size: int, cfg: FitConfig, stop_after: int | None) -> None:

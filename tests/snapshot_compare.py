@@ -45,7 +45,7 @@ def assert_same_state(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) ->
     Why over the whole model and not per tensor: a parameter whose true gradient is (near)
     zero turns summation-order noise into AdamW updates of full size, so its own relative
     difference says nothing. The built-in GPT had one, the attention key bias (softmax
-    ignores a per-query constant); it was removed (trainer/model.py), which took an 80-step
+    ignores a per-query constant); it was removed (trainer/train/model.py), which took an 80-step
     W=1 vs W=2 comparison from ~8e-6 to well under 1e-6. The bounds above still catch any
     real divergence (a wrong microbatch, a cold optimizer, a skipped step).
     """

@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from data_state.cli import register
 from trainer.cli import build_parser
+from trainer.cli.data import register
 
 
 def baton_data(argv: list[str]) -> int:
@@ -22,7 +22,7 @@ def baton_data(argv: list[str]) -> int:
 
 def test_the_baton_cli_routes_data_commands_here() -> None:
     args = build_parser().parse_args(["data", "inspect", "/somewhere"])
-    assert args.func.__module__ == "data_state.cli"
+    assert args.func.__module__ == "trainer.cli.data"
 
 
 def test_prepare_then_inspect(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

@@ -363,7 +363,7 @@ def test_documented_loss_weighting_makes_gradients_world_size_free(ds: TokenData
     """P1 from the data side: weighting each microbatch loss by 1/M and summing over workers
     gives the one-worker gradient, even for a world size that does not divide M."""
     from trainer.config import ModelConfig
-    from trainer.model import GPT
+    from trainer.train.model import GPT
 
     torch.manual_seed(0)
     model = GPT(ModelConfig(vocab_size=256, d_model=32, n_layers=1, n_heads=2), seq_len=64)

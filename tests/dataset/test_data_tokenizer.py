@@ -185,8 +185,8 @@ def test_the_trainer_takes_the_vocab_from_the_dataset_and_refuses_a_smaller_one(
     """Pre-flight, before Ray starts: `model.vocab_size` 0 (default) becomes the dataset's;
     a recipe whose model has fewer ids than the dataset's vocabulary is refused, naming both."""
     from trainer.config import ConfigError, load_recipe
-    from trainer.preflight import ensure_dataset
-    from trainer.run_dir import check_run_dir
+    from trainer.run.preflight import ensure_dataset
+    from trainer.run.run_dir import check_run_dir
 
     run = f'snapshots.run_uri="{tmp_path / "run"}"'
     data = [f'data.uri="{bpe_dir}"', "data.seq_len=2", "data.global_batch=4",

@@ -370,7 +370,7 @@ def test_baton_fit_renews_its_lease_from_the_moment_it_takes_it(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     # Making a fork (preparing its corpus, copying shards) runs before training and can
     # outlast the lease's ttl: the lease must be renewed through it.
-    import trainer.fit_cli
+    import trainer.cli.fit
     from trainer.cli import main
 
     calls: list[str] = []
@@ -382,7 +382,7 @@ def test_baton_fit_renews_its_lease_from_the_moment_it_takes_it(
         calls.append("session")
         raise ValueError("stop here")
 
-    monkeypatch.setattr(trainer.fit_cli, "_start_session", start_session)
+    monkeypatch.setattr(trainer.cli.fit, "_start_session", start_session)
     recipe = str(Path(__file__).resolve().parents[2] / "recipes" / "tiny.toml")
     assert main(["fit", recipe, "--run-dir", str(tmp_path / "run")]) == 2
     assert calls == ["renewing", "session", "stopped"]

@@ -37,7 +37,7 @@ from elastic.errors import ReplicasDivergedError
 from elastic.replicas import fingerprints
 from elastic.store.snapshot_store import SnapshotStore
 from elastic.testing import run_group
-from trainer.session import Session, UsageError
+from trainer.train.session import Session, UsageError
 
 ITEMS, EPOCHS = 38, 3
 
@@ -233,7 +233,7 @@ def test_under_a_trainer_the_last_step_commits_when_the_function_returns(
     loop's end commits nothing, and a snapshot due at an epoch's last step is taken one step
     later, so a failure in the code after the loop restarts inside the loop."""
     from trainer.config import SnapshotConfig
-    from trainer.session import WorkerContext, worker_context
+    from trainer.train.session import WorkerContext, worker_context
 
     settings = SnapshotConfig(run_uri=str(tmp_path), snapshot_every=5)
     with worker_context(WorkerContext(snapshots=settings, close_at_return=True)):

@@ -5,9 +5,9 @@ Every test here is marked `gpu` (tests/conftest.py skips them where CUDA is abse
 - the Triton kernels on CUDA tensors, compiled (no `TRITON_INTERPRET`), against the torch
   reference, and a Llama sketched with `include="auto"` (fused SwiGLU MLPs and RMSNorms,
   sketched linears) whose gradients through the kernels equal the reference backend's;
-- bf16 autocast on CUDA (`trainer.precision.autocast`): bf16 compute, fp32 master weights
+- bf16 autocast on CUDA (`trainer.train.precision.autocast`): bf16 compute, fp32 master weights
   and gradients;
-- AdamW on CUDA is torch's fused kernel (`trainer.optim.build_optimizer`) and updates like
+- AdamW on CUDA is torch's fused kernel (`trainer.train.optim.build_optimizer`) and updates like
   the per-parameter loop on the same gradients;
 - a Llama (`recipes/llama-tiny.toml`) trained on the GPU by the worker loop in bf16 and in
   fp16 (its loss scaler on CUDA, the scaler's state in the snapshot), stopped at step 3 and
@@ -97,7 +97,7 @@ def _sketched_llama_grads(device: torch.device, backend: str,
     """The gradients of recipes/llama-tiny.toml's model, sketched with include="auto" (its
     SwiGLU MLPs and RMSNorms fused), for one microbatch, through `backend`."""
     from sketch_ops import dispatch, sketch_seed
-    from trainer.loop import build_model, loss_function
+    from trainer.train.loop import build_model, loss_function
 
     monkeypatch.setenv(dispatch.BACKEND_ENV, backend)
     cfg = load_recipe(LLAMA, ["snapshots.run_uri=unused", "sketch.rank=16"])
@@ -130,8 +130,8 @@ def test_triton_sketched_llama_matches_the_reference_backend_on_cuda(
 
 @pytest.mark.gpu
 def test_bf16_autocast_on_cuda_computes_in_bf16_with_fp32_weights_and_gradients() -> None:
-    from trainer.loop import build_model, loss_function
-    from trainer.precision import autocast
+    from trainer.train.loop import build_model, loss_function
+    from trainer.train.precision import autocast
 
     losses = {}
     for dtype in ("fp32", "bf16"):
@@ -162,7 +162,7 @@ def test_bf16_autocast_on_cuda_computes_in_bf16_with_fp32_weights_and_gradients(
 
 @pytest.mark.gpu
 def test_adamw_is_fused_on_cuda_and_updates_like_the_per_parameter_loop() -> None:
-    from trainer.optim import build_optimizer
+    from trainer.train.optim import build_optimizer
 
     torch.manual_seed(0)
     on_cpu = nn.Sequential(nn.Linear(32, 64), nn.GELU(), nn.Linear(64, 8))
@@ -193,7 +193,7 @@ def _train_llama(rank: int, world_size: int, run: str, dataset: str, dtype: str,
                  parallelism: str, stop_after: int | None) -> None:
     """One worker of the Llama recipe on GPU `rank` (a spawned rank of `run_group`, or the
     test's own process for a single worker without a group)."""
-    from trainer.loop import WorkerEnv, run_worker
+    from trainer.train.loop import WorkerEnv, run_worker
 
     cfg = load_recipe(LLAMA, [f'snapshots.run_uri="{run}"', f'data.uri="{dataset}"',
                               f"steps={STEPS}", "eval.every=0", f'precision.dtype="{dtype}"',

@@ -14,8 +14,8 @@ import yaml
 pytest.importorskip("transformers")
 
 from trainer.config import FitConfig, load_recipe  # noqa: E402
-from trainer.hf import build_hf_model  # noqa: E402
-from trainer.parallel import shard_units  # noqa: E402
+from trainer.train.hf import build_hf_model  # noqa: E402
+from trainer.train.parallel import shard_units  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
 RECIPE = ROOT / "recipes" / "llama-gpu.toml"

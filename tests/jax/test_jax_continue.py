@@ -35,12 +35,12 @@ from elastic.catalog import verify
 from elastic.portable import PortableRun
 from elastic.store.snapshot_store import SnapshotStore
 from trainer.config import OptimConfig, load_recipe
-from trainer.loop import WorkerEnv, run_worker
 from trainer.on_jax import JaxTrainState, load_train_state, save_train_state
 from trainer.on_jax.layout_map import gpt_map
 from trainer.on_jax.llama import FlaxLlama, llama_map_for
 from trainer.on_jax.optim import AdamWSettings, adam_state, baton_adamw, set_adam_state
-from trainer.optim import LrSchedule, lr_at
+from trainer.train.loop import WorkerEnv, run_worker
+from trainer.train.optim import LrSchedule, lr_at
 
 ROOT = Path(__file__).resolve().parents[2]
 STEPS = 15

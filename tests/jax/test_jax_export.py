@@ -26,8 +26,8 @@ import torch
 from elastic.portable import PortableRun
 from trainer.cli import main as baton_main
 from trainer.config import load_recipe
-from trainer.loop import WorkerEnv, run_worker
 from trainer.on_jax.layout_map import gpt_map
+from trainer.train.loop import WorkerEnv, run_worker
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -1,16 +1,18 @@
-"""Baton's packages import cleanly and their modules form no import cycle.
+"""Baton's packages import cleanly, in layers, and their modules form no import cycle.
 
 * Every module of ``trainer``, ``elastic``, ``sketch_ops`` and ``data_state`` imports in a
   fresh interpreter (so no module depends on another having been imported first, and no
   optional extra is needed at import time).
 * The command modules import without the S3 stack (botocore, s3fs), an install for local
   runs only.
-* The import graph among those modules, built with ``ast``, is acyclic. Imports inside
-  functions count too: a deferred import hides a cycle from the interpreter, not from the
-  reader (``sketch_ops/layer.py`` <-> ``policy.py`` and ``trainer/on_ray/demo.py`` <->
-  ``fit_cli.py`` were such circles). Imports under ``if TYPE_CHECKING:`` do not count.
-  Importing ``pkg.mod`` runs the package's ``__init__`` first; that implicit edge is not
-  counted.
+* The import graph among those modules, built with ``ast``, is acyclic and goes down the
+  layers (``LAYERS``; inside ``elastic``, ``ELASTIC_LAYERS``): a module imports its own room
+  or a room of a lower layer, never a room above it nor another room of its own layer.
+  Imports inside functions and under ``if TYPE_CHECKING:`` count too: a deferred import hides
+  a cycle or a climb from the interpreter, not from the reader (``sketch_ops/layer.py`` <->
+  ``policy.py`` and the demo <-> the fit command were such circles, ``sketch_ops/dispatch.py``
+  <-> ``seeds.py`` one under TYPE_CHECKING). Importing ``pkg.mod`` runs the package's
+  ``__init__`` first; that implicit edge is not counted.
 """
 
 from __future__ import annotations
@@ -23,6 +25,34 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 PACKAGES = ("trainer", "elastic", "sketch_ops", "data_state")
 
+# The layers, top first; each a tuple of rooms, each room a tuple of module patterns
+# ("pkg.room.*": the module and every module below it; otherwise that module alone). A module
+# belongs to the room of its longest matching pattern.
+Layers = tuple[tuple[tuple[str, ...], ...], ...]
+LAYERS: Layers = (
+    (("trainer.cli.*",),),  # every `baton` command
+    (("trainer",),),  # the public face: fit, load_recipe, Session, ElasticTorchTrainer
+    (("trainer.on_ray.*",), ("trainer.on_jax.*",)),  # Ray; JAX (neither imports the other)
+    (("trainer.run.*",),),  # the driver
+    (("trainer.train.*",),),  # the worker
+    (("trainer.config.*",),),  # the recipe
+    (("elastic.*",), ("data_state.*",), ("sketch_ops.*",)),
+    (("elastic.storage.*",),),  # the leaf
+)
+# Inside elastic (edges between two of its modules), in the order a snapshot passes.
+ELASTIC_LAYERS: Layers = (
+    (("elastic", "elastic.snapshotter", "elastic.settings", "elastic.preemption",
+      "elastic.catalog", "elastic.set_aside", "elastic.replicas", "elastic.snapshot_ref",
+      "elastic.testing"),),  # the face
+    (("elastic.write.*",), ("elastic.read.*",), ("elastic.portable.*",)),
+    (("elastic.coord.*",),),
+    (("elastic.lease.*",),),
+    (("elastic.store.*",), ("elastic.state.*",)),
+    (("elastic.format.*",),),
+    (("elastic.errors",), ("elastic.faults",), ("elastic.collectives",), ("elastic.version",)),
+    (("elastic.storage.*",),),
+)
+
 
 def _modules() -> dict[str, Path]:
     """Module name -> file, for every module of the packages (``pkg`` for ``__init__``)."""
@@ -30,19 +60,17 @@ def _modules() -> dict[str, Path]:
     for package in PACKAGES:
         for path in sorted((ROOT / package).rglob("*.py")):
             parts = list(path.relative_to(ROOT).with_suffix("").parts)
+            if parts[-1] == "__main__":
+                continue  # runs the program: `python -m pkg` only
             if parts[-1] == "__init__":
                 parts.pop()
             found[".".join(parts)] = path
     return found
 
 
-def _is_type_checking(test: ast.expr) -> bool:
-    return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
-        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING")
-
-
 def _imports(module: str, path: Path, modules: dict[str, Path]) -> dict[str, int]:
-    """Baton modules that ``module`` imports anywhere (outside TYPE_CHECKING) -> first line."""
+    """Baton modules that ``module`` imports anywhere (in functions, under TYPE_CHECKING
+    too) -> first line."""
     package = module if path.name == "__init__.py" else module.rpartition(".")[0]
     found: dict[str, int] = {}
 
@@ -52,15 +80,7 @@ def _imports(module: str, path: Path, modules: dict[str, Path]) -> dict[str, int
         if name and name != module:
             found.setdefault(name, line)
 
-    def visit(node: ast.AST) -> None:
-        for child in ast.iter_child_nodes(node):
-            if isinstance(child, ast.If) and _is_type_checking(child.test):
-                for stmt in child.orelse:
-                    visit_one(stmt)
-            else:
-                visit_one(child)
-
-    def visit_one(node: ast.AST) -> None:
+    for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
         if isinstance(node, ast.Import):
             for alias in node.names:
                 add(alias.name, node.lineno)
@@ -71,10 +91,6 @@ def _imports(module: str, path: Path, modules: dict[str, Path]) -> dict[str, int
                 base = ".".join(anchor + ([node.module] if node.module else []))
             for alias in node.names:
                 add(f"{base}.{alias.name}", node.lineno)  # a submodule, or a name in base
-        else:
-            visit(node)
-
-    visit(ast.parse(path.read_text(), filename=str(path)))
     return found
 
 
@@ -106,29 +122,106 @@ def _find_cycle(graph: dict[str, dict[str, int]]) -> list[str] | None:
     return None
 
 
-def test_cycle_finder_sees_deferred_and_relative_imports(tmp_path) -> None:
+def _room(module: str, layers: Layers) -> tuple[int, str] | None:
+    """(layer index, room name) of `module`: its longest matching pattern's; None: no room."""
+    best: tuple[int, int, str] | None = None  # (pattern length, layer, room)
+    for index, rooms in enumerate(layers):
+        for room in rooms:
+            for pattern in room:
+                prefix = pattern.removesuffix(".*")
+                if module == prefix or (pattern.endswith(".*")
+                                        and module.startswith(prefix + ".")):
+                    if best is None or len(prefix) > best[0]:
+                        best = (len(prefix), index, room[0].removesuffix(".*"))
+    return None if best is None else (best[1], best[2])
+
+
+def layer_violations(graph: dict[str, dict[str, int]], files: dict[str, Path], root: Path,
+                     layers: Layers, within: str = "") -> list[str]:
+    """One line per import against `layers` (only edges between modules under `within`): the
+    file and line, the two modules, their layers. A module of no room is reported too."""
+    problems: list[str] = []
+    for module in sorted(graph):
+        if not module.startswith(within):
+            continue
+        mine = _room(module, layers)
+        if mine is None:
+            problems.append(f"{module}: in no room of the layer order; add it to a room")
+            continue
+        for target, line in sorted(graph[module].items()):
+            theirs = _room(target, layers) if target.startswith(within) else None
+            if theirs is None or theirs[1] == mine[1] or theirs[0] > mine[0]:
+                continue  # outside the order checked here, the same room, or below
+            where = "above it" if theirs[0] < mine[0] else "beside it, in the same layer"
+            problems.append(
+                f"{files[module].relative_to(root)}:{line}: {module} (layer {mine[1]}) "
+                f"imports {target} (layer {theirs[1]}), {where}")
+    return problems
+
+
+def _write(root: Path, files: dict[str, str]) -> dict[str, Path]:
+    modules = {}
+    for name, text in files.items():
+        path = root / (name.replace(".", "/") + ("/__init__.py" if text is None else ".py"))
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text or "")
+        modules[name] = path
+    return modules
+
+
+def test_cycle_finder_sees_deferred_relative_and_type_checking_imports(tmp_path) -> None:
     """The graph builder itself: a circle closed by an import inside a function (relative,
-    as sketch_ops had it) is found; one under TYPE_CHECKING is not."""
-    pkg = tmp_path / "pkg"
-    pkg.mkdir()
-    (pkg / "__init__.py").write_text("")
-    (pkg / "a.py").write_text("from .b import g\n\ndef f():\n    from .c import h\n")
-    (pkg / "b.py").write_text("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n"
-                              "    from pkg.a import f\ng = 1\n")
-    (pkg / "c.py").write_text("def h():\n    from pkg import a\n")
-    modules = {"pkg": pkg / "__init__.py", "pkg.a": pkg / "a.py", "pkg.b": pkg / "b.py",
-               "pkg.c": pkg / "c.py"}
+    as sketch_ops had it) is found, and one closed under TYPE_CHECKING."""
+    modules = _write(tmp_path, {
+        "pkg": None,
+        "pkg.a": "from .b import g\n\ndef f():\n    from .c import h\n",
+        "pkg.b": "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n"
+                 "    from pkg.a import f\ng = 1\n",
+        "pkg.c": "def h():\n    from pkg import a\n",
+    })
     graph = {m: _imports(m, p, modules) for m, p in modules.items()}
     assert graph["pkg.a"] == {"pkg.b": 1, "pkg.c": 4}
-    assert graph["pkg.b"] == {}
+    assert graph["pkg.b"] == {"pkg.a": 3}
+    assert _find_cycle(graph) == ["pkg.a", "pkg.b", "pkg.a"]
+    del graph["pkg.b"]["pkg.a"]
     assert _find_cycle(graph) == ["pkg.a", "pkg.c", "pkg.a"]
     del graph["pkg.c"]["pkg.a"]
     assert _find_cycle(graph) is None
 
 
+def test_layer_checker_reports_deferred_and_type_checking_climbs(tmp_path) -> None:
+    """The layer check itself, on a tiny package (top > mid, side > low): an import up the
+    order inside a function and one under TYPE_CHECKING are reported with file, line and
+    both layers; one between two rooms of a layer too; down the order and inside a room
+    are not; a module outside every room is named."""
+    modules = _write(tmp_path, {
+        "pkg": None,
+        "pkg.top": "from pkg.mid import x\n",
+        "pkg.mid": None,
+        "pkg.mid.x": "from pkg.low import y\nfrom pkg.mid import z\n",
+        "pkg.mid.z": "def f():\n    from pkg import top\n",
+        "pkg.side": "from typing import TYPE_CHECKING\n\nif TYPE_CHECKING:\n"
+                    "    from pkg.mid.x import X\n",
+        "pkg.low": None,
+        "pkg.low.y": "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n"
+                     "    from pkg.top import T\n",
+        "pkg.stray": "",
+    })
+    layers: Layers = ((("pkg", "pkg.top"),), (("pkg.mid.*",), ("pkg.side",)),
+                      (("pkg.low.*",),))
+    graph = {m: _imports(m, p, modules) for m, p in modules.items()}
+    assert layer_violations(graph, modules, tmp_path, layers) == [
+        "pkg/low/y.py:3: pkg.low.y (layer pkg.low) imports pkg.top (layer pkg), above it",
+        "pkg/mid/z.py:2: pkg.mid.z (layer pkg.mid) imports pkg.top (layer pkg), above it",
+        "pkg/side.py:4: pkg.side (layer pkg.side) imports pkg.mid.x (layer pkg.mid), beside "
+        "it, in the same layer",
+        "pkg.stray: in no room of the layer order; add it to a room",
+    ]
+
+
 def test_no_import_cycle_among_baton_modules() -> None:
     graph = _import_graph()
-    assert {"trainer.loop", "elastic.snapshotter", "sketch_ops.layer",
+    assert {"trainer.train.loop", "elastic.snapshotter", "sketch_ops.layer",
             "data_state.loader"} <= set(graph)
     cycle = _find_cycle(graph)
     if cycle is not None:
@@ -136,6 +229,17 @@ def test_no_import_cycle_among_baton_modules() -> None:
                  for a, b in zip(cycle, cycle[1:], strict=False)]
         raise AssertionError("import cycle: " + "; ".join(steps) + ". Move the shared piece "
                              "into the module it belongs to (or a small leaf module).")
+
+
+def test_imports_go_down_the_layers() -> None:
+    """cli > trainer (the face) > on_ray, on_jax > run > train > config > elastic, data_state,
+    sketch_ops > elastic.storage; inside elastic: the face > write, read, portable > coord >
+    lease > store, state > format > errors, faults, collectives, version > storage."""
+    graph, files = _import_graph(), _modules()
+    problems = (layer_violations(graph, files, ROOT, LAYERS)
+                + layer_violations(graph, files, ROOT, ELASTIC_LAYERS, within="elastic"))
+    assert not problems, ("imports against the layer order (a module imports its own room "
+                          "or a lower layer):\n" + "\n".join(problems))
 
 
 def test_every_module_imports_in_a_fresh_interpreter() -> None:
@@ -154,7 +258,8 @@ def test_the_command_line_needs_no_s3_stack() -> None:
     code = ("import sys\n"
             "for name in ('botocore', 's3fs', 'boto3', 'aiobotocore'):\n"
             "    sys.modules[name] = None  # importing it now raises ImportError\n"
-            "import trainer.cli, elastic.cli, data_state.cli, trainer.report\n"
+            "import trainer.cli.main, trainer.cli.snapshots, trainer.cli.data\n"
+            "import trainer.cli.fit, trainer.cli.report, trainer.cli.runs, trainer.run.report\n"
             "from elastic.storage import storage_errors\n"
             "assert storage_errors() == (OSError,), storage_errors()\n")
     done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True,

@@ -1,11 +1,11 @@
 """docs/recipes.md is the recipe field reference generated from the config dataclasses
-(`trainer/recipe_doc.py`): it must be current, and every field must carry its own comment."""
+(`trainer/config/recipe_doc.py`): it must be current, and every field must carry its own comment."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
-from trainer import recipe_doc
+from trainer.config import recipe_doc
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -23,7 +23,7 @@ def test_the_recipe_reference_page_is_current() -> None:
 
 
 def test_a_field_row_carries_its_type_default_and_comment() -> None:
-    from trainer.config_train import OptimConfig
+    from trainer.config.training import OptimConfig
 
     rows = {r.name: r for r in recipe_doc.field_docs(OptimConfig)}
     assert rows["lr"].annotation == "float" and rows["lr"].default == "3e-3"

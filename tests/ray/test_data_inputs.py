@@ -19,10 +19,10 @@ import pyarrow.parquet as pq
 import pytest
 
 from data_state import sources
-from data_state.cli import register
 from data_state.corpus import prepare_corpus
 from data_state.dataset import TokenDataset
 from data_state.manifest import MANIFEST_NAME
+from trainer.cli.data import register
 
 
 def _docstrings() -> list[str]:

@@ -21,8 +21,8 @@ from torch import nn
 
 from elastic.store.snapshot_store import SnapshotStore
 from trainer.cli import main as baton_main
-from trainer.fork import parse_source
-from trainer.session import Session, UsageError
+from trainer.run.fork import parse_source
+from trainer.train.session import Session, UsageError
 
 
 def _trained_run(run: Path, steps: int) -> nn.Module:

@@ -84,7 +84,7 @@ def _reference(tmp: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     import ray.train.torch
 
     from trainer.config import SnapshotConfig
-    from trainer.session import WorkerContext, open_session, worker_context
+    from trainer.train.session import WorkerContext, open_session, worker_context
 
     class OneRank:
         def get_world_rank(self) -> int:

@@ -37,7 +37,7 @@ from ray_harness import (
 )
 
 from elastic.store.snapshot_store import SnapshotStore
-from trainer.metrics import read_records, summarize
+from trainer.run.metrics import read_records, summarize
 
 WORKER_TYPE = "gpu_spot_worker"
 FAKE_HEAD_TYPE = "ray.head.default"  # ray.autoscaler._private.fake_multi_node's head type

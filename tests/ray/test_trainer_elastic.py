@@ -30,10 +30,10 @@ from snapshot_compare import assert_same_state, final_state
 
 from elastic.store.snapshot_store import SnapshotStore
 from trainer.config import load_recipe
-from trainer.metrics import read_records
 from trainer.on_ray.local_cluster import LocalCluster
 from trainer.on_ray.monitor import NAMESPACE, get_monitor
 from trainer.on_ray.ray_fit import FitResult, fit
+from trainer.run.metrics import read_records
 
 ROOT = Path(__file__).resolve().parents[2]
 STEPS = 80

@@ -38,12 +38,12 @@ from elastic.errors import FatalRunError, StorageUnavailableError
 from elastic.store.snapshot_store import SnapshotStore
 from elastic.version import code_version, package_dirs, package_version, source_digest
 from trainer.config import FitConfig, ScalingSettings, load_recipe
-from trainer.loop import WorkerEnv, dataset_errors_are_fatal, run_worker
 from trainer.on_ray.failures import FatalAwareFailurePolicy, RunFailedError, run_failed_error
 from trainer.on_ray.scaling import BatonTorchTrainer
-from trainer.preflight import dataset_fingerprint
-from trainer.run_dir import RunDirError, check_run_dir
-from trainer.session import PreemptedError
+from trainer.run.preflight import dataset_fingerprint
+from trainer.run.run_dir import RunDirError, check_run_dir
+from trainer.train.loop import WorkerEnv, dataset_errors_are_fatal, run_worker
+from trainer.train.session import PreemptedError
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -318,7 +318,7 @@ def test_code_version_changes_when_a_source_file_changes(tmp_path: Path) -> None
         copies.append(dst)
     before = source_digest(copies)
     assert before == source_digest(package_dirs())  # a copy of the same code: same digest
-    target = tmp_path / "trainer" / "loop.py"
+    target = tmp_path / "trainer" / "train" / "loop.py"
     target.write_text(target.read_text() + "\n# one more line\n")
     edited = source_digest(copies)
     assert edited != before
@@ -374,8 +374,8 @@ def test_a_fatal_worker_error_fails_baton_fit_once_in_one_line(
     import subprocess
     import sys
 
-    from trainer.metrics import read_records
     from trainer.on_ray.elastic_trainer import SKIP_CODE_CHECK_ENV
+    from trainer.run.metrics import read_records
 
     shutil.copytree(tiny_dataset, tmp_path / "data")
     _corrupt_every_row_group(str(tmp_path / "data"))  # passes pre-flight, fails at first read

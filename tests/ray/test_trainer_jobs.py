@@ -29,7 +29,7 @@ from ray_harness import (
 )
 
 from elastic.store.snapshot_store import SnapshotStore
-from trainer.metrics import read_records, summarize
+from trainer.run.metrics import read_records, summarize
 
 # What a job uploads: the source tree, not environments, caches or run outputs.
 WORKING_DIR_EXCLUDES = ["/.venv", "/.git", "/runs", "/data", "__pycache__", ".pytest_cache",

@@ -25,9 +25,9 @@ from snapshot_compare import assert_same_state, final_state
 from elastic.store.snapshot_store import SnapshotStore
 from trainer.cli import main
 from trainer.config import load_recipe
-from trainer.metrics import read_records
-from trainer.optim import lr_at
-from trainer.session_log import TimeBudget, parse_duration, read_sessions
+from trainer.run.metrics import read_records
+from trainer.run.session_log import TimeBudget, parse_duration, read_sessions
+from trainer.train.optim import lr_at
 
 ROOT = Path(__file__).resolve().parents[2]
 TINY = str(ROOT / "recipes" / "tiny.toml")
@@ -132,8 +132,8 @@ def test_python_api_accepts_a_schedule_change_with_accept_schedule(
     capsys: pytest.CaptureFixture[str], fake_fit: InProcessFit, tmp_path: Path,
     tiny_dataset: str,
 ) -> None:
-    from trainer.run_dir import RunDirError, check_run_dir
-    from trainer.session_log import accept_schedule
+    from trainer.run.run_dir import RunDirError, check_run_dir
+    from trainer.run.session_log import accept_schedule
 
     run = tmp_path / "run"
     assert _baton(capsys, ["fit", TINY, "--run-dir", str(run), *_sets(tiny_dataset, 8),
@@ -158,7 +158,7 @@ def test_python_api_accepts_a_schedule_change_with_accept_schedule(
 
 
 def test_the_schedule_in_a_snapshot_never_overrides_the_recipe() -> None:
-    from trainer.optim import WarmupCosine
+    from trainer.train.optim import WarmupCosine
 
     cfg = load_recipe(TINY, ["snapshots.run_uri=x"]).optim
     param = torch.nn.Parameter(torch.zeros(2))
@@ -363,15 +363,15 @@ def test_steps_below_the_committed_step_is_refused_and_a_multi_line_failure_is_o
     assert "steps: the run is at committed step 8" in line and "\n" not in line, line
     assert max(SnapshotStore(str(run)).committed_steps()) == 8
 
-    import trainer.fit_cli
-    from trainer.commit_watch import FinalCommitError
+    import trainer.cli.fit
+    from trainer.run.commit_watch import FinalCommitError
 
     def failing(*args: object, **kwargs: object) -> None:
         raise FinalCommitError("training reached step 12 but its snapshot did not commit; "
                                "RuntimeError: CUDA error\nCUDA kernel errors might be "
                                "asynchronously reported\nFix the cause")
 
-    monkeypatch.setattr(trainer.fit_cli, "_fit_interruptibly", failing)
+    monkeypatch.setattr(trainer.cli.fit, "_fit_interruptibly", failing)
     assert main(["fit", TINY, "--run-dir", str(run), *_sets(tiny_dataset, 12)]) == 1
     printed = capsys.readouterr()
     errors = [ln for ln in (printed.out + printed.err).splitlines() if "error" in ln.lower()]

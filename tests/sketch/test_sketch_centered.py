@@ -24,7 +24,7 @@ from sketch_ops.memory import saved_bytes
 from sketch_ops.policy import ranks_for_budget
 from sketch_ops.seeds import SketchPlan, make_plan
 from trainer.config import ModelConfig
-from trainer.model import GPT
+from trainer.train.model import GPT
 
 SEED_BYTES = 8
 

@@ -28,7 +28,7 @@ def _worker(rank: int, world_size: int, mode: str, out_dir: str) -> None:
     os.environ.pop("BATON_SKETCH_BACKEND", None)
     from sketch_ops import sketch_model, sketch_seed
     from trainer.config import ModelConfig
-    from trainer.model import GPT
+    from trainer.train.model import GPT
 
     torch.manual_seed(0)  # same init on every rank
     model = GPT(ModelConfig(vocab_size=32, d_model=32, n_layers=2, n_heads=2), seq_len=16)

@@ -12,7 +12,7 @@ from torch import nn
 from sketch_ops import SketchedLinear, gelu_mlp, norm_linear, sketch_model, sketch_seed
 from sketch_ops.memory import saved_bytes
 from trainer.config import ModelConfig
-from trainer.model import GPT
+from trainer.train.model import GPT
 
 F32 = 4  # bytes
 

@@ -10,7 +10,7 @@ from torch import nn
 from sketch_ops import SketchedLinear, sketch_model, sketch_seed
 from sketch_ops.memory import saved_bytes
 from trainer.config import ModelConfig
-from trainer.model import GPT, SKETCH_LAYERS
+from trainer.train.model import GPT, SKETCH_LAYERS
 
 SEED_BYTES = 8  # the seed travels as one int64
 

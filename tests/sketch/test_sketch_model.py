@@ -11,7 +11,7 @@ from torch import nn
 
 from sketch_ops import SketchedLinear, sketch_model
 from trainer.config import ModelConfig
-from trainer.model import GPT
+from trainer.train.model import GPT
 
 
 def _gpt() -> GPT:

@@ -14,7 +14,7 @@ import torch
 
 from sketch_ops import sketch_model, sketch_seed
 from trainer.config import ModelConfig
-from trainer.model import GPT
+from trainer.train.model import GPT
 
 VOCAB, SEQ, BATCH, STEPS = 32, 32, 8, 120
 ROWS = BATCH * SEQ  # n: rows reaching every sketched layer (the model sees SEQ tokens)

@@ -299,7 +299,7 @@ def test_delete_files_s3(s3_bucket: str, s3_faults: S3FaultProxy) -> None:
 
 
 def test_cli_ls_lists_quarantined(tmp_path, capsys: pytest.CaptureFixture[str]) -> None:
-    from elastic import cli
+    from trainer.cli import snapshots as cli
 
     store = SnapshotStore(str(tmp_path / "run"))
     fill_step(store, 2, {MANIFEST_NAME: b"{}"})

@@ -1,4 +1,4 @@
-"""`trainer.session.Session` without Ray: restore warm, cadence, stop / until, preemption, the
+"""`trainer.train.session.Session` without Ray: restore warm, cadence, stop / until, preemption, the
 optimizer hook, and data in a user's loop (`MapStyleLoader` at 1 vs 2 ranks; a stateful
 loader with a per-rank position, exact at the same world size, warned about at another).
 
@@ -23,7 +23,7 @@ from elastic.errors import FatalRunError
 from elastic.format.records import DEFAULT_BLOCK_BYTES
 from elastic.store.snapshot_store import SnapshotStore
 from elastic.testing import run_group
-from trainer.session import PreemptedError, Session
+from trainer.train.session import PreemptedError, Session
 
 ITEMS, GLOBAL_BATCH, MICROBATCH = 64, 8, 2
 

@@ -65,7 +65,7 @@ def test_an_unreadable_run_json_is_absent_not_a_traceback(
     step_dir.mkdir(parents=True)
     (step_dir / "manifest.json").write_text("{}")
     from trainer.config import load_recipe
-    from trainer.run_dir import check_continuation
+    from trainer.run.run_dir import check_continuation
 
     cfg = load_recipe(TINY, [f'snapshots.run_uri="{tmp_path}"'])
     check_continuation(cfg, fingerprint=None, store=store)  # nothing to compare: no refusal

@@ -17,9 +17,9 @@ from snapshot_compare import assert_same_state, final_state
 from elastic.coord.local_coordinator import LocalCoordinator
 from elastic.format.records import DEFAULT_BLOCK_BYTES
 from elastic.store.snapshot_store import SnapshotStore
-from trainer.commit_watch import STALE_INTERVALS, CommitWatch, final_commit_error
 from trainer.config import load_recipe
-from trainer.loop import WorkerEnv, run_worker
+from trainer.run.commit_watch import STALE_INTERVALS, CommitWatch, final_commit_error
+from trainer.train.loop import WorkerEnv, run_worker
 
 ROOT = Path(__file__).resolve().parents[2]
 STEPS = 20

@@ -23,10 +23,10 @@ from elastic.catalog import export_model
 from elastic.lease.run_lease import RunLease
 from elastic.store.snapshot_store import SnapshotStore
 from trainer.cli import main
+from trainer.cli.runs import list_runs
 from trainer.config import load_recipe
-from trainer.metrics import read_records
-from trainer.optim import lr_at
-from trainer.runs import list_runs
+from trainer.run.metrics import read_records
+from trainer.train.optim import lr_at
 
 ROOT = Path(__file__).resolve().parents[2]
 TINY = str(ROOT / "recipes" / "tiny.toml")
@@ -218,7 +218,7 @@ def test_fork_into_s3_copies_a_verified_snapshot(
     """The same copy through the S3 store (moto): create-only writes, then the fork's
     snapshot verifies and `runs ls` reads the run."""
     from elastic.catalog import verify
-    from trainer.fork import make_fork, plan_fork
+    from trainer.run.fork import make_fork, plan_fork
 
     uri = f"s3://{s3_bucket}/runs/fork"
     cfg = load_recipe(TINY, [f'snapshots.run_uri="{uri}"', f'data.uri="{tiny_dataset}"',
@@ -253,7 +253,7 @@ def test_a_corrupt_parent_snapshot_is_refused_and_nothing_is_committed(
 def test_a_fork_that_fails_at_its_commit_leaves_no_run_behind(
     parent: Path, tmp_path: Path, tiny_dataset: str, monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    from trainer.fork import make_fork, plan_fork
+    from trainer.run.fork import make_fork, plan_fork
 
     fork = tmp_path / "runs" / "cut"
     cfg = load_recipe(TINY, [f'snapshots.run_uri="{fork}"', f'data.uri="{tiny_dataset}"',
@@ -280,7 +280,7 @@ def test_a_fork_killed_before_its_commit_is_forked_again(
     """A kill leaves what the failure path would have removed (run.json, shards,
     generation.json, no manifest); retrying the same `--from` replaces it and commits the
     parent's snapshot bit for bit. A directory whose fork committed is still refused."""
-    from trainer.fork import make_fork, plan_fork
+    from trainer.run.fork import make_fork, plan_fork
 
     fork = tmp_path / "runs" / "killed"
     cfg = load_recipe(TINY, [f'snapshots.run_uri="{fork}"', f'data.uri="{tiny_dataset}"',
@@ -339,7 +339,7 @@ def test_a_run_s_records_are_never_read_through_a_symbolic_link(
 ) -> None:
     """run.json, sessions.json and metrics parts that are links to another run's files (or
     anywhere) read as absent: Baton never reads outside a run directory through them (P8)."""
-    from trainer.session_log import read_sessions
+    from trainer.run.session_log import read_sessions
 
     mirror = tmp_path / "runs" / "mirror"
     (mirror / "metrics").mkdir(parents=True)

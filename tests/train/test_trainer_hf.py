@@ -1,8 +1,8 @@
-"""Hugging Face causal LMs from a recipe (issue 16, points 1, 5 and 6: `trainer.hf`).
+"""Hugging Face causal LMs from a recipe (issue 16, points 1, 5 and 6: `trainer.train.hf`).
 
 Models come from local `config.json` files written here (tiny `LlamaConfig` / `Qwen2Config`:
 hidden 64, 2 layers, the dataset's vocabulary) or a local safetensors model directory; nothing
-is downloaded. Training runs the real worker loop (`trainer.loop.run_worker`): one worker in
+is downloaded. Training runs the real worker loop (`trainer.train.loop.run_worker`): one worker in
 this process, two on gloo processes (`elastic.testing.run_group`), no Ray. What is compared is
 read back through the public snapshot format, as in tests/train/test_trainer_loop.py.
 """
@@ -25,8 +25,8 @@ from elastic.store.snapshot_store import SnapshotStore  # noqa: E402
 from elastic.testing import run_group  # noqa: E402
 from trainer.cli import main  # noqa: E402
 from trainer.config import ConfigError, load_recipe  # noqa: E402
-from trainer.loop import WorkerEnv, build_model, run_worker  # noqa: E402
-from trainer.parallel import shard_units  # noqa: E402
+from trainer.train.loop import WorkerEnv, build_model, run_worker  # noqa: E402
+from trainer.train.parallel import shard_units  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
 RECIPE = ROOT / "recipes" / "llama-tiny.toml"
@@ -283,9 +283,9 @@ def test_continuing_with_another_model_config_is_refused(tmp_path: Path, tiny_da
     `model.hf_config` holds other content (here a change no tensor shape shows), or that
     switches to the built-in GPT, is refused before Ray starts (and by the workers) in one
     line naming the field and the fix; the same content under another path continues."""
-    from trainer.loop import refuse_other_run
-    from trainer.preflight import dataset_fingerprint
-    from trainer.run_dir import RunDirError, check_run_dir
+    from trainer.run.preflight import dataset_fingerprint
+    from trainer.run.run_dir import RunDirError, check_run_dir
+    from trainer.train.loop import refuse_other_run
 
     config = write_config(tmp_path / "llama", "llama", vocab_size=256)
     run = tmp_path / "run"

@@ -1,6 +1,6 @@
 """The worker loop without Ray: world-size invariance (P1) and exact continuation (P2, P5, P6).
 
-Each case runs `trainer.loop.run_worker` on W gloo processes over the tiny recipe and reads
+Each case runs `trainer.train.loop.run_worker` on W gloo processes over the tiny recipe and reads
 the final committed snapshot back through the public format (`elastic.catalog.export_model`),
 so what is compared is exactly what a later session would load.
 """
@@ -16,7 +16,7 @@ from snapshot_compare import assert_same_state, final_state
 from elastic.store.snapshot_store import SnapshotStore
 from elastic.testing import run_group
 from trainer.config import load_recipe
-from trainer.loop import WorkerEnv, run_worker
+from trainer.train.loop import WorkerEnv, run_worker
 
 ROOT = Path(__file__).resolve().parents[2]
 STEPS = 16

@@ -6,8 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from trainer.metrics import MetricsWriter, read_records, summarize
-from trainer.report import write_report
+from trainer.run.metrics import MetricsWriter, read_records, summarize
+from trainer.run.report import write_report
 
 
 def _fake_run(writer: MetricsWriter) -> None:

@@ -1,7 +1,7 @@
 """Optimizers and learning-rate schedules (issue 16, point 3): `optim.name`, `optim.schedule`,
 `FitConfig.optimizer_factory`.
 
-Runs train the tiny recipe in this process (`trainer.loop.run_worker`, one rank) or on a
+Runs train the tiny recipe in this process (`trainer.train.loop.run_worker`, one rank) or on a
 gloo group (`elastic.testing.run_group`), and read the final committed snapshot back
 through the public format, as `test_trainer_loop.py` does.
 """
@@ -20,11 +20,11 @@ from elastic.store.snapshot_store import SnapshotStore
 from elastic.testing import run_group
 from trainer.cli import main
 from trainer.config import FitConfig, OptimConfig, load_recipe
-from trainer.fork import plan_fork
-from trainer.loop import WorkerEnv, build, run_worker
-from trainer.optim import describe_schedule, lr_at
-from trainer.run_dir import RunDirError, check_run_dir
-from trainer.session_log import schedule_changes, schedule_of
+from trainer.run.fork import plan_fork
+from trainer.run.run_dir import RunDirError, check_run_dir
+from trainer.train.continuation import schedule_changes, schedule_of
+from trainer.train.loop import WorkerEnv, build, run_worker
+from trainer.train.optim import describe_schedule, lr_at
 
 ROOT = Path(__file__).resolve().parents[2]
 TINY = str(ROOT / "recipes" / "tiny.toml")
@@ -297,7 +297,7 @@ def test_schedule_changes_cover_the_new_fields() -> None:
         ("optim.decay_fraction", 0.2)]
     # A session logged before these fields existed trained with cosine.
     old = {k: v for k, v in saved.items() if k not in ("optim.schedule", "optim.decay_fraction")}
-    from trainer.session_log import _from_config
+    from trainer.train.continuation import _from_config
 
     assert _from_config({"steps": 24, "optim": {"lr": 3e-3, "warmup_steps": 4,
                                                 "min_lr_ratio": 0.1}}) == {

@@ -1,5 +1,6 @@
-"""Mixed precision (`[precision] dtype`, `trainer.precision`): fp32 state in every snapshot, runs
-that change dtype when they continue, bf16 world-size invariance, fp16's loss scaler.
+"""Mixed precision (`[precision] dtype`, `trainer.train.precision`): fp32 state in every
+snapshot, runs that change dtype when they continue, bf16 world-size invariance, fp16's loss
+scaler.
 
 Single-worker runs go in-process (`run_worker` without a process group); runs at 2 workers
 use `elastic.testing.run_group` (gloo). What is compared is read back through the public
@@ -20,12 +21,12 @@ import pytest
 import torch
 from snapshot_compare import final_state, relative_difference
 
-import trainer.loop
+import trainer.train.loop
 from elastic.store.snapshot_store import SnapshotStore
 from elastic.testing import run_group
 from trainer.config import PRECISIONS, ConfigError, load_recipe
-from trainer.loop import WorkerEnv, run_worker
-from trainer.precision import COMPUTE_DTYPES, autocast, loss_scaler
+from trainer.train.loop import WorkerEnv, run_worker
+from trainer.train.precision import COMPUTE_DTYPES, autocast, loss_scaler
 
 ROOT = Path(__file__).resolve().parents[2]
 STEPS = 8
@@ -41,7 +42,7 @@ def _train(rank: int, world_size: int, overrides: list[str], stop_after: int | N
             made.append(torch.amp.GradScaler(device.type, init_scale=init_scale,
                                              enabled=name == "fp16"))
             return made[-1]
-        trainer.loop.loss_scaler = scaler
+        trainer.train.loop.loss_scaler = scaler
     cfg = load_recipe(ROOT / "recipes" / "tiny.toml", overrides)
     run_worker(cfg, WorkerEnv(rank=rank, world_size=world_size, stop_after=stop_after))
     for scaler_made in made:  # each rank's own end state, beside the run directory

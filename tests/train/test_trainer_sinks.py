@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from trainer.config import ConfigError, LoggingConfig, load_recipe
-from trainer.sinks import SinkSet, open_sinks
+from trainer.run.sinks import SinkSet, open_sinks
 
 RECIPE = Path(__file__).resolve().parents[2] / "recipes" / "tiny.toml"
 
@@ -90,8 +90,8 @@ def test_mlflow_sink_logs_to_a_file_store_readable_with_the_mlflow_client(
 def test_the_monitor_feeds_the_sinks_and_numbers_its_records(tmp_path: Path) -> None:
     """The monitor actor's logic (no Ray): every record to the metrics files and the sinks,
     each step once across a restart; `since` hands the driver only what is new."""
-    from trainer.metrics import read_records
     from trainer.on_ray.monitor import MonitorState
+    from trainer.run.metrics import read_records
 
     monitor = MonitorState(str(tmp_path), LoggingConfig(tensorboard=True), keep=8)
     assert monitor.start_attempt(0, 2, 0.0) == 0
@@ -120,7 +120,7 @@ def test_a_disabled_sink_imports_nothing(tmp_path: Path) -> None:
     code = (
         "import sys\n"
         "from trainer.config import LoggingConfig\n"
-        "from trainer.sinks import open_sinks\n"
+        "from trainer.run.sinks import open_sinks\n"
         f"sinks = open_sinks(LoggingConfig(), {str(tmp_path)!r}, 'r')\n"
         "sinks.log([{'kind': 'step', 'step': 1, 'loss': 1.0}]); sinks.close()\n"
         "loaded = [m for m in sys.modules if m.split('.')[0] in ('tensorboard', 'mlflow')\n"

@@ -8,7 +8,7 @@ import io
 import pytest
 from rich.console import Console
 
-from trainer.terminal import (
+from trainer.run.terminal import (
     EtaEstimator,
     ProgressDisplay,
     RestartFacts,

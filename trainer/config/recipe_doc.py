@@ -1,6 +1,6 @@
 """The recipe field reference (`docs/recipes.md`), generated from the config dataclasses.
 
-Usage: `python -m trainer.recipe_doc > docs/recipes.md`.
+Usage: `python -m trainer.config.recipe_doc > docs/recipes.md`.
 
 Contract: the page is a pure function of the code. Every field of `FitConfig` and of each of
 its sections (`ModelConfig`, `DataConfig`, ...) is one table row: its name, its annotation,
@@ -26,8 +26,8 @@ from typing import Any
 
 from trainer.config import FitConfig
 
-ROOT = Path(__file__).resolve().parents[1]
-COMMAND = "python -m trainer.recipe_doc > docs/recipes.md"
+ROOT = Path(__file__).resolve().parents[2]
+COMMAND = "python -m trainer.config.recipe_doc > docs/recipes.md"
 
 
 @dataclass(frozen=True)
