@@ -83,7 +83,30 @@ _LAZY = {
     "rewind": "elastic.set_aside",
 }
 
-__all__ = sorted(_LAZY)
+# Spelled out (not sorted(_LAZY)) so linters and IDEs see the names the stubs above import.
+__all__ = [
+    "FatalRunError",
+    "FaultInjector",
+    "FencedError",
+    "LeaseHeldError",
+    "LeaseLostError",
+    "ManifestError",
+    "PreemptionWatcher",
+    "ReplicasDivergedError",
+    "RestoreMemoryError",
+    "RunLease",
+    "SnapshotIntegrityError",
+    "SnapshotMisfitError",
+    "SnapshotMismatchError",
+    "SnapshotSettings",
+    "SnapshotStore",
+    "Snapshotter",
+    "StateRegistry",
+    "StorageUnavailableError",
+    "code_version",
+    "restore_quarantined",
+    "rewind",
+]
 
 
 def __getattr__(name: str) -> Any:

@@ -13,6 +13,6 @@ Imports ``elastic.format`` and below; never the rooms that write, read or commit
 from __future__ import annotations
 
 from elastic.state.layout import Piece, Target
-from elastic.state.registry import SnapshotMismatchError, StateRegistry, Stateful
+from elastic.state.registry import SnapshotMismatchError, Stateful, StateRegistry
 
 __all__ = ["Piece", "SnapshotMismatchError", "StateRegistry", "Stateful", "Target"]

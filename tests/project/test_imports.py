@@ -265,3 +265,16 @@ def test_the_command_line_needs_no_s3_stack() -> None:
     done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True,
                           text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
+
+
+def test_the_elastic_face_names_resolve_without_loading_torch() -> None:
+    """`elastic.__all__` lists exactly the lazy names, each resolves to a real object, and
+    `import elastic` alone loads neither torch nor Ray (``data_state`` relies on that)."""
+    code = ("import sys, elastic\n"
+            "assert 'torch' not in sys.modules and 'ray' not in sys.modules\n"
+            "assert sorted(elastic.__all__) == sorted(elastic._LAZY), elastic.__all__\n"
+            "missing = [n for n in elastic.__all__ if getattr(elastic, n, None) is None]\n"
+            "assert not missing, missing\n")
+    done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True,
+                          text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
