@@ -22,32 +22,30 @@ Callers outside the room import the names below from here.
 
 from __future__ import annotations
 
-from trainer.config.recipe import (
+from trainer.config.checks import ConfigError
+from trainer.config.model import (
     HF_INSTALL_HINT,
     MLP_RECOMPUTE,
+    ModelConfig,
+    SketchConfig,
+    check_local_source,
+    config_file,
+    hf_source_field,
+    raw_hf_config,
+    require_transformers,
+)
+from trainer.config.recipe import FitConfig, apply_override, callable_name, from_dict, load_recipe
+from trainer.config.training import (
     OPTIMIZERS,
     PRECISIONS,
     SCHEDULES,
-    ConfigError,
     DataConfig,
     EvalConfig,
-    FitConfig,
     LoggingConfig,
-    ModelConfig,
     OptimConfig,
     PrecisionConfig,
     ScalingSettings,
-    SketchConfig,
     SnapshotConfig,
-    apply_override,
-    callable_name,
-    check_local_source,
-    config_file,
-    from_dict,
-    hf_source_field,
-    load_recipe,
-    raw_hf_config,
-    require_transformers,
 )
 
 __all__ = [

@@ -3,7 +3,7 @@
 Contract:
 - Every section is a dataclass documented per field and validated in `__post_init__`
   (`trainer/config/model.py`: `[model]`, `[sketch]`; `trainer/config/training.py`: the others;
-  all importable from here); a bad value raises `ConfigError` (a `ValueError`) naming the
+  all importable from `trainer.config`); a bad value raises `ConfigError` (a `ValueError`) naming the
   dotted field (`optim.lr`) and the fix. Types are checked first, for every field, from the
   dataclass annotations (`checks.check_types`): `steps = "10"`, `steps = true` or
   `d_model = 32.0` is one `ConfigError`, never a `TypeError`.
@@ -28,20 +28,10 @@ import torch
 
 from trainer.config.checks import ConfigError, check_types, require
 from trainer.config.model import (
-    HF_INSTALL_HINT,
-    MLP_RECOMPUTE,
     ModelConfig,
     SketchConfig,
-    check_local_source,
-    config_file,
-    hf_source_field,
-    raw_hf_config,
-    require_transformers,
 )
 from trainer.config.training import (
-    OPTIMIZERS,
-    PRECISIONS,
-    SCHEDULES,
     DataConfig,
     EvalConfig,
     LoggingConfig,
@@ -50,17 +40,6 @@ from trainer.config.training import (
     ScalingSettings,
     SnapshotConfig,
 )
-
-# The sections and helpers live in `model` / `training` (`checks`: the shared validation);
-# the room's face, `trainer.config`, is where the rest of Baton imports them from.
-__all__ = [
-    "HF_INSTALL_HINT", "MLP_RECOMPUTE", "OPTIMIZERS", "PRECISIONS", "SCHEDULES", "ConfigError",
-    "DataConfig", "EvalConfig", "FitConfig", "LoggingConfig", "ModelConfig", "OptimConfig",
-    "PrecisionConfig", "ScalingSettings", "SketchConfig", "SnapshotConfig", "apply_override",
-    "callable_name", "check_local_source", "config_file", "from_dict", "hf_source_field",
-    "load_recipe", "raw_hf_config", "require_transformers",
-]
-
 
 _SECTIONS: dict[str, type] = {
     "model": ModelConfig,
