@@ -135,7 +135,8 @@ def check_compatible(registry: StateRegistry, manifest: Manifest,
         raise SnapshotMismatchError(
             f"snapshot {manifest.step} does not match the registered state: missing "
             f"{missing}, unexpected {unexpected}, shape-mismatched (saved, expected) {mismatched}")
-    registry.check_state(manifest.state, _snap(manifest.step), live=live_skeletons)
+    registry.check_state(manifest.state, _snap(manifest.step), live=live_skeletons,
+                         shapes={name: rec.shape for name, rec in manifest.tensors.items()})
 
 
 def plan_targets(manifest: Manifest, templates: dict[str, torch.Tensor],

@@ -175,6 +175,17 @@ class OptimizerState:
                 return keyed
         return get_optimizer_state_dict(self.model, self.optimizer)
 
+    def parameter_shapes(self) -> dict[str, tuple[int, ...]] | None:
+        """FQN -> global shape of each parameter, for an optimizer of ``torch.optim`` whose
+        state is per element (every one but L-BFGS); None for any other optimizer, whose
+        state may take any shape (a preconditioner, flat history vectors)."""
+        kind = type(self.optimizer)
+        if not kind.__module__.startswith("torch.optim") or kind is torch.optim.LBFGS:
+            return None
+        fqns = self._parameter_fqns(plain_prefix(self.model))
+        return {fqn: tuple(param.shape) for _, param in self.model.named_parameters()
+                if (fqn := fqns.get(id(param))) is not None}
+
     def _parameter_fqns(self, prefix: str | None) -> dict[int, str | None]:
         """id(parameter) -> its FQN, named as DCP names it (the first of tied names)."""
         fqn_of = _fqn_function(self.model, prefix)

@@ -40,6 +40,7 @@ from elastic.lease.run_lease import LeaseHeldError, RunLease
 from elastic.portable import PortableRun, write_snapshot
 from elastic.settings import SnapshotSettings
 from elastic.snapshotter import Snapshotter
+from elastic.state import SnapshotMismatchError
 from elastic.store.snapshot_store import SnapshotStore
 from elastic.testing import build, full_state, json_state, run_group, train_step
 from trainer.cli import main as baton_main
@@ -319,3 +320,30 @@ def test_a_refused_state_leaves_nothing(run) -> None:  # noqa: F811
                                      source.tensors["model.inp.weight"].astype(np.complex64)},
                        source.state)
     assert store.all_steps() == [2, 4]
+
+
+@pytest.mark.parametrize("edit", ["step", "moment"])
+def test_optimizer_state_of_another_shape_is_refused_in_one_line(run, edit: str) -> None:  # noqa: F811
+    """A fresh optimizer adopts saved state as it is: a `step` of shape [1] (a writer's
+    vector where torch keeps a scalar) trained on and was saved so; a transposed moment
+    loaded and failed at the first optimizer step. Both are refused before the restore reads
+    a byte, naming the state's path, and nothing is moved."""
+    source = PortableRun(str(run)).read(4)
+    tensors = dict(source.tensors)
+    if edit == "step":
+        edited = sorted(k for k in tensors if k.endswith(".step"))
+        assert edited, sorted(tensors)
+        for key in edited:
+            tensors[key] = tensors[key].reshape(1)
+    else:
+        edited = [next(k for k, v in sorted(tensors.items()) if k.endswith(".exp_avg")
+                       and v.ndim == 2 and v.shape[0] != v.shape[1])]
+        tensors[edited[0]] = np.ascontiguousarray(tensors[edited[0]].T)
+    write_snapshot(str(run), 6, tensors, json.loads(json.dumps(source.state)))
+    with pytest.raises(SnapshotMismatchError) as refused:
+        Snapshotter(str(run), build(seed=11).registry).restore()
+    message = str(refused.value)
+    assert "\n" not in message and "snapshot 6" in message, message
+    assert ("step is a scalar" if edit == "step" else "for a parameter of shape") in message
+    assert "snapshot 4" in message  # the newest that fits, for a rewind
+    assert SnapshotStore(str(run)).committed_steps() == [2, 4, 6]  # nothing set aside
