@@ -40,7 +40,10 @@ does not quarantine a snapshot for it alone) naming the component and the path
 * tuples have the live length; a list is compared element by element, and elements past
   the live list's end with its last element (lists such as a loss history may grow);
 * a tensor reference stands where the live state has a tensor, with the same name;
-* an optimizer's ``param_groups[*].params`` name parameters the live optimizer has.
+* an optimizer's ``param_groups[*].params`` name parameters the live optimizer has;
+* given the saved shapes, a ``torch.optim`` optimizer's per-parameter tensors (all but
+  L-BFGS's) have shapes it gives them: ``step`` a scalar, any other a scalar or the
+  parameter's rank with each size the parameter's or 1.
 
 Model and optimizer tensors themselves (names, shapes, dtypes) are checked by restore. A
 snapshot that lacks a registered component raises ``SnapshotMismatchError``, unless it was
