@@ -129,14 +129,19 @@ def fake_fit(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> InProcessFit:
     return fake
 
 
+def _starts_ray_clusters(item: pytest.Item) -> bool:
+    """A slow test of `tests/ray/`: the tests that start Ray clusters."""
+    return item.get_closest_marker("slow") is not None and item.path.parent.name == "ray"
+
+
 def pytest_collection_finish(session: pytest.Session) -> None:
-    """Under `--dist loadgroup` every slow test must carry xdist's group suffix: without it
+    """Under `--dist loadgroup` every slow Ray test must carry xdist's group suffix: without it
     two Ray clusters run at once on the two xdist workers, and node-loss tests time out."""
     # xdist's workers set option.loadgroup; a plain (one-process) run has no such option.
     if not getattr(session.config.option, "loadgroup", False):
         return
     ungrouped = [i.nodeid for i in session.items
-                 if i.get_closest_marker("slow") is not None and not i.nodeid.endswith("@slow")]
+                 if _starts_ray_clusters(i) and not i.nodeid.endswith("@slow")]
     if ungrouped:
         message = (f"{len(ungrouped)} slow tests are not in the xdist group 'slow' (e.g. "
                    f"{ungrouped[0]}); this pytest/pytest-xdist pair does not apply "
@@ -150,15 +155,18 @@ def pytest_collection_finish(session: pytest.Session) -> None:
 @pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """Skip `gpu` tests where CUDA is absent and `multigpu` tests where there are fewer than two
-    GPUs, with the reason shown in the summary; put every `slow` test in one xdist group.
+    GPUs, with the reason shown in the summary; put every `slow` test of `tests/ray/` in one
+    xdist group.
 
     Why the group: `make test` runs pytest-xdist with two workers (`--dist loadgroup`). The
-    slow tests (Ray clusters, node kills, failure detection on 1 s health checks) then run
-    one at a time on one worker, as they did before, while the other worker runs the fast
-    tests; most of a Ray test's time is spent waiting, so the two overlap well on 2 cores."""
+    slow Ray tests (Ray clusters, node kills, failure detection on 1 s health checks) then run
+    one at a time on one worker, while the other worker runs everything else, the slow tests
+    without Ray included (process groups of their own, no cluster); most of a Ray test's time
+    is spent waiting, so the two overlap well on 2 cores, and the suite takes about as long
+    as the Ray tests in a row."""
     slow_group = pytest.mark.xdist_group("slow")
     for item in items:
-        if item.get_closest_marker("slow") is not None:
+        if _starts_ray_clusters(item):
             item.add_marker(slow_group)
     try:
         import torch
