@@ -242,14 +242,18 @@ def test_imports_go_down_the_layers() -> None:
                           "or a lower layer):\n" + "\n".join(problems))
 
 
+def _passes_in_a_fresh_interpreter(code: str, *args: str) -> None:
+    done = subprocess.run([sys.executable, "-c", code, *args], cwd=ROOT, capture_output=True,
+                          text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+
+
 def test_every_module_imports_in_a_fresh_interpreter() -> None:
     names = sorted(_modules())
     code = ("import importlib, sys\n"
             "for name in sys.argv[1:]:\n"
             "    importlib.import_module(name)\n")
-    done = subprocess.run([sys.executable, "-c", code, *names], cwd=ROOT,
-                          capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, done.stderr[-3000:]
+    _passes_in_a_fresh_interpreter(code, *names)
 
 
 def test_the_command_line_needs_no_s3_stack() -> None:
@@ -262,9 +266,7 @@ def test_the_command_line_needs_no_s3_stack() -> None:
             "import trainer.cli.fit, trainer.cli.report, trainer.cli.runs, trainer.run.report\n"
             "from elastic.storage import storage_errors\n"
             "assert storage_errors() == (OSError,), storage_errors()\n")
-    done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True,
-                          text=True, timeout=300)
-    assert done.returncode == 0, done.stderr[-3000:]
+    _passes_in_a_fresh_interpreter(code)
 
 
 def test_the_elastic_face_names_resolve_without_loading_torch() -> None:
@@ -275,6 +277,4 @@ def test_the_elastic_face_names_resolve_without_loading_torch() -> None:
             "assert sorted(elastic.__all__) == sorted(elastic._LAZY), elastic.__all__\n"
             "missing = [n for n in elastic.__all__ if getattr(elastic, n, None) is None]\n"
             "assert not missing, missing\n")
-    done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True,
-                          text=True, timeout=300)
-    assert done.returncode == 0, done.stderr[-3000:]
+    _passes_in_a_fresh_interpreter(code)
