@@ -12,7 +12,8 @@ here, because a manifest is untrusted input (P8, docs/design.md):
   ``SnapshotMismatchError`` listing missing, unexpected and shape-mismatched tensors), and
   every component's JSON state fits the live component (``StateRegistry.check_state``; a
   misfit is ``SnapshotMisfitError`` naming the component and path; optimizer state may
-  cover a subset of the parameters).
+  cover a subset of the parameters, and its tensors' manifest shapes must be ones the
+  optimizer gives them: ``step`` a scalar, moments their parameter's).
 * Targets come from the registry's current tensors (``layout.target_piece``); a registered
   tensor whose dtype differs from the manifest's is ``SnapshotMisfitError`` (a dtype edited
   in the manifest alone also disagrees with the file's header: ``ManifestError``).
