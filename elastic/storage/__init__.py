@@ -14,6 +14,8 @@ The room's modules
 * ``spares``: retired shard files reused by the next write (local stores).
 * ``plain_files``: the one rule for local entries of a run or dataset directory (never
   through a link, only regular files read).
+* ``outputs``: where a command's local output (``--out``) may go, and how it is written
+  (never into a run or dataset directory, never through a link, never over a device).
 * ``json_bounds``: the one bounded JSON reader.
 * ``errors``: what a failure means: ``SnapshotIntegrityError`` and ``TruncatedError``
   (definite), ``StorageUnavailableError`` (doubt), ``ShortReadError`` (transient).
@@ -50,6 +52,17 @@ from elastic.storage.json_bounds import (
 )
 from elastic.storage.json_bounds import loads as loads_json
 from elastic.storage.local_files import fsync_dir
+from elastic.storage.outputs import (
+    DATASET_MARKER,
+    RUN_MARKERS,
+    dataset_output_problem,
+    directory_output_problem,
+    file_output_problem,
+    merged_directory,
+    new_directory,
+    output_location,
+    replaced_file,
+)
 from elastic.storage.plain_files import (
     RefusedEntryError,
     check_below,
@@ -59,9 +72,11 @@ from elastic.storage.plain_files import (
 from elastic.storage.retry import storage_errors
 from elastic.storage.storage_io import IOStats, Storage, absolute_uri
 
-__all__ = ["INT64", "MAX_JSON_BYTES", "MAX_SPAN_BYTES", "MERGE_HOLE_BYTES",
-           "READ_INTO_MAX_WASTE", "IOStats", "JSONBoundsError", "RefusedEntryError",
-           "ShortReadError", "SnapshotIntegrityError", "Storage", "StorageUnavailableError",
-           "TruncatedError", "absolute_uri", "check_below", "finite_number", "fsync_dir",
-           "is_int64", "loads_json", "merge_ranges", "open_append", "output_problem",
-           "storage_errors"]
+__all__ = ["DATASET_MARKER", "INT64", "MAX_JSON_BYTES", "MAX_SPAN_BYTES", "MERGE_HOLE_BYTES",
+           "READ_INTO_MAX_WASTE", "RUN_MARKERS", "IOStats", "JSONBoundsError",
+           "RefusedEntryError", "ShortReadError", "SnapshotIntegrityError", "Storage",
+           "StorageUnavailableError", "TruncatedError", "absolute_uri", "check_below",
+           "dataset_output_problem", "directory_output_problem", "file_output_problem",
+           "finite_number", "fsync_dir", "is_int64", "loads_json", "merge_ranges",
+           "merged_directory", "new_directory", "open_append", "output_location",
+           "output_problem", "replaced_file", "storage_errors"]

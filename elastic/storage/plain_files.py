@@ -25,10 +25,11 @@ where the run lives):
 * ``follow=True`` (a ``Storage`` over a person's own input files, e.g. the sources of ``baton
   data prepare``, which may live in a cache of links) follows links, but still opens
   non-blocking and refuses what is not a regular file.
-* ``output_problem(out, run_dirs)``: why a local output path (``--out`` of a command) must not
+* ``output_problem(out, dirs)``: why a local output path (``--out`` of a command) must not
   be written, or None. It resolves every link of ``out`` and of each directory, and refuses an
-  output that resolves inside any of them: a run directory holds only what Baton writes, and a
-  report written through a link onto a manifest would destroy a committed snapshot.
+  output that resolves inside any of them (``baton data prepare``: its own sources). The rule
+  for every run and dataset directory, links at the output and what an output may replace is
+  ``elastic.storage.outputs``.
 
 Paths that are not below the root are opened as named (``O_NONBLOCK``, regular files only).
 Imports: the standard library only (a leaf of the storage layer).

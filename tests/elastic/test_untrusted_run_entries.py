@@ -217,11 +217,12 @@ def test_report_and_export_never_write_through_a_link_into_the_run(
         assert "inside the run directory" in err and "--out" in err, err
     assert manifest.read_bytes() == before and not (into / "w.safetensors").exists()
     _verifies(capsys, run, [2, 4])
-    out = tmp_path / "elsewhere.png"  # a link to a place outside the run is followed
+    out = tmp_path / "elsewhere.png"  # a link at --out is replaced, never written through
     target = tmp_path / "real.png"
     out.symlink_to(target)
     assert main(["report", str(run), "--out", str(out)]) == 0
-    assert target.read_bytes()[:4] == b"\x89PNG"
+    assert not out.is_symlink() and out.read_bytes()[:4] == b"\x89PNG"
+    assert not target.exists()
 
 
 # ---------------------------------------------------------------- FIFOs

@@ -2,10 +2,11 @@
 
 Contract: `register(subparsers)` adds the `data` group with two commands; each sets
 `func(args) -> int` (0 on success). Errors in user input print one line on stderr naming the
-field or file and return 2 (a `--out` that cannot be written, or that resolves (links
-included) inside a local source or a Baton run directory other than its `data/`, is found
-before any source is read; a URI that is not a prepared dataset directory, an unsupported
-scheme or an unknown split is named as such); nothing here executes code from a dataset.
+field or file and return 2 (a `--out` that cannot be written, that resolves (links
+included) inside a local source, a Baton run directory other than its `data/` or another
+dataset directory, or that exists and is not a directory, is found before any source is
+read; a URI that is not a prepared dataset directory, an unsupported scheme or an unknown
+split is named as such); nothing here executes code from a dataset.
 
     baton data prepare --out URI [--seq-len N] [--val-fraction F] [--max-bytes N]
                        [--tokenizer PATH | --train-tokenizer VOCAB] [--eos-token TEXT]
@@ -31,7 +32,13 @@ from data_state import storage
 from data_state.corpus import prepare_corpus
 from data_state.dataset import TokenDataset, read_manifest
 from data_state.manifest import DatasetManifest
-from elastic.storage import output_problem, storage_errors
+from elastic.storage import (
+    DATASET_MARKER,
+    RUN_MARKERS,
+    dataset_output_problem,
+    output_problem,
+    storage_errors,
+)
 
 
 def register(subparsers: Any) -> None:
@@ -159,24 +166,29 @@ def _check_writable(out: str) -> None:
 
 def _out_problem(out: str, sources: list[str]) -> str | None:
     """Why `--out` must not be written: it resolves (links included) inside a local source
-    (the prepare would read what it writes), or inside a Baton run directory (one holding
-    `run.json`, local or on S3) anywhere but its `data/`, where `baton fit` prepares the
-    default corpus."""
+    (the prepare would read what it writes), inside a Baton run directory anywhere but its
+    `data/` (where `baton fit` prepares the default corpus), or inside another dataset
+    directory; or it exists and is not a directory (`elastic.storage.outputs`). On S3 the
+    run and dataset directories are found by their markers above `out`."""
     remote = "://" in out and not out.startswith("file://")
     if not remote:
         bases = [s.removeprefix("file://").split("*")[0].split("?")[0].split("[")[0]
                  for s in sources if "://" not in s or s.startswith("file://")]
         problem = output_problem(out, [b for b in bases if b], what="the source")
-        if problem:
-            return problem
+        return problem or dataset_output_problem(out)
     fs, root = storage.resolve(out)
-    parts = (os.path.realpath(root) if fs.is_local else root).split("/")
-    # From the deepest ancestor up to the bucket (or /): a run directory above `out`, and
-    # the name just below it on the way to `out`.
+    parts = root.split("/")
+    # From the deepest ancestor up to the bucket: a run directory above `out` (unless `out`
+    # is in its data/), a dataset directory strictly above it.
     for depth in range(len(parts), 0, -1):
-        ancestor = "/".join(parts[:depth]) or "/"
-        if fs.isfile(storage.join(ancestor, "run.json")) and parts[depth: depth + 1] != ["data"]:
-            shown = ancestor if fs.is_local else f"{out.split('://', 1)[0]}://{ancestor}"
+        ancestor = "/".join(parts[:depth])
+        below = parts[depth: depth + 1]
+        shown = f"{out.split('://', 1)[0]}://{ancestor}"
+        if below and fs.isfile(storage.join(ancestor, DATASET_MARKER)):
+            return (f"{out} is inside the dataset directory {shown}; write the new dataset "
+                    "elsewhere, outside every run and dataset directory")
+        if below != ["data"] and any(fs.isfile(storage.join(ancestor, marker))
+                                     for marker in RUN_MARKERS):
             return (f"{out} is inside the run directory {shown}, which holds only what Baton "
                     "writes there (a run's own dataset goes in its data/); write it elsewhere")
     return None

@@ -4,11 +4,14 @@ Contract: ``register(subparsers)`` adds the ``snapshots`` group; each command ta
 URI (local path or ``s3://bucket/prefix/run``), prints to stdout and returns 0 on success,
 1 when a snapshot is missing or corrupt or storage fails (the message names it on stderr),
 2 for bad input: an empty run URI, another scheme than a local path or ``s3://``, a run
-directory that does not exist, an ``--out`` that cannot be written or that resolves (links
-included) inside the run directory. Every error is one line ``error: ...`` on stderr, never a
-traceback. A run URI may also be a snapshot's directory, ``RUN/snapshots/000001200`` (what a
-``ray.train.Checkpoint`` of the run points at): the command reads run ``RUN`` at that step
-(``elastic.snapshot_ref``).
+directory that does not exist, an ``--out`` that cannot be written, that resolves (links
+included) inside any run or dataset directory, or that exists and is not what the format
+writes (a device, a FIFO or a directory where a file goes: ``elastic.storage.outputs``).
+An export is written beside ``--out`` and renamed over it at the end: a link there is
+replaced, never written through, and a failure (a full disk) leaves nothing behind. Every
+error is one line ``error: ...`` on stderr, never a traceback. A run URI may also be a
+snapshot's directory, ``RUN/snapshots/000001200`` (what a ``ray.train.Checkpoint`` of the run
+points at): the command reads run ``RUN`` at that step (``elastic.snapshot_ref``).
 ``rewind RUN --to STEP`` sets every committed snapshot newer than STEP aside (into
 ``quarantine/``, after verifying STEP) and says which and how to bring them back;
 ``restore-quarantined RUN [STEP]`` brings set-aside snapshots back when they verify and
@@ -37,7 +40,13 @@ from safetensors import SafetensorError
 from elastic.catalog import describe, export_model, resolve_step, snapshot_rows, verify
 from elastic.lease.run_lease import LeaseHeldError, LeaseLostError
 from elastic.snapshot_ref import split_snapshot_dir
-from elastic.storage import output_problem, storage_errors
+from elastic.storage import (
+    directory_output_problem,
+    file_output_problem,
+    merged_directory,
+    replaced_file,
+    storage_errors,
+)
 from elastic.store.snapshot_store import SnapshotStore
 
 
@@ -113,21 +122,22 @@ def _bad_input(args: argparse.Namespace) -> str | None:
         return f"run directory {uri} does not exist"
     out = getattr(args, "out", None)
     if out is not None:
-        if not out:
-            return "--out is empty: name the file (or, with --format hf, the directory) to write"
-        parent = os.path.dirname(os.path.abspath(out))
-        if not os.path.isdir(parent) or not os.access(parent, os.W_OK):
-            return f"--out {out}: directory {parent} does not exist or is not writable"
-        if getattr(args, "format", None) == "safetensors" and os.path.isdir(out):
-            return f"--out {out} is a directory: name the .safetensors file to write"
-        if getattr(args, "format", None) == "npz" and os.path.isdir(out):
-            return f"--out {out} is a directory: name the .npz file to write"
-        if getattr(args, "format", None) == "orbax" and os.path.lexists(out):
-            return f"--out {out} exists: name a new directory for the Orbax checkpoint"
-        problem = output_problem(out, [uri])  # links resolved: never into a run directory
-        if problem:
-            return f"--out {problem}"
+        return _out_problem(out, getattr(args, "format", "safetensors"))
     return None
+
+
+def _out_problem(out: str, fmt: str) -> str | None:
+    """What is wrong with ``--out`` for ``--format fmt`` (``elastic.storage.outputs``: never
+    inside any run or dataset directory, never through a link, never over a device, FIFO or
+    directory where a file goes), or None."""
+    if not out:
+        return "--out is empty: name the file (or, with --format hf, the directory) to write"
+    parent = os.path.dirname(os.path.abspath(out))
+    if not os.path.isdir(parent) or not os.access(parent, os.W_OK):
+        return f"--out {out}: directory {parent} does not exist or is not writable"
+    problem = (file_output_problem(out) if fmt in ("safetensors", "npz")
+               else directory_output_problem(out, new=fmt == "orbax"))
+    return f"--out {problem}" if problem else None
 
 
 def _guarded(command: Callable[[argparse.Namespace], int]) -> Callable[..., int]:
@@ -251,11 +261,14 @@ def _export(args: argparse.Namespace) -> int:
         if args.format == "hf":
             from trainer.train.hf import export_hf  # the trainer's model side (optional extra)
 
-            n, tokenizer = export_hf(store, step, os.path.realpath(args.out))
+            # Written beside --out, then moved in: no file of it is written through a link.
+            with merged_directory(args.out) as scratch:
+                n, tokenizer = export_hf(store, step, scratch)
             print(f"wrote snapshot {step} ({n} tensors) as a Hugging Face model with the "
                   f"{tokenizer} tokenizer to {args.out}")
             return 0
-        n = export_model(store, step, os.path.realpath(args.out))  # the path checked
+        with replaced_file(args.out) as scratch:  # renamed over --out (a link replaced)
+            n = export_model(store, step, scratch)
     except ValueError as err:
         return _fail(err)
     print(f"wrote {n} tensors of snapshot {step} to {args.out}")
@@ -266,16 +279,15 @@ def _export_jax(args: argparse.Namespace, step: int) -> int:
     """``--format npz`` (numpy only) or ``--format orbax`` (JAX's optional extra)."""
     from trainer.on_jax.export import export_npz, export_orbax
 
-    out = os.path.realpath(args.out)
     if args.format == "npz":
-        n = export_npz(args.run_uri, step, out)
+        n = export_npz(args.run_uri, step, args.out)
         print(f"wrote {n} tensors and the state of snapshot {step} to {args.out}")
         return 0
     try:
         import orbax.checkpoint  # noqa: F401 - only to say what is missing, in one line
     except ImportError:
         return _fail("--format orbax needs JAX and Orbax: pip install 'baton-train[jax]'", 2)
-    n = export_orbax(args.run_uri, step, out)
+    n = export_orbax(args.run_uri, step, args.out)
     print(f"wrote snapshot {step} ({n} parameter arrays, AdamW state) as an Orbax checkpoint "
           f"to {args.out}")
     return 0

@@ -14,6 +14,11 @@ Contract
   Baton import — and ``out/baton.json``: the step, the data cursor, the seed, the AdamW
   settings (b1, b2, eps, weight decay and its mask per Flax path, grad clip), the learning
   rate of every update (``lrs``), the layout map's name and the recipe. ``out`` must not exist.
+  It is written as a directory beside ``out``, renamed at the end; any failure (a full disk:
+  Orbax's ``RESOURCE_EXHAUSTED``) removes it and raises one ``OSError`` line (Orbax's own
+  logged tracebacks held back), so nothing is left and a retry is not refused.
+* ``export_npz`` writes a file beside ``out`` and renames it over ``out`` at the end
+  (``elastic.storage.replaced_file``): a link at ``out`` is replaced, never written through.
 
 Both read through the neutral reader (every byte verified) and write only to ``out``, after
 everything was read: a snapshot that fails a check writes nothing.
@@ -21,13 +26,20 @@ everything was read: a snapshot that fails a check writes nothing.
 
 from __future__ import annotations
 
+import contextlib
+import errno
+import io
 import json
+import logging
 import os
+import sys
+from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
 
 from elastic.portable import PortableRun
+from elastic.storage import new_directory, replaced_file
 
 
 def export_npz(run_uri: str, step: int, out: str) -> int:
@@ -35,10 +47,8 @@ def export_npz(run_uri: str, step: int, out: str) -> int:
     snap = PortableRun(run_uri).read(step)
     arrays: dict[str, Any] = dict(snap.tensors)
     arrays["__state__"] = np.array(json.dumps(snap.state))
-    tmp = f"{out}.tmp-{os.getpid()}"
-    with open(tmp, "wb") as fh:  # a file object: numpy appends no ".npz" to the name
-        np.savez(fh, **arrays)
-    os.replace(tmp, out)
+    with replaced_file(out) as tmp, open(tmp, "wb") as fh:  # renamed over out at the end
+        np.savez(fh, **arrays)  # a file object: numpy appends no ".npz" to the name
     return len(snap.tensors)
 
 
@@ -56,11 +66,6 @@ def export_orbax(run_uri: str, step: int, out: str) -> int:
     tree = {"params": state.params,
             "opt_state": {"count": adam.count, "mu": adam.mu, "nu": adam.nu},
             "step": np.asarray(state.step, dtype=np.int64)}
-    root = os.path.abspath(out)
-    os.makedirs(root)
-    with ocp.StandardCheckpointer() as checkpointer:
-        checkpointer.save(os.path.join(root, "state"), tree)
-        checkpointer.wait_until_finished()
     mask = state.layout.decayed({n for n in state.layout.torch_names
                                  if _decays(state.skeleton, n)})
     info = {"format": "baton-jax-export", "step": state.step, "data": state.data,
@@ -70,9 +75,54 @@ def export_orbax(run_uri: str, step: int, out: str) -> int:
                       "grad_clip": state.settings.grad_clip,
                       "decayed": sorted("/".join(p) for p, on in _leaves(mask) if on)},
             "lrs": list(state.settings.lrs), "config": state.config}
-    with open(os.path.join(root, "baton.json"), "w") as fh:
-        json.dump(info, fh, indent=1)
+    # Written in a directory beside out and renamed at the end: a failure (a full disk)
+    # leaves nothing, so the retry is not refused as "exists".
+    try:
+        with new_directory(out) as root, _quiet():
+            with ocp.StandardCheckpointer() as checkpointer:
+                checkpointer.save(os.path.join(root, "state"), tree)
+                checkpointer.wait_until_finished()
+            with open(os.path.join(root, "baton.json"), "w") as fh:
+                json.dump(info, fh, indent=1)
+    except Exception as err:  # Orbax's own errors (RESOURCE_EXHAUSTED) included
+        raise OSError(f"cannot write the Orbax checkpoint {out} ({_reason(err)}); nothing "
+                      "was left there: free space or name another --out") from err
     return len(jax.tree.leaves(state.params))
+
+
+@contextlib.contextmanager
+def _quiet() -> Iterator[None]:
+    """Orbax's background threads log each failure with its traceback (four of them for one
+    full disk) and print more to stderr: held back while it writes, shown again only when it
+    succeeded (a failure is the one line of ``export_orbax``'s error)."""
+    held: list[logging.LogRecord] = []
+    absl = logging.getLogger("absl")
+
+    def hold(record: logging.LogRecord) -> bool:
+        held.append(record)
+        return False
+
+    absl.addFilter(hold)
+    printed = io.StringIO()
+    try:
+        with contextlib.redirect_stderr(printed):
+            yield
+    finally:
+        absl.removeFilter(hold)
+    for record in held:
+        absl.handle(record)
+    sys.stderr.write(printed.getvalue())
+
+
+def _reason(err: BaseException) -> str:
+    """One line for a failed write: the errno's name where there is one."""
+    text = " ".join(str(err).split())
+    code = err.errno if isinstance(err, OSError) else None
+    if code is not None and code in errno.errorcode:
+        return f"{errno.errorcode[code]}: {getattr(err, 'strerror', None) or text}"
+    if "No space left on device" in text or "os_error_code='28'" in text:
+        return "ENOSPC: no space left on device"
+    return text[:300]
 
 
 def _decays(skeleton: dict[str, Any], name: str) -> bool:

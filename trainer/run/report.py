@@ -7,15 +7,15 @@ second, world size over wall time with each restart marked, and a summary table.
 the `RunSummary`. Raises `ValueError` for a run URI that is empty or not a local path or
 s3:// (the only schemes Baton supports), `FileNotFoundError` naming the run if it does not
 exist or has no valid metrics yet, `OSError` naming `out_png` if it cannot be written, and
-`ValueError` if `out_png` resolves (links included) inside the run directory: a report is
-never written over a run's own files (an `--out` that is a link to a manifest would destroy
-a committed snapshot); it is written to the resolved path it was checked at.
+`ValueError` if `out_png` resolves (links included) inside any run or dataset directory
+(an `--out` that is a link to a manifest would destroy a committed snapshot) or exists and is
+not a regular file (a device, a FIFO): `elastic.storage.outputs`. The PNG is written beside
+`out_png` and renamed over it: a link there is replaced, its target untouched.
 Invalid metrics records are skipped with a warning (`trainer.run.metrics.read_records`).
 """
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import matplotlib
@@ -23,7 +23,13 @@ import matplotlib
 matplotlib.use("Agg")  # files only; never needs a display
 import matplotlib.pyplot as plt  # noqa: E402
 
-from elastic.storage import Storage, output_problem, storage_errors  # noqa: E402
+from elastic.storage import (  # noqa: E402
+    Storage,
+    file_output_problem,
+    output_location,
+    replaced_file,
+    storage_errors,
+)
 from trainer.run.metrics import RunSummary, read_records, summarize  # noqa: E402
 from trainer.run.terminal import summary_rows  # noqa: E402
 
@@ -50,10 +56,10 @@ def _check_run_uri(run_uri: str) -> None:
 
 def write_report(run_uri: str, out_png: str | Path) -> RunSummary:
     _check_run_uri(run_uri)
-    problem = output_problem(str(out_png), [run_uri])  # links resolved, before any work
+    out_png = str(out_png)
+    problem = file_output_problem(out_png)  # links resolved, before any work
     if problem:
         raise ValueError(f"--out {problem}")
-    out_png = os.path.realpath(out_png)  # the place checked, whatever a link says later
     records = read_records(run_uri)
     steps = [r for r in records if r["kind"] == "step"]
     if not steps:
@@ -101,8 +107,10 @@ def write_report(run_uri: str, out_png: str | Path) -> RunSummary:
     fig.suptitle(f"Baton run {run_uri}")
     fig.tight_layout()
     try:
-        Path(out_png).parent.mkdir(parents=True, exist_ok=True)
-        fig.savefig(out_png, dpi=100)
+        Path(output_location(out_png)).parent.mkdir(parents=True, exist_ok=True)
+        # Beside out_png, renamed over it at the end: a link there is replaced, not followed.
+        with replaced_file(out_png) as scratch, open(scratch, "wb") as fh:
+            fig.savefig(fh, format="png", dpi=100)
     except OSError as err:
         raise OSError(f"cannot write the report to {str(out_png)!r} "
                       f"({err.strerror or err}); choose another --out") from err
