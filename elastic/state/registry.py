@@ -42,8 +42,10 @@ does not quarantine a snapshot for it alone) naming the component and the path
 * a tensor reference stands where the live state has a tensor, with the same name;
 * an optimizer's ``param_groups[*].params`` name parameters the live optimizer has;
 * given the saved shapes, a ``torch.optim`` optimizer's per-parameter tensors (all but
-  L-BFGS's) have shapes it gives them: ``step`` a scalar, any other a scalar or the
-  parameter's rank with each size the parameter's or 1.
+  L-BFGS's) have shapes it gives them: ``step`` a scalar, the scalars it keeps by name
+  (NAdam's ``mu_product``, ASGD's ``eta``, ``mu``) scalars, any other the parameter's exact
+  shape; only an optimizer that factors (Adafactor, by name) may have sizes of 1 where the
+  parameter has more (``elastic.state.skeleton_check``).
 
 Model and optimizer tensors themselves (names, shapes, dtypes) are checked by restore. A
 snapshot that lacks a registered component raises ``SnapshotMismatchError``, unless it was
@@ -132,6 +134,11 @@ class StateRegistry:
         """Keys of registered models (their tensors must match the snapshot's exactly)."""
         return [k for k, c in self._components.items() if isinstance(c, ModelState)]
 
+    def components(self) -> dict[str, Any]:
+        """Key -> the registered component (models and optimizers as their
+        ``module_state`` views, ``.model`` / ``.optimizer``), in registration order."""
+        return dict(self._components)
+
     def modules(self) -> list[nn.Module]:
         return [c.model for c in self._components.values() if isinstance(c, ModelState)]
 
@@ -184,7 +191,8 @@ class StateRegistry:
                 checker.optimizer(live[key], skeletons[key], key)
                 params = comp.parameter_shapes()
                 if shapes is not None and params is not None:
-                    checker.state_shapes(skeletons[key], params, shapes, key)
+                    checker.state_shapes(skeletons[key], params, shapes, key,
+                                         type(comp.optimizer).__name__)
             else:
                 checker.compare(live[key], skeletons[key], key)
 

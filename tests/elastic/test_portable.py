@@ -322,12 +322,14 @@ def test_a_refused_state_leaves_nothing(run) -> None:  # noqa: F811
     assert store.all_steps() == [2, 4]
 
 
-@pytest.mark.parametrize("edit", ["step", "moment"])
+@pytest.mark.parametrize("edit", ["step", "moment", "row", "scalar"])
 def test_optimizer_state_of_another_shape_is_refused_in_one_line(run, edit: str) -> None:  # noqa: F811
     """A fresh optimizer adopts saved state as it is: a `step` of shape [1] (a writer's
     vector where torch keeps a scalar) trained on and was saved so; a transposed moment
-    loaded and failed at the first optimizer step. Both are refused before the restore reads
-    a byte, naming the state's path, and nothing is moved."""
+    loaded and failed at the first optimizer step, and so did an AdamW moment of shape
+    [1, N] or [] for an [M, N] parameter (sizes of 1 are Adafactor's factored variances,
+    not AdamW's). Each is refused before the restore reads a byte, naming the state's
+    path, nothing is moved, and a rewind to the snapshot named trains on."""
     source = PortableRun(str(run)).read(4)
     tensors = dict(source.tensors)
     if edit == "step":
@@ -338,12 +340,34 @@ def test_optimizer_state_of_another_shape_is_refused_in_one_line(run, edit: str)
     else:
         edited = [next(k for k, v in sorted(tensors.items()) if k.endswith(".exp_avg")
                        and v.ndim == 2 and v.shape[0] != v.shape[1])]
-        tensors[edited[0]] = np.ascontiguousarray(tensors[edited[0]].T)
+        moment = tensors[edited[0]]
+        tensors[edited[0]] = {"moment": np.ascontiguousarray(moment.T),
+                              "row": np.ascontiguousarray(moment[:1]),
+                              "scalar": np.asarray(moment.flat[0])}[edit]
     write_snapshot(str(run), 6, tensors, json.loads(json.dumps(source.state)))
     with pytest.raises(SnapshotMismatchError) as refused:
         Snapshotter(str(run), build(seed=11).registry).restore()
     message = str(refused.value)
     assert "\n" not in message and "snapshot 6" in message, message
     assert ("step is a scalar" if edit == "step" else "for a parameter of shape") in message
+    assert edit in ("step", "moment") or "AdamW keeps it in the parameter's shape" in message
     assert "snapshot 4" in message  # the newest that fits, for a rewind
     assert SnapshotStore(str(run)).committed_steps() == [2, 4, 6]  # nothing set aside
+    _rewind_and_train_on(run, to=4)
+
+
+def _rewind_and_train_on(run_dir: Path, to: int) -> None:
+    """The person's way out of a refusal: rewind to the snapshot named, which restores and
+    trains on (nothing set aside is lost: it lies in quarantine/)."""
+    newer = [s for s in SnapshotStore(str(run_dir)).committed_steps() if s > to]
+    assert baton_main(["snapshots", "rewind", str(run_dir), "--to", str(to)]) == 0
+    assert sorted(int(p.name.split("-")[0]) for p in (run_dir / "quarantine").iterdir()) == newer
+    ts = build(seed=11)
+    snap = Snapshotter(str(run_dir), ts.registry, settings=SnapshotSettings(snapshot_every=2))
+    assert snap.restore() == to and snap.restore_errors == []
+    train_step(ts, to + 1)
+    train_step(ts, to + 2)
+    snap.after_step(to + 2)
+    snap.close()
+    assert max(SnapshotStore(str(run_dir)).committed_steps()) == to + 2
+    assert all(torch.isfinite(t).all() for t in full_state(ts).values())
