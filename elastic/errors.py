@@ -10,6 +10,10 @@ Contract
 * ``ManifestError``: the manifest itself is malformed or names something it must not
   (a path outside the snapshot, a dtype that disagrees with the file). A subclass of
   ``SnapshotIntegrityError``, so it triggers the same fallback.
+* ``NonFiniteError``: a floating tensor of the snapshot holds NaN or Inf (what a writer with
+  a bug commits: its checksums pass). A subclass of ``SnapshotIntegrityError``: no code
+  trains on from such values, so it is as definite as a checksum mismatch, and restore takes
+  the same path (quarantined, never deleted; the previous committed snapshot is restored).
 * ``SnapshotMisfitError``: a ``ManifestError`` that may be the live code's and not the
   snapshot's: its state does not fit a registered component (other keys or types) or a
   registered tensor has another dtype. A code or config change (a rollback) gives it for
@@ -32,23 +36,32 @@ Contract
   message on the driver, instead of restarting forever.
 * ``ReplicasDivergedError``: a ``FatalRunError``: state that every rank must hold the same
   (a DDP model, its optimizer) differs between ranks, so no snapshot of it is committed.
+  ``divergence_message(name, step, ranks)`` is the one line such a snapshot fails with,
+  whether the sampled fingerprints refused it at ``begin_capture`` (``elastic.replicas``) or
+  the commit refused its ranks' full checksums (``elastic.coord.receipts``).
 """
 
 from __future__ import annotations
 
 import errno as errno_module
+from collections.abc import Sequence
 
 # The storage layer raises these itself; they are defined there (one class each) and are
 # part of this vocabulary too.
 from elastic.storage.errors import SnapshotIntegrityError, StorageUnavailableError
 
-__all__ = ["FatalRunError", "FencedError", "ManifestError", "ReplicasDivergedError",
+__all__ = ["FatalRunError", "FencedError", "ManifestError", "NonFiniteError",
+           "ReplicasDivergedError",
            "RestoreMemoryError", "SnapshotIntegrityError", "SnapshotMisfitError",
-           "StorageUnavailableError", "describe"]
+           "StorageUnavailableError", "describe", "divergence_message"]
 
 
 class ManifestError(SnapshotIntegrityError):
     """A manifest is malformed or unsafe; it is untrusted input."""
+
+
+class NonFiniteError(SnapshotIntegrityError):
+    """A floating tensor of a snapshot holds NaN or Inf (module contract)."""
 
 
 class SnapshotMisfitError(ManifestError):
@@ -69,6 +82,17 @@ class FatalRunError(RuntimeError):
 
 class ReplicasDivergedError(FatalRunError):
     """Replicated state differs between ranks: the snapshot is not committed."""
+
+
+def divergence_message(name: str, step: int, ranks: Sequence[int] = ()) -> str:
+    """The one line of a snapshot whose replicated tensor ``name`` differs between ranks
+    (``ranks``: those found to differ, the reference rank first; empty: not known)."""
+    shown = [str(r) for r in ranks]
+    between = ("ranks " + ", ".join(shown[:-1]) + " and " + shown[-1] if len(shown) > 1
+               else "ranks")
+    return (f"snapshot {step} not committed: {name} differs between {between} (replicated "
+            "state diverged: a model not wrapped in DDP/FSDP, or a rank-dependent update); "
+            "the previous committed snapshot is intact")
 
 
 def describe(err: BaseException) -> str:

@@ -7,6 +7,8 @@ reader applies to both (``docs/snapshot-format.md``).
 * ``chunk_checks``: a snapshot's files checked against its manifest (shard files, headers,
   checksum blocks); the PyTorch restore, the catalog and the neutral reader
   (``elastic.portable``) all use these, so a crafted snapshot is refused the same way.
+* ``finite``: a chunk's floating values checked finite as its bytes are verified (a NaN or
+  an Inf is ``NonFiniteError``), by the same readers in the same pass.
 
 Imports the storage layer's errors only (``elastic.errors``, ``elastic.storage``).
 """

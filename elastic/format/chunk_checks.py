@@ -21,7 +21,9 @@ framework-neutral reader (``elastic.portable``); the manifest itself was checked
 * ``verify_blocks(chunk, start, parts, block, step)``: the crc32 of every checksum block of
   the bytes ``[start, ...)`` of ``chunk`` (``start`` on a block boundary of the chunk), which
   arrived as the consecutive buffers ``parts`` (a block may span two). A mismatch is
-  ``SnapshotIntegrityError`` naming the snapshot, file, chunk and block.
+  ``SnapshotIntegrityError`` naming the snapshot, file, chunk and block. ``values`` (e.g.
+  ``elastic.format.finite.finite_check``) is fed the same bytes, piece by piece right after
+  each piece's crc32, so checking values costs no second pass over memory.
 
 Nothing here allocates per element or executes anything read from a snapshot.
 """
@@ -30,7 +32,7 @@ from __future__ import annotations
 
 import os
 import stat
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Protocol
 
 from elastic.errors import ManifestError, SnapshotIntegrityError
@@ -45,6 +47,9 @@ from elastic.format.records import (
 )
 
 HEADER_BATCH_BYTES = 64 << 20  # header bytes per read batch (real ones: KiB-MiB per file)
+# verify_blocks hands values to check in pieces of this many bytes, each right after its
+# crc32: small enough to be still in the core's cache (elastic.format.finite measures it).
+VALUE_PIECE_BYTES = 256 << 10
 
 
 def snapshot_label(step: int) -> str:
@@ -148,9 +153,12 @@ def _read_headers(manifest: Manifest, wanted: list[str], source: HeaderSource) -
 
 
 def verify_blocks(chunk: ChunkRecord, start: int, parts: Sequence[memoryview | bytes],
-                  block: int, step: int) -> None:
+                  block: int, step: int,
+                  values: Callable[[memoryview | bytes], None] | None = None) -> None:
     """Check the crc32 of every checksum block of ``chunk``'s bytes from absolute offset
-    ``start`` on, which arrived in ``parts`` (module contract)."""
+    ``start`` on, which arrived in ``parts`` (module contract); ``values`` is fed each
+    piece of at most ``VALUE_PIECE_BYTES`` right after its crc32 took it, while it is still
+    in the core's cache (``elastic.format.finite.finite_check``)."""
     c0 = chunk.byte_range[0]
     idx, crc, filled = (start - c0) // block, 0, 0
 
@@ -160,11 +168,14 @@ def verify_blocks(chunk: ChunkRecord, start: int, parts: Sequence[memoryview | b
                 f"{snapshot_label(step)}: checksum mismatch in {chunk.file}, chunk "
                 f"{chunk.name}, block {idx}; the snapshot is corrupt")
 
+    piece = VALUE_PIECE_BYTES if values is not None else block
     for part in parts:
         pos = 0
         while pos < len(part):
-            take = min(block - filled, len(part) - pos)
+            take = min(block - filled, len(part) - pos, piece)
             crc = crc32(part[pos: pos + take], crc)
+            if values is not None:
+                values(part[pos: pos + take])
             pos, filled = pos + take, filled + take
             if filled == block:
                 check()

@@ -239,7 +239,7 @@ class _ManifestParser:
                                        f"of {block_bytes} need {blocks}")
         crc32 = self.int_items(crcs, f"{path}.crc32", 0xFFFFFFFF)
         return ChunkRecord(file=file, name=name, offsets=offsets, shape=shape,
-                           byte_range=(span[0], span[1]), crc32=crc32)
+                           byte_range=(span[0], span[1]), crc32=crc32, dtype=dtype)
 
     def exact_cover(self, path: str, shape: tuple[int, ...], chunks: list[ChunkRecord]
                     ) -> None:

@@ -190,9 +190,15 @@ class ChunkRecord:
     shape: tuple[int, ...]
     byte_range: tuple[int, int]  # absolute [start, end) in `file`
     crc32: tuple[int, ...]  # one per block_bytes block of the chunk's bytes
+    # Its tensor's dtype, as the parsed manifest says (a reader checks the values of a
+    # floating chunk where it checks its bytes); not part of the chunk's JSON: "" when the
+    # record did not come from a parsed manifest.
+    dtype: str = field(default="", compare=False)
 
     def to_json(self) -> dict[str, Any]:
-        return asdict(self)
+        obj = asdict(self)
+        del obj["dtype"]
+        return obj
 
     @staticmethod
     def from_json(obj: dict[str, Any]) -> ChunkRecord:

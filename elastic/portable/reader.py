@@ -15,8 +15,10 @@ Contract
   and the JSON ``state``. Before any tensor byte is read, every used shard file passes the
   shard-file rule and every used chunk is compared with its file's safetensors header
   (``elastic.format.chunk_checks``); every byte read is verified against the manifest's crc32
-  blocks. A failure is ``SnapshotIntegrityError`` (``ManifestError`` for a malformed or unsafe
-  snapshot), one line naming the snapshot and the field, file, chunk or block; nothing is
+  blocks, and every floating value read must be finite (``elastic.format.finite``: a NaN or
+  an Inf is ``NonFiniteError``, as the PyTorch restore refuses it). A failure is
+  ``SnapshotIntegrityError`` (``ManifestError`` for a malformed or unsafe snapshot), one line
+  naming the snapshot and the field, file, chunk or block; nothing is
   returned then. Nothing is unpickled or executed.
 * ``run_info()``: ``run.json`` (the recipe and versions the run was made with) or None, read as
   the run's own record (never through a link).
@@ -46,6 +48,7 @@ from elastic.format.chunk_checks import (
     snapshot_label,
     verify_blocks,
 )
+from elastic.format.finite import finite_check
 from elastic.format.records import ChunkRecord, Manifest, SafetensorsHeader
 from elastic.portable.arrays import decode_state, numpy_dtype
 from elastic.store.snapshot_store import SnapshotStore
@@ -153,11 +156,12 @@ def _assemble(manifest: Manifest, key: str, source: _Source) -> np.ndarray:
         raise SnapshotIntegrityError(f"{snapshot_label(manifest.step)}: cannot allocate "
                                      f"{rec.shape} {rec.dtype} for {key!r} ({err})") from err
     for chunk in rec.chunks:
-        _place(manifest, chunk, out, source)
+        _place(manifest, key, chunk, out, source)
     return out
 
 
-def _place(manifest: Manifest, chunk: ChunkRecord, out: np.ndarray, source: _Source) -> None:
+def _place(manifest: Manifest, key: str, chunk: ChunkRecord, out: np.ndarray,
+           source: _Source) -> None:
     start, end = chunk.byte_range
     if end == start:
         return  # an empty chunk holds no element
@@ -169,9 +173,11 @@ def _place(manifest: Manifest, chunk: ChunkRecord, out: np.ndarray, source: _Sou
         first = chunk.offsets[0] * row if out.ndim else 0
         view = out.reshape(-1).view(np.uint8).data[first: first + (end - start)]
         source.read_into(chunk.file, start, view)
-        verify_blocks(chunk, start, [view], manifest.block_bytes, manifest.step)
+        verify_blocks(chunk, start, [view], manifest.block_bytes, manifest.step,
+                      finite_check(chunk, key, start, manifest.step))
         return
     data = source.read(chunk.file, start, end)
-    verify_blocks(chunk, start, [data], manifest.block_bytes, manifest.step)
+    verify_blocks(chunk, start, [data], manifest.block_bytes, manifest.step,
+                  finite_check(chunk, key, start, manifest.step))
     piece = np.frombuffer(data, dtype=out.dtype).reshape(chunk.shape)
     out[tuple(slice(o, o + s) for o, s in zip(chunk.offsets, chunk.shape, strict=True))] = piece

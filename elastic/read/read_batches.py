@@ -12,7 +12,9 @@ edges go to a staging buffer), the others are read whole into a staging buffer a
 ``read_placed(placed, source, manifest)`` reads every op in batches of about
 ``BATCH_BYTES`` (local disk: ``preadv`` into the tensors' memory) and verifies the crc32 of
 every block it read against the manifest (a mismatch is ``SnapshotIntegrityError`` naming
-file, chunk and block) on ``VERIFY_THREADS`` pool threads: from a local store each pool
+file, chunk and block), then that every floating element it read is finite (a NaN or an Inf
+is ``NonFiniteError``, a ``SnapshotIntegrityError``, naming the tensor), on
+``VERIFY_THREADS`` pool threads: from a local store each pool
 thread reads and verifies whole batches (``ByteSource.parallel_reads``), a few MiB at a
 time so that the crc32 finds the bytes still in the CPU's cache; from the RAM tier
 or S3 this thread reads the batches in order and the pool verifies them meanwhile. A large
@@ -33,6 +35,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from elastic.format.chunk_checks import verify_blocks
+from elastic.format.finite import finite_check
 from elastic.format.records import ChunkRecord, Manifest
 from elastic.read.byte_source import ByteSource
 from elastic.state.layout import Target
@@ -103,8 +106,11 @@ def memory(t: torch.Tensor) -> memoryview:
 
 def verify(op: ReadOp, parts: list[memoryview], block: int, step: int) -> None:
     """Check the crc32 of every checksum block of ``op``'s bytes, which arrived in
-    ``parts`` (consecutive pieces of ``[op.start, op.end)``: a block may span two)."""
-    verify_blocks(op.chunk, op.start, parts, block, step)
+    ``parts`` (consecutive pieces of ``[op.start, op.end)``: a block may span two), and that
+    its floating values are finite (``elastic.format.finite``), each piece right after its
+    crc32, while it is still in the core's cache: one pass over the bytes, not two."""
+    verify_blocks(op.chunk, op.start, parts, block, step,
+                  finite_check(op.chunk, op.key, op.start, step))
 
 
 def read_placed(placed: list[Placed], source: ByteSource, manifest: Manifest) -> None:

@@ -53,6 +53,14 @@ here, because a manifest is untrusted input (P8, docs/design.md):
   every block read is verified against the manifest's crc32 (a mismatch is
   ``SnapshotIntegrityError`` naming the file, chunk and block). Values are copied bitwise;
   nothing is ever unpickled.
+* Every floating element read is checked finite in the same pass, each piece right after
+  its crc32 (``elastic.format.finite``): a NaN or an Inf is ``NonFiniteError`` naming the
+  tensor, a definite failure of the snapshot (its checksums pass: a writer with a bug made
+  it), so it takes the corrupt snapshot's path. On a GPU the check runs on the staging
+  buffer, before the copy to the device; read in place on the CPU, the bytes are in the
+  live tensor when they are checked (as when they are checksummed), so such a failure falls
+  under the rule above: the live tensors are unspecified and the previous snapshot's read
+  overwrites them.
 * What a restore reads. Alone (``read_tensors``: one process, or no process group): each
   rank reads its needed ranges widened to whole checksum blocks, so a rank that needs part
   of a chunk reads up to two partial blocks more (a whole chunk smaller than a block), and a
@@ -67,8 +75,8 @@ here, because a manifest is untrusted input (P8, docs/design.md):
 
 ``collector_paused()`` is the context a restore runs in: Python's cyclic garbage collector off.
 Bad input never surfaces as RuntimeError/KeyError/TypeError/IndexError: every failure is a
-``SnapshotIntegrityError`` (or its subclass ``ManifestError``), which restore answers by
-falling back to the previous committed snapshot.
+``SnapshotIntegrityError`` (or its subclasses ``ManifestError``, ``NonFiniteError``), which
+restore answers by falling back to the previous committed snapshot.
 """
 
 from __future__ import annotations
