@@ -69,7 +69,7 @@ def standard_train_fn(config: dict[str, Any]) -> None:
 
     from data_state import ResumableLoader, TokenDataset
     from sketch_ops import sketch_seed
-    from trainer.train.loop import build_model, next_token_loss
+    from trainer.train.model_build import build_model, next_token_loss
     from trainer.train.optim import WarmupCosine, build_optimizer
     from trainer.train.parallel import all_reduce_sum, loss_weight
 

@@ -237,6 +237,13 @@ class ResumableLoader:
         self._stop_prefetch()
         self.rank, self.world_size, self._mine = rank, world_size, mine
 
+    def global_samples(self, cursor: DataCursor) -> list[int]:
+        """Every sample index the step at `cursor` trains, over all ranks, sorted."""
+        plan = self._plan(cursor, 0, 1)
+        start, stop = plan.span(plan.mine)
+        order = self._order(cursor.seed, cursor.epoch)
+        return sorted(int(i) for i in np.asarray(order(np.arange(start, stop))))
+
     def close(self) -> None:
         self._stop_prefetch()
 

@@ -28,9 +28,12 @@ Contract
 * ``stop_requested`` (optional, asked on rank 0 only) reports that the driver asked the run
   to stop (Ctrl-C, a time limit): source ``"stop"``, ``must_exit=False`` (the loop commits a
   snapshot and ends normally).
-* When torch.distributed is initialised, ``poll`` agrees across ranks (all-reduce MAX of the
-  most urgent cause: signal, external, stop, request), so a signal delivered to only some
-  workers, or a request seen by rank 0 only, makes every rank act on the same step.
+* ``joiners`` (optional, asked on every rank) reports workers waiting to join the training
+  group (in-process recovery, ``elastic.recovery``): source ``"join"``, the least urgent.
+* With a group of ranks (``elastic.collectives``), ``poll`` agrees across ranks (all-reduce
+  MAX of the most urgent cause: signal, external, stop, request, join), so a signal
+  delivered to only some workers, or a request seen by rank 0 only, makes every rank act on
+  the same step.
 * A notice is returned once per cause (requests and stops: once per poll while asked);
   later polls return ``None``.
 """
@@ -44,18 +47,18 @@ from dataclasses import dataclass
 from types import FrameType
 from typing import Any
 
-import torch.distributed as dist
-
+from elastic import collectives
 from elastic.collectives import agree_max
 
 # Agreement codes, most urgent highest: every rank acts on the most urgent cause any saw.
-_CODES = {4: "signal", 3: "external", 2: "stop", 1: "request"}
+_CODES = {5: "signal", 4: "external", 3: "stop", 2: "request", 1: "join"}
 
 
 @dataclass(frozen=True)
 class PreemptionNotice:
     step: int
-    source: str  # "signal", "external" (the platform's notice), "stop" or "request"
+    # "signal", "external" (the platform's notice), "stop", "request" or "join"
+    source: str
     must_exit: bool
     detail: Any = None  # what `external` returned, when source == "external"
 
@@ -64,7 +67,8 @@ class PreemptionWatcher:
     def __init__(self, *, signals: tuple[int, ...] = (signal.SIGTERM,),
                  external: Callable[[], Any] | None = None, external_check_every: int = 1,
                  requested: Callable[[], bool] | None = None,
-                 stop_requested: Callable[[], bool] | None = None) -> None:
+                 stop_requested: Callable[[], bool] | None = None,
+                 joiners: Callable[[], bool] | None = None) -> None:
         if external_check_every < 1:
             raise ValueError(f"external_check_every must be >= 1, got {external_check_every}")
         self.signals = signals
@@ -72,6 +76,7 @@ class PreemptionWatcher:
         self.external_check_every = external_check_every
         self.requested = requested  # on-demand snapshot (planned resize), asked on rank 0
         self.stop_requested = stop_requested  # the driver asked to stop, asked on rank 0
+        self.joiners = joiners  # workers wait to join the group, asked on every rank
         self._signalled = threading.Event()
         self._previous: dict[int, Any] = {}
         self._reported: set[str] = set()
@@ -102,8 +107,9 @@ class PreemptionWatcher:
         first = _rank() == 0
         stop = self.stop_requested is not None and first and self.stop_requested()
         asked = self.requested is not None and first and self.requested()
-        code = agree_max(4 if signalled else 3 if detail is not None else 2 if stop
-                         else 1 if asked else 0)
+        joining = self.joiners is not None and self.joiners()
+        code = agree_max(5 if signalled else 4 if detail is not None else 3 if stop
+                         else 2 if asked else 1 if joining else 0)
         if code == 0:
             return None
         source = _CODES[code]
@@ -114,4 +120,4 @@ class PreemptionWatcher:
 
 
 def _rank() -> int:
-    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+    return collectives.rank()

@@ -75,8 +75,8 @@ import logging
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
+from elastic import collectives
 from elastic.collectives import broadcast_int, grouped
 from elastic.coord.local_coordinator import LocalCoordinator
 from elastic.coord.protocol import CoordinatorClient
@@ -191,7 +191,7 @@ class Snapshotter:
         tests that drive rank 0 first)."""
         if self.generation is not None:
             return self.generation
-        grouped = self.world_size > 1 and dist.is_available() and dist.is_initialized()
+        grouped = self.world_size > 1 and collectives.world_size() > 1
         if self.rank == 0:
             generation = self.coordinator.new_generation()
         elif not grouped:
@@ -202,6 +202,15 @@ class Snapshotter:
             generation = broadcast_int(generation, src=0)
         self.generation = generation
         return generation
+
+    def rebind(self, rank: int, world_size: int, generation: int) -> None:
+        """In-process recovery re-formed the group (``elastic.recovery``): from the next
+        capture on, write as ``rank`` of ``world_size`` in ``generation``. A capture still
+        in flight is finished and handed on under the old generation, whose receipts the
+        coordinator refuses from now on (that step never commits)."""
+        self.wait_capture()
+        self.rank, self.world_size, self.generation = rank, world_size, generation
+        self.capturer.rank, self.capturer.world_size = rank, world_size
 
     # ------------------------------------------------------------------ capture
 
@@ -257,7 +266,7 @@ class Snapshotter:
         return True
 
     def _grouped(self) -> bool:
-        return grouped() and dist.get_world_size() == self.world_size
+        return grouped() and collectives.world_size() == self.world_size
 
     def _report_failure(self, step: int, reason: str) -> None:
         try:

@@ -24,6 +24,11 @@ or as the Ray actor (``elastic.coord.ray_actors`` makes this very class remote).
   driver. A request stays until the fit ends, so a worker group restarted in between stops
   too.
 
+* In-process recovery's membership (``elastic.coord.membership``): ``membership_reset``
+  (driver) and the ``membership_*`` calls of the protocol; each formation starts a new
+  generation of the commit protocol. The process groups meet at a ``RendezvousStore``
+  this coordinator starts on first use (``rendezvous_host``: its node's address).
+
 Thread-safe: its own lock guards only the RAM index and the request flags; the core has its
 own and does storage I/O outside it, so a threaded actor never serialises behind a slow
 store.
@@ -38,8 +43,10 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from elastic.coord.commit import CommitCore
+from elastic.coord.membership import Membership, MembershipSettings
 from elastic.coord.receipts import Receipt, json_size
 from elastic.faults import FaultInjector
+from elastic.rendezvous import RendezvousStore
 from elastic.store.ram_store import RamStoreClient, StoreLost
 from elastic.store.snapshot_store import SnapshotStore
 
@@ -54,6 +61,8 @@ class LocalCoordinator:
                  ram_stores: Callable[[str], RamStoreClient] | None = None,
                  lease_token: str | None = None,
                  pending_timeout_s: float = 600.0, max_pending: int = 3,
+                 membership: MembershipSettings | None = None,
+                 rendezvous_host: str | None = None,
                  clock: Callable[[], float] = time.monotonic) -> None:
         self.lock = threading.RLock()  # guards the RAM index and the request flags only
         self.core = CommitCore(store, keep_last=keep_last, block_bytes=block_bytes,
@@ -73,6 +82,9 @@ class LocalCoordinator:
         # Stop requests: whether the driver asked, and the step the workers stopped at.
         self.stop_asked = False
         self.stopped_at: int | None = None
+        self.rendezvous = RendezvousStore(rendezvous_host)
+        self.membership = Membership(self.core.new_generation, self.rendezvous.address,
+                                     membership, clock=clock)
 
     # ---------------------------------------------------------------- generations
 
@@ -125,6 +137,30 @@ class LocalCoordinator:
         """The workers stopped after step ``step`` (asked to, or at their ``until`` step)."""
         with self.lock:
             self.stopped_at = step
+
+    # ---------------------------------------------------------------- membership
+
+    def membership_reset(self, expected: int) -> dict[str, Any]:
+        """The driver: a whole worker group of ``expected`` workers is starting."""
+        return self.membership.reset(expected)
+
+    def membership_join(self, member: str, order: int) -> dict[str, Any]:
+        return self.membership.join(member, order)
+
+    def membership_beat(self, member: str, generation: int) -> dict[str, Any]:
+        return self.membership.beat(member, generation)
+
+    def membership_reform(self, member: str, generation: int, reason: str) -> dict[str, Any]:
+        return self.membership.reform(member, generation, reason)
+
+    def membership_fallback(self, member: str, reason: str) -> dict[str, Any]:
+        return self.membership.fallback(member, reason)
+
+    def membership_finish(self, generation: int) -> dict[str, Any]:
+        return self.membership.finish(generation)
+
+    def membership_leave(self, member: str) -> None:
+        self.membership.leave(member)
 
     # ---------------------------------------------------------------- shards
 
@@ -214,6 +250,7 @@ class LocalCoordinator:
             info["ram_files"] = {s: len(files) for s, files in self.ram_index.items()}
             info["handled_bytes"] = self.handled_bytes
             info["stopped_at"] = self.stopped_at
+        info["membership"] = self.membership.health()
         return info
 
     def events(self) -> list[str]:

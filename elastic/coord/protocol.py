@@ -21,8 +21,10 @@ from a worker to its peers' RAM stores and to storage, never through it.
 
 Every method is safe to repeat: a retried call after a coordinator restart is either
 refused (stale generation, aborted step) or has the same effect. The driver-side controls
-(``request_snapshot``, ``request_met``, ``cancel_request``, ``request_stop``) are not part of
-it: only the driver calls them, on the actor handle.
+(``request_snapshot``, ``request_met``, ``cancel_request``, ``request_stop``,
+``membership_reset``) are not part of it: only the driver calls them, on the actor handle.
+The ``membership_*`` methods are in-process recovery's (``elastic.coord.membership``); a
+coordinator that runs no membership answers them with its ``off_view()``.
 """
 
 from __future__ import annotations
@@ -126,6 +128,33 @@ class CoordinatorClient(Protocol):
 
     def answer_stop(self, step: int) -> None:
         """Rank 0: the workers stopped after ``step`` (its snapshot persisted)."""
+        ...
+
+    # ------------------------------------------------------------------ membership
+
+    def membership_join(self, member: str, order: int) -> dict[str, Any]:
+        """Join the forming worker group, or wait as a joiner to a running one
+        (``elastic.coord.membership``: every membership method returns its view)."""
+        ...
+
+    def membership_beat(self, member: str, generation: int) -> dict[str, Any]:
+        """Alive; the current view (joiners waiting, a reform, a fallback, fencing)."""
+        ...
+
+    def membership_reform(self, member: str, generation: int, reason: str) -> dict[str, Any]:
+        """Ask for the next membership (``reason``: "failure" or "join")."""
+        ...
+
+    def membership_fallback(self, member: str, reason: str) -> dict[str, Any]:
+        """In-process recovery cannot go on: every member ends its worker."""
+        ...
+
+    def membership_finish(self, generation: int) -> dict[str, Any]:
+        """The run's last step is committed: later joiners restore it instead."""
+        ...
+
+    def membership_leave(self, member: str) -> None:
+        """A waiting joiner gives up."""
         ...
 
 

@@ -81,6 +81,8 @@ class _StoreBackedCoordinator(LocalCoordinator):
         def ram_stores(node: str) -> RamStoreClient:
             return RayRamStoreClient(find_ram_store(run_uri, node, lease_token))
 
+        # Process groups of in-process recovery meet at a store on this (the head) node.
+        kwargs.setdefault("rendezvous_host", ray.util.get_node_ip_address())
         super().__init__(SnapshotStore(run_uri, storage_options, **deadlines),
                          lease_token=lease_token, ram_stores=ram_stores, **kwargs)
         try:

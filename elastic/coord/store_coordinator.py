@@ -21,6 +21,7 @@ import time
 from typing import Any
 
 from elastic.coord.local_coordinator import LocalCoordinator
+from elastic.coord.membership import off_view
 from elastic.coord.receipts import Receipt, json_size
 from elastic.faults import FaultInjector
 from elastic.format.manifest_check import MAX_MANIFEST_BYTES
@@ -112,6 +113,26 @@ class StoreCoordinator:
 
     def answer_stop(self, step: int) -> None:
         """No driver to tell without Ray."""
+
+    # No membership in store groups: in-process recovery runs on Ray only.
+
+    def membership_join(self, member: str, order: int) -> dict[str, Any]:
+        return off_view()
+
+    def membership_beat(self, member: str, generation: int) -> dict[str, Any]:
+        return off_view()
+
+    def membership_reform(self, member: str, generation: int, reason: str) -> dict[str, Any]:
+        return off_view()
+
+    def membership_fallback(self, member: str, reason: str) -> dict[str, Any]:
+        return off_view()
+
+    def membership_finish(self, generation: int) -> dict[str, Any]:
+        return off_view()
+
+    def membership_leave(self, member: str) -> None:
+        return None
 
     def poll(self) -> None:
         if self.local is None:

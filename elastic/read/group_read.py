@@ -54,8 +54,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.distributed as dist
 
+from elastic import collectives
 from elastic.collectives import agree_max, all_gather_ints, group_device
 from elastic.errors import RestoreMemoryError, SnapshotIntegrityError, StorageUnavailableError
 from elastic.format.chunk_checks import check_headers, snapshot_label
@@ -166,7 +166,7 @@ def group_read_tensors(manifest: Manifest, targets: dict[str, Target],
     alone = [p for p in placed if not p.direct]
     wants = all_gather_ints([x for i, p in sorted(direct.items())
                              for x in (i, p.op.start, p.op.end, p.op.need0, p.op.need1)])
-    rank = dist.get_rank()
+    rank = collectives.rank()
     private, pieces = _plan(wants, manifest.block_bytes)
     # Large pieces every needer uses whole go straight into the owner's tensor and from there
     # into the others' (no round buffer, no copy); the rest go through rounds.
@@ -273,12 +273,12 @@ def _broadcast_in_place(pieces: list[_Piece], direct: dict[int, Placed], rank: i
         else:
             mine = buffers.scratch[:size]
         if buffers.wire is None:
-            dist.broadcast(mine, src=piece.owner)
+            collectives.broadcast(mine, piece.owner)
             continue
         wire = buffers.wire[:size]
         if rank == piece.owner:
             wire.copy_(mine)
-        dist.broadcast(wire, src=piece.owner)
+        collectives.broadcast(wire, piece.owner)
         if rank != piece.owner:
             mine.copy_(wire)
 
@@ -302,7 +302,7 @@ def _exchange(batch: list[_Piece], chunks: list[tuple[str, ChunkRecord]],
     pieces that every rank needs and sends the others to the ranks that need them, and every
     rank that needs a piece copies it into its tensor."""
     # Pieces every rank needs first, by owner (each owner's are one broadcast); then the rest.
-    world = dist.get_world_size()
+    world = collectives.world_size()
     batch = sorted(batch, key=lambda p: (len(p.needers) != world, p.owner))
     offsets, total = [], 0
     for piece in batch:
@@ -334,19 +334,19 @@ def _exchange(batch: list[_Piece], chunks: list[tuple[str, ChunkRecord]],
         while j < everyone and batch[j].owner == batch[i].owner:
             j += 1
         end = offsets[j - 1] + batch[j - 1].end - batch[j - 1].start
-        dist.broadcast(buffer[offsets[i]: end], src=batch[i].owner)
+        collectives.broadcast(buffer[offsets[i]: end], batch[i].owner)
         i = j
     # Pieces only some ranks need (the edges of sharded rows) go from owner to needers only.
-    p2p = []
+    sends: list[tuple[torch.Tensor, int, int]] = []
+    recvs: list[tuple[torch.Tensor, int, int]] = []
     for tag in range(everyone, len(batch)):
         piece, off = batch[tag], offsets[tag]
         part = buffer[off: off + piece.end - piece.start]
         if rank == piece.owner:
-            p2p += [dist.P2POp(dist.isend, part, r, tag=tag) for r in piece.needers if r != rank]
+            sends += [(part, r, tag) for r in piece.needers if r != rank]
         elif rank in piece.needers:
-            p2p.append(dist.P2POp(dist.irecv, part, piece.owner, tag=tag))
-    for work in dist.batch_isend_irecv(p2p) if p2p else []:
-        work.wait()
+            recvs.append((part, piece.owner, tag))
+    collectives.exchange(sends, recvs)
     if buffer is not host:
         host.copy_(buffer)
     for piece, off in zip(batch, offsets, strict=True):

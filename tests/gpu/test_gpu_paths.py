@@ -97,7 +97,7 @@ def _sketched_llama_grads(device: torch.device, backend: str,
     """The gradients of recipes/llama-tiny.toml's model, sketched with include="auto" (its
     SwiGLU MLPs and RMSNorms fused), for one microbatch, through `backend`."""
     from sketch_ops import dispatch, sketch_seed
-    from trainer.train.loop import build_model, loss_function
+    from trainer.train.model_build import build_model, loss_function
 
     monkeypatch.setenv(dispatch.BACKEND_ENV, backend)
     cfg = load_recipe(LLAMA, ["snapshots.run_uri=unused", "sketch.rank=16"])
@@ -130,7 +130,7 @@ def test_triton_sketched_llama_matches_the_reference_backend_on_cuda(
 
 @pytest.mark.gpu
 def test_bf16_autocast_on_cuda_computes_in_bf16_with_fp32_weights_and_gradients() -> None:
-    from trainer.train.loop import build_model, loss_function
+    from trainer.train.model_build import build_model, loss_function
     from trainer.train.precision import autocast
 
     losses = {}

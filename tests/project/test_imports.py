@@ -44,12 +44,14 @@ ELASTIC_LAYERS: Layers = (
     (("elastic", "elastic.snapshotter", "elastic.settings", "elastic.preemption",
       "elastic.catalog", "elastic.set_aside", "elastic.replicas", "elastic.snapshot_ref",
       "elastic.testing"),),  # the face
-    (("elastic.write.*",), ("elastic.read.*",), ("elastic.portable.*",)),
+    (("elastic.write.*",), ("elastic.read.*",), ("elastic.portable.*",),
+     ("elastic.recovery.*",)),
     (("elastic.coord.*",),),
     (("elastic.lease.*",),),
     (("elastic.store.*",), ("elastic.state.*",)),
     (("elastic.format.*",),),
-    (("elastic.errors",), ("elastic.faults",), ("elastic.collectives",), ("elastic.version",)),
+    (("elastic.errors",), ("elastic.faults",), ("elastic.collectives",), ("elastic.version",),
+     ("elastic.rendezvous",)),
     (("elastic.storage.*",),),
 )
 

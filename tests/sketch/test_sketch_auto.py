@@ -20,8 +20,8 @@ from sketch_ops.probe import MIN_SAVING, plan_sketch
 from sketch_ops.swiglu import KEEP_GATE
 from tests.inprocess_fit import baton
 from trainer.config import ConfigError, ModelConfig, SketchConfig, load_recipe
-from trainer.train.loop import build_model
 from trainer.train.model import GPT, SKETCH_LAYERS
+from trainer.train.model_build import build_model
 
 ROOT = Path(__file__).resolve().parents[2]
 LLAMA_RECIPE = str(ROOT / "recipes" / "llama-tiny.toml")

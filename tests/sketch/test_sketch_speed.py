@@ -26,8 +26,8 @@ from sketch_ops.model import auto_plan
 from sketch_ops.speed_plan import LayerStats, judge
 from tests.inprocess_fit import baton
 from trainer.config import ConfigError, ModelConfig, SketchConfig, load_recipe
-from trainer.train.loop import build_model
 from trainer.train.model import GPT, SKETCH_LAYERS
+from trainer.train.model_build import build_model
 
 ROOT = Path(__file__).resolve().parents[2]
 LLAMA_RECIPE = str(ROOT / "recipes" / "llama-tiny.toml")

@@ -86,7 +86,7 @@ def test_sketch_policy_reaches_the_model() -> None:
     from torch import nn
 
     from sketch_ops import SketchedLinear
-    from trainer.train.loop import build_model
+    from trainer.train.model_build import build_model
 
     cfg = load_recipe(RECIPES[0], RUN + ["sketch.rank=8"])
     model = build_model(cfg)

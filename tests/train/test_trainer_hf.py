@@ -25,7 +25,8 @@ from elastic.store.snapshot_store import SnapshotStore  # noqa: E402
 from elastic.testing import run_group  # noqa: E402
 from trainer.cli import main  # noqa: E402
 from trainer.config import ConfigError, load_recipe  # noqa: E402
-from trainer.train.loop import WorkerEnv, build_model, run_worker  # noqa: E402
+from trainer.train.loop import WorkerEnv, run_worker  # noqa: E402
+from trainer.train.model_build import build_model  # noqa: E402
 from trainer.train.parallel import shard_units  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -4,8 +4,8 @@ what that does to the activation memory of one step (registered into `trainer.cl
 
 Contract: builds the recipe's model on CPU (no Ray, no dataset read: token id 0 stands in for
 data, since what autograd saves depends on shapes only), exactly as a run builds it before
-sketching (`trainer.train.loop.build_model`, seeded), and measures one training step of it through
-the run's loss on a microbatch of `--rows` tokens (default: `data.microbatch_size ×
+sketching (`trainer.train.model_build.build_model`, seeded), and measures one training step of
+it through the run's loss on a microbatch of `--rows` tokens (default: `data.microbatch_size ×
 data.seq_len`). Then it applies "auto" (`sketch_ops.model.auto_plan`: the structural fusions,
 then the probe), prints one row per linear layer (sketched / recomputed / kept, its input's
 bytes, the bytes its sketch frees, why) and the activation bytes of exact backprop, the

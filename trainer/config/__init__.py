@@ -8,6 +8,7 @@ The room's modules
   from local files) and ``[sketch]`` (BASIS).
 * ``training``: ``[data]``, ``[optim]``, ``[snapshots]``, ``[scaling]``, ``[eval]``,
   ``[logging]``, ``[precision]``.
+* ``recovery``: ``[recovery]`` (in-process recovery of a lost worker's survivors).
 * ``checks``: ``ConfigError`` and the validation every section shares.
 * ``recipe_doc``: ``docs/recipes.md``, generated from the fields' own comments
   (``python -m trainer.config.recipe_doc``).
@@ -35,6 +36,7 @@ from trainer.config.model import (
     require_transformers,
 )
 from trainer.config.recipe import FitConfig, apply_override, callable_name, from_dict, load_recipe
+from trainer.config.recovery import RecoveryConfig
 from trainer.config.training import (
     OPTIMIZERS,
     PRECISIONS,
@@ -51,7 +53,7 @@ from trainer.config.training import (
 __all__ = [
     "HF_INSTALL_HINT", "MLP_RECOMPUTE", "OPTIMIZERS", "PRECISIONS", "SCHEDULES", "ConfigError",
     "DataConfig", "EvalConfig", "FitConfig", "LoggingConfig", "ModelConfig", "OptimConfig",
-    "PrecisionConfig", "ScalingSettings", "SketchConfig", "SnapshotConfig", "apply_override",
-    "callable_name", "check_local_source", "config_file", "from_dict", "hf_source_field",
-    "load_recipe", "raw_hf_config", "require_transformers",
+    "PrecisionConfig", "RecoveryConfig", "ScalingSettings", "SketchConfig", "SnapshotConfig",
+    "apply_override", "callable_name", "check_local_source", "config_file", "from_dict",
+    "hf_source_field", "load_recipe", "raw_hf_config", "require_transformers",
 ]

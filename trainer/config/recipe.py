@@ -3,10 +3,10 @@
 Contract:
 - Every section is a dataclass documented per field and validated in `__post_init__`
   (`trainer/config/model.py`: `[model]`, `[sketch]`; `trainer/config/training.py`: the others;
-  all importable from `trainer.config`); a bad value raises `ConfigError` (a `ValueError`) naming the
-  dotted field (`optim.lr`) and the fix. Types are checked first, for every field, from the
-  dataclass annotations (`checks.check_types`): `steps = "10"`, `steps = true` or
-  `d_model = 32.0` is one `ConfigError`, never a `TypeError`.
+  all importable from `trainer.config`); a bad value raises `ConfigError` (a `ValueError`)
+  naming the dotted field (`optim.lr`) and the fix. Types are checked first, for every
+  field, from the dataclass annotations (`checks.check_types`): `steps = "10"`,
+  `steps = true` or `d_model = 32.0` is one `ConfigError`, never a `TypeError`.
 - `load_recipe(path, overrides)` reads a TOML recipe, applies `key=value` overrides
   (`optim.lr=3e-4`; the value is parsed as TOML, else taken as a string) and returns a
   validated `FitConfig`. Unknown sections or keys are errors that list the valid ones.
@@ -31,6 +31,7 @@ from trainer.config.model import (
     ModelConfig,
     SketchConfig,
 )
+from trainer.config.recovery import RecoveryConfig
 from trainer.config.training import (
     DataConfig,
     EvalConfig,
@@ -51,6 +52,7 @@ _SECTIONS: dict[str, type] = {
     "eval": EvalConfig,
     "logging": LoggingConfig,
     "precision": PrecisionConfig,
+    "recovery": RecoveryConfig,
 }
 _PARALLELISMS = ("ddp", "fsdp")
 
@@ -68,6 +70,7 @@ class FitConfig:
     eval: EvalConfig = field(default_factory=EvalConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     precision: PrecisionConfig = field(default_factory=PrecisionConfig)
+    recovery: RecoveryConfig = field(default_factory=RecoveryConfig)
     parallelism: str = "ddp"  # "ddp" (replicated) or "fsdp" (FSDP2 fully_shard)
     seed: int = 0  # model init, data order and sketches follow it (never the world size)
     steps: int = 100  # optimizer steps in the whole run (a resumed run continues to this)

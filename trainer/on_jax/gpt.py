@@ -3,7 +3,8 @@
 Contract: ``FlaxGPT.for_params(params, n_heads)`` maps token ids ``(batch, seq)`` to logits
 ``(batch, seq, vocab)`` with the parameters ``trainer.on_jax.layout_map.gpt_map`` builds from a
 Baton snapshot (vocabulary, width, depth and longest sequence come from their shapes);
-``next_token_loss(model, params, tokens)`` is ``trainer.train.loop.next_token_loss``: the mean
+``next_token_loss(model, params, tokens)`` is
+``trainer.train.model_build.next_token_loss``: the mean
 cross-entropy of predicting ``tokens[:, 1:]`` from ``tokens[:, :-1]``. fp32 throughout.
 
 The same maths as the PyTorch model, layer by layer: pre-norm blocks (LayerNorm eps 1e-5,

@@ -63,7 +63,7 @@ def activation_bytes(cfg: FitConfig) -> tuple[int, int]:
 
     from sketch_ops import sketch_seed
     from sketch_ops.memory import saved_bytes
-    from trainer.train.loop import build_model, next_token_loss
+    from trainer.train.model_build import build_model, next_token_loss
 
     vocab = cfg.model.vocab_size or 256  # 0: the dataset's; the demo's corpus is bytes
     tokens = torch.randint(0, vocab, (cfg.data.microbatch_size, cfg.data.seq_len))

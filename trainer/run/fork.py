@@ -231,7 +231,7 @@ def _model_shapes(cfg: FitConfig) -> dict[str, tuple[int, ...]] | None:
     """The recipe's model parameter and buffer shapes, built without memory (meta device)."""
     import torch
 
-    from trainer.train.loop import build_model
+    from trainer.train.model_build import build_model
 
     try:
         with torch.device("meta"):

@@ -28,6 +28,7 @@ have been advanced for exactly the committed steps (promise P5).
 
 from __future__ import annotations
 
+import functools
 import resource
 import time
 from collections.abc import Callable, Iterator
@@ -36,18 +37,17 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from data_state import Microbatch, ResumableLoader, TokenDataset
 from data_state.manifest import DatasetError
 from elastic.coord.protocol import CoordinatorClient
 from elastic.errors import FatalRunError
-from sketch_ops import sketch_model, sketch_seed
+from sketch_ops import sketch_seed
 from trainer.config import ConfigError, FitConfig
 from trainer.train.continuation import RunDirError, check_continuation, model_config_record
-from trainer.train.hf import build_hf_model, causal_lm_loss, dataset_vocab_size
-from trainer.train.model import GPT, SKETCH_LAYERS
+from trainer.train.late_records import LateRecords
+from trainer.train.model_build import build_model, loss_function
 from trainer.train.optim import LrSchedule, build_optimizer
 from trainer.train.parallel import (
     accumulation_passes,
@@ -59,97 +59,6 @@ from trainer.train.parallel import (
 )
 from trainer.train.precision import autocast, ensure_optimizer_state, loss_scaler
 from trainer.train.session import Session
-
-
-def next_token_loss(model: nn.Module, tokens: torch.Tensor) -> torch.Tensor:
-    """Mean cross-entropy of predicting `tokens[:, 1:]` from `tokens[:, :-1]`."""
-    logits = model(tokens[:, :-1])
-    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), tokens[:, 1:].reshape(-1))
-
-
-def loss_function(cfg: FitConfig) -> Callable[[nn.Module, torch.Tensor], torch.Tensor]:
-    """The run's loss: the Python API's `loss_fn`, a Hugging Face model's own causal-LM loss,
-    or the built-in GPT's `next_token_loss` (the same quantity for each)."""
-    if cfg.loss_fn is not None:
-        return cfg.loss_fn
-    return causal_lm_loss if cfg.model.is_hf else next_token_loss
-
-
-def build_model(cfg: FitConfig, device: torch.device | None = None) -> nn.Module:
-    """The same initial model on every rank (seeded), on `device` (default: where it was
-    built), with BASIS layers when sketching is on: the Python API's `model_factory`, a Hugging
-    Face model (`[model] hf_config` / `init_from`, `trainer.train.hf`) or the built-in GPT. Layers
-    are chosen by `sketch.include`: the built-in GPT's default is `SKETCH_LAYERS`, any other
-    model's "auto" (`sketch_ops.probe`: one probe step on a microbatch of zeros, the same on
-    every rank, so P1 holds)."""
-    torch.manual_seed(cfg.seed)
-    if cfg.model_factory is not None:
-        model = cfg.model_factory()
-    elif cfg.model.is_hf:
-        try:  # the model's vocabulary must hold every token id of the data
-            model = build_hf_model(cfg.model, dataset_vocab=dataset_vocab_size(cfg.data.uri))
-        except ConfigError as err:  # the same on every restart: fail the run once
-            raise FatalRunError(str(err)) from err
-    else:
-        model = GPT(cfg.model, seq_len=cfg.data.seq_len)
-    if device is not None:
-        model = model.to(device)
-    sketch = cfg.sketch
-    if sketch.enabled:
-        builtin = cfg.model_factory is None and not cfg.model.is_hf
-        include = sketch.include or (SKETCH_LAYERS if builtin else "auto")
-        probe = probe_args(cfg, model) if include == "auto" else {}
-        if sketch.rank:
-            sketch_model(model, rank=sketch.rank, include=include, estimator=sketch.estimator,
-                         **probe)
-        else:
-            sketch_model(
-                model,
-                memory_budget=int(sketch.memory_budget_mib * 2**20),
-                rows=cfg.data.microbatch_size * (cfg.data.seq_len - 1),  # inputs per microbatch
-                include=include,
-                estimator=sketch.estimator,
-                **probe,
-            )
-    return model
-
-
-def probe_args(cfg: FitConfig, model: nn.Module) -> dict[str, Any]:
-    """`sketch_model`'s probe for `include="auto"`: one microbatch of token id 0 (what is saved
-    for backward depends on shapes, not values) through the run's loss, under its autocast,
-    and the recipe's `sketch.min_saving` / `sketch.keep_gate` (and `max_quality_cost`'s
-    `speed_args` when it is set)."""
-    device = next(model.parameters()).device
-    tokens = torch.zeros(cfg.data.microbatch_size, cfg.data.seq_len, dtype=torch.long,
-                         device=device)
-    run_loss = loss_function(cfg)
-
-    def probe_loss(model: nn.Module, batch: torch.Tensor) -> torch.Tensor:
-        with autocast(model, cfg.precision.dtype, device):
-            return run_loss(model, batch)
-
-    args = {"probe_batch": tokens, "loss_fn": probe_loss,
-                "min_saving": cfg.sketch.min_saving, "keep_gate": cfg.sketch.keep_gate}
-    if cfg.sketch.max_quality_cost > 0:
-        args.update(speed_args(cfg, model, tokens.shape))
-    return args
-
-
-def speed_args(cfg: FitConfig, model: nn.Module, shape: torch.Size) -> dict[str, Any]:
-    """auto's speed rule (`sketch.max_quality_cost`): the device's rates, modelled (never timed:
-    every rank and restart decides alike) for the run's dtype, and random token ids (seeded by
-    the run's seed) to measure gradient errors on, all-zero tokens being degenerate there."""
-    from sketch_ops.cost import device_rates
-
-    device = next(model.parameters()).device
-    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(cfg.precision.dtype,
-                                                                 torch.float32)
-    vocab = min((m.num_embeddings for m in model.modules() if isinstance(m, nn.Embedding)),
-                default=1)
-    generator = torch.Generator().manual_seed(cfg.seed)
-    tokens = torch.randint(0, vocab, tuple(shape), generator=generator).to(device)
-    return {"max_quality_cost": cfg.sketch.max_quality_cost, "quality_batch": tokens,
-            "rates": device_rates(device, dtype, measure=False)}
 
 
 @dataclass
@@ -167,6 +76,9 @@ class WorkerEnv:
     stop_after: int | None = None  # stop gracefully (with a committed snapshot) after this step
     pace_s: float = 0.0  # sleep per step (fault-injection tests: let events land mid-run)
     record_samples: bool = False  # add every step's global sample indices to its metrics
+    # Called with each in-process recovery (`elastic.recovery`), by the member that is rank 0
+    # after it: what it cost and how the group changed.
+    on_recovery: Callable[[dict[str, Any]], None] | None = None
 
 
 @contextmanager
@@ -327,10 +239,12 @@ def train_step(cfg: FitConfig, env: WorkerEnv, built: Built, step: int) -> tuple
 
 
 def record(cfg: FitConfig, env: WorkerEnv, built: Built, step: int, loss: float,
-           samples: list[int], *, started: float, stall_s: float) -> dict[str, Any]:
+           samples: list[int], *, started: float, stall_s: float,
+           all_samples: bool = False) -> dict[str, Any]:
     """The metrics of completed step `step` (1-based), evaluated when due, handed to rank 0's
-    `on_metrics` and, on snapshot steps, to every rank's `report`."""
-    if env.record_samples:  # every rank's samples, for the exactly-once audit
+    `on_metrics` and, on snapshot steps, to every rank's `report`. `all_samples`: `samples`
+    are already the whole step's (not this rank's share)."""
+    if env.record_samples and not all_samples:  # every rank's samples, for the audit
         per_rank = -(-cfg.data.num_microbatches // env.world_size) * cfg.data.microbatch_size
         samples = gather_samples(samples, per_rank, env.device)
     evaluated = bool(cfg.eval.every) and step % cfg.eval.every == 0
@@ -360,6 +274,13 @@ def record(cfg: FitConfig, env: WorkerEnv, built: Built, step: int, loss: float,
     return metrics
 
 
+def _record_late(cfg: FitConfig, env: WorkerEnv, built: Built, step: int, loss: float,
+                 samples: list[int], started: float) -> None:
+    """A step recorded once it counted after a recovery (`LateRecords`)."""
+    record(cfg, env, built, step, loss, samples, started=started, stall_s=0.0,
+           all_samples=True)
+
+
 def run_worker(cfg: FitConfig, env: WorkerEnv) -> WorkerResult:
     """Build, restore through a `Session`, then train step by step up to `cfg.steps` (or a
     stop): the session snapshots, answers preemption and resizes, and commits the end."""
@@ -374,19 +295,29 @@ def run_worker(cfg: FitConfig, env: WorkerEnv) -> WorkerResult:
             run_info={"config": cfg.to_dict(), **model_config_record(cfg)},
         )
         with session:
-            if env.on_start is not None:
-                env.on_start(session.start_step)
+            env.rank, env.world_size = session.rank, session.world_size
+            if env.on_start is not None and not session.received_from_peer:
+                env.on_start(session.start_step)  # a replacement joins a running group
             loss, val_loss = float("nan"), None
             stalled = session.stall_s
+            late = LateRecords(built.loader, session, functools.partial(
+                _record_late, cfg, env, built), env.on_recovery)
             for step in session.steps(cfg.steps):
-                started = time.perf_counter()
+                late.catch_up()
+                # In-process recovery may have re-formed the group at the last boundary.
+                env.rank, env.world_size = session.rank, session.world_size
+                started, cursor = time.perf_counter(), built.loader.cursor
                 loss, samples = train_step(cfg, env, built, step)
+                if session.step_failed:  # redone, or counted from a peer: see LateRecords
+                    late.failed(step, cursor, loss, started)
+                    continue
                 metrics = record(cfg, env, built, step + 1, loss, samples, started=started,
                                  stall_s=session.stall_s - stalled)
                 stalled = session.stall_s
                 val_loss = metrics["val_loss"] if metrics["val_loss"] is not None else val_loss
                 if env.pace_s:
                     time.sleep(env.pace_s)
+            late.catch_up()
     finally:
         built.close()
     return WorkerResult(start_step=session.start_step, step=session.step, loss=loss,

@@ -32,6 +32,7 @@ from torch import nn
 from torch.distributed.fsdp import FSDPModule, fully_shard
 from torch.nn.parallel import DistributedDataParallel
 
+from elastic import collectives
 from trainer.train.precision import fsdp_policy, fsdp_root_policy
 
 
@@ -105,20 +106,20 @@ def grad_sync(model: nn.Module, last: bool) -> Iterator[None]:
 
 
 def all_reduce_sum(values: list[float], device: torch.device) -> list[float]:
-    """Sum a few scalars over all ranks (identity in a single process)."""
-    if not distributed():
+    """Sum a few scalars over Baton's group (`elastic.collectives`; identity alone)."""
+    if not collectives.grouped():
         return list(values)
     tensor = torch.tensor(values, dtype=torch.float64, device=device)
-    dist.all_reduce(tensor)
+    collectives.all_reduce(tensor)
     return tensor.tolist()
 
 
 def gather_samples(mine: list[int], max_per_rank: int, device: torch.device) -> list[int]:
     """Every rank's sample indices of a step, on every rank, sorted (for the data audit)."""
-    if not distributed():
+    if not collectives.grouped():
         return sorted(mine)
     padded = torch.full((max_per_rank,), -1, dtype=torch.int64, device=device)
     padded[: len(mine)] = torch.tensor(mine, dtype=torch.int64)
-    gathered = [torch.empty_like(padded) for _ in range(dist.get_world_size())]
-    dist.all_gather(gathered, padded)
+    gathered = [torch.full_like(padded, -1) for _ in range(collectives.world_size())]
+    collectives.all_gather(gathered, padded)
     return sorted(int(i) for i in torch.cat(gathered).tolist() if i >= 0)

@@ -94,6 +94,7 @@ from elastic.state.registry import SnapshotMismatchError
 from trainer.config import SnapshotConfig
 from trainer.train import session_setup as setup
 from trainer.train.parallel import unwrapped
+from trainer.train.session_recovery import StepRecovery, start_recovery
 from trainer.train.session_setup import (  # noqa: F401 - the public names of trainer.train.session
     UsageError,
     WorkerContext,
@@ -104,6 +105,7 @@ from trainer.train.session_setup import (  # noqa: F401 - the public names of tr
 )
 
 if TYPE_CHECKING:
+    from elastic.recovery import InProcessRecovery
     from trainer.train.data_loader import ElasticDataLoader
 
 log = logging.getLogger("baton.session")
@@ -159,6 +161,23 @@ class Session:
         settings = setup.settings(snapshots, context,
                              None if run_uri is None else setup.run_directory(run_uri),
                              snapshot_every)
+        # In-process recovery first: it makes the membership's group the one Baton's
+        # collectives run on (and so the rank and world size).
+        recovery = start_recovery(context, model)
+        try:
+            self._start(model, optimizer, scheduler, data, extras, scaler, settings, context,
+                        coordinator, layout, strict_data, run_info, until, recovery)
+        except BaseException:
+            if recovery is not None:
+                recovery.close(finished=False)
+            raise
+
+    def _start(self, model: nn.Module, optimizer: torch.optim.Optimizer | None,
+               scheduler: Any, data: Any, extras: Mapping[str, Any] | None,
+               scaler: torch.amp.GradScaler | None, settings: SnapshotConfig,
+               context: WorkerContext | None, coordinator: CoordinatorClient | None,
+               layout: str | None, strict_data: bool, run_info: dict[str, Any] | None,
+               until: int | None, recovery: InProcessRecovery | None) -> None:
         self.rank, self.world_size = setup.rank_and_world_size()
         setup.refuse_misuse(model, self.world_size)
         self.model = model
@@ -177,9 +196,16 @@ class Session:
             coordinator=coordinator or (context.coordinator if context else None),
             ram_tier=context.ram_tier if context and coordinator is None else None,
             run_info=run_info,
+            generation=recovery.generation if recovery is not None else None,
         )
         self.coordinator: CoordinatorClient = self.snapshotter.coordinator
-        self.start_step = self._restore()
+        self._recovery = StepRecovery(recovery, self) if recovery is not None else None
+        if recovery is not None:
+            recovery.attach(model, self.registry)
+        if recovery is not None and not recovery.started_fresh:
+            self.start_step = self._receive(recovery)  # a replacement: from a live member
+        else:
+            self.start_step = self._restore()
         if self.rank == 0 or strict_data:
             setup.check_data(data, self.snapshotter.restored_world_size, self.world_size,
                              strict_data)
@@ -197,9 +223,12 @@ class Session:
             external_check_every=PREEMPTION_CHECK_EVERY,
             requested=self.coordinator.snapshot_requested,
             stop_requested=self.coordinator.stop_requested,
+            joiners=recovery.joiners_waiting if recovery is not None else None,
         )
         if threading.current_thread() is threading.main_thread():
             self.watcher.install()  # SIGTERM -> snapshot at the next step boundary, then exit
+        if self._recovery is not None:
+            self._recovery.begin_step()
 
     # ------------------------------------------------------------------ the loop
 
@@ -212,6 +241,22 @@ class Session:
     @property
     def closed(self) -> bool:
         return self._closed
+
+    @property
+    def step_failed(self) -> bool:
+        """The training group failed during the open step (in-process recovery re-forms it
+        when the step ends; the step is redone unless a member applied it)."""
+        return self._recovery is not None and self._recovery.recovery.must_recover()
+
+    @property
+    def received_from_peer(self) -> bool:
+        """This worker joined a running group and took its state from a live member."""
+        return self._recovery is not None and not self._recovery.recovery.started_fresh
+
+    @property
+    def recoveries(self) -> list[dict[str, Any]]:
+        """Every in-process recovery of this session, oldest first (`elastic.recovery`)."""
+        return self._recovery.summary() if self._recovery is not None else []
 
     @property
     def unwrapped_model(self) -> nn.Module:
@@ -266,9 +311,21 @@ class Session:
                 f"step {self._progress.step + 1} ends but its data was never committed: call "
                 "loader.advance() after optimizer.step() (or iterate session.data_loader(...), "
                 "which advances itself)")
-        self._progress.step += 1
+        if self._recovery is not None and self._recovery.recovery.must_recover():
+            # The group failed in this step: re-formed now; the step counts only where its
+            # update was applied (on this member or another, which sent its state).
+            if not self._recovery.step_ends():
+                return False  # redo it: its start state is back (progress, data, schedule)
+        else:
+            self._progress.step += 1
         step = self._progress.step
         notice = self.watcher.poll(step)
+        while self._recovery is not None and self._recovery.boundary_failed():
+            notice = self.watcher.poll(step)  # agree again, on the new group
+        if notice is not None and notice.source == "join":
+            assert self._recovery is not None
+            self._recovery.let_joiners_in()
+            notice = None
         stopping = (notice is not None and notice.source == "stop") or (
             self.until is not None and step >= self.until)
         started = time.perf_counter()
@@ -298,6 +355,9 @@ class Session:
             return True
         if notice is not None:
             self._answer(notice)
+        if self._recovery is not None:
+            self._recovery.boundary_failed()  # re-form before the next step, not in it
+            self._recovery.begin_step()
         return False
 
     def wait_capture(self) -> None:
@@ -325,6 +385,8 @@ class Session:
                 self._loader.close()
             self.watcher.uninstall()
             self.snapshotter.close()
+            if self._recovery is not None:
+                self._recovery.close(self._progress.step if commit else None, self.coordinator)
 
     def __enter__(self) -> Session:
         return self
@@ -336,7 +398,10 @@ class Session:
 
     def _restore(self) -> int:
         try:
-            return self.snapshotter.restore()
+            step = self.snapshotter.restore()
+            if self._recovery is not None and self._recovery.recovery.must_recover():
+                raise self._recovery.recovery.fall_back("a member was lost while restoring")
+            return step
         except SnapshotMismatchError as err:  # the loop's model is not the snapshot's: always
             raise FatalRunError(
                 f"the training state disagrees with the snapshot it continues: {err}") from err
@@ -344,9 +409,27 @@ class Session:
             # a restart would silently train from step 0, so stop and let a person look.
             raise FatalRunError(str(err)) from err
 
-    def _before_optimizer_step(self, *_: Any) -> None:
+    def _before_optimizer_step(self, optimizer: torch.optim.Optimizer, *_: Any) -> None:
         self.optimizer_steps += 1
         self._wait_capture()
+        if self._recovery is not None:
+            self._recovery.before_optimizer_step(optimizer)  # a failed step applies nothing
+
+    def rejoined(self, rank: int, world_size: int, generation: int, step: int) -> None:
+        """In-process recovery re-formed the group: this worker's new place in it, and the
+        completed steps every member now holds."""
+        self.rank, self.world_size = rank, world_size
+        self._progress.step = step
+        self.snapshotter.rebind(rank, world_size, generation)
+        for component in self.registry.components().values():
+            if isinstance(component, setup.WorldSizeFree):
+                component.reshard(rank=rank, world_size=world_size)
+
+    def _receive(self, recovery: InProcessRecovery) -> int:
+        """A replacement worker: the members' state, from a live member."""
+        self.snapshotter.restored_state = recovery.receive_joined_state()
+        self.snapshotter.restored_world_size = recovery.world_size
+        return self._progress.step
 
     def _wait_capture(self) -> None:
         started = time.perf_counter()

@@ -33,17 +33,17 @@ from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
 
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from elastic import collectives
 from elastic.coord.protocol import CoordinatorClient
 from elastic.errors import FatalRunError
 from elastic.snapshot_ref import checkpoint_uri, split_snapshot_dir
 from elastic.state.registry import StateRegistry
 from elastic.store.ram_store import RamTier
 from elastic.store.snapshot_store import SnapshotStore
-from trainer.config import SnapshotConfig
+from trainer.config import RecoveryConfig, SnapshotConfig
 from trainer.train.parallel import parallelism_of
 
 log = logging.getLogger("baton.session")
@@ -70,6 +70,11 @@ class WorkerContext:
     # The caller closes the session when the training function returns (so the loop's end
     # does not commit: ElasticTorchTrainer's wrapper does).
     close_at_return: bool = False
+    # In-process recovery (`elastic.recovery`): its settings, and this worker's member id and
+    # order (Ray Train's world rank) in the run's membership; None: a lost worker restarts
+    # the whole group.
+    recovery: RecoveryConfig | None = None
+    member: tuple[str, int] | None = None
 
 
 class OpenSession(Protocol):
@@ -196,9 +201,9 @@ def check_data(data: Any, saved: int | None, world_size: int, strict: bool) -> N
 
 
 def rank_and_world_size() -> tuple[int, int]:
-    if dist.is_available() and dist.is_initialized():
-        return dist.get_rank(), dist.get_world_size()
-    return 0, 1
+    """Baton's group's (`elastic.collectives`: in-process recovery's membership, else
+    torch.distributed's default group), else (0, 1)."""
+    return collectives.rank(), collectives.world_size()
 
 
 def layout_of(model: nn.Module) -> str:

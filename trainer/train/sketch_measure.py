@@ -2,7 +2,7 @@
 (`baton sketch-plan`, `trainer.cli.sketch_plan`, prints it).
 
 Contract: `plan_and_measure(cfg, batch, rank, rates)` builds the recipe's model exactly as a
-run builds it before sketching (`trainer.train.loop.build_model`, seeded), measures one
+run builds it before sketching (`trainer.train.model_build.build_model`, seeded), measures one
 training step of it through the run's loss on `batch` (exact backprop; and exact with the
 MLPs recomputed, `mlp_recompute = "always"` or a Hugging Face model's SwiGLU MLPs fused with
 `recompute=True`), applies "auto" (`sketch_ops.model.auto_plan`: the structural fusions, then
@@ -65,8 +65,8 @@ def plan_and_measure(cfg: FitConfig, batch: torch.Tensor, rank: int | None,
     from sketch_ops import SketchedLinear, sketch_model, sketch_seed
     from sketch_ops.model import auto_plan
     from sketch_ops.policy import selector
-    from trainer.train.loop import build_model, loss_function, speed_args
     from trainer.train.model import SKETCH_LAYERS
+    from trainer.train.model_build import build_model, loss_function, speed_args
 
     exact_cfg = dataclasses.replace(cfg, sketch=dataclasses.replace(
         cfg.sketch, rank=0, memory_budget_mib=0.0))
@@ -114,7 +114,7 @@ def _exact_recompute(exact_cfg: FitConfig, step: Any, gpu: torch.dtype | None
     `mlp_recompute = "always"`, a Hugging Face model's SwiGLU MLPs fused with `recompute=True`
     (and its RMSNorms fused, as "auto" does); None for a `model_factory` model."""
     from sketch_ops import fuse_rms_norms, fuse_swiglu_mlps
-    from trainer.train.loop import build_model
+    from trainer.train.model_build import build_model
 
     if exact_cfg.model_factory is not None:
         return None

@@ -1,0 +1,155 @@
+"""Worker processes that recover in-process without Ray, for the membership's fault tests.
+
+`Coordinators` serves one `LocalCoordinator` (the one a Ray actor would be) to spawned worker
+processes over a local `multiprocessing` manager, as the actor is served to Ray workers; each
+`Worker` process runs `trainer.train.loop.run_worker` on the tiny recipe with its own process
+group of one (what Ray Train's replica groups give a worker) and a worker context asking for
+in-process recovery, exactly as `ElasticTorchTrainer` sets it up. Faults are keyed by the
+number of forward passes a worker has run (`die_at`, `stop_at`: SIGKILL or SIGSTOP itself in
+the middle of a step). Each worker appends what it saw to `<out>/<member>.jsonl`: the step
+records it published as rank 0, its recoveries, its pid and how it ended.
+"""
+
+from __future__ import annotations
+
+import json
+import multiprocessing as mp
+import os
+import signal
+import time
+import traceback
+from dataclasses import dataclass, field
+from multiprocessing.managers import BaseManager
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+AUTHKEY = b"baton-recovery-tests"
+
+
+class _Manager(BaseManager):
+    pass
+
+
+@dataclass
+class Fault:
+    die_at: int | None = None  # SIGKILL itself during its die_at-th forward pass
+    stop_at: int | None = None  # SIGSTOP itself during that forward pass (a hang)
+    resume_after_s: float = 0.0  # with stop_at: a helper sends SIGCONT after this long
+
+
+@dataclass
+class Worker:
+    member: str
+    order: int
+    fault: Fault = field(default_factory=Fault)
+    start_delay_s: float = 0.0  # a replacement: start this long after the others
+
+
+def serve(coordinator: Any) -> tuple[_Manager, tuple[str, int]]:
+    """Serve `coordinator` to worker processes; returns the manager and its address."""
+    _Manager.register("coordinator", callable=lambda: coordinator)
+    manager = _Manager(address=("127.0.0.1", 0), authkey=AUTHKEY)
+    server = manager.get_server()
+    import threading
+
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    return manager, server.address
+
+
+def _connect(address: tuple[str, int]) -> Any:
+    _Manager.register("coordinator")
+    manager = _Manager(address=address, authkey=AUTHKEY)
+    manager.connect()
+    return manager.coordinator()  # type: ignore[attr-defined]
+
+
+def _faulty_loss(fault: Fault) -> Any:
+    from trainer.train.model_build import next_token_loss  # before it is replaced
+
+    calls = {"n": 0}
+
+    def loss(model: Any, tokens: Any) -> Any:
+        calls["n"] += 1
+        if fault.die_at is not None and calls["n"] == fault.die_at:
+            os.kill(os.getpid(), signal.SIGKILL)
+        if fault.stop_at is not None and calls["n"] == fault.stop_at:
+            if fault.resume_after_s:
+                pid = os.getpid()
+                mp.get_context("fork").Process(target=_resume, args=(pid, fault.resume_after_s),
+                                               daemon=False).start()
+            os.kill(os.getpid(), signal.SIGSTOP)
+        return next_token_loss(model, tokens)
+
+    return loss
+
+
+def _resume(pid: int, after_s: float) -> None:
+    time.sleep(after_s)
+    os.kill(pid, signal.SIGCONT)
+
+
+def _main(address: tuple[str, int], worker: Worker, overrides: list[str], out: str) -> None:
+    import torch
+    import torch.distributed as dist
+
+    from trainer.config import load_recipe
+    from trainer.train import model_build
+    from trainer.train.loop import WorkerEnv, run_worker
+    from trainer.train.session import WorkerContext, worker_context
+
+    log = Path(out) / f"{worker.member}.jsonl"
+
+    def write(record: dict[str, Any]) -> None:
+        with open(log, "a") as f:
+            f.write(json.dumps(record) + "\n")
+
+    time.sleep(worker.start_delay_s)
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    coordinator = _connect(address)
+    cfg = load_recipe(ROOT / "recipes" / "tiny.toml", overrides)
+    # The run's loss (the built-in GPT's), counting forward passes to strike mid-step.
+    model_build.next_token_loss = _faulty_loss(worker.fault)
+    context = WorkerContext(snapshots=cfg.snapshots, coordinator=coordinator,
+                            recovery=cfg.recovery, member=(worker.member, worker.order))
+    write({"kind": "pid", "pid": os.getpid()})
+    env = WorkerEnv(coordinator=coordinator, record_samples=True,
+                    on_metrics=lambda r: write({"kind": "step", **r}),
+                    on_recovery=lambda r: write({"kind": "recovery", **r}))
+    try:
+        with worker_context(context):
+            result = run_worker(cfg, env)
+    except BaseException as err:  # noqa: BLE001 - the test reads how each worker ended
+        write({"kind": "end", "error": f"{type(err).__name__}: {err}",
+               "trace": traceback.format_exc()[-2000:]})
+        raise SystemExit(1) from None
+    write({"kind": "end", "error": None, "step": result.step})
+
+
+def run_workers(coordinator: Any, workers: list[Worker], overrides: list[str], out: Path,
+                timeout_s: float = 240.0) -> dict[str, list[dict[str, Any]]]:
+    """Run the workers against `coordinator` until all have ended; returns each member's
+    records. A worker that is still running after `timeout_s` is killed (and says so)."""
+    _, address = serve(coordinator)
+    out.mkdir(parents=True, exist_ok=True)
+    ctx = mp.get_context("spawn")
+    procs = [ctx.Process(target=_main, args=(address, w, overrides, str(out)), daemon=True)
+             for w in workers]
+    for p in procs:
+        p.start()
+    deadline = time.monotonic() + timeout_s
+    for p in procs:
+        p.join(max(0.1, deadline - time.monotonic()))
+    for p, w in zip(procs, workers, strict=True):
+        if p.is_alive():
+            p.kill()
+            p.join(5)
+            with open(out / f"{w.member}.jsonl", "a") as f:
+                f.write(json.dumps({"kind": "end", "error": "killed: timed out"}) + "\n")
+    records: dict[str, list[dict[str, Any]]] = {}
+    for w in workers:
+        path = out / f"{w.member}.jsonl"
+        lines = path.read_text().splitlines() if path.exists() else []
+        records[w.member] = [json.loads(line) for line in lines]
+    return records

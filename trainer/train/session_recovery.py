@@ -1,0 +1,130 @@
+"""How a `Session` keeps training when a worker is lost: in-process recovery at its steps.
+
+Contract:
+- `start_recovery(context, model)`: the `elastic.recovery.InProcessRecovery` of this worker,
+  joined to the run's membership, when the worker context asks for it (`recovery.in_process`
+  and a member id, as `ElasticTorchTrainer` hands every worker on Ray); None otherwise, or
+  when the coordinator runs no membership or the run has already finished (a late
+  replacement then restores the final snapshot as any worker does). Under it, the model must
+  be replicated (DDP; a model of one worker at world size 1): an FSDP2 model would shard over
+  a group of its worker alone, so it is refused in one line (`UsageError`) naming
+  `recovery.in_process = false`. torchft missing: a warning, and no in-process recovery.
+- `StepRecovery(recovery, session)` runs it at the session's steps:
+  * `begin_step()` at every step's start; `before_optimizer_step(optimizer)` from the
+    session's optimizer pre-hook (a step whose group failed applies nothing);
+  * `step_ends()` when a step ends, before it is counted: False when it must be redone
+    (the group failed before its update was applied): the state of the step's start is back
+    and the members re-formed; True when it counts (it did not fail, or another member
+    applied it and this one received the result);
+  * `boundary_failed()` after the step boundary's own collectives: the group failed in
+    them, the members re-formed (the step already counted): agree again;
+  * `let_joiners_in()` when the members agreed at a boundary that joiners wait;
+  * `close(final_step, coordinator)` when the session closes.
+  After each recovery the session is told the new rank, world size, generation and the
+  completed steps every member now holds (`RecoveringSession.rejoined`); the recoveries
+  are kept in `recovery.recoveries`.
+  A recovery that cannot go on raises `elastic.recovery.RecoveryFailedError` (every member
+  does, so Ray Train restarts the whole group from the newest snapshot).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any, Protocol
+
+import torch
+from torch import nn
+
+from elastic.coord.protocol import CoordinatorClient
+from elastic.recovery import InProcessRecovery, Recovered
+from elastic.recovery.group import GroupUnavailableError
+from trainer.train.session_setup import UsageError, WorkerContext, layout_of
+
+log = logging.getLogger("baton.session")
+
+# How long the first member waits for the last commit before marking the run finished.
+FINISH_WAIT_S = 60.0
+
+
+def start_recovery(context: WorkerContext | None, model: nn.Module) -> InProcessRecovery | None:
+    if (context is None or context.recovery is None or not context.recovery.in_process
+            or context.member is None or context.coordinator is None):
+        return None
+    if layout_of(model) == "fsdp":
+        raise UsageError(
+            "Session: an FSDP2 model under in-process recovery would shard over its own "
+            "worker alone; pass recovery=RecoveryConfig(in_process=False) to "
+            "ElasticTorchTrainer (recipe: [recovery] in_process = false)")
+    member_id, order = context.member
+    device = next((p.device for p in model.parameters()), torch.device("cpu"))
+    try:
+        recovery = InProcessRecovery(context.coordinator, member_id=member_id, order=order,
+                                     device=device,
+                                     collective_timeout_s=context.recovery.collective_timeout_s)
+    except GroupUnavailableError as err:
+        log.warning("%s: a lost worker restarts the whole group", err)
+        return None
+    if not recovery.join():
+        return None
+    return recovery
+
+
+class RecoveringSession(Protocol):
+    """What `StepRecovery` needs of its `Session`."""
+
+    @property
+    def step(self) -> int: ...
+
+    def rejoined(self, rank: int, world_size: int, generation: int, step: int) -> None: ...
+
+
+class StepRecovery:
+    """See the module docstring."""
+
+    def __init__(self, recovery: InProcessRecovery, session: RecoveringSession) -> None:
+        self.recovery = recovery
+        self._session = session
+
+    def begin_step(self) -> None:
+        self.recovery.begin_step()
+
+    def before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
+        self.recovery.before_optimizer_step(optimizer)
+
+    def step_ends(self) -> bool:
+        if not self.recovery.must_recover():
+            return True
+        done = self._recover(open_step=True, reason="failure")
+        return done.counted
+
+    def boundary_failed(self) -> bool:
+        if not self.recovery.must_recover():
+            return False
+        self._recover(open_step=False, reason="failure")
+        return True
+
+    def let_joiners_in(self) -> None:
+        self._recover(open_step=False, reason="join")
+
+    def _recover(self, *, open_step: bool, reason: str) -> Recovered:
+        done = self.recovery.recover(self._session.step, open_step=open_step, reason=reason)
+        self._session.rejoined(done.rank, done.world_size, done.generation, done.step)
+        return done
+
+    def close(self, final_step: int | None, coordinator: CoordinatorClient) -> None:
+        """The session ends; `final_step`: the step it committed last. The first member
+        marks the run finished once that step is committed (a replacement that starts later
+        restores it instead of waiting to join); nothing is marked after a failure."""
+        finished = False
+        if final_step is not None and self.recovery.rank == 0:
+            deadline = time.monotonic() + FINISH_WAIT_S
+            while time.monotonic() < deadline:
+                if final_step == 0 or final_step in coordinator.committed_steps():
+                    finished = True
+                    break
+                time.sleep(0.05)
+        self.recovery.close(finished=finished)
+
+    def summary(self) -> list[dict[str, Any]]:
+        return [vars(r) for r in self.recovery.recoveries]
