@@ -84,6 +84,10 @@ class OptimConfig:
     warmup_steps: int = 10  # linear warmup from 0 to lr over these first steps
     min_lr_ratio: float = 0.1  # the floor of cosine, linear and wsd (constant has none)
     decay_fraction: float = 0.2  # wsd only: the share of `steps` spent decaying
+    # A step whose loss is NaN or Inf (on any rank): false = the run stops in one line naming
+    # the step, before its update, so it is never committed; true = its update is skipped
+    # (no optimizer step; the data and the schedule move on) and training goes on.
+    skip_nonfinite_loss: bool = False
 
     def __post_init__(self) -> None:
         check_types(self, "optim")

@@ -7,7 +7,8 @@ The room's modules
   Session starts from (the worker context) and what it refuses; ``data_loader``: the elastic
   ``DataLoader`` a Session makes.
 * ``loop``: Baton's own training loop over a Session (``run_worker``: build, train one step,
-  record), the one ``baton fit`` runs on every worker.
+  record), the one ``baton fit`` runs on every worker; ``nonfinite``: what it does with a
+  step whose loss is NaN or Inf (stop before the update, or skip it).
 * ``model`` (the built-in GPT), ``hf`` (Hugging Face causal LMs from local files, and their
   export), ``optim`` (optimizers and learning-rate schedules), ``parallel`` (DDP / FSDP2),
   ``precision`` (autocast, loss scaling).

@@ -48,6 +48,7 @@ from trainer.config import ConfigError, FitConfig
 from trainer.train.continuation import RunDirError, check_continuation, model_config_record
 from trainer.train.late_records import LateRecords
 from trainer.train.model_build import build_model, loss_function
+from trainer.train.nonfinite import nonfinite_loss
 from trainer.train.optim import LrSchedule, build_optimizer
 from trainer.train.parallel import (
     accumulation_passes,
@@ -215,25 +216,30 @@ def build(cfg: FitConfig, env: WorkerEnv) -> Built:
 def train_step(cfg: FitConfig, env: WorkerEnv, built: Built, step: int) -> tuple[float, list[int]]:
     """Train step `step` (0-based): forward/backward of this rank's microbatches, the
     optimizer update, then schedule and data cursor move on. Returns the step's mean loss
-    over all ranks and this rank's sample indices."""
+    over all ranks and this rank's sample indices. A NaN or Inf loss stops the run before the
+    update, or skips the update (`trainer.train.nonfinite`)."""
     with dataset_errors_are_fatal(cfg.data.uri):  # a corrupt page found mid-run
         microbatches = built.loader.next_step()
     step_loss = forward_backward(cfg, env, built.model, loss_function(cfg),
                                  microbatches, step, built.scaler)
-    built.scaler.unscale_(built.optimizer)  # fp16: clip and step the true gradients
-    if cfg.optim.grad_clip > 0:
-        torch.nn.utils.clip_grad_norm_(built.model.parameters(), cfg.optim.grad_clip)
-    # The session's hook first finishes an in-flight capture. fp16: skipped (on every rank)
-    # when a gradient overflowed, and the scale backs off; otherwise just optimizer.step().
-    scale = built.scaler.get_scale()
-    built.scaler.step(built.optimizer)
-    built.scaler.update()
-    built.optimizer.zero_grad(set_to_none=True)
-    if built.scaler.get_scale() < scale:  # skipped: maybe no update yet, so no state
-        ensure_optimizer_state(built.model, built.optimizer)
+    # Summed before the update: a NaN or Inf loss stops (or skips) the step on every rank.
+    (loss_sum,) = all_reduce_sum([step_loss], env.device)
+    if nonfinite_loss(loss_sum, step, skip=cfg.optim.skip_nonfinite_loss):
+        built.optimizer.zero_grad(set_to_none=True)  # skipped: no update from its gradients
+    else:
+        built.scaler.unscale_(built.optimizer)  # fp16: clip and step the true gradients
+        if cfg.optim.grad_clip > 0:
+            torch.nn.utils.clip_grad_norm_(built.model.parameters(), cfg.optim.grad_clip)
+        # The session's hook first finishes an in-flight capture. fp16: skipped (on every
+        # rank) when a gradient overflowed, and the scale backs off; else optimizer.step().
+        scale = built.scaler.get_scale()
+        built.scaler.step(built.optimizer)
+        built.scaler.update()
+        built.optimizer.zero_grad(set_to_none=True)
+        if built.scaler.get_scale() < scale:  # skipped: maybe no update yet, so no state
+            ensure_optimizer_state(built.model, built.optimizer)
     built.schedule.step()
     built.loader.advance()
-    (loss_sum,) = all_reduce_sum([step_loss], env.device)
     return loss_sum / cfg.data.num_microbatches, [i for mb in microbatches
                                                   for i in mb.sample_indices]
 
