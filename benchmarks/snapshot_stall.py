@@ -16,6 +16,10 @@ Measured in one run, on this machine, with the built-in GPT at about 25M paramet
     (page cache warm: an optimistic "storage"), and from an S3 API on 127.0.0.1 (moto).
 (d) the replica check a snapshot adds at world size > 1 (fingerprints of every replicated
     tensor, ``elastic.replicas``), against the pipelined stall and the step.
+(e) the full replica checksums a rank of a group takes (crc32 of every replicated tensor,
+    whole, ``elastic.write.replica_sums``): the pipelined stall and the blocking capture of
+    rank 0 of 2 with them (B) and without (A), alternated in one run
+    (``benchmarks.snapshot_stall_replicas``).
 
 Targets: Baton's pipelined stall <= 1/20 of torch.save+fsync and below DCP's async stall;
 throughput overhead <= 3 % with a snapshot every 10 steps; restore from RAM <= 1/3 of restore
@@ -24,6 +28,7 @@ runs, ratios much less; every figure below is compared with its baseline from th
 
     python -m benchmarks.snapshot_stall           # writes benchmarks/results/snapshot_stall.json
     python -m benchmarks.snapshot_stall --quick   # fewer steps, no S3 (smoke run)
+    python -m benchmarks.snapshot_stall --only replica-checksums --rounds 12   # (e) alone
 """
 
 from __future__ import annotations
@@ -39,6 +44,7 @@ import time
 import torch
 
 from benchmarks.common import RESULTS, moto_s3, timed, write_json
+from benchmarks.snapshot_stall_replicas import replica_checksum_cost
 from elastic.settings import SnapshotSettings
 from elastic.snapshotter import Snapshotter
 from elastic.state.registry import StateRegistry
@@ -207,6 +213,9 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true", help="fewer steps, no S3")
     parser.add_argument("--out", default=str(RESULTS / "snapshot_stall.json"))
+    parser.add_argument("--only", choices=("all", "replica-checksums"), default="all",
+                        help="replica-checksums: part (e) alone")
+    parser.add_argument("--rounds", type=int, default=8, help="A/B rounds of part (e)")
     args = parser.parse_args()
     reps = 2 if args.quick else 3
     pairs = 2 if args.quick else 5
@@ -215,6 +224,13 @@ def main() -> int:
     run.step()
     run.step()  # optimizer state exists from here on
     print(f"GPT {run.n_params() / 1e6:.1f}M params, state {run.state_bytes() / 2**20:.0f} MiB")
+    rounds = 2 if args.quick else args.rounds
+    if args.only == "replica-checksums":
+        alone = {"torch": torch.__version__,
+                 "replica_checksums": replica_checksum_cost(run, f"{tmp}/sums", rounds)}
+        print(json.dumps(alone, indent=1))
+        write_json(args.out.replace(".json", "_replicas.json"), alone)
+        return 0
     step_s = statistics.median(timed(run.step) for _ in range(3))
 
     res: dict[str, object] = {"params": run.n_params(), "state_bytes": run.state_bytes(),
@@ -227,6 +243,7 @@ def main() -> int:
     res["torch_save_fsync_s"] = statistics.median(torch_save_stall(run, f"{tmp}/ts.pt", reps))
     res["dcp_async_save_stall_s"] = statistics.median(dcp_async_stall(run, f"{tmp}", reps))
     res["throughput"] = throughput(run, f"{tmp}/tp", pairs, every=10)
+    sums = res["replica_checksums"] = replica_checksum_cost(run, f"{tmp}/sums", rounds)
     with contextlib.nullcontext() if args.quick else moto_s3("bench"):
         s3_uri = None if args.quick else "s3://bench/snapshot-stall"
         res["restore"] = restore_times(f"{tmp}/restore", reps, s3_uri)
@@ -241,6 +258,7 @@ def main() -> int:
         "replica_check_over_pipelined_stall": res["replica_check_s"]
         / res["baton_pipelined_stall_s"],
         "replica_check_over_step": res["replica_check_s"] / step_s,
+        "replica_checksums_stall_b_over_a": sums["pipelined_stall_b_over_a"]["median"],
         "restore_ram_over_local_disk": restore["ram_s"] / restore["local_disk_s"],
     }
     if "s3_s" in restore:

@@ -14,8 +14,9 @@ Contract
   before G+1 starts or not at all (and is never judged by the generation file this
   coordinator itself advanced, which would fence it).
 * ``report(receipt)`` records that one rank's shard of step ``s`` is durable. With all
-  ``world_size`` receipts in, it checks them (``receipts.py``: exact cover, and every check a
-  restore makes), and unless fenced writes ``manifest.json`` with an exclusive create
+  ``world_size`` receipts in, it checks them (``receipts.py``: exact cover, replicas that
+  agree, and every check a restore makes; a refusal aborts the step and is kept among the
+  failures the driver shows), and unless fenced writes ``manifest.json`` with an exclusive create
   (``generation.commit_manifest``: the commit; a committed name is never rewritten), then
   collects: older in-flight steps are aborted, only the newest ``keep_last`` committed snapshots are
   kept (older ones retired: ``SnapshotStore.retire_step``), and uncommitted leftovers older
@@ -185,7 +186,10 @@ class CommitCore:
                         commit = manifest_from_receipts(
                             step, pending.world_size, pending.generation, pending.receipts,
                             block_bytes=self.block_bytes, versions=self.versions)
-                    except ValueError as err:
+                    except ValueError as err:  # a step its receipts refuse: a failure
+                        self.failures.append({"step": step, "rank": -1, "where": "coordinator",
+                                              "reason": str(err), "generation": generation,
+                                              "time": time.time()})
                         actions.append(self._abort_locked(step, str(err)))
                     else:
                         self.pending.pop(step)

@@ -6,8 +6,10 @@ Contract
 ``Receipt`` is what a rank reports once its shard of a step is durable (``elastic.write.persist``
 makes it): ``step, rank, world_size, generation, layout, file, chunks`` (tensor key -> the
 ``ChunkRecord``s this rank wrote), ``versions`` (the code that wrote it), ``ram`` (the nodes
-whose RAM stores took a copy of the file) and, from rank 0 only, ``skeletons`` (the state's
-JSON skeletons) and ``catalog`` (every logical tensor's ``TensorSpec``). In-process it is
+whose RAM stores took a copy of the file), ``replicas`` (at world size > 1: the crc32 of every
+replicated model and optimizer tensor this rank holds, whole, ``elastic.write.replica_sums``;
+absent from the JSON when empty) and, from rank 0 only, ``skeletons`` (the state's JSON
+skeletons) and ``catalog`` (every logical tensor's ``TensorSpec``). In-process it is
 passed as is. Where it crosses Ray or the disk (a store group's receipt file) it travels as
 JSON: ``to_json()`` gives the plain object (its form on disk:
 ``shard-R-of-W-gG.safetensors.receipt.json``) and ``Receipt.from_json(obj)`` reads one back,
@@ -30,6 +32,9 @@ aborted, not committed:
   straggler of another generation is mixed in;
 * every chunk names a tensor of the catalog, and for every tensor the chunks cover exactly
   its element count (no tensor missing, none written twice);
+* every rank holds every replicated tensor as rank 0 does: the same ``replicas`` checksums
+  (each rank wrote only a part of a replicated tensor; one element that differs on any rank
+  fails the step with ``elastic.errors.divergence_message``, naming the tensor and ranks);
 * the manifest passes the checks a restore makes of it (``manifest_check.check_manifest``:
   chunks inside their tensor and not overlapping, byte ranges, checksums, state
   references), so nothing is committed that a restore would refuse.
@@ -43,10 +48,10 @@ from __future__ import annotations
 import json
 import math
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
-from elastic.errors import ManifestError
+from elastic.errors import ManifestError, divergence_message
 from elastic.format.manifest_check import check_manifest
 from elastic.format.records import (
     ChunkRecord,
@@ -83,6 +88,7 @@ class Receipt:
     ram: tuple[str, ...] = ()
     skeletons: dict[str, Any] | None = None  # rank 0 only
     catalog: dict[str, TensorSpec] | None = None  # rank 0 only
+    replicas: dict[str, int] = field(default_factory=dict)  # key -> crc32 (world size > 1)
 
     def to_json(self) -> dict[str, Any]:
         """The receipt as a plain JSON object (its form on disk and over Ray)."""
@@ -95,6 +101,8 @@ class Receipt:
         }
         if self.skeletons is not None:
             obj["skeletons"] = self.skeletons
+        if self.replicas:
+            obj["replicas"] = dict(self.replicas)
         if self.catalog is not None:
             obj["catalog"] = {k: {"dtype": t.dtype, "shape": list(t.shape)}
                               for k, t in self.catalog.items()}
@@ -120,6 +128,8 @@ class Receipt:
                                                                      where),
             catalog=None if catalog is None else _mapping(
                 obj, "catalog", where, lambda key, v: _spec(v, f"{where}: catalog {key!r}")),
+            replicas={} if "replicas" not in obj else _mapping(
+                obj, "replicas", where, lambda key, v: _crc(v, f"{where}: replicas {key!r}")),
         )
 
 
@@ -161,6 +171,13 @@ def _chunks(value: object, where: str) -> tuple[ChunkRecord, ...]:
     except (KeyError, TypeError, IndexError, AttributeError, ValueError) as err:
         raise ValueError(f"{where}: a malformed chunk ({type(err).__name__}: "
                          f"{short_repr(err)})") from None
+
+
+def _crc(value: object, where: str) -> int:
+    crc = _is(value, int, where)
+    if not 0 <= crc < 2**32:
+        raise ValueError(f"{where}: {crc} is no crc32")
+    return crc
 
 
 def _spec(value: object, where: str) -> TensorSpec:
@@ -205,6 +222,7 @@ def manifest_from_receipts(
             if key not in tensors:
                 raise ValueError(f"step {step}: rank {rank} wrote unknown tensor {key!r}")
             tensors[key].chunks.extend(chunks)
+    _check_replicas(step, receipts)
     for key, rec in tensors.items():
         covered = sum(math.prod(c.shape) for c in rec.chunks)
         if covered != math.prod(rec.shape):
@@ -227,3 +245,14 @@ def manifest_from_receipts(
     except ManifestError as err:
         raise ValueError(str(err)) from None
     return manifest, data
+
+
+def _check_replicas(step: int, receipts: dict[int, Receipt]) -> None:
+    """Refuse the step when a rank's checksum of a replicated tensor is not rank 0's."""
+    head = receipts[0].replicas
+    keys = set(head).union(*(r.replicas for r in receipts.values()))
+    for key in sorted(keys):
+        differ = [rank for rank, r in sorted(receipts.items())
+                  if r.replicas.get(key) != head.get(key)]
+        if differ:
+            raise ValueError(divergence_message(key, step, [0, *differ]))

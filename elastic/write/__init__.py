@@ -2,6 +2,8 @@
 
 * ``capture``: at a step boundary, copy the chunks this rank owns into one reusable CPU file
   image; the copies overlap the next forward/backward (``Capturer``, ``CaptureHandle``).
+* ``replica_sums``: at world size > 1, the capture's crc32 of every replicated tensor,
+  whole, so that the commit refuses replicas that differ anywhere.
 * ``persist``: one background thread per worker writes the image to storage (and a copy to
   the RAM tier) and reports a receipt to the coordinator (``Persister``).
 

@@ -26,12 +26,17 @@ that is the only place training can wait. This is CheckFreq's pipelining: the st
 
 Chunks are laid out in decreasing element size, so every chunk's offset is aligned to its
 element size and the image can be viewed as any dtype without copying.
+
+At world size > 1 (``replica_checksums=None``, read at each capture) the side thread also
+takes the crc32 of every replicated model and optimizer tensor, whole, after the copies and
+before ``handle.wait()`` returns (``elastic.write.replica_sums``): ``Captured.replicas``,
+which the persist's receipt carries so that the commit can refuse replicas that differ.
 """
 
 from __future__ import annotations
 
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -48,6 +53,7 @@ from elastic.format.records import (
 )
 from elastic.state.layout import DEFAULT_SPLIT_MIN_BYTES, OwnedPiece, Piece, owned_pieces
 from elastic.state.registry import FlatState, StateRegistry
+from elastic.write.replica_sums import replica_checksums
 
 
 @dataclass(frozen=True)
@@ -113,6 +119,8 @@ class Captured:
     image: ShardImage
     skeletons: dict[str, Any]
     catalog: dict[str, dict[str, Any]]  # every logical tensor: {"dtype", "shape"}
+    # crc32 of every replicated model and optimizer tensor, whole (world size > 1)
+    replicas: dict[str, int] = field(default_factory=dict)
 
 
 class CaptureHandle:
@@ -127,12 +135,15 @@ class CaptureHandle:
 class Capturer:
     def __init__(self, registry: StateRegistry, rank: int, world_size: int, *,
                  split_min_bytes: int = DEFAULT_SPLIT_MIN_BYTES,
-                 faults: FaultInjector | None = None) -> None:
+                 faults: FaultInjector | None = None,
+                 replica_checksums: bool | None = None) -> None:
         self.registry = registry
         self.rank = rank
         self.world_size = world_size
         self.split_min_bytes = split_min_bytes
         self.faults = faults or FaultInjector()
+        # None: whenever this rank is one of several (its world size may change in process).
+        self.replica_checksums = replica_checksums
         self._image: ShardImage | None = None
         # One long-lived thread: starting a thread per capture costs more than the rest of
         # begin() on a busy machine.
@@ -180,19 +191,29 @@ class Capturer:
             on_cuda = any(o.source.is_cuda for o in owned)
             if self._image is None or self._image.signature != signature:
                 self._image = ShardImage([o.piece for o in owned], pin=on_cuda)
+            checked = ({k: tensors[k] for k in flat.tensors} if self._checksummed() else {})
             if on_cuda:
                 stream = torch.cuda.Stream()
                 if ready is not None:
                     stream.wait_event(ready)
                 with torch.cuda.stream(stream):
                     _copy_all(owned, self._image, non_blocking=True)
+                    replicas = replica_checksums(checked)  # after the copies, same stream
                 stream.synchronize()
             else:
                 _copy_all(owned, self._image)
+                replicas = replica_checksums(checked)
         catalog = {k: {"dtype": dtype_to_str(t.dtype), "shape": list(t.shape)}
                    for k, t in tensors.items()}
         ordered = {k: ({**flat.skeletons, **skeletons})[k] for k in self.registry.keys()}
-        return Captured(step, self.rank, self.world_size, self._image, ordered, catalog)
+        return Captured(step, self.rank, self.world_size, self._image, ordered, catalog,
+                        replicas)
+
+    def _checksummed(self) -> bool:
+        """Whether this capture takes the replica checksums (the constructor's argument)."""
+        if self.replica_checksums is None:
+            return self.world_size > 1
+        return self.replica_checksums
 
 
 def _copy_all(owned: list[OwnedPiece], image: ShardImage, non_blocking: bool = False) -> None:

@@ -8,9 +8,10 @@ rename locally, one PUT on S3), while a second thread computes the crc32 of ever
 block, once, from the image, and a third sends the shard file's bytes to the RAM tier
 (``elastic.store.ram_store``: the stores of the next nodes on the ring, never the coordinator; a
 store may refuse it, e.g. over its cap, and that shard is then storage-only), and (2) reports
-a ``Receipt`` (``elastic.coord.receipts``) to the coordinator, naming the nodes that took a
-RAM copy (``ram``; a copy not acknowledged within as long again as the write took, at least
-``RAM_GRACE_MIN_S``, is left out: the RAM tier never holds up a commit). Nothing state-sized
+a ``Receipt`` (``elastic.coord.receipts``) to the coordinator, with the capture's replica
+checksums (``elastic.write.replica_sums``), naming the nodes that took a RAM copy (``ram``; a
+copy not acknowledged within as long again as the write took, at least ``RAM_GRACE_MIN_S``,
+is left out: the RAM tier never holds up a commit). Nothing state-sized
 is allocated per snapshot: the file is written from the image's memory as is (local stores),
 and the RAM tier is sent a view of the image (a Ray store actor's call copies it into the
 object store; a store copies what it keeps into a buffer it recycles).
@@ -132,7 +133,7 @@ class Persister:
                 generation=generation, layout=self.layout, file=file,
                 chunks={k: tuple(v) for k, v in chunks.items()},
                 # Every receipt names the code that wrote it: the coordinator refuses to mix.
-                versions=self.versions, ram=tuple(ram_holders),
+                versions=self.versions, ram=tuple(ram_holders), replicas=cap.replicas,
                 **(_rank0_part(cap) if cap.rank == 0 else {})))
             self.persisted.append(cap.step)
             self.last_error = None
