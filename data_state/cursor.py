@@ -14,6 +14,10 @@ Contract:
   steps, so a run may even resume with a different `global_batch`. With `drop_last=False`
   the tail is trained instead, as one shorter last step (`step_samples`), and the epoch ends
   when every position was used.
+- Bounded: `seed` below 2**63, `epoch` and `samples_consumed` below 2**62 (`from_dict`
+  refuses anything else). A cursor never moves past `LAST_EPOCH` (2**62 - 1): the step that
+  would end that epoch raises `CursorRangeError` instead (a `ValueError`), so a cursor out of
+  range is never written. `after_steps(n, ...)` is where n more steps lead, computed at once.
 - `step_samples` is the number of samples of the step at a cursor (`global_batch`, or the
   tail); it splits into `ceil(step_samples / microbatch_size)` microbatches, the last one
   short when the tail does not divide.
@@ -36,6 +40,13 @@ CURSOR_VERSION = 1
 # The permutation takes seeds and epochs below 2**63; epochs and positions of a real run stay
 # far below 2**62, so every epoch a valid cursor can reach is one it can order.
 _LIMITS = {"2**63": 1 << 63, "2**62": 1 << 62}
+# The last epoch a cursor holds: one past its end is out of range, so it is never entered
+# (a cursor written there would be refused by every later restore).
+LAST_EPOCH = (1 << 62) - 1
+
+
+class CursorRangeError(ValueError):
+    """A cursor would move past the last epoch it can hold (`LAST_EPOCH`)."""
 
 
 @dataclass(frozen=True)
@@ -74,11 +85,36 @@ class DataCursor:
     def normalized(self, *, num_samples: int, global_batch: int,
                    drop_last: bool = True) -> DataCursor:
         """This cursor, moved to the next epoch if no step is left in this one (no full step
-        when `drop_last`, no sample at all otherwise)."""
+        when `drop_last`, no sample at all otherwise); `CursorRangeError` past `LAST_EPOCH`."""
         left = num_samples - self.samples_consumed
         if left < (global_batch if drop_last else 1):
+            if self.epoch >= LAST_EPOCH:
+                raise CursorRangeError(
+                    f"data cursor field 'epoch' is {self.epoch}, the last epoch a cursor can "
+                    "hold (epochs stay below 2**62), and it has no step left: start a new run "
+                    "to train further")
             return DataCursor(self.dataset, self.seed, self.epoch + 1, 0)
         return self
+
+    def after_steps(self, steps: int, *, num_samples: int, global_batch: int,
+                    drop_last: bool = True) -> DataCursor:
+        """Where `steps` more steps of `global_batch` from this cursor lead: what `advanced`
+        gives applied `steps` times, computed at once (`CursorRangeError` past `LAST_EPOCH`)."""
+        cursor = self.normalized(num_samples=num_samples, global_batch=global_batch,
+                                 drop_last=drop_last)
+        rest = num_samples - cursor.samples_consumed
+        left = rest // global_batch if drop_last else -(-rest // global_batch)
+        if steps < left:
+            return DataCursor(self.dataset, self.seed, cursor.epoch,
+                              cursor.samples_consumed + steps * global_batch)
+        per_epoch = steps_per_epoch(num_samples, global_batch, drop_last)
+        epochs, within = divmod(steps - left, per_epoch)
+        if cursor.epoch + 1 + epochs > LAST_EPOCH:
+            raise CursorRangeError(
+                f"{steps} steps from epoch {cursor.epoch} lead past the last epoch a cursor "
+                "can hold (epochs stay below 2**62)")
+        return DataCursor(self.dataset, self.seed, cursor.epoch + 1 + epochs,
+                          within * global_batch)
 
     def advanced(self, *, num_samples: int, global_batch: int,
                  drop_last: bool = True) -> DataCursor:

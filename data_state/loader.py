@@ -24,6 +24,9 @@ Contract:
   only in `advance()`, after the step's optimizer update.
 - `reshard(rank=..., world_size=...)` changes this worker's share in place (a resize);
   `load_state_dict` restores a cursor saved under any world size. Both drop prefetched work.
+  `check_state(state)` is `load_state_dict`'s refusal without the load (a `ValueError` naming
+  the field: another dataset or seed, a position past the epoch's end, a counter out of
+  range, the end of the last epoch a cursor can hold): a restore asks it before reading.
 - Epochs end when fewer than `global_batch` positions remain (the tail is dropped; see
   `cursor.py`); the next step starts the next epoch's order. `drop_last=False` trains the
   tail as a shorter last step instead (fewer microbatches, the last one short).
@@ -207,6 +210,14 @@ class ResumableLoader:
         return self._cursor.to_dict()
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        cursor = self.check_state(state)
+        self._stop_prefetch()
+        self._cursor = cursor
+
+    def check_state(self, state: Any) -> DataCursor:
+        """The cursor `state` (a `state_dict()`) holds, normalized for this loader, or
+        `ValueError` naming the field: another dataset or seed, a position past the epoch's
+        end, a counter out of range (`cursor.py`); nothing changes."""
         cursor = DataCursor.from_dict(state)
         if cursor.dataset != self.fingerprint:
             raise ValueError(
@@ -225,11 +236,8 @@ class ResumableLoader:
                 f"epoch of {self.dataset!r} has {len(self.dataset)} samples: the cursor is "
                 "corrupt or was edited"
             )
-        self._stop_prefetch()
-        self._cursor = cursor.normalized(
-            num_samples=len(self.dataset), global_batch=self.global_batch,
-            drop_last=self.drop_last,
-        )
+        return cursor.normalized(num_samples=len(self.dataset), global_batch=self.global_batch,
+                                 drop_last=self.drop_last)
 
     def reshard(self, *, rank: int, world_size: int) -> None:
         """Become worker `rank` of `world_size` from the committed cursor on (a resize)."""

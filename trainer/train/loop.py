@@ -40,6 +40,7 @@ import torch
 from torch import nn
 
 from data_state import Microbatch, ResumableLoader, TokenDataset
+from data_state.cursor import CursorRangeError
 from data_state.manifest import DatasetError
 from elastic.coord.protocol import CoordinatorClient
 from elastic.errors import FatalRunError
@@ -85,12 +86,13 @@ class WorkerEnv:
 @contextmanager
 def dataset_errors_are_fatal(uri: str) -> Iterator[None]:
     """A dataset that cannot be opened or read (missing, corrupt, inconsistent: `DatasetError`,
-    a missing file) fails the same way after any restart: raise `FatalRunError` so the run
-    fails once. Storage that did not answer (`StorageUnavailableError`, other `OSError`s)
+    a missing file), or a data cursor at the end of the last epoch it can hold
+    (`CursorRangeError`), fails the same way after any restart: raise `FatalRunError` so the
+    run fails once. Storage that did not answer (`StorageUnavailableError`, other `OSError`s)
     passes through unchanged: a restart may well fix that."""
     try:
         yield
-    except (DatasetError, FileNotFoundError) as err:
+    except (DatasetError, FileNotFoundError, CursorRangeError) as err:
         raise FatalRunError(f"dataset {uri!r} cannot be used: {err}") from err
 
 
@@ -239,7 +241,8 @@ def train_step(cfg: FitConfig, env: WorkerEnv, built: Built, step: int) -> tuple
         if built.scaler.get_scale() < scale:  # skipped: maybe no update yet, so no state
             ensure_optimizer_state(built.model, built.optimizer)
     built.schedule.step()
-    built.loader.advance()
+    with dataset_errors_are_fatal(cfg.data.uri):  # never past the cursor's last epoch
+        built.loader.advance()
     return loss_sum / cfg.data.num_microbatches, [i for mb in microbatches
                                                   for i in mb.sample_indices]
 
