@@ -24,7 +24,7 @@ class SnapshotSettings:
 
     layout: str = "ddp"  # "ddp" (replicated) or "fsdp" (sharded), as the manifest records
     snapshot_every: int = 100  # steps between periodic snapshots
-    keep_last: int = 2  # committed snapshots the built-in coordinator keeps
+    keep_last: int = 2  # committed snapshots kept (and the one the newest were trained from)
     ram: bool = True  # use a RAM tier (the one given, or the in-process one at world size 1)
     ram_cap_bytes: int | None = None  # cap of the in-process RAM store (None: no cap)
     on_busy: str = "skip"  # the previous snapshot still persisting: "skip" or "wait"

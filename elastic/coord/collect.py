@@ -11,9 +11,20 @@ Contract
 * ``collect(store, actions, old, leftover, label)``: a commit's collection, on the
   coordinator's housekeeping thread: run the abort ``actions``, retire the ``old`` committed
   steps (``SnapshotStore.retire_step``), delete every step on storage that ``leftover(step)``
-  says is an uncommitted leftover. Storage errors are logged (a later commit retries), and so
-  is any other error (the thread must never lose a bug's report); a step whose directory is
-  refused (a symbolic link: ``RefusedEntryError``) is logged and left alone, the others go.
+  says is an uncommitted leftover — except the restore anchor, which stays committed (below).
+  Storage errors are logged (a later commit retries), and so is any other error (the thread
+  must never lose a bug's report); a step whose directory is refused (a symbolic link:
+  ``RefusedEntryError``) is logged and left alone, the others go.
+* ``restore_anchor(store)``: the newest committed snapshot written by an older worker-group
+  generation than the newest snapshot's — the one the group that wrote the newest snapshots
+  restored from (a restore that falls back past newer ones sets them aside), so the newest
+  snapshot known to restore under the code that wrote the newer ones. Retention (``keep_last``)
+  never retires it: should the newer snapshots not restore (a rule broken by that code, a
+  counter out of range), it is the snapshot a rewind goes back to. It is kept until a group
+  of a newer generation restores a newer one; at most one snapshot more than ``keep_last``.
+  A generation that cannot be read counts as older (doubt keeps a snapshot). The commit
+  protocol's own bookkeeping forgets the anchor as it forgets any retired step; on storage it
+  stays committed, and a coordinator started later lists it again.
 * ``remove_failed_manifest(store, step, data)``: after a write of manifest bytes ``data``
   that raised (it may have landed all the same: an S3 PUT whose answer was lost), remove the
   step's manifest if it is on storage and is these bytes; True when the step's manifest is
@@ -31,7 +42,14 @@ import logging
 from collections.abc import Callable
 
 from elastic.errors import describe
-from elastic.format.records import MANIFEST_NAME, RECEIPT_SUFFIX, generation_tag, shard_filename
+from elastic.format.manifest_check import MAX_MANIFEST_BYTES
+from elastic.format.records import (
+    MANIFEST_NAME,
+    RECEIPT_SUFFIX,
+    generation_tag,
+    parse_shard_name,
+    shard_filename,
+)
 from elastic.storage import RefusedEntryError
 from elastic.store.snapshot_store import SnapshotStore
 
@@ -86,8 +104,10 @@ def collect(store: SnapshotStore, actions: list[Callable[[], None]], old: list[i
     try:
         for action in actions:
             action()
-        removals = [(store.retire_step, step) for step in old]
-        removals += [(store.delete_step, step) for step in store.all_steps() if leftover(step)]
+        left = [step for step in store.all_steps() if leftover(step) and step not in old]
+        anchor = restore_anchor(store) if old or left else None
+        removals = [(store.retire_step, step) for step in old if step != anchor]
+        removals += [(_retire_or_delete(store), step) for step in left if step != anchor]
     except OSError as err:  # retention is housekeeping: a later commit retries it
         log.warning("garbage collection %s failed: %s", label, describe(err))
         return
@@ -106,3 +126,42 @@ def collect(store: SnapshotStore, actions: list[Callable[[], None]], old: list[i
         except Exception:
             log.exception("garbage collection %s failed", label)
             return
+
+
+def restore_anchor(store: SnapshotStore) -> int | None:
+    """The newest committed snapshot of an older generation than the newest one's (module
+    contract); None when there is none."""
+    committed = store.committed_steps()
+    if len(committed) < 2:
+        return None
+    newest = _generation(store, committed[-1])
+    for step in reversed(committed[:-1]):
+        generation = _generation(store, step)
+        if newest is None or generation is None or generation < newest:
+            return step
+    return None
+
+
+def _generation(store: SnapshotStore, step: int) -> int | None:
+    """The worker-group generation that wrote committed snapshot ``step`` (its manifest's
+    shard names); None when it cannot be read."""
+    try:
+        obj = store.read_json(store.step_path(step, MANIFEST_NAME), max_bytes=MAX_MANIFEST_BYTES)
+    except (OSError, ValueError):
+        return None
+    files = obj.get("files") if isinstance(obj, dict) else None
+    parsed = [parse_shard_name(f) for f in files] if isinstance(files, list) else []
+    if not parsed or any(p is None for p in parsed):
+        return None
+    return max(p[2] or 0 for p in parsed if p is not None)
+
+
+def _retire_or_delete(store: SnapshotStore) -> Callable[[int], None]:
+    """A committed step the protocol forgot (a former restore anchor) is retired, manifest
+    first; any other leftover deleted."""
+    def remove(step: int) -> None:
+        if store.exists(store.step_path(step, MANIFEST_NAME)):
+            store.retire_step(step)
+        else:
+            store.delete_step(step)
+    return remove

@@ -11,8 +11,10 @@ loads it:
 * ``CORRUPT``: reported by name in ``errors``, quarantined by the coordinator
   (``reject``), and the previous one tried. A RAM copy that fails its checks is no verdict
   on the snapshot: its files are read from storage first.
-* ``MISFIT``: nothing is moved; ``SnapshotMismatchError`` names the newest older snapshot
-  that fits (for an explicit ``baton snapshots rewind``), or says none does.
+* ``MISFIT`` (the state does not fit the live components, or breaks a rule the trainer
+  added: ``StateRegistry.add_rule``): nothing is moved; ``SnapshotMismatchError`` names the
+  newest older snapshot that fits and keeps the rules (for an explicit ``baton snapshots
+  rewind``), or says none does.
 * ``UNREACHABLE`` (``StorageUnavailableError``) and ``NO_MEMORY`` (``RestoreMemoryError``)
   fail the restore and touch no snapshot.
 * A snapshot of another model (``SnapshotMismatchError`` from the checks) is raised as is.
@@ -47,7 +49,13 @@ from elastic.format.manifest_check import parse_manifest
 from elastic.format.records import Manifest
 from elastic.read.byte_source import ByteSource, ReadMany
 from elastic.read.group_read import group_read_tensors
-from elastic.read.restore import SnapshotMismatchError, check_compatible, plan_targets, read_tensors
+from elastic.read.restore import (
+    SnapshotMismatchError,
+    check_compatible,
+    check_rules,
+    plan_targets,
+    read_tensors,
+)
 from elastic.read.verdict import Verdict
 from elastic.state.layout import Target
 from elastic.state.registry import StateRegistry
@@ -168,7 +176,8 @@ class _Fallback:
 
     def _refuse_rewind(self, steps: list[int], newest: int, misfit: str) -> None:
         """Refuse (``newest`` does not fit; going back is a person's decision) naming the
-        newest older one that fits, reading no tensor; return when none does."""
+        newest older one that fits (its state and the registry's rules: only the scalars the
+        rules need are read); return when none does."""
         for step in (s for s in steps if s < newest):
             _, verdict, reason = attempt(functools.partial(self._prepare, step, False))
             if agree(verdict) != Verdict.OK:
@@ -197,12 +206,13 @@ class _Fallback:
         return prepared, tensors, agree(verdict), reason
 
     def _prepare(self, step: int, ram: bool = True) -> Prepared:
-        """Snapshot ``step``'s manifest, checked against the registry, and what to read
-        (from the RAM tier first when ``ram``)."""
+        """Snapshot ``step``'s manifest, checked against the registry and its rules, and
+        what to read (from the RAM tier first when ``ram``)."""
         manifest = self._manifest(step)
         live = self.registry.flatten()
         check_compatible(self.registry, manifest, live.tensors, live.skeletons)
         source = ByteSource(self.store, step, ram=self._ram_reader(step) if ram else None)
+        check_rules(self.registry, manifest, source)  # reads the few scalars the rules need
         return manifest, plan_targets(manifest, live.tensors,  # in place (module doc)
                                       in_place=self.registry.model_keys()), source
 

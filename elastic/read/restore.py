@@ -2,11 +2,11 @@
 
 Contract
 --------
-A restore is ``check_compatible`` → ``plan_targets`` → ``read_tensors`` →
-``StateRegistry.load``: everything is checked that can be before a byte is read, and every
-byte is verified before anything is loaded. The manifest was validated when it was parsed
-(``elastic.format.manifest_check.parse_manifest``); what it claims about the files is checked
-here, because a manifest is untrusted input (P8, docs/design.md):
+A restore is ``check_compatible`` → ``check_rules`` → ``plan_targets`` → ``read_tensors`` →
+``StateRegistry.load``: everything is checked that can be before a byte of a live tensor is
+written, and every byte is verified before anything is loaded. The manifest was validated
+when it was parsed (``elastic.format.manifest_check.parse_manifest``); what it claims about
+the files is checked here, because a manifest is untrusted input (P8, docs/design.md):
 
 * ``check_compatible``: the snapshot's model tensors are the registered model's (else
   ``SnapshotMismatchError`` listing missing, unexpected and shape-mismatched tensors), and
@@ -14,6 +14,12 @@ here, because a manifest is untrusted input (P8, docs/design.md):
   misfit is ``SnapshotMisfitError`` naming the component and path; optimizer state may
   cover a subset of the parameters, and its tensors' manifest shapes must be ones the
   optimizer gives them: ``step`` a scalar, moments their parameter's).
+* ``check_rules``: the rules the trainer added to the registry (``StateRegistry.add_rule``:
+  its step, the optimizer's step counts, the schedule and the data cursor tell one story)
+  hold on the snapshot's state; the scalar tensors they need (each parameter's ``step``)
+  are read first, verified, into new CPU tensors (a few bytes each; one range request per
+  tensor on S3). A rule that fails is ``SnapshotMisfitError`` naming the field: no live
+  tensor was written.
 * Targets come from the registry's current tensors (``layout.target_piece``); a registered
   tensor whose dtype differs from the manifest's is ``SnapshotMisfitError`` (a dtype edited
   in the manifest alone also disagrees with the file's header: ``ManifestError``).
@@ -108,8 +114,8 @@ from elastic.read.read_batches import Placed, ReadOp, place
 from elastic.state.layout import Piece, Target, storage_owners, target_piece, with_fill
 from elastic.state.registry import SnapshotMismatchError, StateRegistry
 
-__all__ = ["SnapshotMismatchError", "allocate", "check_compatible",
-           "check_coverage", "check_headers", "collector_paused", "plan_reads", "plan_targets",
+__all__ = ["SnapshotMismatchError", "allocate", "check_compatible", "check_coverage",
+           "check_headers", "check_rules", "collector_paused", "plan_reads", "plan_targets",
            "read_tensors"]
 
 
@@ -146,6 +152,25 @@ def check_compatible(registry: StateRegistry, manifest: Manifest,
             f"{missing}, unexpected {unexpected}, shape-mismatched (saved, expected) {mismatched}")
     registry.check_state(manifest.state, _snap(manifest.step), live=live_skeletons,
                          shapes={name: rec.shape for name, rec in manifest.tensors.items()})
+
+
+def check_rules(registry: StateRegistry, manifest: Manifest, source: ByteSource) -> None:
+    """The registry's rules (``StateRegistry.add_rule``) on the snapshot's state, after
+    reading (verified, into new CPU tensors: never a live one) the scalar tensors they name;
+    a rule that fails is ``SnapshotMisfitError``."""
+    names = [n for n in registry.rule_scalars(manifest.state)
+             if n in manifest.tensors and math.prod(manifest.tensors[n].shape) == 1]
+    values: dict[str, float] = {}
+    if names:
+        targets = {}
+        for name in names:
+            rec = manifest.tensors[name]
+            piece = Piece(name, str_to_dtype(rec.dtype), rec.shape, (0,) * len(rec.shape),
+                          rec.shape)
+            targets[name] = Target(piece, torch.device("cpu"), lambda t: t)
+        values = {n: float(t.reshape(-1)[0]) for n, t in
+                  read_tensors(manifest, targets, source).items()}
+    registry.check_rules(manifest.state, values, _snap(manifest.step))
 
 
 def plan_targets(manifest: Manifest, templates: dict[str, torch.Tensor],

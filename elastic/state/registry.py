@@ -47,6 +47,14 @@ does not quarantine a snapshot for it alone) naming the component and the path
   shape; only an optimizer that factors (Adafactor, by name) may have sizes of 1 where the
   parameter has more (``elastic.state.skeleton_check``).
 
+Rules. What only the trainer knows — that its step, the optimizer's step counts, the
+schedule's position and the data cursor tell one story — is not a component's: the trainer
+adds a ``SnapshotRule`` (``add_rule``). Restore asks the rules for the scalar tensors they
+need (``rule_scalars``: e.g. each parameter's ``step``), reads just those (verified), and
+runs ``check_rules`` before it writes a byte into a live tensor; a rule's ``ValueError`` is
+``SnapshotMisfitError`` (the live code's rule: nothing is quarantined). ``load`` calls each
+rule's ``loaded()`` once every component is loaded. Nothing here knows a trainer's keys.
+
 Model and optimizer tensors themselves (names, shapes, dtypes) are checked by restore. A
 snapshot that lacks a registered component raises ``SnapshotMismatchError``, unless it was
 registered ``optional=True``: then it keeps its fresh state (e.g. fp16's loss scaler when a
@@ -62,7 +70,7 @@ from typing import Any, Protocol
 import torch
 from torch import nn
 
-from elastic.errors import ManifestError
+from elastic.errors import ManifestError, SnapshotMisfitError
 from elastic.format.records import ITEMS_TAG, TENSOR_TAG, TUPLE_TAG, short_repr
 from elastic.state.module_state import ModelState, OptimizerState
 from elastic.state.skeleton_check import SkeletonCheck
@@ -78,6 +86,23 @@ class Stateful(Protocol):
     def load_state_dict(self, state_dict: dict[str, Any]) -> Any: ...
 
 
+class SnapshotRule(Protocol):
+    """A check of a snapshot's whole state that no component can make alone (module
+    contract, "Rules")."""
+
+    def scalars(self, skeletons: Mapping[str, Any]) -> list[str]:
+        """The scalar tensors (by snapshot key) whose values ``check`` needs."""
+        ...
+
+    def check(self, skeletons: Mapping[str, Any], scalars: Mapping[str, float]) -> None:
+        """Raise ``ValueError`` (one line naming the field) unless the state holds."""
+        ...
+
+    def loaded(self) -> None:
+        """Called once a snapshot was loaded into every component."""
+        ...
+
+
 @dataclass
 class FlatState:
     tensors: dict[str, torch.Tensor]
@@ -89,6 +114,7 @@ class StateRegistry:
         self._components: dict[str, Stateful] = {}
         self._optional: set[str] = set()
         self._model: nn.Module | None = None
+        self._rules: list[SnapshotRule] = []
 
     def register(self, key: str, obj: Any, *, model: nn.Module | None = None,
                  optional: bool = False) -> None:
@@ -121,6 +147,28 @@ class StateRegistry:
             )
         if optional:
             self._optional.add(key)
+
+    def add_rule(self, rule: SnapshotRule) -> None:
+        """Check every snapshot's state with ``rule`` before it is restored (module
+        contract, "Rules")."""
+        self._rules.append(rule)
+
+    def rule_scalars(self, skeletons: Mapping[str, Any]) -> list[str]:
+        """The scalar tensors the rules need, in the order they name them (no repeats)."""
+        names: dict[str, None] = {}
+        for rule in self._rules:
+            names.update(dict.fromkeys(rule.scalars(skeletons)))
+        return list(names)
+
+    def check_rules(self, skeletons: Mapping[str, Any], scalars: Mapping[str, float],
+                    where: str = "snapshot") -> None:
+        """Every rule on ``skeletons`` and the values of ``scalars``; the first that fails
+        is ``SnapshotMisfitError`` naming ``where`` and the rule's one line."""
+        for rule in self._rules:
+            try:
+                rule.check(skeletons, scalars)
+            except ValueError as err:
+                raise SnapshotMisfitError(f"{where}: {err}") from err
 
     def keys(self) -> list[str]:
         return list(self._components)
@@ -165,6 +213,8 @@ class StateRegistry:
                                         "not read from the snapshot")
         for key in present:
             self._components[key].load_state_dict(decode_tree(skeletons[key], tensors))
+        for rule in self._rules:
+            rule.loaded()
 
     def check_state(self, skeletons: Mapping[str, Any], where: str = "snapshot",
                     live: Mapping[str, Any] | None = None,

@@ -129,7 +129,10 @@ class SnapshotConfig:
     # against the driver's working directory); required.
     run_uri: str = ""
     snapshot_every: int = 10  # steps between snapshots (plus on preemption or resize)
-    keep_last: int = 3  # committed snapshots kept; older ones are deleted
+    # Committed snapshots kept; older ones are deleted, except the one the newest were
+    # trained from (the newest of an older worker group): it stays until a later group
+    # restores a newer one, so a snapshot the code that wrote the newer ones restores is left.
+    keep_last: int = 3
     # Cap on each node's RAM store (MiB; 0 turns the RAM copies off): it holds copies of
     # other nodes' shards of the newest snapshot (plus one in flight). A shard that does not
     # fit is storage-only.
