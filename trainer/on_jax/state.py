@@ -28,8 +28,10 @@ takes) and returns the loss; ``save_train_state(run_uri, state)`` commits the st
 with the JSON skeleton of the snapshot it was loaded from, so a PyTorch run restores it:
 parameters and moments mapped back, every parameter's ``step`` = ``state.step``, the schedule
 and trainer steps, the data cursor and each param group's lr (``lr_at(step)``, what
-``LrSchedule`` sets) updated. Components it does not know are carried as they were; one that
-holds tensors is refused.
+``LrSchedule`` sets) updated, and the data origin (``trainer.train.story``: the step and
+cursor the JAX steps started from, at the recipe's global batch) where the snapshot has
+one. Components it does not know are carried as they were; one that holds tensors is
+refused.
 """
 
 from __future__ import annotations
@@ -53,6 +55,7 @@ from trainer.on_jax.layout_map import LayoutMap
 from trainer.on_jax.models import for_run
 from trainer.on_jax.optim import AdamWSettings, adam_state, baton_adamw, set_adam_state
 from trainer.train.optim import lr_at
+from trainer.train.story import ORIGIN_KEY
 
 MOMENTS = ("exp_avg", "exp_avg_sq")
 _KNOWN = ("model", "optim", "sched", "data", "trainer")
@@ -234,6 +237,12 @@ def _updated_skeleton(state: JaxTrainState) -> dict[str, Any]:
     skeleton["trainer"]["step"] = state.step
     skeleton["sched"]["step"] = state.step
     skeleton["data"] = dict(state.data)
+    if ORIGIN_KEY in skeleton:  # the steps since the snapshot loaded are JAX's (`loader()`)
+        loaded = state.skeleton["data"]
+        skeleton[ORIGIN_KEY] = {
+            "step": state.skeleton["trainer"]["step"], "epoch": loaded.get("epoch"),
+            "samples_consumed": loaded.get("samples_consumed"),
+            "global_batch": state.config["data"]["global_batch"], "drop_last": True}
     for group in skeleton["optim"]["param_groups"]:
         group["lr"] = state.settings.lr(state.step)  # what LrSchedule sets at this step
     return skeleton

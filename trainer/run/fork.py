@@ -34,7 +34,8 @@ Contract:
   the parent, checked against the manifest (safetensors header, every crc32 block) and
   written create-only; `generation.json` (the new run's worker groups start above the
   parent's generation, so no shard name is ever reused) and, last, the manifest (the
-  commit; with a reset data cursor when asked). On any failure what it wrote is removed and
+  commit; with a reset data cursor when asked, and its data origin, `trainer.train.story`,
+  moved to the fork step). On any failure what it wrote is removed and
   the new run holds no snapshot; a fork killed before its commit removes nothing, and the
   next fork into that directory removes those leftovers first (under the lease, so never
   while that fork runs; logged). The normal restore then resumes from it, warm.
@@ -278,6 +279,7 @@ def make_fork(plan: ForkPlan, cfg: FitConfig) -> ForkResult:
     from data_state.cursor import DataCursor
     from elastic.snapshotter import library_versions
     from trainer.run.preflight import ensure_dataset
+    from trainer.train.story import ORIGIN_KEY
 
     data_cfg = ensure_dataset(cfg)  # data.uri set, model.vocab_size resolved
     _refuse_shape_change(data_cfg, plan.source.run_uri, plan.parent_config, plan.manifest)
@@ -288,6 +290,9 @@ def make_fork(plan: ForkPlan, cfg: FitConfig) -> ForkResult:
         if fingerprint is None:
             raise RunDirError(f"data.uri: the dataset at {data_cfg.data.uri} cannot be read")
         state["data"] = DataCursor(fingerprint, cfg.seed).to_dict()
+        if isinstance(state.get(ORIGIN_KEY), dict):  # the data's story starts here afresh
+            state[ORIGIN_KEY] = {"step": plan.step, "epoch": 0, "samples_consumed": 0,
+                                 "global_batch": cfg.data.global_batch, "drop_last": True}
     target, step = plan.target, plan.step
     if interrupted_fork(target):  # we hold the lease: that fork is not running
         clear_interrupted_fork(target)
