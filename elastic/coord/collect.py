@@ -106,7 +106,8 @@ def collect(store: SnapshotStore, actions: list[Callable[[], None]], old: list[i
             action()
         left = [step for step in store.all_steps() if leftover(step) and step not in old]
         anchor = restore_anchor(store) if old or left else None
-        removals = [(store.retire_step, step) for step in old if step != anchor]
+        removals: list[tuple[Callable[[int], None], int]] = [
+            (store.retire_step, step) for step in old if step != anchor]
         removals += [(_retire_or_delete(store), step) for step in left if step != anchor]
     except OSError as err:  # retention is housekeeping: a later commit retries it
         log.warning("garbage collection %s failed: %s", label, describe(err))

@@ -56,7 +56,9 @@ def check_finite(chunk: ChunkRecord, key: str, start: int,
     """Raise ``NonFiniteError`` if an element held whole by ``parts`` is NaN or Inf (module
     contract)."""
     feed = finite_check(chunk, key, start, step)
-    for part in parts if feed is not None else ():
+    if feed is None:
+        return
+    for part in parts:
         feed(part)
 
 
