@@ -4,7 +4,8 @@ that verify, values that do not.
 * NaN or Inf in a moment or a parameter: the restore finds it in the pass that verifies the
   bytes, names the tensor in one line, quarantines the snapshot (moved, never deleted) and
   restores the previous one bitwise; training continues from it. The torch-free reader
-  refuses it the same way.
+  refuses it the same way. Through staging buffers (a GPU's path) the batch that holds it is
+  never copied to its destination.
 * (further cases of the same issue: tests/train/test_story.py for the step, optimizer,
   schedule and data cursor; test_elastic_retention.py for what retention keeps.)
 """
@@ -26,6 +27,10 @@ from elastic.catalog import verify
 from elastic.errors import NonFiniteError
 from elastic.format.records import step_dirname
 from elastic.portable import PortableRun, write_snapshot
+from elastic.read.byte_source import ByteSource
+from elastic.read.device_stage import HostCopier, read_staged
+from elastic.read.read_batches import place
+from elastic.read.restore import allocate, check_headers, plan_reads, plan_targets
 from elastic.settings import SnapshotSettings
 from elastic.snapshotter import Snapshotter
 from elastic.store.snapshot_store import SnapshotStore
@@ -78,3 +83,22 @@ def test_non_finite_values_are_quarantined_and_the_previous_snapshot_restored(
     assert store.committed_steps() == [2, 4, 6]
     assert all(torch.isfinite(t).all() for t in full_state(ts).values())
     assert verify(store, 6)["tensors"] == len(full)
+
+
+def test_a_staged_batch_holding_nan_is_never_copied(run: Path) -> None:  # noqa: F811
+    source = PortableRun(str(run)).read(4)
+    key, tensors = _poisoned(source.tensors, "moment-nan")
+    write_snapshot(str(run), 6, tensors, json.loads(json.dumps(source.state)))
+    store = SnapshotStore(str(run))
+    manifest = store.load_manifest(6)
+    targets = plan_targets(manifest, build(seed=11).registry.flatten().tensors)
+    ops = plan_reads(manifest, targets)
+    bytes_source = ByteSource(store, 6)
+    check_headers(manifest, [(op.key, op.chunk) for op in ops], bytes_source)
+    local = allocate(targets, 6)
+    for tensor in local.values():
+        tensor.fill_(7)
+    placed = [place(op, targets[op.key], local[op.key]) for op in ops]
+    with pytest.raises(NonFiniteError, match=key):
+        read_staged(placed, bytes_source, manifest, HostCopier())  # one batch: all of it
+    assert all(bool((t == 7).all()) for t in local.values())  # not a byte was copied
