@@ -1,4 +1,5 @@
-"""Fault injection keyed by (rank, step, phase), for tests of the snapshot protocol.
+"""Fault injection keyed by (rank, step, phase), for tests of the snapshot protocol and of
+in-process recovery.
 
 Contract: production code calls ``faults.hit(rank, step, phase)`` at each named phase of a
 snapshot's life; with no plan it does nothing. A test arms a plan entry
@@ -25,6 +26,9 @@ PHASES: tuple[str, ...] = (
     "commit_begin",  # coordinator: all receipts in, manifest not written
     "commit_manifest",  # coordinator: manifest bytes being written (temp name on local disk)
     "commit_end",  # coordinator: manifest written, garbage collection not done
+    # In-process recovery (elastic.recovery), keyed by the steps completed:
+    "recover_formed",  # worker: the next membership formed, its process group not yet
+    "recover_transfer",  # worker: the members agreed who sends the state, nothing sent
 )
 
 

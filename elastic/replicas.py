@@ -47,7 +47,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Shard
 
-from elastic.collectives import group_device, grouped
+from elastic.collectives import all_reduce, group_device, grouped
 from elastic.errors import divergence_message as divergence_line
 
 SAMPLES = 4  # elements per tensor and snapshot: a diverged replica differs almost everywhere
@@ -112,7 +112,7 @@ def agree(busy: int, names: list[str], values: torch.Tensor) -> tuple[int, str |
         return busy, None
     mine = torch.cat([torch.tensor([busy], dtype=torch.int64), values, ~values])
     box = mine.to(group_device())
-    dist.all_reduce(box, op=dist.ReduceOp.MAX)
+    all_reduce(box, dist.ReduceOp.MAX)
     reduced = box.cpu()
     count = values.numel()
     highest, lowest = reduced[1:1 + count], ~reduced[1 + count:]

@@ -36,6 +36,7 @@ class Fault:
     die_at: int | None = None  # SIGKILL itself during its die_at-th forward pass
     stop_at: int | None = None  # SIGSTOP itself during that forward pass (a hang)
     resume_after_s: float = 0.0  # with stop_at: a helper sends SIGCONT after this long
+    exit_in: str | None = None  # end the process in this phase of a recovery (elastic.faults)
 
 
 @dataclass
@@ -43,7 +44,8 @@ class Worker:
     member: str
     order: int
     fault: Fault = field(default_factory=Fault)
-    start_delay_s: float = 0.0  # a replacement: start this long after the others
+    start_delay_s: float = 0.0  # start this long after the others (or after `replaces` died)
+    replaces: str | None = None  # a replacement: start once this member's process is gone
 
 
 def serve(coordinator: Any) -> tuple[_Manager, tuple[str, int]]:
@@ -64,7 +66,7 @@ def _connect(address: tuple[str, int]) -> Any:
     return manager.coordinator()  # type: ignore[attr-defined]
 
 
-def _faulty_loss(fault: Fault) -> Any:
+def _faulty_loss(fault: Fault, write: Any) -> Any:
     from trainer.train.model_build import next_token_loss  # before it is replaced
 
     calls = {"n": 0}
@@ -74,25 +76,19 @@ def _faulty_loss(fault: Fault) -> Any:
         if fault.die_at is not None and calls["n"] == fault.die_at:
             os.kill(os.getpid(), signal.SIGKILL)
         if fault.stop_at is not None and calls["n"] == fault.stop_at:
-            if fault.resume_after_s:
-                pid = os.getpid()
-                mp.get_context("fork").Process(target=_resume, args=(pid, fault.resume_after_s),
-                                               daemon=False).start()
+            write({"kind": "stopping", "time": time.time()})  # the harness resumes it
             os.kill(os.getpid(), signal.SIGSTOP)
         return next_token_loss(model, tokens)
 
     return loss
 
 
-def _resume(pid: int, after_s: float) -> None:
-    time.sleep(after_s)
-    os.kill(pid, signal.SIGCONT)
-
-
-def _main(address: tuple[str, int], worker: Worker, overrides: list[str], out: str) -> None:
+def _main(address: tuple[str, int], worker: Worker, overrides: list[str], out: str,
+          pace_s: float) -> None:
     import torch
     import torch.distributed as dist
 
+    from elastic.faults import FaultInjector
     from trainer.config import load_recipe
     from trainer.train import model_build
     from trainer.train.loop import WorkerEnv, run_worker
@@ -110,11 +106,15 @@ def _main(address: tuple[str, int], worker: Worker, overrides: list[str], out: s
     coordinator = _connect(address)
     cfg = load_recipe(ROOT / "recipes" / "tiny.toml", overrides)
     # The run's loss (the built-in GPT's), counting forward passes to strike mid-step.
-    model_build.next_token_loss = _faulty_loss(worker.fault)
+    model_build.next_token_loss = _faulty_loss(worker.fault, write)
+    faults = FaultInjector()
+    if worker.fault.exit_in is not None:
+        faults.arm(worker.fault.exit_in, action="exit")
     context = WorkerContext(snapshots=cfg.snapshots, coordinator=coordinator,
-                            recovery=cfg.recovery, member=(worker.member, worker.order))
+                            recovery=cfg.recovery, member=(worker.member, worker.order),
+                            faults=faults)
     write({"kind": "pid", "pid": os.getpid()})
-    env = WorkerEnv(coordinator=coordinator, record_samples=True,
+    env = WorkerEnv(coordinator=coordinator, record_samples=True, pace_s=pace_s,
                     on_metrics=lambda r: write({"kind": "step", **r}),
                     on_recovery=lambda r: write({"kind": "recovery", **r}))
     try:
@@ -127,20 +127,52 @@ def _main(address: tuple[str, int], worker: Worker, overrides: list[str], out: s
     write({"kind": "end", "error": None, "step": result.step})
 
 
+def _stopped_at(path: Path) -> float | None:
+    if not path.exists():
+        return None
+    for line in path.read_text().splitlines():
+        record = json.loads(line)
+        if record["kind"] == "stopping":
+            return float(record["time"])
+    return None
+
+
 def run_workers(coordinator: Any, workers: list[Worker], overrides: list[str], out: Path,
-                timeout_s: float = 240.0) -> dict[str, list[dict[str, Any]]]:
+                *, pace_s: float = 0.0, timeout_s: float = 240.0
+                ) -> dict[str, list[dict[str, Any]]]:
     """Run the workers against `coordinator` until all have ended; returns each member's
-    records. A worker that is still running after `timeout_s` is killed (and says so)."""
+    records. `pace_s`: each worker sleeps that long after every step (so that a late
+    replacement finds the run still going). A worker that is still running after
+    `timeout_s` is killed (and says so)."""
     _, address = serve(coordinator)
     out.mkdir(parents=True, exist_ok=True)
     ctx = mp.get_context("spawn")
-    procs = [ctx.Process(target=_main, args=(address, w, overrides, str(out)), daemon=True)
+    procs = [ctx.Process(target=_main, args=(address, w, overrides, str(out), pace_s),
+                         daemon=True)
              for w in workers]
-    for p in procs:
-        p.start()
+    by_member = {w.member: p for w, p in zip(workers, procs, strict=True)}
+    for p, w in zip(procs, workers, strict=True):
+        if w.replaces is None:
+            p.start()
     deadline = time.monotonic() + timeout_s
-    for p in procs:
-        p.join(max(0.1, deadline - time.monotonic()))
+    # A worker stopped for good never ends: wait for the others, then end it.
+    hung = [w.fault.stop_at is not None and not w.fault.resume_after_s for w in workers]
+    resumed: set[str] = set()
+    waiting = [w for w in workers if w.replaces is not None]
+    while time.monotonic() < deadline and (waiting or any(
+            p.is_alive() for p, stopped in zip(procs, hung, strict=True) if not stopped)):
+        for w in list(waiting):
+            lost = by_member[w.replaces]  # type: ignore[index]
+            if lost.pid is not None and not lost.is_alive():
+                by_member[w.member].start()
+                waiting.remove(w)
+        for p, w in zip(procs, workers, strict=True):
+            if w.fault.resume_after_s and w.member not in resumed and p.pid is not None:
+                stopped_at = _stopped_at(out / f"{w.member}.jsonl")
+                if stopped_at is not None and time.time() > stopped_at + w.fault.resume_after_s:
+                    os.kill(p.pid, signal.SIGCONT)
+                    resumed.add(w.member)
+        time.sleep(0.05)
     for p, w in zip(procs, workers, strict=True):
         if p.is_alive():
             p.kill()

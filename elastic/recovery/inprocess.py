@@ -48,9 +48,16 @@ from torch.nn.parallel import DistributedDataParallel
 
 from elastic import collectives
 from elastic.coord.protocol import CoordinatorClient
+from elastic.faults import FaultInjector
 from elastic.recovery.grad_sync import GradientSync
 from elastic.recovery.group import ElasticGroup
-from elastic.recovery.member import Member, MemberSettings, RecoveryFailedError
+from elastic.recovery.member import (
+    FencedError,
+    LeftBehindError,
+    Member,
+    MemberSettings,
+    RecoveryFailedError,
+)
 from elastic.recovery.transfer import receive_state, send_state
 from elastic.state.module_state import ModelState, OptimizerState
 from elastic.state.registry import StateRegistry
@@ -105,7 +112,9 @@ class InProcessRecovery:
 
     def __init__(self, coordinator: CoordinatorClient, *, member_id: str, order: int,
                  device: torch.device, collective_timeout_s: float,
-                 settings: MemberSettings | None = None) -> None:
+                 settings: MemberSettings | None = None,
+                 faults: FaultInjector | None = None) -> None:
+        self.faults = faults or FaultInjector()
         self.group = ElasticGroup(device, collective_timeout_s)
         self.member = Member(coordinator, member_id, order, settings)
         self.group.superseded = self.member.superseded
@@ -191,11 +200,18 @@ class InProcessRecovery:
             assert self.registry is not None
             self._step_state.restore(self.registry)
         done = step + (1 if applied else 0)
-        self.group.fail("recovering")  # close this generation's connections at once
+        self.group.close()  # this generation's connections: peers still in it fail at once
         try:
             view = self.member.reform(reason)
+        except FencedError as err:
+            # Left out (it did not answer in time): join again; the members let it in at
+            # their next step boundary and it takes their state, as a replacement does.
+            log.warning("%s; joining the training group again", err)
+            view = self._rejoin()
+            done = -1
         except RecoveryFailedError as err:
             raise self.fall_back(str(err)) from err
+        self.faults.hit(self.group.rank, step, "recover_formed")
         self._configure(view, "recovering")
         received = self._agree_and_transfer(done) is not None
         best_counted = self._best_done > step
@@ -206,11 +222,21 @@ class InProcessRecovery:
                            seconds=time.monotonic() - started, before=before,
                            received=received)
         self.recoveries.append(result)
-        log.warning("in-process recovery (%s): generation %d, %d -> %d members, step %d %s, "
-                    "%.2f s", reason, result.generation, before, result.world_size,
-                    step + 1, "kept" if result.counted else "redone" if open_step else "-",
-                    result.seconds)
+        what = (f"step {step + 1} kept" if result.counted
+                else f"step {step + 1} redone" if open_step else f"at step {step}")
+        log.warning("in-process recovery (%s): generation %d, %d -> %d members, %s, %.2f s",
+                    reason, result.generation, before, result.world_size, what, result.seconds)
         return result
+
+    def _rejoin(self) -> dict[str, Any]:
+        try:
+            view = self.member.join()
+        except RecoveryFailedError as err:
+            raise self.fall_back(str(err)) from err
+        if view is None:  # the others finished meanwhile: nothing left to train here
+            raise LeftBehindError("this worker was left out of the training group and the run "
+                                  "finished without it")
+        return view
 
     def close(self, finished: bool) -> None:
         if finished and self.group.rank == 0:
@@ -247,6 +273,7 @@ class InProcessRecovery:
         behind = [r for r, d in enumerate(dones) if d < best]
         received: dict[str, Any] | None = None
         if behind and best >= 0:
+            self.faults.hit(self.group.rank, best, "recover_transfer")
             try:
                 if self.group.rank == source:
                     send_state(self.group, self.registry, behind)

@@ -47,6 +47,10 @@ class FencedError(RecoveryFailedError):
     """This worker was left out of the membership (gone too long): it may join again."""
 
 
+class LeftBehindError(RecoveryFailedError):
+    """This worker was left out and the run finished without it: it has nothing to train."""
+
+
 @dataclass(frozen=True)
 class MemberSettings:
     poll_s: float = 0.01  # how often a waiting member asks the coordinator again
@@ -174,6 +178,9 @@ class Member:
         return view
 
     def _refuse(self, view: dict[str, Any], *, joining: bool) -> None:
+        if view["phase"] == FINISHED and not joining:
+            raise LeftBehindError(f"worker {self.id} was left out of the training group and "
+                                  "the run finished without it")
         if view["phase"] == FALLBACK:
             raise RecoveryFailedError(f"in-process recovery fell back: {view['reason']}")
         if view["phase"] == OFF:

@@ -11,6 +11,7 @@ recorded steps (P5); at most the interrupted step was redone.
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 from typing import Any
 
@@ -75,27 +76,108 @@ def _recoveries(records: dict[str, list[dict[str, Any]]]) -> list[dict[str, Any]
     return [r for rs in records.values() for r in rs if r["kind"] == "recovery"]
 
 
-def test_a_lost_worker_costs_one_step_not_a_restart(
-        tmp_path: Path, tiny_dataset: str, uninterrupted: Path) -> None:
-    run = tmp_path / "run"
-    coordinator = _coordinator(run, 3)
-    workers = [Worker("a", 0), Worker("b", 1), Worker("c", 2, Fault(die_at=9))]
-    records = run_workers(coordinator, workers, _overrides(run, tiny_dataset), tmp_path / "out")
-
-    ends = _ends(records)
-    assert ends["a"] == {"kind": "end", "error": None, "step": STEPS}, ends["a"]
-    assert ends["b"] == {"kind": "end", "error": None, "step": STEPS}, ends["b"]
-    assert ends["c"] is None  # killed: it never ended
-    history = coordinator.membership.health()["history"]
-    assert [len(h["members"]) for h in history] == [3, 2]
-    assert history[1]["reason"] == "failure" and history[1]["left"] == ["c"]
-    recoveries = _recoveries(records)
-    assert len(recoveries) == 1 and recoveries[0]["world_size"] == 2
-    assert recoveries[0]["counted"] is False  # the interrupted step was redone, once
-
+def _assert_ends_where_the_uninterrupted_run_ends(
+        records: dict[str, list[dict[str, Any]]], run: Path, uninterrupted: Path,
+        tmp_path: Path) -> None:
     steps = _steps(records)
     assert sorted(steps) == list(range(1, STEPS + 1))
     trained = [i for samples in steps.values() for i in samples]
-    assert len(trained) == len(set(trained)) == STEPS * 8
+    assert len(trained) == len(set(trained)) == STEPS * 8  # global_batch 8: every sample once
     assert_same_state(final_state(uninterrupted, tmp_path, STEPS),
                       final_state(run, tmp_path, STEPS))
+
+
+@pytest.mark.slow
+def test_a_lost_worker_costs_one_step_and_a_replacement_joins(
+        tmp_path: Path, tiny_dataset: str, uninterrupted: Path) -> None:
+    run = tmp_path / "run"
+    coordinator = _coordinator(run, 3)
+    workers = [Worker("a", 0), Worker("b", 1), Worker("c", 2, Fault(die_at=9)),
+               Worker("d", 2, replaces="c")]
+    records = run_workers(coordinator, workers, _overrides(run, tiny_dataset), tmp_path / "out",
+                          pace_s=0.3)
+
+    ends = _ends(records)
+    for member in ("a", "b", "d"):
+        assert ends[member] == {"kind": "end", "error": None, "step": STEPS}, ends[member]
+    assert ends["c"] is None  # killed: it never ended
+    history = coordinator.membership.health()["history"]
+    assert [(h["reason"], h["members"]) for h in history] == [
+        ("start", ["a", "b", "c"]), ("failure", ["a", "b"]), ("join", ["a", "b", "d"])]
+    recoveries = _recoveries(records)
+    assert [(r["reason"], r["world_size"], r["counted"]) for r in recoveries] == [
+        ("failure", 2, False), ("join", 3, False)]  # the interrupted step redone, once
+    _assert_ends_where_the_uninterrupted_run_ends(records, run, uninterrupted, tmp_path)
+
+
+@pytest.mark.slow
+def test_a_worker_that_hangs_is_left_out_and_comes_back_as_a_joiner(
+        tmp_path: Path, tiny_dataset: str, uninterrupted: Path) -> None:
+    """A collective that hangs instead of failing: the others wait at most
+    `recovery.collective_timeout_s`, re-form without the silent worker, and when it wakes up
+    it is fenced (its generation is over) and joins again, taking their state."""
+    run = tmp_path / "run"
+    coordinator = _coordinator(run, 3)
+    workers = [Worker("a", 0), Worker("b", 1),
+               Worker("c", 2, Fault(stop_at=9, resume_after_s=3.0))]
+    records = run_workers(coordinator, workers, _overrides(run, tiny_dataset, timeout_s=2.0),
+                          tmp_path / "out", pace_s=0.5)
+
+    ends = _ends(records)
+    for member in ("a", "b", "c"):
+        assert ends[member] == {"kind": "end", "error": None, "step": STEPS}, ends[member]
+    history = coordinator.membership.health()["history"]
+    assert [(h["reason"], h["members"]) for h in history] == [
+        ("start", ["a", "b", "c"]), ("failure", ["a", "b"]), ("join", ["a", "b", "c"])]
+    _assert_ends_where_the_uninterrupted_run_ends(records, run, uninterrupted, tmp_path)
+
+
+@pytest.mark.slow
+def test_a_second_loss_while_recovering_falls_back_to_a_group_restart(
+        tmp_path: Path, tiny_dataset: str) -> None:
+    run = tmp_path / "run"
+    coordinator = _coordinator(run, 3)
+    workers = [Worker("a", 0), Worker("b", 1, Fault(exit_in="recover_formed")),
+               Worker("c", 2, Fault(die_at=9))]
+    overrides = [*_overrides(run, tiny_dataset, timeout_s=2.0), "snapshots.snapshot_every=2"]
+    records = run_workers(coordinator, workers, overrides, tmp_path / "out", pace_s=0.3)
+
+    end = _ends(records)["a"]
+    assert end is not None and end["error"].startswith(
+        "RecoveryFailedError: in-process recovery fell back to a group restart: the process "
+        "group of generation 2 did not form"), end
+    health = coordinator.membership.health()
+    assert health["phase"] == "fallback" and "generation 2" in health["fallback"]
+    # The group restart that follows continues from the newest commit, intact.
+    newest = SnapshotStore(str(run)).committed_steps()[-1]
+    assert 2 <= newest <= 4
+    assert final_state(run, tmp_path, newest)
+
+
+class SlowCoordinator(LocalCoordinator):
+    """Every membership call takes 0.3 s (a coordinator on a busy head node)."""
+
+    def membership_reform(self, *args: Any) -> dict[str, Any]:
+        time.sleep(0.3)
+        return super().membership_reform(*args)
+
+    def membership_beat(self, *args: Any) -> dict[str, Any]:
+        time.sleep(0.3)
+        return super().membership_beat(*args)
+
+
+@pytest.mark.slow
+def test_a_slow_coordinator_only_slows_the_recovery(
+        tmp_path: Path, tiny_dataset: str, uninterrupted: Path) -> None:
+    run = tmp_path / "run"
+    coordinator = SlowCoordinator(SnapshotStore(str(run)), keep_last=3,
+                                  block_bytes=DEFAULT_BLOCK_BYTES,
+                                  membership=MembershipSettings(beat_s=0.1, dead_after_s=2.0),
+                                  rendezvous_host="127.0.0.1")
+    coordinator.membership_reset(3)
+    workers = [Worker("a", 0), Worker("b", 1), Worker("c", 2, Fault(die_at=9))]
+    records = run_workers(coordinator, workers, _overrides(run, tiny_dataset), tmp_path / "out")
+    ends = _ends(records)
+    assert ends["a"] == {"kind": "end", "error": None, "step": STEPS}, ends["a"]
+    assert ends["b"] == {"kind": "end", "error": None, "step": STEPS}, ends["b"]
+    _assert_ends_where_the_uninterrupted_run_ends(records, run, uninterrupted, tmp_path)

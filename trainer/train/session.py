@@ -89,6 +89,7 @@ from data_state import ResumableLoader
 from elastic.coord.protocol import CoordinatorClient
 from elastic.errors import FatalRunError, SnapshotIntegrityError
 from elastic.preemption import PreemptionNotice, PreemptionWatcher
+from elastic.recovery import LeftBehindError
 from elastic.snapshotter import Snapshotter
 from elastic.state.registry import SnapshotMismatchError
 from trainer.config import SnapshotConfig
@@ -212,6 +213,9 @@ class Session:
         self.stall_s = 0.0  # training time spent waiting on snapshots so far
         self.stopped_at: int | None = None  # the step a stop (driver or `until`) ended at
         self._captured: int | None = self.start_step if self.start_step else None
+        if recovery is not None and not recovery.started_fresh:  # as the members see it
+            self._captured = (self.start_step if self.start_step
+                              in self.coordinator.committed_steps() else None)
         self._closed = False
         optimizers = [o for o in [optimizer, *(extras or {}).values()]
                       if isinstance(o, torch.optim.Optimizer)]
@@ -306,26 +310,35 @@ class Session:
         step ends an epoch or the loop; when the training function's return commits the last
         step (under ElasticTorchTrainer), a snapshot due there is taken one step later, so
         that no restart lands past the end of the loop with nothing left to train."""
+        try:
+            return self._step_done(boundary)
+        except LeftBehindError as err:
+            # Left out of the group (silent too long) and the run finished meanwhile: this
+            # worker's state is stale; end its loop without committing anything of it.
+            log.warning("%s: ending this worker", err)
+            self._captured = self._progress.step
+            self.close(commit=False)
+            return True
+
+    def _step_done(self, boundary: bool) -> bool:
         if isinstance(self._data, ResumableLoader) and self._data.pending:
             raise UsageError(
                 f"step {self._progress.step + 1} ends but its data was never committed: call "
                 "loader.advance() after optimizer.step() (or iterate session.data_loader(...), "
                 "which advances itself)")
         if self._recovery is not None and self._recovery.recovery.must_recover():
-            # The group failed in this step: re-formed now; the step counts only where its
-            # update was applied (on this member or another, which sent its state).
+            # The group failed in this step and is re-formed now: the step is redone unless
+            # its update was applied (here, or on a member that sent its state).
             if not self._recovery.step_ends():
-                return False  # redo it: its start state is back (progress, data, schedule)
-        else:
-            self._progress.step += 1
+                return False  # redo: its start state is back (progress, data, schedule)
+            return self._resume_after_recovery()
+        self._progress.step += 1
         step = self._progress.step
         notice = self.watcher.poll(step)
-        while self._recovery is not None and self._recovery.boundary_failed():
-            notice = self.watcher.poll(step)  # agree again, on the new group
-        if notice is not None and notice.source == "join":
-            assert self._recovery is not None
-            self._recovery.let_joiners_in()
-            notice = None
+        if self._recovery is not None and self._recovery.boundary_failed():
+            return self._resume_after_recovery()  # the group failed in the agreement itself
+        joining = notice is not None and notice.source == "join"
+        notice = None if joining else notice
         stopping = (notice is not None and notice.source == "stop") or (
             self.until is not None and step >= self.until)
         started = time.perf_counter()
@@ -356,8 +369,28 @@ class Session:
         if notice is not None:
             self._answer(notice)
         if self._recovery is not None:
-            self._recovery.boundary_failed()  # re-form before the next step, not in it
+            if self._recovery.boundary_failed():  # in the snapshot's agreement
+                return self._resume_after_recovery()
+            if joining:  # last: a joiner's first collective is its first step's
+                # A snapshot begun here commits first: the new generation would abort it.
+                self.snapshotter.wait_capture()
+                self.snapshotter.persister.wait()
+                self._recovery.let_joiners_in()
             self._recovery.begin_step()
+        return False
+
+    def _resume_after_recovery(self) -> bool:
+        """After the group re-formed at a step boundary every member resumes at the next
+        step's start, where a joiner starts: this boundary's own work (a due snapshot, a
+        notice) waits for the next boundary. A stop at `until` is not put off."""
+        assert self._recovery is not None
+        step = self._progress.step
+        if self.until is not None and step >= self.until:
+            self.snapshotter.after_step(step, force=True)
+            self._captured = step
+            self._stop(step)
+            return True
+        self._recovery.begin_step()
         return False
 
     def wait_capture(self) -> None:
@@ -421,6 +454,9 @@ class Session:
         self.rank, self.world_size = rank, world_size
         self._progress.step = step
         self.snapshotter.rebind(rank, world_size, generation)
+        # Every member (a joiner too) agrees whether this step's snapshot exists: a capture
+        # of the old generation still in flight is aborted, so only a commit counts.
+        self._captured = step if step in self.coordinator.committed_steps() else None
         for component in self.registry.components().values():
             if isinstance(component, setup.WorldSizeFree):
                 component.reshard(rank=rank, world_size=world_size)

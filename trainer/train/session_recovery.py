@@ -61,7 +61,8 @@ def start_recovery(context: WorkerContext | None, model: nn.Module) -> InProcess
     try:
         recovery = InProcessRecovery(context.coordinator, member_id=member_id, order=order,
                                      device=device,
-                                     collective_timeout_s=context.recovery.collective_timeout_s)
+                                     collective_timeout_s=context.recovery.collective_timeout_s,
+                                     faults=context.faults)
     except GroupUnavailableError as err:
         log.warning("%s: a lost worker restarts the whole group", err)
         return None

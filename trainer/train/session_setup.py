@@ -39,6 +39,7 @@ from torch.distributed.tensor import DTensor
 from elastic import collectives
 from elastic.coord.protocol import CoordinatorClient
 from elastic.errors import FatalRunError
+from elastic.faults import FaultInjector
 from elastic.snapshot_ref import checkpoint_uri, split_snapshot_dir
 from elastic.state.registry import StateRegistry
 from elastic.store.ram_store import RamTier
@@ -75,6 +76,7 @@ class WorkerContext:
     # the whole group.
     recovery: RecoveryConfig | None = None
     member: tuple[str, int] | None = None
+    faults: FaultInjector | None = None  # tests: faults armed in the recovery's phases
 
 
 class OpenSession(Protocol):
