@@ -19,7 +19,9 @@ Contract:
 - `rank_and_world_size()`: from `torch.distributed`, else (0, 1); `layout_of(model)`: "fsdp"
   when parameters are DTensors (FSDP2), else "ddp" (replicated, or one rank).
 - `state_registry(...)`: everything a Session snapshots, under its fixed keys (`model`,
-  `optim`, `sched`, `data`, `scaler`, the caller's extras, `PROGRESS_KEY`).
+  `optim`, `sched`, `data`, `scaler`, the caller's extras, `PROGRESS_KEY`), with the
+  trainer's rule that the step, optimizer, schedule and data tell one story and, for a
+  world-size-free loader, the data origin it checks the cursor by (`trainer.train.story`).
 """
 
 from __future__ import annotations
@@ -46,6 +48,7 @@ from elastic.store.ram_store import RamTier
 from elastic.store.snapshot_store import SnapshotStore
 from trainer.config import RecoveryConfig, SnapshotConfig
 from trainer.train.parallel import parallelism_of
+from trainer.train.story import register_story
 
 log = logging.getLogger("baton.session")
 
@@ -236,4 +239,8 @@ def state_registry(model: nn.Module, optimizer: torch.optim.Optimizer | None, sc
     for key, extra in (extras or {}).items():
         registry.register(key, extra)
     registry.register(PROGRESS_KEY, progress)
+    # The trainer's rule: step, optimizer, schedule and data cursor tell one story (checked
+    # before a restore writes a live tensor), and the data origin it checks the cursor by.
+    register_story(registry, {"optim": optimizer, "sched": scheduler, "data": data},
+                   progress_key=PROGRESS_KEY, progress=progress)
     return registry
