@@ -212,7 +212,15 @@ class _Fallback:
         live = self.registry.flatten()
         check_compatible(self.registry, manifest, live.tensors, live.skeletons)
         source = ByteSource(self.store, step, ram=self._ram_reader(step) if ram else None)
-        check_rules(self.registry, manifest, source)  # reads the few scalars the rules need
+        try:
+            check_rules(self.registry, manifest, source)  # reads the scalars rules need
+        except SnapshotMisfitError:
+            raise
+        except SnapshotIntegrityError:
+            if not source.used_ram:
+                raise
+            # A RAM copy is not the snapshot (as in run()): judge its scalars by storage.
+            check_rules(self.registry, manifest, ByteSource(self.store, step))
         return manifest, plan_targets(manifest, live.tensors,  # in place (module doc)
                                       in_place=self.registry.model_keys()), source
 

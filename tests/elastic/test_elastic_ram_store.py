@@ -408,3 +408,42 @@ def test_a_bad_ram_copy_is_read_again_from_storage_not_quarantined(tmp_path) -> 
     for key, value in reference.items():
         assert torch.equal(full_state(ts)[key], value), key
     snap.close()
+
+
+class _NeedsSteps:
+    """A rule that reads every parameter's optimizer `step` (as the trainer's does)."""
+
+    def scalars(self, skeletons: Any) -> list[str]:
+        return [entry["step"]["__tensor__"] for entry in skeletons["optim"]["state"].values()]
+
+    def check(self, skeletons: Any, scalars: Any) -> None:
+        if sorted(set(scalars.values())) != [2.0]:
+            raise ValueError(f"steps {sorted(set(scalars.values()))}")
+
+    def loaded(self) -> None:
+        return None
+
+
+def test_a_bad_ram_copy_of_what_a_rule_reads_is_read_again_from_storage(tmp_path) -> None:
+    """The scalars a registry rule needs are read before the restore (from the RAM tier
+    first): a RAM copy that fails its checks there is no verdict on the snapshot either."""
+    run = str(tmp_path / "run")
+    ts = build(seed=5)
+    ts.registry.add_rule(_NeedsSteps())
+    snap = Snapshotter(run, ts.registry, settings=SnapshotSettings(snapshot_every=2, durable=False))
+    for step in (1, 2):
+        train_step(ts, step)
+        snap.after_step(step)
+        snap.persister.wait()
+    reference = full_state(ts)
+    assert snap.ram_tier is not None
+    store = snap.ram_tier.store_on("local")
+    assert isinstance(store, RamStore)
+    (copy,) = store.files[2].values()
+    copy ^= 0xFF  # every byte of the store's copy goes bad
+    train_step(ts, 3)
+    assert snap.restore() == 2 and snap.restored_from == ("storage", 2)
+    assert snap.restore_errors == [] and SnapshotStore(run).committed_steps() == [2]
+    for key, value in reference.items():
+        assert torch.equal(full_state(ts)[key], value), key
+    snap.close()
