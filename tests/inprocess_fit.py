@@ -39,10 +39,10 @@ def train_worker(rank: int, world_size: int, cfg: FitConfig, stop_after: int | N
     writer = MetricsWriter(cfg.snapshots.run_uri) if rank == 0 else None
     attempt = {"n": 0}
 
-    def on_start(step: int) -> None:
+    def on_start(step: int, size: int) -> None:
         if writer is not None:
             writer.add({"kind": "start", "attempt": attempt["n"], "step": step,
-                        "world_size": world_size, "time": time.time()})
+                        "world_size": size, "time": time.time()})
 
     def on_metrics(record: dict[str, Any]) -> None:
         assert writer is not None

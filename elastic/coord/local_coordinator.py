@@ -28,6 +28,8 @@ or as the Ray actor (``elastic.coord.ray_actors`` makes this very class remote).
   (driver) and the ``membership_*`` calls of the protocol; each formation starts a new
   generation of the commit protocol. The process groups meet at a ``RendezvousStore``
   this coordinator starts on first use (``rendezvous_host``: its node's address).
+* The training loop's last reported metrics (``record_metrics``; the driver's
+  ``last_metrics`` gives them to Ray Train's ``Result.metrics``).
 
 Thread-safe: its own lock guards only the RAM index and the request flags; the core has its
 own and does storage I/O outside it, so a threaded actor never serialises behind a slow
@@ -82,6 +84,7 @@ class LocalCoordinator:
         # Stop requests: whether the driver asked, and the step the workers stopped at.
         self.stop_asked = False
         self.stopped_at: int | None = None
+        self.metrics: dict[str, Any] | None = None  # the loop's last report (rank 0's)
         self.rendezvous = RendezvousStore(rendezvous_host)
         self.membership = Membership(self.core.new_generation, self.rendezvous.address,
                                      membership, clock=clock)
@@ -161,6 +164,17 @@ class LocalCoordinator:
 
     def membership_leave(self, member: str) -> None:
         self.membership.leave(member)
+
+    # ---------------------------------------------------------------- metrics
+
+    def record_metrics(self, metrics: dict[str, Any]) -> None:
+        with self.lock:
+            self.metrics = dict(metrics)
+
+    def last_metrics(self) -> dict[str, Any] | None:
+        """The driver: what the loop reported last (None: nothing)."""
+        with self.lock:
+            return None if self.metrics is None else dict(self.metrics)
 
     # ---------------------------------------------------------------- shards
 

@@ -157,6 +157,13 @@ class CoordinatorClient(Protocol):
         """A waiting joiner gives up."""
         ...
 
+    # ------------------------------------------------------------------ metrics
+
+    def record_metrics(self, metrics: dict[str, Any]) -> None:
+        """The metrics the training loop reported last (rank 0's ``ray.train.report``),
+        for the driver's result; held in memory only."""
+        ...
+
 
 # The protocol's method names, derived from the class so they cannot drift from it.
 PROTOCOL_METHODS: frozenset[str] = frozenset(

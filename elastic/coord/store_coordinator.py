@@ -134,6 +134,9 @@ class StoreCoordinator:
     def membership_leave(self, member: str) -> None:
         return None
 
+    def record_metrics(self, metrics: dict[str, Any]) -> None:
+        return None  # no driver reads them without Ray
+
     def poll(self) -> None:
         if self.local is None:
             return

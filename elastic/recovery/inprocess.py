@@ -8,7 +8,8 @@ Contract
 
 - ``join()`` makes this worker a member (``elastic.recovery.member``), forms its process
   group (``elastic.recovery.group.ElasticGroup``) and installs it as the group of Baton's
-  collectives (``elastic.collectives``); False when the coordinator runs no membership.
+  collectives (``elastic.collectives``); False when the coordinator runs no membership or
+  the run has finished (``run_finished``).
   ``started_fresh``: a member of a group that starts whole (it restores the newest snapshot
   with the others); otherwise a joiner, which ``receive_joined_state()`` brings up to the
   members' state from a live member.
@@ -141,6 +142,11 @@ class InProcessRecovery:
     @property
     def started_fresh(self) -> bool:
         return self.member.started_fresh
+
+    @property
+    def run_finished(self) -> bool:
+        """`join()` found the run finished: a late replacement, nothing to train."""
+        return self.member.run_finished
 
     # ------------------------------------------------------------------ starting
 

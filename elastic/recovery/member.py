@@ -7,7 +7,7 @@ Contract
   joiner of a running membership, once the members let it in at their next step boundary
   (``started_fresh`` False: it must then receive the state from a live member) — and
   returns the view; ``None`` if the coordinator runs no membership (``off``) or the run has
-  finished (``finished``): train without in-process recovery.
+  finished (``run_finished``): train without in-process recovery.
 - ``start_beating()`` starts a daemon thread that calls ``membership_beat`` every
   ``beat_s`` and keeps the latest view; ``view()`` returns it. ``joiners_waiting()``: the
   members should let joiners in at the next step boundary. ``superseded()``: the membership
@@ -71,6 +71,7 @@ class Member:
         self._clock = clock
         self.generation = -1
         self.started_fresh = True
+        self.run_finished = False  # join() found the run finished (a late replacement)
         self._view: dict[str, Any] = {}
         self._answered = clock()  # when the coordinator last answered
         self._lock = threading.Lock()
@@ -82,12 +83,14 @@ class Member:
     def join(self) -> dict[str, Any] | None:
         view = self._call(lambda: self.coordinator.membership_join(self.id, self.order))
         if view["phase"] in (OFF, FINISHED):
+            self.run_finished = view["phase"] == FINISHED
             return None
         deadline = self._clock() + self.settings.reform_s
         while view["rank"] is None:
             self._refuse(view, joining=True)
             if view["phase"] == FINISHED:
                 self._call(lambda: self.coordinator.membership_leave(self.id))
+                self.run_finished = True
                 return None
             if self._clock() > deadline:
                 self._call(lambda: self.coordinator.membership_leave(self.id))

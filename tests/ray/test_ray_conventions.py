@@ -41,7 +41,7 @@ def _trained_run(run: Path, steps: int) -> nn.Module:
 def test_the_result_checkpoint_is_the_newest_snapshot_and_everything_takes_it(
     tmp_path: Path, capsys: pytest.CaptureFixture[str],
 ) -> None:
-    from trainer.on_ray.elastic_trainer import snapshot_checkpoint
+    from trainer.on_ray.train_fn import snapshot_checkpoint
 
     run = tmp_path / "run"
     model = _trained_run(run, 5)

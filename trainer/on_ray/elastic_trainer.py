@@ -47,6 +47,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import threading
+import uuid
 import warnings
 from collections.abc import Callable
 from typing import Any
@@ -59,9 +60,12 @@ from elastic.errors import FatalRunError
 from elastic.lease.run_lease import LeaseLostError, RunLease
 from elastic.store.snapshot_store import SnapshotStore
 from elastic.version import code_version
-from trainer.config import SnapshotConfig
+from trainer.config import RecoveryConfig, SnapshotConfig
+from trainer.on_ray.replica_groups import MembershipStart, replica_torch_config
 from trainer.on_ray.resize import SnapshotBeforeResize
 from trainer.on_ray.scaling import BatonTorchTrainer
+from trainer.on_ray.train_fn import install as install_train_fn
+from trainer.on_ray.train_fn import snapshot_checkpoint
 from trainer.train.session import WorkerContext, open_session, run_directory, worker_context
 
 # Set to 1 to let workers run other code than the driver: only for a checkout that is edited
@@ -84,6 +88,13 @@ def check_code_version(driver_version: str | None) -> None:
         )
 
 
+def member_of_worker() -> tuple[str, int]:
+    """This worker's member id in the run's membership (its node, process and a nonce: a
+    replacement on the same node is another member) and its order (Ray Train's world rank)."""
+    node = ray.get_runtime_context().get_node_id()[:8]
+    return f"{node}-{os.getpid()}-{uuid.uuid4().hex[:6]}", ray.train.get_context().get_world_rank()
+
+
 def ray_preemption_notice() -> Any:
     """Ray Train's preemption notice for this worker group, or None (a barrier: every rank
     asks on the same steps)."""
@@ -104,24 +115,6 @@ def elastic_scaling(scaling: ScalingConfig) -> ScalingConfig:
     return dataclasses.replace(scaling, num_workers=(1, workers))
 
 
-def snapshot_checkpoint(run_uri: str) -> ray.train.Checkpoint | None:
-    """The newest committed snapshot of the run as a `ray.train.Checkpoint` (None: none)."""
-    store = SnapshotStore(run_uri)
-    steps = store.committed_steps()
-    if not steps:
-        return None
-    where = store.step_path(steps[-1])
-    if store.is_local:
-        return ray.train.Checkpoint(os.path.abspath(where))
-    import pyarrow.fs
-
-    # The endpoint Baton's S3 access uses (elastic.storage.s3_files), for pyarrow's client too.
-    endpoint = os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL")
-    filesystem = pyarrow.fs.S3FileSystem(endpoint_override=endpoint) if endpoint \
-        else pyarrow.fs.S3FileSystem()
-    return ray.train.Checkpoint(where.removeprefix("s3://"), filesystem=filesystem)
-
-
 class ElasticTorchTrainer(BatonTorchTrainer):
     """See the module docstring."""
 
@@ -136,6 +129,7 @@ class ElasticTorchTrainer(BatonTorchTrainer):
         until: int | None = None,
         stop: threading.Event | None = None,
         run_config: RunConfig | None = None,
+        recovery: RecoveryConfig | None = None,
         **torch_trainer_kwargs: Any,
     ) -> None:
         settings = snapshots or SnapshotConfig()
@@ -150,14 +144,22 @@ class ElasticTorchTrainer(BatonTorchTrainer):
         self.until = until
         self._caller_owns_sigint = stop is not None
         self.stop = stop or threading.Event()
+        self.recovery = recovery or RecoveryConfig()
         self._resize = SnapshotBeforeResize(settings.run_uri)
+        self._membership = MembershipStart(settings.run_uri)
         run_config = run_config or RunConfig()
-        # A controller callback: Ray Train runs any callback it is given, though RunConfig's
+        # Controller callbacks: Ray Train runs any callback it is given, though RunConfig's
         # annotation names only the user-facing kinds.
+        controller_callbacks: list[Any] = [self._resize]
+        if self.recovery.in_process:
+            controller_callbacks.append(self._membership)
+            torch_trainer_kwargs["torch_config"] = replica_torch_config(
+                torch_trainer_kwargs.get("torch_config"))
         run_config = dataclasses.replace(
-            run_config, callbacks=[*(run_config.callbacks or []), self._resize])  # type: ignore[list-item]
+            run_config, callbacks=[*(run_config.callbacks or []), *controller_callbacks])
         self.coordinator: Any = None  # the coordinator's handle while fit() runs
         self.health: dict[str, Any] = {}  # the coordinator's health() when fit() returned
+        self.metrics: dict[str, Any] | None = None  # what the loop reported last
         self.stopped_at: int | None = None
         self._lease_token: str | None = None
         scaling = torch_trainer_kwargs.get("scaling_config")
@@ -181,6 +183,8 @@ class ElasticTorchTrainer(BatonTorchTrainer):
         try:
             result = self._fit_leased(lease)
             result.checkpoint = snapshot_checkpoint(self.snapshots.run_uri)
+            if self.metrics is not None:
+                result.metrics = self.metrics
         except BaseException as err:
             if lease.lost:  # the failure is most likely the refused commits: say why
                 raise LeaseLostError(lease.lost) from err
@@ -208,6 +212,7 @@ class ElasticTorchTrainer(BatonTorchTrainer):
             storage_retry_s=snaps.storage_retry_s,
         )
         self._lease_token = self._resize.lease_token = lease.token
+        self._membership.lease_token = lease.token
         done = threading.Event()
         forward = threading.Thread(target=self._forward_stop, args=(self.coordinator, done),
                                    name="baton-stop-forward", daemon=True)
@@ -215,6 +220,7 @@ class ElasticTorchTrainer(BatonTorchTrainer):
         try:
             result = super().fit()
             self.health = dict(ray.get(self.coordinator.health.remote()))
+            self.metrics = ray.get(self.coordinator.last_metrics.remote())
         finally:
             done.set()
             forward.join(timeout=10)
@@ -239,7 +245,9 @@ class ElasticTorchTrainer(BatonTorchTrainer):
 
     def _get_train_func(self) -> Callable[[], Any]:
         inner = super()._get_train_func()
-        context = WorkerContext(snapshots=self.snapshots, until=self.until, close_at_return=True)
+        recovery = self.recovery if self.recovery.in_process else None
+        context = WorkerContext(snapshots=self.snapshots, until=self.until, close_at_return=True,
+                                recovery=recovery)
         driver_version = None if os.environ.get(SKIP_CODE_CHECK_ENV) == "1" else code_version()
         lease_token = self._lease_token
 
@@ -258,9 +266,11 @@ class ElasticTorchTrainer(BatonTorchTrainer):
             ram_tier = ray_ram_tier(snaps.run_uri, cap_bytes=int(snaps.ram_copy_mib * 2**20),
                                     replicas=snaps.ram_replicas, lease_token=lease_token) \
                 if snaps.ram_copy_mib and snaps.ram_replicas else None
+            install_train_fn(snaps.run_uri, coordinator, replica_groups=recovery is not None)
             with worker_context(dataclasses.replace(
                     context, coordinator=coordinator, ram_tier=ram_tier,
-                    preemption_notice=ray_preemption_notice)):
+                    preemption_notice=ray_preemption_notice,
+                    member=member_of_worker() if recovery is not None else None)):
                 result = inner()
                 session = open_session()
                 if session is not None:

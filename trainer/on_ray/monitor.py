@@ -13,6 +13,9 @@ Contract:
   whatever entry point started the fit, and training workers need no sink packages. It
   holds no training state: losing it loses only unflushed metrics. `flush()` (the end of a
   fit) writes out the metrics and closes the sinks.
+- `recovered(record)`: the group re-formed in-process after a lost worker or to let a
+  replacement in (`elastic.recovery`; kind "recovery": the reason, the world sizes before and
+  after, whether the interrupted step was redone, the seconds it cost).
 - `start_attempt(step, world_size, time, optimizer_state=None)`: a worker group began;
   `optimizer_state` says whether its restore loaded optimizer moments (None: not told; the
   driver then reads the snapshot's manifest).
@@ -94,6 +97,12 @@ class MonitorState:
         record = {"kind": "step", "attempt": len(self._starts) - 1, **record}
         self._latest = record
         self._keep(record)
+
+    def recovered(self, record: dict[str, Any]) -> None:
+        """The group re-formed in-process (`elastic.recovery`): the survivors trained on."""
+        self._keep({"kind": "recovery", "attempt": len(self._starts) - 1,
+                    "time": time.time(), **record})
+        self._writer.flush()
 
     def latest(self) -> dict[str, Any]:
         return dict(self._latest)

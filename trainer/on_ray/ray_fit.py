@@ -79,19 +79,19 @@ def _train_fn(loop_config: dict[str, Any]) -> None:
     rank, world_size = context.get_world_rank(), context.get_world_size()
     device = ray.train.torch.get_device() if cfg.scaling.use_gpu else torch.device("cpu")
     monitor = get_monitor(cfg)
-    on_metrics = (lambda record: monitor.add.remote(record)) if rank == 0 else None
+    # Every worker gets the callbacks: the loop calls them on whichever is rank 0 of the group
+    # (under in-process recovery rank 0 may be lost and another take its place).
     env = WorkerEnv(
         rank=rank,
         world_size=world_size,
         device=device,
-        on_metrics=on_metrics,
+        on_metrics=lambda record: monitor.add.remote(record),
+        on_recovery=lambda record: monitor.recovered.remote(record),
         report=ray.train.report,
         pace_s=loop_config["pace_s"],
         record_samples=loop_config["record_samples"],
-        on_start=(
-            (lambda step: ray.get(monitor.start_attempt.remote(step, world_size, time.time())))
-            if rank == 0 else None
-        ),
+        on_start=lambda step, size: ray.get(
+            monitor.start_attempt.remote(step, size, time.time())),
     )
     run_worker(cfg, env)
 
@@ -249,6 +249,9 @@ def _fit_leased(
         stop=stop,
         train_loop_config={"cfg": config, "pace_s": pace_s, "record_samples": record_samples},
         torch_config=TorchConfig(backend="nccl" if scaling.use_gpu else "gloo"),
+        # FSDP2 shards over the whole group: a lost worker restarts it (from the RAM tier).
+        recovery=(config.recovery if config.parallelism == "ddp"
+                  else dataclasses.replace(config.recovery, in_process=False)),
         scaling_config=ScalingConfig(
             num_workers=num_workers,
             use_gpu=scaling.use_gpu,

@@ -30,7 +30,9 @@ Contract:
 - `BatonTorchTrainer` is `TorchTrainer` with that policy and `failures.FatalAwareFailurePolicy`
   (an error no restart can fix fails the run once; a group that cannot start counts against
   `max_failures`) in place of Ray Train's default ones (a fixed size keeps Ray Train's fixed
-  scaling policy), and `failures.StartReport` among the controller callbacks. Its `fit()` raises
+  scaling policy), and `failures.StartReport` among the controller callbacks. With a backend
+  of replica groups (`trainer.on_ray.replica_groups.replica_torch_config`) its controller is
+  `replica_groups.ReplicaGroupController`. Its `fit()` raises
   `failures.RunFailedError` (a `TrainingFailedError`) whose message is one line: the worker's
   message and the number of restarts.
 
@@ -45,12 +47,18 @@ from __future__ import annotations
 
 import logging
 import socket
+import threading
 import time
 from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import ray
+from ray._common.constants import RAY_WARN_BLOCKING_GET_INSIDE_ASYNC_ENV_VAR
+from ray.train.v2._internal.constants import (
+    DEFAULT_RAY_WARN_BLOCKING_GET_INSIDE_ASYNC_VALUE,
+    get_env_vars_to_propagate,
+)
 from ray.train.v2._internal.execution.failure_handling import (
     DefaultFailurePolicy,
 )
@@ -73,6 +81,7 @@ from trainer.on_ray.failures import (
     StartReport,
     run_failed_error,
 )
+from trainer.on_ray.replica_groups import ReplicaGroupController
 
 # Under "ray.train" so the lines land in Ray Train's controller log, next to its decisions.
 logger = logging.getLogger("ray.train.baton_scaling")
@@ -237,7 +246,26 @@ class BatonTorchTrainer(TorchTrainer):
             )
         callbacks = controller_init_kwargs.get("callbacks") or []
         controller_init_kwargs["callbacks"] = [*callbacks, StartReport()]
+        backend = self.train_run_context.backend_config
+        if backend is not None and getattr(backend.backend_cls, "has_replica_groups", False):
+            return self._run_controller(ReplicaGroupController, controller_init_kwargs)
         return super()._initialize_and_run_controller(**controller_init_kwargs)
+
+    def _run_controller(self, controller_cls: type, kwargs: dict[str, Any]) -> Any:
+        """Ray Train's `_initialize_and_run_controller` with a controller class of ours."""
+        env_vars = get_env_vars_to_propagate()
+        env_vars.setdefault(RAY_WARN_BLOCKING_GET_INSIDE_ASYNC_ENV_VAR,
+                            DEFAULT_RAY_WARN_BLOCKING_GET_INSIDE_ASYNC_VALUE)
+        actor_cls = ray.remote(
+            num_cpus=0,
+            label_selector={ray._raylet.RAY_NODE_ID_KEY: ray.get_runtime_context().get_node_id()},
+            runtime_env={"env_vars": env_vars},
+        )(controller_cls)
+        controller = actor_cls.remote(**kwargs)
+        if threading.current_thread() is threading.main_thread():
+            self._register_sigint_handler(controller)
+        ray.get(controller.run.remote())
+        return ray.get(controller.get_result.remote())
 
     def fit(self) -> Any:
         try:

@@ -39,6 +39,7 @@ MAX_PART_BYTES = MAX_JSON_BYTES  # one flush writes ~20 records: KiB; a larger p
 _NUMERIC_FIELDS: dict[str, tuple[str, ...]] = {
     "start": ("attempt", "step", "world_size", "time"),
     "step": ("attempt", "step", "loss", "tokens_per_s", "world_size", "time"),
+    "recovery": ("step", "world_size", "before", "seconds", "time"),
 }
 
 
@@ -151,26 +152,33 @@ class RunSummary:
     final_loss: float | None
     final_val_loss: float | None
     restarts: int  # worker-group starts after the first
-    steps_redone: int  # steps trained again because they were after the last commit
-    world_sizes: list[int]  # world size of each worker-group start, in order
+    steps_redone: int  # steps trained again (after the last commit, or interrupted in-process)
+    world_sizes: list[int]  # the group's size at each start and in-process change, in order
     mean_tokens_per_s: float | None
     snapshot_stall_ms_max: float | None  # longest time one step waited for a snapshot
     snapshot_stall_ms_mean: float | None  # that time averaged over all steps
+    # In-process recovery (`elastic.recovery`): lost workers the survivors trained on past,
+    # replacements that joined a running group, the longest such re-forming (seconds).
+    recovered_in_process: int = 0
+    replacements_joined: int = 0
+    recovery_s_max: float | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
 
 
 def summarize(records: list[dict[str, Any]]) -> RunSummary:
-    records = [r for r in records if r["kind"] in _NUMERIC_FIELDS]  # start and step only
+    records = [r for r in records if r["kind"] in _NUMERIC_FIELDS]  # start, step, recovery
     starts = [r for r in records if r["kind"] == "start"]
     steps = [r for r in records if r["kind"] == "step"]
-    redone, reached = 0, 0
+    recoveries = [r for r in records if r["kind"] == "recovery"]
+    lost = [r for r in recoveries if r.get("reason") == "failure"]
+    redone, reached = sum(1 for r in lost if r.get("counted") is False), 0
     for record in records:
         if record["kind"] == "start":
             redone += max(0, reached - record["step"])
             reached = record["step"]
-        else:
+        elif record["kind"] == "step":
             reached = max(reached, record["step"])
     vals = [r["val_loss"] for r in steps if r.get("val_loss") is not None]
     rates = [r["tokens_per_s"] for r in steps[1:]]  # the first step pays one-off costs
@@ -181,8 +189,11 @@ def summarize(records: list[dict[str, Any]]) -> RunSummary:
         final_val_loss=vals[-1] if vals else None,
         restarts=max(0, len(starts) - 1),
         steps_redone=redone,
-        world_sizes=[r["world_size"] for r in starts],
+        world_sizes=[r["world_size"] for r in records if r["kind"] != "step"],
         mean_tokens_per_s=sum(rates) / len(rates) if rates else None,
         snapshot_stall_ms_max=1e3 * max(stalls) if stalls else None,
         snapshot_stall_ms_mean=1e3 * sum(stalls) / len(stalls) if stalls else None,
+        recovered_in_process=len(lost),
+        replacements_joined=sum(1 for r in recoveries if r.get("reason") == "join"),
+        recovery_s_max=max((r["seconds"] for r in recoveries), default=None),
     )

@@ -197,9 +197,27 @@ class RestartTracker:
         for record in records:
             if record.get("kind") == "start":
                 events.append(self._start(record))
+            elif record.get("kind") == "recovery":
+                events.append(self._recovered(record))
             elif record.get("kind", "step") == "step" and isinstance(record.get("step"), int):
                 self._reached = max(self._reached, record["step"])
         return events
+
+    def _recovered(self, record: dict[str, Any]) -> str:
+        """An in-process recovery (`elastic.recovery`): the survivors never stopped."""
+        world_size, before = int(record["world_size"]), int(record["before"])
+        at, took = f"at step {int(record['step'])}", f"{float(record['seconds']):.2f} s"
+        self._world_size = world_size
+        if record.get("reason") == "join":
+            joined = f" ({_nodes(tuple(self._added))} joined)" if self._added else ""
+            self._added.clear()
+            return (f"replacement joined {at}{joined} → {_plural(world_size, 'worker')}, state "
+                    f"from a live peer in {took}, survivors continued in-process")
+        lost = f"{_nodes(tuple(self._lost))} lost" if self._lost else "worker lost"
+        self._lost.clear()
+        redone = "1 step redone" if record.get("counted") is False else "0 steps redone"
+        return (f"{lost} {at} → {_plural(world_size, 'survivor')} continued in-process "
+                f"(from {before}, re-formed in {took}), {redone}")
 
     def _start(self, record: dict[str, Any]) -> str:
         restored, world_size = int(record["step"]), int(record["world_size"])
@@ -336,13 +354,18 @@ _SUMMARY_FORMATS: dict[str, Callable[[Any], str]] = {
     "steps_redone": fmt_count,
     "restarts": fmt_count,
     "world_sizes": lambda sizes: " → ".join(map(str, sizes)) if sizes else "-",
+    "recovered_in_process": fmt_count,
+    "replacements_joined": fmt_count,
+    "recovery_s_max": lambda s: f"{s:.2f} s",
 }
 _SUMMARY_LABELS = {
     "mean_tokens_per_s": "mean throughput",
     "snapshot_stall_ms_max": "snapshot stall (max)",
     "snapshot_stall_ms_mean": "snapshot stall (mean)",
     "wall_time_s": "wall time",
-    "world_sizes": "workers per attempt",
+    "world_sizes": "workers over the run",
+    "recovered_in_process": "lost workers survived in-process",
+    "recovery_s_max": "in-process recovery (max)",
 }
 
 

@@ -73,7 +73,9 @@ class WorkerEnv:
     # The run's coordinator; None: the worker context's under Ray, else in-process.
     coordinator: CoordinatorClient | None = None
     on_metrics: Callable[[dict[str, Any]], None] | None = None
-    on_start: Callable[[int], Any] | None = None  # called with the restored step
+    # Called by the first rank of a group that starts (restored step, world size); not by a
+    # replacement that joins a running group.
+    on_start: Callable[[int, int], Any] | None = None
     report: Callable[[dict[str, Any]], None] | None = None  # all ranks (ray.train.report)
     stop_after: int | None = None  # stop gracefully (with a committed snapshot) after this step
     pace_s: float = 0.0  # sleep per step (fault-injection tests: let events land mid-run)
@@ -305,8 +307,8 @@ def run_worker(cfg: FitConfig, env: WorkerEnv) -> WorkerResult:
         )
         with session:
             env.rank, env.world_size = session.rank, session.world_size
-            if env.on_start is not None and not session.received_from_peer:
-                env.on_start(session.start_step)  # a replacement joins a running group
+            if env.on_start is not None and env.rank == 0 and not session.joined_late:
+                env.on_start(session.start_step, env.world_size)
             loss, val_loss = float("nan"), None
             stalled = session.stall_s
             late = LateRecords(built.loader, session, functools.partial(

@@ -164,7 +164,7 @@ class Session:
                              snapshot_every)
         # In-process recovery first: it makes the membership's group the one Baton's
         # collectives run on (and so the rank and world size).
-        recovery = start_recovery(context, model)
+        recovery, self.arrived_after_finish = start_recovery(context, model)
         try:
             self._start(model, optimizer, scheduler, data, extras, scaler, settings, context,
                         coordinator, layout, strict_data, run_info, until, recovery)
@@ -251,6 +251,12 @@ class Session:
         """The training group failed during the open step (in-process recovery re-forms it
         when the step ends; the step is redone unless a member applied it)."""
         return self._recovery is not None and self._recovery.recovery.must_recover()
+
+    @property
+    def joined_late(self) -> bool:
+        """This worker joined a group that was already training (it took a live member's
+        state), or arrived after the run finished (it trains nothing)."""
+        return self.arrived_after_finish or self.received_from_peer
 
     @property
     def received_from_peer(self) -> bool:

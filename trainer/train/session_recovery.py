@@ -3,9 +3,9 @@
 Contract:
 - `start_recovery(context, model)`: the `elastic.recovery.InProcessRecovery` of this worker,
   joined to the run's membership, when the worker context asks for it (`recovery.in_process`
-  and a member id, as `ElasticTorchTrainer` hands every worker on Ray); None otherwise, or
-  when the coordinator runs no membership or the run has already finished (a late
-  replacement then restores the final snapshot as any worker does). Under it, the model must
+  and a member id, as `ElasticTorchTrainer` hands every worker on Ray), else None; and
+  whether the run had already finished (a late replacement: it restores the final snapshot
+  as any worker does, and trains nothing). Under it, the model must
   be replicated (DDP; a model of one worker at world size 1): an FSDP2 model would shard over
   a group of its worker alone, so it is refused in one line (`UsageError`) naming
   `recovery.in_process = false`. torchft missing: a warning, and no in-process recovery.
@@ -47,10 +47,11 @@ log = logging.getLogger("baton.session")
 FINISH_WAIT_S = 60.0
 
 
-def start_recovery(context: WorkerContext | None, model: nn.Module) -> InProcessRecovery | None:
+def start_recovery(context: WorkerContext | None, model: nn.Module
+                   ) -> tuple[InProcessRecovery | None, bool]:
     if (context is None or context.recovery is None or not context.recovery.in_process
             or context.member is None or context.coordinator is None):
-        return None
+        return None, False
     if layout_of(model) == "fsdp":
         raise UsageError(
             "Session: an FSDP2 model under in-process recovery would shard over its own "
@@ -65,10 +66,10 @@ def start_recovery(context: WorkerContext | None, model: nn.Module) -> InProcess
                                      faults=context.faults)
     except GroupUnavailableError as err:
         log.warning("%s: a lost worker restarts the whole group", err)
-        return None
+        return None, False
     if not recovery.join():
-        return None
-    return recovery
+        return None, recovery.run_finished
+    return recovery, False
 
 
 class RecoveringSession(Protocol):
