@@ -26,7 +26,9 @@ PHASES: tuple[str, ...] = (
     "commit_begin",  # coordinator: all receipts in, manifest not written
     "commit_manifest",  # coordinator: manifest bytes being written (temp name on local disk)
     "commit_end",  # coordinator: manifest written, garbage collection not done
-    # In-process recovery (elastic.recovery), keyed by the steps completed:
+)
+# The phases of an in-process recovery (elastic.recovery), keyed by the steps completed.
+RECOVERY_PHASES: tuple[str, ...] = (
     "recover_formed",  # worker: the next membership formed, its process group not yet
     "recover_transfer",  # worker: the members agreed who sends the state, nothing sent
 )
@@ -45,8 +47,9 @@ class FaultInjector:
 
     def arm(self, phase: str, *, rank: int | None = None, step: int | None = None,
             action: str | Callable[[], None] = "raise") -> FaultInjector:
-        if phase not in PHASES:
-            raise ValueError(f"unknown fault phase {phase!r}; choose one of {PHASES}")
+        if phase not in PHASES + RECOVERY_PHASES:
+            raise ValueError(f"unknown fault phase {phase!r}; choose one of "
+                             f"{PHASES + RECOVERY_PHASES}")
         if not callable(action) and action not in ("raise", "exit"):
             raise ValueError(f"fault action must be 'raise', 'exit' or a callable, got {action!r}")
         self.plan[(rank, step, phase)] = action

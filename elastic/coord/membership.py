@@ -110,6 +110,7 @@ class Membership:
         self.fallback_reason = ""
         self._started: tuple[int, frozenset[str]] = (-1, frozenset())  # the group that started
         self.history: list[dict[str, Any]] = []  # one record per formation (for the driver)
+        self.fallbacks: list[str] = []  # why in-process recovery gave up, each time
 
     # ------------------------------------------------------------------ the driver
 
@@ -159,6 +160,8 @@ class Membership:
     def fallback(self, member: str, reason: str) -> dict[str, Any]:
         with self._lock:
             if self.phase not in (FINISHED, OFF):
+                if self.phase != FALLBACK:
+                    self.fallbacks.append(reason)
                 self.phase = FALLBACK
                 self.fallback_reason = self.fallback_reason or f"{member}: {reason}"
             return self._view(member)
@@ -251,4 +254,4 @@ class Membership:
             return {"phase": self.phase, "generation": self.generation,
                     "members": list(self.members), "joiners": len(self._joiners),
                     "history": [dict(h) for h in self.history],
-                    "fallback": self.fallback_reason}
+                    "fallback": self.fallback_reason, "fallbacks": list(self.fallbacks)}

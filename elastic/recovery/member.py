@@ -192,7 +192,7 @@ class Member:
             raise FencedError(f"worker {self.id} was left out of generation "
                               f"{view['generation']} (it did not answer in time)")
 
-    def _call(self, call: Callable[[], dict[str, Any]]) -> dict[str, Any]:
+    def _call(self, call: Callable[[], Any]) -> Any:
         """One coordinator call, retried until it answers or ``coordinator_s`` passes."""
         deadline = self._clock() + self.settings.coordinator_s
         while True:

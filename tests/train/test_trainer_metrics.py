@@ -40,6 +40,30 @@ def test_summary_counts_restarts_and_redone_steps(tmp_path: Path) -> None:
     assert summary.final_val_loss == pytest.approx(4.5)
 
 
+def test_summary_counts_in_process_recoveries(tmp_path: Path) -> None:
+    writer = MetricsWriter(str(tmp_path))
+    t = 1000.0
+    writer.add({"kind": "start", "attempt": 0, "step": 0, "world_size": 3, "time": t})
+    for step in range(1, 21):
+        writer.add({"kind": "step", "attempt": 0, "step": step, "loss": 3.0, "lr": 1e-3,
+                    "tokens_per_s": 9.0, "world_size": 3 if step <= 8 else 2, "time": t + step})
+        if step == 8:
+            writer.add({"kind": "recovery", "attempt": 0, "reason": "failure", "step": 8,
+                        "world_size": 2, "before": 3, "seconds": 0.5, "counted": False,
+                        "time": t + step + 0.5})
+        if step == 15:
+            writer.add({"kind": "recovery", "attempt": 0, "reason": "join", "step": 15,
+                        "world_size": 3, "before": 2, "seconds": 0.1, "counted": False,
+                        "time": t + step + 0.5})
+    writer.flush()
+    summary = summarize(read_records(str(tmp_path)))
+    assert summary.restarts == 0
+    assert summary.steps_redone == 1  # the interrupted step
+    assert summary.world_sizes == [3, 2, 3]
+    assert (summary.recovered_in_process, summary.replacements_joined) == (1, 1)
+    assert summary.recovery_s_max == pytest.approx(0.5)
+
+
 def test_metrics_on_s3_and_report_png(s3_bucket: str, tmp_path: Path) -> None:
     run = f"s3://{s3_bucket}/runs/a"
     _fake_run(MetricsWriter(run))

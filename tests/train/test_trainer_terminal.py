@@ -105,6 +105,21 @@ def test_tracker_turns_records_and_node_changes_into_events() -> None:
     assert asked == [100]  # the record said it
 
 
+def test_in_process_recoveries_are_events_of_their_own() -> None:
+    tracker = RestartTracker()
+    tracker.feed([{"kind": "start", "step": 0, "world_size": 3}, *_steps(1, 9)])
+    tracker.nodes_changed(lost=["10.0.0.7"])
+    lost = tracker.feed([{"kind": "recovery", "reason": "failure", "step": 8, "world_size": 2,
+                          "before": 3, "seconds": 0.44, "counted": False}])
+    assert lost == ["node 10.0.0.7 lost at step 8 → 2 survivors continued in-process (from 3, "
+                    "re-formed in 0.44 s), 1 step redone"]
+    tracker.nodes_changed(added=["10.0.0.9"])
+    joined = tracker.feed([{"kind": "recovery", "reason": "join", "step": 30, "world_size": 3,
+                            "before": 2, "seconds": 0.06, "counted": False}])
+    assert joined == ["replacement joined at step 30 (node 10.0.0.9 joined) → 3 workers, state "
+                      "from a live peer in 0.06 s, survivors continued in-process"]
+
+
 def test_optimizer_state_is_read_from_the_manifest_state() -> None:
     """On the JSON state a snapshot's manifest stores (the registry's skeletons)."""
     import torch
@@ -186,7 +201,7 @@ def test_summary_values_are_formatted() -> None:
     }))
     assert rows == {
         "steps": "12,000", "final loss": "2.5741", "final val loss": "-", "restarts": "2",
-        "steps redone": "3", "workers per attempt": "2 → 1 → 2",
+        "steps redone": "3", "workers over the run": "2 → 1 → 2",
         "mean throughput": "12,346 tok/s", "snapshot stall (max)": "12.3 ms",
         "wall time": "1h02m03s", "report": "runs/demo/report.png",
     }

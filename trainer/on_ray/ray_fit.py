@@ -66,6 +66,9 @@ class FitResult:
     summary: RunSummary
     resumed_from: int  # committed step the fit started from (0 = fresh run)
     stopped_at: int | None = None  # the step a stop (`until`, `stop`) ended at; None: finished
+    # In-process recovery's membership (`elastic.coord.membership`): each formation (who
+    # trained together, why it formed) and each fallback to a group restart.
+    membership: dict[str, Any] = dataclasses.field(default_factory=dict)
 
 
 def _train_fn(loop_config: dict[str, Any]) -> None:
@@ -236,11 +239,8 @@ def _fit_leased(
     ).remote(config.snapshots.run_uri, logging=config.logging)
 
     scaling = config.scaling
-    num_workers: int | tuple[int, int] = (
-        scaling.min_workers
-        if scaling.min_workers == scaling.max_workers
-        else (scaling.min_workers, scaling.max_workers)
-    )
+    # Always a range: a plain int would be taken for a user's fixed size and made (1, N).
+    num_workers = (scaling.min_workers, scaling.max_workers)
     trainer = ElasticTorchTrainer(
         _train_fn,
         snapshots=config.snapshots,
@@ -289,8 +289,11 @@ def _fit_leased(
     if failed is not None:
         raise FinalCommitError(failed)
     summary = summarize(read_records(config.snapshots.run_uri))
+    membership = dict(trainer.health.get("membership") or {})
+    summary.recovery_fallbacks = list(membership.get("fallbacks") or [])
     return FitResult(run_uri=config.snapshots.run_uri, summary=summary,
-                     resumed_from=resumed_from, stopped_at=stopped_at)
+                     resumed_from=resumed_from, stopped_at=stopped_at,
+                     membership=membership)
 
 
 def _poll_progress(monitor: Any, trainer: ElasticTorchTrainer, watch: CommitWatch,

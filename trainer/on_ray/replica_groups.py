@@ -63,7 +63,7 @@ class _ReplicaBackend(_TorchBackend):
 
     has_replica_groups: bool = True
 
-    def on_start(self, worker_group: Any, backend_config: TorchConfig) -> None:
+    def on_start(self, worker_group: Any, backend_config: Any) -> None:
         start = super().on_start
         if isinstance(worker_group, ReplicaGroup):
             start(worker_group, backend_config)
@@ -108,8 +108,11 @@ class ReplicaGroupController(TrainController):
         self._membership = next((c for c in callbacks if isinstance(c, MembershipStart)), None)
         self._down: set[int] = set()  # replica groups shut down, waiting for their bundle
         super().__init__(*args, **kwargs)
-        self._scaling_policy = _HoldSizeWhileDown(self._scaling_policy, self._down)
-        self._failure_policy = _LostWorkersAreFree(self._failure_policy, self)
+        # Wrappers that delegate all else (Ray Train calls the policies by duck typing).
+        self._scaling_policy = _HoldSizeWhileDown(self._scaling_policy,  # type: ignore[assignment]
+                                                  self._down)
+        self._failure_policy = _LostWorkersAreFree(self._failure_policy,  # type: ignore[assignment]
+                                                   self)
 
     # ------------------------------------------------------------------ starting
 
@@ -149,7 +152,7 @@ class ReplicaGroupController(TrainController):
     def _shut_down(self, index: int) -> None:
         group = self._worker_group
         assert group is not None
-        replica = group.get_replica_groups()[index]
+        replica = _replica_groups(group)[index]
         replica.shutdown()
         for worker in replica.get_workers():
             if worker.distributed_context is not None:
@@ -175,7 +178,7 @@ class ReplicaGroupController(TrainController):
                                  .placement_group)
         for index in sorted(self._down):
             bundles = {w.placement_group_bundle_index
-                       for w in group.get_replica_groups()[index].get_workers()}
+                       for w in _replica_groups(group)[index].get_workers()}
             if not bundles <= placed:
                 continue
             try:
@@ -251,6 +254,12 @@ def _died(error: BaseException) -> bool:
     if isinstance(error, WorkerHealthCheckFailedError):
         error = error.health_check_failure
     return isinstance(error, RayActorError)
+
+
+def _replica_groups(group: Any) -> list[ReplicaGroup]:
+    groups = group.get_replica_groups()
+    assert groups is not None, "a worker group of replica groups"
+    return list(groups)
 
 
 def _placed_bundles(placement_group: Any) -> set[int]:

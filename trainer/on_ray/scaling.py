@@ -256,9 +256,10 @@ class BatonTorchTrainer(TorchTrainer):
         env_vars = get_env_vars_to_propagate()
         env_vars.setdefault(RAY_WARN_BLOCKING_GET_INSIDE_ASYNC_ENV_VAR,
                             DEFAULT_RAY_WARN_BLOCKING_GET_INSIDE_ASYNC_VALUE)
-        actor_cls = ray.remote(
+        node_key = ray._raylet.RAY_NODE_ID_KEY  # type: ignore[attr-defined]
+        actor_cls: Any = ray.remote(
             num_cpus=0,
-            label_selector={ray._raylet.RAY_NODE_ID_KEY: ray.get_runtime_context().get_node_id()},
+            label_selector={node_key: ray.get_runtime_context().get_node_id()},
             runtime_env={"env_vars": env_vars},
         )(controller_cls)
         controller = actor_cls.remote(**kwargs)

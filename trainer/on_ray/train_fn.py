@@ -16,9 +16,10 @@ it as the place to patch) with `BatonTrainFnUtils`, Ray Train's own
 - `get_checkpoint()`: the run's newest committed snapshot as a `ray.train.Checkpoint`
   (`snapshot_checkpoint`; None before the first commit), so code that still reads it (Tune
   callbacks, a loop's own extras) sees the run it continues.
-- `get_preemption_info()`: with replica groups, this worker's own notice without a barrier
-  (Ray Train's preemption watcher is off for replica groups; Baton's SIGTERM watcher and its
-  agreement at every step boundary remain).
+- `get_preemption_info()`: with replica groups, whether GCS is draining this worker's node
+  (a spot notice), without a barrier: Ray Train's preemption watcher is off for replica
+  groups, and Baton's watcher agrees across the group at the step boundary (every worker
+  commits that step, then the group restarts without the node: nothing redone).
 """
 
 from __future__ import annotations
@@ -29,7 +30,6 @@ from typing import Any
 
 import ray
 import ray.train
-from ray.train.v2._internal.execution.context import get_train_context
 from ray.train.v2._internal.execution.train_fn_utils import (
     DistributedTrainFnUtils,
     set_train_fn_utils,
@@ -84,8 +84,20 @@ class BatonTrainFnUtils(DistributedTrainFnUtils):
 
     def get_preemption_info(self) -> Any:
         if self._replica_groups:
-            return get_train_context().preemption_context.preemption_info
+            # Ray Train's preemption watcher is off for replica groups: ask GCS whether this
+            # worker's node is being drained (a spot notice), without a barrier (Baton's
+            # watcher agrees across the group at the step boundary).
+            node = ray.get_runtime_context().get_node_id()
+            draining = _draining_nodes()
+            return {"node": node, "deadline_ms": draining[node]} if node in draining else None
         return super().get_preemption_info()
+
+
+def _draining_nodes() -> dict[str, Any]:
+    try:
+        return dict(ray._private.state.state.get_draining_nodes() or {})
+    except Exception:  # noqa: BLE001 - no answer: no notice this time
+        return {}
 
 
 def install(run_uri: str, coordinator: Any, replica_groups: bool) -> None:

@@ -26,7 +26,7 @@ import json
 import logging
 import time
 import uuid
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from elastic.storage import INT64, MAX_JSON_BYTES, RefusedEntryError, Storage, loads_json
@@ -162,6 +162,9 @@ class RunSummary:
     recovered_in_process: int = 0
     replacements_joined: int = 0
     recovery_s_max: float | None = None
+    # Why in-process recovery gave up and the whole group restarted, each time (the driver
+    # fills it from the coordinator; empty when it never did).
+    recovery_fallbacks: list[str] = field(default_factory=list)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)

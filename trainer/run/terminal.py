@@ -357,6 +357,7 @@ _SUMMARY_FORMATS: dict[str, Callable[[Any], str]] = {
     "recovered_in_process": fmt_count,
     "replacements_joined": fmt_count,
     "recovery_s_max": lambda s: f"{s:.2f} s",
+    "recovery_fallbacks": lambda reasons: "; ".join(reasons) if reasons else "none",
 }
 _SUMMARY_LABELS = {
     "mean_tokens_per_s": "mean throughput",
@@ -366,6 +367,7 @@ _SUMMARY_LABELS = {
     "world_sizes": "workers over the run",
     "recovered_in_process": "lost workers survived in-process",
     "recovery_s_max": "in-process recovery (max)",
+    "recovery_fallbacks": "group restarts instead, why",
 }
 
 
