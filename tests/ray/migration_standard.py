@@ -93,7 +93,10 @@ def warmup_cosine(warmup, total):
 
 
 def record(config, rank, world_size, epoch, step, ids, **extra):
-    """One JSON line per rank and step (the test's audit), then the test's pace."""
+    """One JSON line per rank and step (the test's audit), then the test's pace. Rank and
+    world size are read now: under in-process recovery the group's change as it shrinks."""
+    context = ray.train.get_context()
+    rank, world_size = context.get_world_rank(), context.get_world_size()
     line = {"pid": os.getpid(), "rank": rank, "world_size": world_size, "epoch": epoch,
             "step": step, "ids": [int(i) for i in ids], "time": time.time(), **extra}
     with open(config["log"], "a") as out:
@@ -102,7 +105,7 @@ def record(config, rank, world_size, epoch, step, ids, **extra):
 
 
 def fail_once(config, rank):
-    """The code after the loop fails once (the test's fault), on rank 0."""
-    if rank == 0 and config.get("fail_after_loop") and not os.path.exists(config["marker"]):
+    """The code after the loop fails once (the test's fault), on rank 0 (as it is now)."""
+    if ray.train.get_context().get_world_rank() == 0 and config.get("fail_after_loop") and not os.path.exists(config["marker"]):
         open(config["marker"], "w").close()
         raise RuntimeError("injected failure in the code after the training loop")

@@ -16,6 +16,9 @@ it as the place to patch) with `BatonTrainFnUtils`, Ray Train's own
 - `get_checkpoint()`: the run's newest committed snapshot as a `ray.train.Checkpoint`
   (`snapshot_checkpoint`; None before the first commit), so code that still reads it (Tune
   callbacks, a loop's own extras) sees the run it continues.
+- `get_context()`: with replica groups, `get_world_rank()` and `get_world_size()` are those of
+  Baton's training group once a `Session` joined it (they change as the group shrinks and
+  grows; Ray Train's own stay those of its workers, the lost one included).
 - `get_preemption_info()`: with replica groups, whether GCS is draining this worker's node
   (a spot notice), without a barrier: Ray Train's preemption watcher is off for replica
   groups, and Baton's watcher agrees across the group at the step boundary (every worker
@@ -34,6 +37,7 @@ from ray.train.v2._internal.execution.train_fn_utils import (
     DistributedTrainFnUtils,
     set_train_fn_utils,
 )
+from ray.train.v2.api.context import DistributedTrainContext
 
 from elastic import collectives
 from elastic.store.snapshot_store import SnapshotStore
@@ -82,6 +86,9 @@ class BatonTrainFnUtils(DistributedTrainFnUtils):
     def get_checkpoint(self) -> ray.train.Checkpoint | None:
         return snapshot_checkpoint(self._run_uri)
 
+    def get_context(self) -> DistributedTrainContext:
+        return _GroupContext() if self._replica_groups else super().get_context()
+
     def get_preemption_info(self) -> Any:
         if self._replica_groups:
             # Ray Train's preemption watcher is off for replica groups: ask GCS whether this
@@ -91,6 +98,21 @@ class BatonTrainFnUtils(DistributedTrainFnUtils):
             draining = _draining_nodes()
             return {"node": node, "deadline_ms": draining[node]} if node in draining else None
         return super().get_preemption_info()
+
+
+class _GroupContext(DistributedTrainContext):
+    """Ray Train's context, but rank and world size are the training group's once a Session
+    joined it (in-process recovery changes them; Ray Train's stay those of its workers)."""
+
+    def get_world_size(self) -> int:
+        if collectives.installed() is not None:
+            return collectives.world_size()
+        return super().get_world_size()
+
+    def get_world_rank(self) -> int:
+        if collectives.installed() is not None:
+            return collectives.rank()
+        return super().get_world_rank()
 
 
 def _draining_nodes() -> dict[str, Any]:
