@@ -94,8 +94,9 @@ def test_a_lost_worker_costs_one_step_and_a_replacement_joins(
     coordinator = _coordinator(run, 3)
     workers = [Worker("a", 0), Worker("b", 1), Worker("c", 2, Fault(die_at=9)),
                Worker("d", 2, replaces="c")]
+    # Slow steps: the replacement (a new process importing torch) must find the run going.
     records = run_workers(coordinator, workers, _overrides(run, tiny_dataset), tmp_path / "out",
-                          pace_s=0.3)
+                          pace_s=1.0)
 
     ends = _ends(records)
     for member in ("a", "b", "d"):

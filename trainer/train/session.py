@@ -15,61 +15,35 @@ with `run_uri=`)::
 or, step by step with a loader of its own (`data_state.ResumableLoader`, `MapStyleLoader`)::
 
     session = Session(model, optimizer, scheduler, loader, snapshot_every=10)
-    for step in session.steps(total_steps):   # starts at the restored step
+    for step in session.steps(total_steps):   # starts at the restored step; ends committing
         ...forward, backward, optimizer.step(), scheduler.step(), loader.advance()...
-    # leaving the loop normally commits the last step (under ElasticTorchTrainer: returning
-    # from the training function does); after a `break`, call session.close()
 
-Contract
+Contract (docs/ray-train-loop.md has the whole of it)
 --------
-- Refused, each in one line (`UsageError`, `trainer.train.session_setup`): a second open Session in
-  the process, and above world size 1 a model that is neither DDP (what
-  `ray.train.torch.prepare_model` returns) nor FSDP2. `unwrapped_model` is the model inside a
-  DDP wrapper (the model itself at world size 1, where `prepare_model` does not wrap).
-- Construction registers every component once, under fixed keys (`model`, `optim`, `sched`,
-  `data`, `scaler`, each of `extras`, and `trainer` for the session's own step counter), and
-  restores the newest committed snapshot into them, resharded to this rank and world size,
-  optimizer warm (`elastic.snapshotter.Snapshotter.restore`). `session.step` is the number
-  of completed steps: the restored step right after construction (0 for a fresh run), then
-  one more at every `step_done()`, the last one after the loop. A snapshot that holds another
-  model, or none usable at all, raises `FatalRunError` (a restart cannot fix it). `scaler` (fp16's
-  `torch.amp.GradScaler`) is registered only when enabled, and optionally: a snapshot without
-  one (a run that was not fp16) leaves it fresh.
-- Rank and world size come from `torch.distributed` (as Ray Train sets it up), else 0 and 1.
-  Run directory (`run_uri`: also the run's newest snapshot's directory or
-  `ray.train.Checkpoint`), coordinator, snapshot settings, preemption notice and `until` come
-  from the worker context `ElasticTorchTrainer` installs; explicit arguments win; without
-  either, `run_uri` is required and the coordinator is in-process.
-- `step_done()` ends a step (call it after the optimizer, scheduler and loader moved on;
-  `steps(total)` calls it for you). It counts the step, then at this step boundary, agreed
-  across ranks (`elastic.preemption.PreemptionWatcher`):
-  * preemption (SIGTERM, or the platform's notice): commits a snapshot of this step, then
-    raises `PreemptedError` (the group restarts without the doomed node; nothing redone);
-  * a planned resize (the coordinator's on-demand request): commits a snapshot of this step,
-    tells the coordinator, and waits for the teardown (nothing redone; training goes on if
-    the resize is called off);
-  * a stop (the driver's `request_stop`, or the `until` step reached): commits a snapshot of
-    this step, tells the coordinator (`answer_stop`), and returns True: end the loop;
-  * otherwise, when due (`snapshot_every`), begins a capture whose copies overlap the next
-    step's forward/backward.
-- An in-flight capture must finish before the tensors change: the session registers an
-  optimizer step pre-hook on every registered optimizer that waits for it, so a loop never
-  calls `wait_capture()` itself. Without a registered optimizer each capture is synchronous.
-- `close()` commits the current step if no snapshot of it was taken, and flushes; `close(
-  commit=False)` (leaving a `with` block on an exception) only flushes: a half-done step is
-  never captured. Under `ElasticTorchTrainer` the last step is committed when the training
-  function returns, not when the loop ends: code after the loop that fails restarts the group
-  from an earlier snapshot and runs the loop again (never past it with its variables unset).
-- `data_loader(dataset, batch_size=, ...)`: the elastic `DataLoader` (`trainer.train.data_loader`),
-  registered as `data` and restored from the snapshot; at most one, made before training.
-  A `ResumableLoader` whose `next_step()` was not `advance()`d when the step ends: a
-  `UsageError` naming the fix.
-- Data: an object with `reshard(rank=, world_size=)` (`data_state.ResumableLoader`,
-  `data_state.map_loader.MapStyleLoader`) is world-size free and is resharded to this rank.
-  Any other `state_dict()/load_state_dict()` loader (e.g. torchdata's `StatefulDataLoader`)
-  is restored as saved by rank 0: exact at the world size it was saved at; at another, its
-  per-rank sampler position no longer means the same samples, so the session logs a warning
-  (`strict_data=True`: raises `FatalRunError` instead).
+- Refused in one line (`UsageError`, `trainer.train.session_setup`): a second open Session in
+  the process; above world size 1 a model that is neither DDP nor FSDP2.
+- Construction registers every component once under fixed keys (`model`, `optim`, `sched`,
+  `data`, `scaler` when fp16's is enabled, each of `extras`, `trainer` for its own step
+  counter) and restores the newest committed snapshot into them, resharded, optimizer warm; a
+  snapshot of another model, or none usable, raises `FatalRunError`. `session.step`: completed
+  steps. Rank, world size, run directory, coordinator, snapshot settings, preemption notice
+  and `until` come from the worker context `ElasticTorchTrainer` installs (explicit
+  arguments win; without either, `run_uri` is required).
+- `step_done()` ends a step (`steps(total)` and the elastic loader call it): it counts the
+  step, then acts at the boundary, agreed across ranks: a preemption commits this step and
+  raises `PreemptedError`; a planned resize commits it and waits for the teardown; a stop
+  (the driver's, or `until`) commits it and returns True; otherwise a due snapshot begins,
+  its copies overlapping the next step (an optimizer pre-hook finishes them first).
+- In-process recovery (`trainer.train.session_recovery`, when the context asks for it): the
+  session joins the run's membership; a step whose group failed applies nothing and is redone
+  on the re-formed group (or counts, where a member applied it); joiners are let in at an
+  agreed boundary; a replacement takes its state from a live member.
+- `close()` commits the current step unless a snapshot of it exists, then flushes;
+  `close(commit=False)` only flushes. Under `ElasticTorchTrainer` returning from the training
+  function does it.
+- Data: a world-size-free loader (`reshard(rank=, world_size=)`) is resharded to this rank;
+  any other stateful loader is restored as rank 0 saved it (a warning at another world size;
+  `strict_data=True`: `FatalRunError`).
 
 Nothing here imports Ray; `trainer.on_ray.elastic_trainer` is the Ray side.
 """
@@ -88,14 +62,14 @@ from torch import nn
 from data_state import ResumableLoader
 from elastic.coord.protocol import CoordinatorClient
 from elastic.errors import FatalRunError, SnapshotIntegrityError
-from elastic.preemption import PreemptionNotice, PreemptionWatcher
+from elastic.preemption import PreemptionNotice
 from elastic.recovery import LeftBehindError
 from elastic.snapshotter import Snapshotter
 from elastic.state.registry import SnapshotMismatchError
 from trainer.config import SnapshotConfig
 from trainer.train import session_setup as setup
 from trainer.train.parallel import unwrapped
-from trainer.train.session_recovery import StepRecovery, start_recovery
+from trainer.train.session_recovery import RecoveringSessionMixin, StepRecovery, start_recovery
 from trainer.train.session_setup import (  # noqa: F401 - the public names of trainer.train.session
     UsageError,
     WorkerContext,
@@ -124,20 +98,7 @@ class PreemptedError(RuntimeError):
 
 
 
-class _Progress:
-    """The session's own state: the number of completed steps."""
-
-    def __init__(self) -> None:
-        self.step = 0
-
-    def state_dict(self) -> dict[str, Any]:
-        return {"step": self.step}
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.step = int(state["step"])
-
-
-class Session:
+class Session(RecoveringSessionMixin):
     """See the module docstring."""
 
     def __init__(
@@ -188,7 +149,7 @@ class Session:
         self._postponed = False  # a snapshot due at an epoch's end, taken one step later
         self._data = data
         self.until = until if until is not None else context.until if context else None
-        self._progress = _Progress()
+        self._progress = setup.Progress()
         self.registry = setup.state_registry(model, optimizer, scheduler, data, scaler, extras,
                                              self._progress, self.rank, self.world_size)
         self.snapshotter = Snapshotter(
@@ -207,28 +168,20 @@ class Session:
             self.start_step = self._receive(recovery)  # a replacement: from a live member
         else:
             self.start_step = self._restore()
+            self._captured: int | None = self.start_step or None
         if self.rank == 0 or strict_data:
             setup.check_data(data, self.snapshotter.restored_world_size, self.world_size,
                              strict_data)
         self.stall_s = 0.0  # training time spent waiting on snapshots so far
         self.stopped_at: int | None = None  # the step a stop (driver or `until`) ended at
-        self._captured: int | None = self.start_step if self.start_step else None
-        if recovery is not None and not recovery.started_fresh:  # as the members see it
-            self._captured = (self.start_step if self.start_step
-                              in self.coordinator.committed_steps() else None)
         self._closed = False
         optimizers = [o for o in [optimizer, *(extras or {}).values()]
                       if isinstance(o, torch.optim.Optimizer)]
         self._hooks = [o.register_step_pre_hook(self._before_optimizer_step) for o in optimizers]
         setup.note_open(self)
         self._pipelined = bool(optimizers)
-        self.watcher = PreemptionWatcher(
-            external=context.preemption_notice if context else None,
-            external_check_every=PREEMPTION_CHECK_EVERY,
-            requested=self.coordinator.snapshot_requested,
-            stop_requested=self.coordinator.stop_requested,
-            joiners=recovery.joiners_waiting if recovery is not None else None,
-        )
+        self.watcher = setup.step_watcher(context, self.coordinator, PREEMPTION_CHECK_EVERY,
+                                          recovery.joiners_waiting if recovery else None)
         if threading.current_thread() is threading.main_thread():
             self.watcher.install()  # SIGTERM -> snapshot at the next step boundary, then exit
         if self._recovery is not None:
@@ -245,28 +198,6 @@ class Session:
     @property
     def closed(self) -> bool:
         return self._closed
-
-    @property
-    def step_failed(self) -> bool:
-        """The training group failed during the open step (in-process recovery re-forms it
-        when the step ends; the step is redone unless a member applied it)."""
-        return self._recovery is not None and self._recovery.recovery.must_recover()
-
-    @property
-    def joined_late(self) -> bool:
-        """This worker joined a group that was already training (it took a live member's
-        state), or arrived after the run finished (it trains nothing)."""
-        return self.arrived_after_finish or self.received_from_peer
-
-    @property
-    def received_from_peer(self) -> bool:
-        """This worker joined a running group and took its state from a live member."""
-        return self._recovery is not None and not self._recovery.recovery.started_fresh
-
-    @property
-    def recoveries(self) -> list[dict[str, Any]]:
-        """Every in-process recovery of this session, oldest first (`elastic.recovery`)."""
-        return self._recovery.summary() if self._recovery is not None else []
 
     @property
     def unwrapped_model(self) -> nn.Module:
@@ -385,20 +316,6 @@ class Session:
             self._recovery.begin_step()
         return False
 
-    def _resume_after_recovery(self) -> bool:
-        """After the group re-formed at a step boundary every member resumes at the next
-        step's start, where a joiner starts: this boundary's own work (a due snapshot, a
-        notice) waits for the next boundary. A stop at `until` is not put off."""
-        assert self._recovery is not None
-        step = self._progress.step
-        if self.until is not None and step >= self.until:
-            self.snapshotter.after_step(step, force=True)
-            self._captured = step
-            self._stop(step)
-            return True
-        self._recovery.begin_step()
-        return False
-
     def wait_capture(self) -> None:
         """Finish the in-flight capture now (before changing captured tensors by hand; the
         optimizer hook does it before every `optimizer.step()`)."""
@@ -433,8 +350,6 @@ class Session:
     def __exit__(self, kind: type[BaseException] | None, *rest: object) -> None:
         self.close(commit=kind is None)
 
-    # ------------------------------------------------------------------ internals
-
     def _restore(self) -> int:
         try:
             step = self.snapshotter.restore()
@@ -453,25 +368,6 @@ class Session:
         self._wait_capture()
         if self._recovery is not None:
             self._recovery.before_optimizer_step(optimizer)  # a failed step applies nothing
-
-    def rejoined(self, rank: int, world_size: int, generation: int, step: int) -> None:
-        """In-process recovery re-formed the group: this worker's new place in it, and the
-        completed steps every member now holds."""
-        self.rank, self.world_size = rank, world_size
-        self._progress.step = step
-        self.snapshotter.rebind(rank, world_size, generation)
-        # Every member (a joiner too) agrees whether this step's snapshot exists: a capture
-        # of the old generation still in flight is aborted, so only a commit counts.
-        self._captured = step if step in self.coordinator.committed_steps() else None
-        for component in self.registry.components().values():
-            if isinstance(component, setup.WorldSizeFree):
-                component.reshard(rank=rank, world_size=world_size)
-
-    def _receive(self, recovery: InProcessRecovery) -> int:
-        """A replacement worker: the members' state, from a live member."""
-        self.snapshotter.restored_state = recovery.receive_joined_state()
-        self.snapshotter.restored_world_size = recovery.world_size
-        return self._progress.step
 
     def _wait_capture(self) -> None:
         started = time.perf_counter()

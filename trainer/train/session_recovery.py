@@ -39,7 +39,7 @@ from torch import nn
 from elastic.coord.protocol import CoordinatorClient
 from elastic.recovery import InProcessRecovery, Recovered
 from elastic.recovery.group import GroupUnavailableError
-from trainer.train.session_setup import UsageError, WorkerContext, layout_of
+from trainer.train.session_setup import UsageError, WorkerContext, WorldSizeFree, layout_of
 
 log = logging.getLogger("baton.session")
 
@@ -130,3 +130,79 @@ class StepRecovery:
 
     def summary(self) -> list[dict[str, Any]]:
         return [vars(r) for r in self.recovery.recoveries]
+
+
+class RecoveringSessionMixin:
+    """The `Session`'s side of in-process recovery: what it shows of it, and what a re-formed
+    group changes in it (its rank and world size, step, snapshotter and loaders)."""
+
+    _recovery: StepRecovery | None
+    arrived_after_finish: bool
+    rank: int
+    world_size: int
+    until: int | None
+    snapshotter: Any
+    coordinator: CoordinatorClient
+    registry: Any
+    _progress: Any
+    _captured: int | None
+
+    def _stop(self, step: int) -> None: ...
+
+    @property
+    def step_failed(self) -> bool:
+        """The training group failed during the open step (in-process recovery re-forms it
+        when the step ends; the step is redone unless a member applied it)."""
+        return self._recovery is not None and self._recovery.recovery.must_recover()
+
+    @property
+    def joined_late(self) -> bool:
+        """This worker joined a group that was already training (it took a live member's
+        state), or arrived after the run finished (it trains nothing)."""
+        return self.arrived_after_finish or self.received_from_peer
+
+    @property
+    def received_from_peer(self) -> bool:
+        """This worker joined a running group and took its state from a live member."""
+        return self._recovery is not None and not self._recovery.recovery.started_fresh
+
+    @property
+    def recoveries(self) -> list[dict[str, Any]]:
+        """Every in-process recovery of this session, oldest first (`elastic.recovery`)."""
+        return self._recovery.summary() if self._recovery is not None else []
+
+    def _resume_after_recovery(self) -> bool:
+        """After the group re-formed at a step boundary every member resumes at the next
+        step's start, where a joiner starts: this boundary's own work (a due snapshot, a
+        notice) waits for the next boundary. A stop at `until` is not put off."""
+        assert self._recovery is not None
+        step = self._progress.step
+        if self.until is not None and step >= self.until:
+            self.snapshotter.after_step(step, force=True)
+            self._captured = step
+            self._stop(step)
+            return True
+        self._recovery.begin_step()
+        return False
+
+    def rejoined(self, rank: int, world_size: int, generation: int, step: int) -> None:
+        """In-process recovery re-formed the group: this worker's new place in it, and the
+        completed steps every member now holds."""
+        self.rank, self.world_size = rank, world_size
+        self._progress.step = step
+        self.snapshotter.rebind(rank, world_size, generation)
+        # Every member (a joiner too) agrees whether this step's snapshot exists: a capture
+        # of the old generation still in flight is aborted, so only a commit counts.
+        self._captured = step if step in self.coordinator.committed_steps() else None
+        for component in self.registry.components().values():
+            if isinstance(component, WorldSizeFree):
+                component.reshard(rank=rank, world_size=world_size)
+
+    def _receive(self, recovery: InProcessRecovery) -> int:
+        """A replacement worker: the members' state, from a live member."""
+        self.snapshotter.restored_state = recovery.receive_joined_state()
+        self.snapshotter.restored_world_size = recovery.world_size
+        step = int(self._progress.step)
+        # Whether this step's snapshot exists, as the members see it.
+        self._captured = step if step and step in self.coordinator.committed_steps() else None
+        return step

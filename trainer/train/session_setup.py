@@ -42,6 +42,7 @@ from elastic import collectives
 from elastic.coord.protocol import CoordinatorClient
 from elastic.errors import FatalRunError
 from elastic.faults import FaultInjector
+from elastic.preemption import PreemptionWatcher
 from elastic.snapshot_ref import checkpoint_uri, split_snapshot_dir
 from elastic.state.registry import StateRegistry
 from elastic.store.ram_store import RamTier
@@ -178,6 +179,34 @@ def refuse_misuse(model: nn.Module, world_size: int) -> None:
             f"Session: the model is not wrapped for data parallelism at world size "
             f"{world_size}, so each rank would train its own replica: pass the model that "
             "ray.train.torch.prepare_model(model) returns (DDP), or shard it with fully_shard")
+
+
+class Progress:
+    """The session's own state: the number of completed steps."""
+
+    def __init__(self) -> None:
+        self.step = 0
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"step": self.step}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.step = int(state["step"])
+
+
+def step_watcher(context: WorkerContext | None, coordinator: CoordinatorClient,
+                 external_check_every: int, joiners: Callable[[], bool] | None
+                 ) -> PreemptionWatcher:
+    """What a Session asks at every step boundary: the platform's preemption notice (every
+    `external_check_every` steps: it is a barrier on Ray), the coordinator's snapshot
+    requests and stops, and in-process recovery's joiners."""
+    return PreemptionWatcher(
+        external=context.preemption_notice if context else None,
+        external_check_every=external_check_every,
+        requested=coordinator.snapshot_requested,
+        stop_requested=coordinator.stop_requested,
+        joiners=joiners,
+    )
 
 
 @runtime_checkable
