@@ -46,6 +46,7 @@ class Worker:
     fault: Fault = field(default_factory=Fault)
     start_delay_s: float = 0.0  # start this long after the others (or after `replaces` died)
     replaces: str | None = None  # a replacement: start once this member's process is gone
+    overrides: list[str] = field(default_factory=list)  # recipe overrides of its own
 
 
 def serve(coordinator: Any) -> tuple[_Manager, tuple[str, int]]:
@@ -104,7 +105,7 @@ def _main(address: tuple[str, int], worker: Worker, overrides: list[str], out: s
     torch.set_num_threads(1)
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     coordinator = _connect(address)
-    cfg = load_recipe(ROOT / "recipes" / "tiny.toml", overrides)
+    cfg = load_recipe(ROOT / "recipes" / "tiny.toml", [*overrides, *worker.overrides])
     # The run's loss (the built-in GPT's), counting forward passes to strike mid-step.
     model_build.next_token_loss = _faulty_loss(worker.fault, write)
     faults = FaultInjector()

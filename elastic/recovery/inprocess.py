@@ -194,9 +194,6 @@ class InProcessRecovery:
     def joiners_waiting(self) -> bool:
         return self.member.joiners_waiting()
 
-    def coordinator_gone(self) -> bool:
-        return self.member.coordinator_silent()
-
     def recover(self, step: int, *, open_step: bool, reason: str) -> Recovered:
         """See the module docstring; ``step``: completed steps before the open one."""
         started = self.group.failed_at if self.group.broken else time.monotonic()

@@ -142,10 +142,6 @@ class Member:
         return (view["generation"] != self.generation or view["fenced"]
                 or view["phase"] in (REFORMING, FALLBACK))
 
-    def coordinator_silent(self) -> bool:
-        with self._lock:
-            return self._clock() - self._answered > self.settings.coordinator_s
-
     # ------------------------------------------------------------------ reforming
 
     def reform(self, reason: str) -> dict[str, Any]:

@@ -155,6 +155,49 @@ def test_a_second_loss_while_recovering_falls_back_to_a_group_restart(
     assert final_state(run, tmp_path, newest)
 
 
+class LostCoordinator(LocalCoordinator):
+    """A coordinator whose node is lost as the group fails: no membership call answers."""
+
+    def membership_reform(self, *args: Any) -> dict[str, Any]:
+        raise ConnectionError("the coordinator's node is gone")
+
+
+@pytest.mark.slow
+def test_a_lost_coordinator_falls_back_to_a_group_restart(
+        tmp_path: Path, tiny_dataset: str) -> None:
+    run = tmp_path / "run"
+    coordinator = LostCoordinator(SnapshotStore(str(run)), keep_last=3,
+                                  block_bytes=DEFAULT_BLOCK_BYTES, rendezvous_host="127.0.0.1")
+    coordinator.membership_reset(3)
+    workers = [Worker("a", 0), Worker("b", 1), Worker("c", 2, Fault(die_at=9))]
+    overrides = [*_overrides(run, tiny_dataset), "recovery.coordinator_timeout_s=2"]
+    records = run_workers(coordinator, workers, overrides, tmp_path / "out")
+    for member in ("a", "b"):
+        end = _ends(records)[member]
+        assert end is not None and end["error"].startswith(
+            "RecoveryFailedError: in-process recovery fell back to a group restart: the "
+            "coordinator does not answer"), end
+
+
+@pytest.mark.slow
+def test_a_replacement_whose_state_does_not_fit_makes_every_member_fall_back(
+        tmp_path: Path, tiny_dataset: str) -> None:
+    """A worker that cannot take the members' state (here: another model) is no member to
+    train with: it says so, and every member ends its worker (the group restarts whole)."""
+    run = tmp_path / "run"
+    coordinator = _coordinator(run, 3)
+    workers = [Worker("a", 0), Worker("b", 1), Worker("c", 2, Fault(die_at=9)),
+               Worker("d", 2, replaces="c", overrides=["model.d_model=48"])]
+    records = run_workers(coordinator, workers, _overrides(run, tiny_dataset), tmp_path / "out",
+                          pace_s=1.0)
+    ends = _ends(records)
+    assert "did not load" in ends["d"]["error"], ends["d"]
+    for member in ("a", "b"):
+        assert ends[member]["error"].startswith(
+            "RecoveryFailedError: in-process recovery fell back"), ends[member]
+    assert coordinator.membership.health()["phase"] == "fallback"
+
+
 class SlowCoordinator(LocalCoordinator):
     """Every membership call takes 0.3 s (a coordinator on a busy head node)."""
 

@@ -23,7 +23,11 @@ class RecoveryConfig:
     # A collective of the training group (the gradient all-reduce, a state transfer) waits at
     # most this long for a member that hangs without failing; the member is then left out.
     collective_timeout_s: float = 10.0
+    # A survivor that cannot reach the run's coordinator (on the head node) for this long stops
+    # recovering in-process: the whole worker group restarts from the newest snapshot.
+    coordinator_timeout_s: float = 30.0
 
     def __post_init__(self) -> None:
         check_types(self, "recovery")
         require(self.collective_timeout_s > 0, "recovery.collective_timeout_s", "must be > 0")
+        require(self.coordinator_timeout_s > 0, "recovery.coordinator_timeout_s", "must be > 0")

@@ -2,10 +2,12 @@
 
 Contract: starts a local multi-node Ray cluster (head + 2 worker raylets), prepares the
 embedded corpus, trains `recipe` with BASIS on 2 workers, kills a worker node once training
-passes a third of the steps (the run continues on 1 worker), adds a node back once it passes
-two thirds (Ray Train grows the group to 2 again), and prints a summary: final loss, steps,
-restarts, steps redone, snapshot stall, the events (the demo's node changes and each
-restart, as announced during the run), memory saved by sketching, where the report PNG is.
+passes a third of the steps (the survivor trains on alone, in-process: no restart), adds a node
+back once it passes half of them (Ray Train replaces the lost worker, which joins at a step
+boundary: 2 workers again), and prints a summary: final loss, steps, restarts, lost workers
+survived in-process and the longest such recovery, steps redone, snapshot stall, the events
+(the demo's node changes, each in-process recovery and join, each restart, as announced during
+the run), memory saved by sketching, where the report PNG is.
 During the run it shows what `baton fit` shows (`trainer.run.terminal`: progress bar or plain
 lines, restart events); Ray's own messages about the killed node go to RUN/logs/ray.log.
 The run directory is fresh each time: one an earlier demo made (marked `.baton-demo`) is
@@ -137,9 +139,9 @@ def run_demo(recipe: str, run_dir: str) -> int:
             if monitor is not None and _wait_for_step(monitor, cfg.steps // 3, trainer):
                 cluster.remove_worker()
                 feed.event(f"demo: removed a worker node after step {cfg.steps // 3}")
-            if monitor is not None and _wait_for_step(monitor, 2 * cfg.steps // 3, trainer):
+            if monitor is not None and _wait_for_step(monitor, cfg.steps // 2, trainer):
                 cluster.add_worker()
-                feed.event(f"demo: added a worker node after step {2 * cfg.steps // 3}")
+                feed.event(f"demo: added a worker node after step {cfg.steps // 2}")
             trainer.join()
         finally:
             feed.close()

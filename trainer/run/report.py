@@ -3,7 +3,8 @@
 Contract: `write_report(run_uri, out_png)` reads the run's metrics (`trainer.run.metrics`) and
 draws four panels: training and validation loss per step (each worker-group attempt in its
 own colour, so steps redone after a failure show as overlapping segments), tokens per
-second, world size over wall time with each restart marked, and a summary table. Returns
+second, world size over wall time with each restart marked (red) and each in-process
+recovery or join (blue, with the seconds it took), and a summary table. Returns
 the `RunSummary`. Raises `ValueError` for a run URI that is empty or not a local path or
 s3:// (the only schemes Baton supports), `FileNotFoundError` naming the run if it does not
 exist or has no valid metrics yet, `OSError` naming `out_png` if it cannot be written, and
@@ -94,12 +95,20 @@ def write_report(run_uri: str, out_png: str | Path) -> RunSummary:
         ax_world.axvline(start["time"] - t0, color="red", linestyle=":")
         ax_world.annotate(f"restart @ step {start['step']}", (start["time"] - t0, 0.5),
                           rotation=90, fontsize=7, color="red")
+    for recovery in (r for r in records if r["kind"] == "recovery"):
+        lost = recovery.get("reason") == "failure"
+        ax_world.axvline(recovery["time"] - t0, color="tab:blue", linestyle="--")
+        label = (f"lost, in-process @ step {recovery['step']} ({recovery['seconds']:.2f} s)"
+                 if lost else f"joined @ step {recovery['step']}")
+        ax_world.annotate(label, (recovery["time"] - t0, 0.5), rotation=90, fontsize=7,
+                          color="tab:blue")
+        ax_loss.axvline(recovery["step"], color="tab:blue", linestyle="--", linewidth=0.8)
     ax_world.set(xlabel="seconds since start", ylabel="workers", title="World size",
                  ylim=(0, max(r["world_size"] for r in steps) + 1))
 
     ax_table.axis("off")
-    shown = ("steps", "final_loss", "final_val_loss", "restarts", "steps_redone",
-             "world_sizes", "mean_tokens_per_s")
+    shown = ("steps", "final_loss", "final_val_loss", "restarts", "recovered_in_process",
+             "steps_redone", "world_sizes", "mean_tokens_per_s")
     summary_dict = summary.to_dict()
     rows = summary_rows({key: summary_dict[key] for key in shown})  # as the terminal shows
     table = ax_table.table(cellText=[list(row) for row in rows], loc="center")

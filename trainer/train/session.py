@@ -67,9 +67,9 @@ from elastic.recovery import LeftBehindError
 from elastic.snapshotter import Snapshotter
 from elastic.state.registry import SnapshotMismatchError
 from trainer.config import SnapshotConfig
+from trainer.train import session_recovery as recovering
 from trainer.train import session_setup as setup
 from trainer.train.parallel import unwrapped
-from trainer.train.session_recovery import RecoveringSessionMixin, StepRecovery, start_recovery
 from trainer.train.session_setup import (  # noqa: F401 - the public names of trainer.train.session
     UsageError,
     WorkerContext,
@@ -98,7 +98,7 @@ class PreemptedError(RuntimeError):
 
 
 
-class Session(RecoveringSessionMixin):
+class Session(recovering.RecoveringSessionMixin):
     """See the module docstring."""
 
     def __init__(
@@ -125,7 +125,7 @@ class Session(RecoveringSessionMixin):
                              snapshot_every)
         # In-process recovery first: it makes the membership's group the one Baton's
         # collectives run on (and so the rank and world size).
-        recovery, self.arrived_after_finish = start_recovery(context, model)
+        recovery, self.arrived_after_finish = recovering.start_recovery(context, model)
         try:
             self._start(model, optimizer, scheduler, data, extras, scaler, settings, context,
                         coordinator, layout, strict_data, run_info, until, recovery)
@@ -161,9 +161,9 @@ class Session(RecoveringSessionMixin):
             generation=recovery.generation if recovery is not None else None,
         )
         self.coordinator: CoordinatorClient = self.snapshotter.coordinator
-        self._recovery = StepRecovery(recovery, self) if recovery is not None else None
+        self._recovery = recovering.StepRecovery(recovery, self) if recovery is not None else None
         if recovery is not None:
-            recovery.attach(model, self.registry)
+            recovering.attach_recovery(recovery, model, self.registry)
         if recovery is not None and not recovery.started_fresh:
             self.start_step = self._receive(recovery)  # a replacement: from a live member
         else:

@@ -9,6 +9,8 @@ Contract:
   be replicated (DDP; a model of one worker at world size 1): an FSDP2 model would shard over
   a group of its worker alone, so it is refused in one line (`UsageError`) naming
   `recovery.in_process = false`. torchft missing: a warning, and no in-process recovery.
+- `attach_recovery(recovery, model, registry)`: the gradient hook on a DDP model (a model
+  with a communication hook of its own: `UsageError`).
 - `StepRecovery(recovery, session)` runs it at the session's steps:
   * `begin_step()` at every step's start; `before_optimizer_step(optimizer)` from the
     session's optimizer pre-hook (a step whose group failed applies nothing);
@@ -37,7 +39,7 @@ import torch
 from torch import nn
 
 from elastic.coord.protocol import CoordinatorClient
-from elastic.recovery import InProcessRecovery, Recovered
+from elastic.recovery import InProcessRecovery, MemberSettings, Recovered
 from elastic.recovery.group import GroupUnavailableError
 from trainer.train.session_setup import UsageError, WorkerContext, WorldSizeFree, layout_of
 
@@ -60,16 +62,28 @@ def start_recovery(context: WorkerContext | None, model: nn.Module
     member_id, order = context.member
     device = next((p.device for p in model.parameters()), torch.device("cpu"))
     try:
+        settings = MemberSettings(coordinator_s=context.recovery.coordinator_timeout_s)
         recovery = InProcessRecovery(context.coordinator, member_id=member_id, order=order,
                                      device=device,
                                      collective_timeout_s=context.recovery.collective_timeout_s,
-                                     faults=context.faults)
+                                     settings=settings, faults=context.faults)
     except GroupUnavailableError as err:
         log.warning("%s: a lost worker restarts the whole group", err)
         return None, False
     if not recovery.join():
         return None, recovery.run_finished
     return recovery, False
+
+
+def attach_recovery(recovery: InProcessRecovery, model: nn.Module, registry: Any) -> None:
+    """The DDP model's gradient all-reduce onto the membership's group; a model that already
+    has a communication hook of its own is refused in one line."""
+    try:
+        recovery.attach(model, registry)
+    except ValueError as err:
+        raise UsageError(f"Session: {err}; in-process recovery reduces gradients with a hook "
+                         "of its own: remove yours, or pass recovery=RecoveryConfig("
+                         "in_process=False) to ElasticTorchTrainer") from err
 
 
 class RecoveringSession(Protocol):
