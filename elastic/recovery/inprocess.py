@@ -69,6 +69,7 @@ log = logging.getLogger("baton.recovery")
 @dataclass(frozen=True)
 class Recovered:
     counted: bool  # the open step's update stands (else the step is redone)
+    redone: int  # steps trained again: 1 when the open step is redone, else 0
     step: int  # completed steps, as every member now holds them
     rank: int
     world_size: int
@@ -218,7 +219,9 @@ class InProcessRecovery:
         self._configure(view, "recovering")
         received = self._agree_and_transfer(done) is not None
         best_counted = self._best_done > step
-        result = Recovered(counted=open_step and best_counted, step=max(self._best_done, step),
+        result = Recovered(counted=open_step and best_counted,
+                           redone=int(open_step and not best_counted),
+                           step=max(self._best_done, step),
                            rank=self.group.rank,
                            world_size=self.group.world_size,
                            generation=self.group.generation, reason=reason,

@@ -85,6 +85,7 @@ def record(config, rank, world_size, epoch, step, ids, **extra):
 
 def fail_once(config, rank):
     """The code after the loop fails once (the test's fault), on rank 0 (as it is now)."""
-    if ray.train.get_context().get_world_rank() == 0 and config.get("fail_after_loop") and not os.path.exists(config["marker"]):
+    rank_now = ray.train.get_context().get_world_rank()
+    if rank_now == 0 and config.get("fail_after_loop") and not os.path.exists(config["marker"]):
         open(config["marker"], "w").close()
         raise RuntimeError("injected failure in the code after the training loop")

@@ -112,6 +112,33 @@ def test_a_lost_worker_costs_one_step_and_a_replacement_joins(
 
 
 @pytest.mark.slow
+def test_a_sharded_run_restarts_its_state_in_process(
+        tmp_path: Path, tiny_dataset: str, uninterrupted: Path) -> None:
+    """FSDP2: the lost shards exist only in the newest commit, so the survivors — the same
+    processes — start their training state again from it over the re-formed group (the lost
+    worker's shards from the store), redo the steps since, and let the replacement in at a
+    step boundary after committing it (all restore that commit: nothing redone)."""
+    run = tmp_path / "run"
+    coordinator = _coordinator(run, 3)
+    workers = [Worker("a", 0), Worker("b", 1), Worker("c", 2, Fault(die_at=9)),
+               Worker("d", 2, replaces="c")]
+    overrides = [*_overrides(run, tiny_dataset), 'parallelism="fsdp"',
+                 "snapshots.snapshot_every=2"]
+    records = run_workers(coordinator, workers, overrides, tmp_path / "out", pace_s=1.0)
+
+    ends = _ends(records)
+    for member in ("a", "b", "d"):
+        assert ends[member] == {"kind": "end", "error": None, "step": STEPS}, ends[member]
+    history = coordinator.membership.health()["history"]
+    assert [(h["reason"], h["members"]) for h in history] == [
+        ("start", ["a", "b", "c"]), ("failure", ["a", "b"]), ("join", ["a", "b", "d"])]
+    recoveries = _recoveries(records)
+    assert [(r["reason"], r["world_size"]) for r in recoveries] == [("failure", 2), ("join", 3)]
+    assert recoveries[0]["redone"] <= 2 + 1 and recoveries[1]["redone"] == 0, recoveries
+    _assert_ends_where_the_uninterrupted_run_ends(records, run, uninterrupted, tmp_path)
+
+
+@pytest.mark.slow
 def test_a_worker_that_hangs_is_left_out_and_comes_back_as_a_joiner(
         tmp_path: Path, tiny_dataset: str, uninterrupted: Path) -> None:
     """A collective that hangs instead of failing: the others wait at most
@@ -225,3 +252,34 @@ def test_a_slow_coordinator_only_slows_the_recovery(
     assert ends["a"] == {"kind": "end", "error": None, "step": STEPS}, ends["a"]
     assert ends["b"] == {"kind": "end", "error": None, "step": STEPS}, ends["b"]
     _assert_ends_where_the_uninterrupted_run_ends(records, run, uninterrupted, tmp_path)
+
+
+def _own_fsdp_loop_rank(rank: int, world_size: int) -> None:
+    from torch import nn
+    from torch.distributed.fsdp import fully_shard
+
+    from trainer.config.recovery import RecoveryConfig
+    from trainer.config.training import SnapshotConfig
+    from trainer.train.session_recovery import start_recovery
+    from trainer.train.session_setup import UsageError, WorkerContext
+
+    model = nn.Linear(4, 4)
+    fully_shard(model)
+    coordinator: Any = object()  # never reached: the refusal comes first
+    on = WorkerContext(SnapshotConfig(), coordinator, recovery=RecoveryConfig(),
+                       member=("m", 0))
+    with pytest.raises(UsageError, match=r"in_process=False"):
+        start_recovery(on, model)
+    # Off, the same model is a plain session's: no recovery, nothing refused.
+    off = WorkerContext(SnapshotConfig(), coordinator,
+                        recovery=RecoveryConfig(in_process=False), member=("m", 0))
+    assert start_recovery(off, model) == (None, False)
+
+
+def test_a_users_own_fsdp2_loop_under_in_process_recovery_is_refused_in_one_line(
+        tmp_path: Path) -> None:
+    """Ray's replica groups give each worker a process group of its own: FSDP2 would shard
+    over one worker. Baton's loop forms the default group itself; a user's loop is told how."""
+    from elastic.testing import run_group
+
+    run_group(_own_fsdp_loop_rank, 1, tmp_dir=str(tmp_path))

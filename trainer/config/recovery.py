@@ -16,9 +16,10 @@ from trainer.config.checks import check_types, require
 class RecoveryConfig:
     """In-process recovery: survivors of a lost worker keep their processes and state."""
 
-    # Survivors of a lost worker (DDP) re-form their group and train on, redoing at most the
-    # interrupted step; a replacement joins at a step boundary. false: the whole worker group
-    # restarts from the newest snapshot (as FSDP2 always does).
+    # Survivors of a lost worker keep their processes and re-form their group: DDP trains on,
+    # redoing at most the interrupted step; FSDP2 restores the newest commit in-process. A
+    # replacement joins at a step boundary. false: the whole worker group restarts from the
+    # newest snapshot.
     in_process: bool = True
     # A collective of the training group (the gradient all-reduce, a state transfer) waits at
     # most this long for a member that hangs without failing; the member is then left out.

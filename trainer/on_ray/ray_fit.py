@@ -249,9 +249,9 @@ def _fit_leased(
         stop=stop,
         train_loop_config={"cfg": config, "pace_s": pace_s, "record_samples": record_samples},
         torch_config=TorchConfig(backend="nccl" if scaling.use_gpu else "gloo"),
-        # FSDP2 shards over the whole group: a lost worker restarts it (from the RAM tier).
-        recovery=(config.recovery if config.parallelism == "ddp"
-                  else dataclasses.replace(config.recovery, in_process=False)),
+        # DDP survivors keep their state; FSDP2 ones restart it in-process from the newest
+        # commit (trainer.train.sharded_recovery).
+        recovery=config.recovery,
         scaling_config=ScalingConfig(
             num_workers=num_workers,
             use_gpu=scaling.use_gpu,

@@ -170,13 +170,22 @@ class RunSummary:
         return asdict(self)
 
 
+def _redone(recovery: dict[str, Any]) -> int:
+    """Steps an in-process recovery trained again (records before `redone` was written:
+    one when the interrupted step did not count)."""
+    redone = recovery.get("redone")
+    if isinstance(redone, int) and not isinstance(redone, bool) and redone >= 0:
+        return redone
+    return 1 if recovery.get("counted") is False else 0
+
+
 def summarize(records: list[dict[str, Any]]) -> RunSummary:
     records = [r for r in records if r["kind"] in _NUMERIC_FIELDS]  # start, step, recovery
     starts = [r for r in records if r["kind"] == "start"]
     steps = [r for r in records if r["kind"] == "step"]
     recoveries = [r for r in records if r["kind"] == "recovery"]
     lost = [r for r in recoveries if r.get("reason") == "failure"]
-    redone, reached = sum(1 for r in lost if r.get("counted") is False), 0
+    redone, reached = sum(_redone(r) for r in lost), 0
     for record in records:
         if record["kind"] == "start":
             redone += max(0, reached - record["step"])

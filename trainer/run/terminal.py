@@ -215,9 +215,11 @@ class RestartTracker:
                     f"from a live peer in {took}, survivors continued in-process")
         lost = f"{_nodes(tuple(self._lost))} lost" if self._lost else "worker lost"
         self._lost.clear()
-        redone = "1 step redone" if record.get("counted") is False else "0 steps redone"
-        return (f"{lost} {at} → {_plural(world_size, 'survivor')} continued in-process "
-                f"(from {before}, re-formed in {took}), {redone}")
+        redone = _plural(int(record.get("redone", record.get("counted") is False)), "step")
+        how = ("restored the newest commit in-process" if record.get("sharded")
+               else "continued in-process")
+        return (f"{lost} {at} → {_plural(world_size, 'survivor')} {how} "
+                f"(from {before}, re-formed in {took}), {redone} redone")
 
     def _start(self, record: dict[str, Any]) -> str:
         restored, world_size = int(record["step"]), int(record["world_size"])

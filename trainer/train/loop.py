@@ -37,6 +37,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from data_state import Microbatch, ResumableLoader, TokenDataset
@@ -61,6 +62,8 @@ from trainer.train.parallel import (
 )
 from trainer.train.precision import autocast, ensure_optimizer_state, loss_scaler
 from trainer.train.session import Session
+from trainer.train.session_setup import current_context
+from trainer.train.sharded_recovery import ShardedRecovery
 
 
 @dataclass
@@ -113,6 +116,7 @@ class WorkerResult:
     step: int  # last completed step
     loss: float  # training loss of the last step
     val_loss: float | None
+    rejoin: bool = False  # the session ended for joiners (a sharded run re-forms with them)
 
 
 def evaluate(cfg: FitConfig, model: nn.Module, val_set: TokenDataset, env: WorkerEnv) -> float:
@@ -294,7 +298,26 @@ def _record_late(cfg: FitConfig, env: WorkerEnv, built: Built, step: int, loss: 
 
 def run_worker(cfg: FitConfig, env: WorkerEnv) -> WorkerResult:
     """Build, restore through a `Session`, then train step by step up to `cfg.steps` (or a
-    stop): the session snapshots, answers preemption and resizes, and commits the end."""
+    stop): the session snapshots, answers preemption and resizes, and commits the end. A
+    sharded (FSDP2) run under in-process recovery does that again, in this process, each time
+    its group re-forms (`trainer.train.sharded_recovery`)."""
+    sharded = ShardedRecovery.start(cfg, current_context())
+    if sharded is None:
+        return _run_session(cfg, env, announce=True)
+    sessions = 0
+
+    def one_session() -> WorkerResult:
+        nonlocal sessions
+        sessions += 1
+        env.rank, env.world_size = dist.get_rank(), dist.get_world_size()
+        return _run_session(cfg, env, announce=sessions == 1, progress=sharded)
+
+    return sharded.run(one_session, env.on_recovery)
+
+
+def _run_session(cfg: FitConfig, env: WorkerEnv, *, announce: bool,
+                 progress: ShardedRecovery | None = None) -> WorkerResult:
+    """One session of the loop (`announce`: it is the worker's first: `on_start`)."""
     built = build(cfg, env)
     try:
         if env.rank == 0:  # one rank reads run.json and the manifest; its error fails the group
@@ -307,7 +330,8 @@ def run_worker(cfg: FitConfig, env: WorkerEnv) -> WorkerResult:
         )
         with session:
             env.rank, env.world_size = session.rank, session.world_size
-            if env.on_start is not None and env.rank == 0 and not session.joined_late:
+            if (announce and env.on_start is not None and env.rank == 0
+                    and not session.joined_late):
                 env.on_start(session.start_step, env.world_size)
             loss, val_loss = float("nan"), None
             stalled = session.stall_s
@@ -324,6 +348,8 @@ def run_worker(cfg: FitConfig, env: WorkerEnv) -> WorkerResult:
                     continue
                 metrics = record(cfg, env, built, step + 1, loss, samples, started=started,
                                  stall_s=session.stall_s - stalled)
+                if progress is not None:
+                    progress.reached = step + 1
                 stalled = session.stall_s
                 val_loss = metrics["val_loss"] if metrics["val_loss"] is not None else val_loss
                 if env.pace_s:
@@ -332,4 +358,4 @@ def run_worker(cfg: FitConfig, env: WorkerEnv) -> WorkerResult:
     finally:
         built.close()
     return WorkerResult(start_step=session.start_step, step=session.step, loss=loss,
-                        val_loss=val_loss)
+                        val_loss=val_loss, rejoin=session.rejoin_requested)

@@ -181,7 +181,8 @@ class Session(recovering.RecoveringSessionMixin):
         setup.note_open(self)
         self._pipelined = bool(optimizers)
         self.watcher = setup.step_watcher(context, self.coordinator, PREEMPTION_CHECK_EVERY,
-                                          recovery.joiners_waiting if recovery else None)
+                                          recovery.joiners_waiting if recovery else
+                                          context.joiners if context else None)
         if threading.current_thread() is threading.main_thread():
             self.watcher.install()  # SIGTERM -> snapshot at the next step boundary, then exit
         if self._recovery is not None:

@@ -160,6 +160,7 @@ class RecoveringSessionMixin:
     registry: Any
     _progress: Any
     _captured: int | None
+    rejoin_requested: bool = False  # the loop ended for joiners (a sharded run)
 
     def _stop(self, step: int) -> None: ...
 
@@ -184,6 +185,31 @@ class RecoveringSessionMixin:
     def recoveries(self) -> list[dict[str, Any]]:
         """Every in-process recovery of this session, oldest first (`elastic.recovery`)."""
         return self._recovery.summary() if self._recovery is not None else []
+
+    def _boundary_end(self, step: int, joining: bool) -> bool:
+        """The end of a step boundary (after its snapshot and notices): the group failed in
+        the boundary's own collectives, or joiners wait. True: end the loop (a sharded run's
+        joiners: `trainer.train.sharded_recovery` starts the training state again with them
+        once this step is committed)."""
+        if self._recovery is None:
+            if not joining:
+                return False
+            self.snapshotter.wait_capture()
+            if self._captured != step:
+                self.snapshotter.after_step(step, force=True)
+                self._captured = step
+            self.snapshotter.persister.wait()
+            self.rejoin_requested = True
+            return True
+        if self._recovery.boundary_failed():  # in the snapshot's agreement
+            return self._resume_after_recovery()
+        if joining:  # last: a joiner's first collective is its first step's
+            # A snapshot begun here commits first: the new generation would abort it.
+            self.snapshotter.wait_capture()
+            self.snapshotter.persister.wait()
+            self._recovery.let_joiners_in()
+        self._recovery.begin_step()
+        return False
 
     def _resume_after_recovery(self) -> bool:
         """After the group re-formed at a step boundary every member resumes at the next

@@ -81,6 +81,9 @@ class WorkerContext:
     recovery: RecoveryConfig | None = None
     member: tuple[str, int] | None = None
     faults: FaultInjector | None = None  # tests: faults armed in the recovery's phases
+    # Joiners wait for the members' next step boundary (a sharded run's in-process recovery,
+    # which starts the training state again with them: `trainer.train.sharded_recovery`).
+    joiners: Callable[[], bool] | None = None
 
 
 class OpenSession(Protocol):
