@@ -25,6 +25,12 @@ Contract
 
 ``Snapshot.component(name)`` decodes one component's JSON state with its tensors in place
 (``elastic.portable.arrays.decode_state``), e.g. ``snap.component("data")`` is the data cursor.
+``Snapshot.check_optimizer_shapes(component, optimizer, model="model")`` applies the PyTorch
+restore's shape rule to an optimizer's per-parameter state (``SkeletonCheck.state_shapes``:
+for ``"AdamW"``, ``step`` a scalar and each moment exactly its parameter's shape, the
+parameter being the snapshot's ``<model>.<fqn>``); it reads only the manifest and raises
+``SnapshotMisfitError``, one line naming the tensor. A reader that knows the run's optimizer
+calls it (``trainer.on_jax.load_train_state`` does, with ``"AdamW"``); ``read`` cannot know it.
 
 What it reads: each chunk once, whole (a row block straight into its place in the output
 array, any other chunk through one buffer of its size); about 1x the snapshot's bytes of
@@ -51,6 +57,7 @@ from elastic.format.chunk_checks import (
 from elastic.format.finite import finite_check
 from elastic.format.records import ChunkRecord, Manifest, SafetensorsHeader
 from elastic.portable.arrays import decode_state, numpy_dtype
+from elastic.state.skeleton_check import SkeletonCheck
 from elastic.store.snapshot_store import SnapshotStore
 
 
@@ -69,6 +76,16 @@ class Snapshot:
             raise KeyError(f"snapshot {self.step} has no component {name!r}; it has "
                            f"{sorted(self.state)}")
         return decode_state(self.state[name], self.tensors)
+
+    def check_optimizer_shapes(self, component: str, optimizer: str, model: str = "model"
+                               ) -> None:
+        """The restore's shape rule on ``component``'s per-parameter state (contract)."""
+        prefix = f"{model}."
+        shapes = {key: tuple(rec.shape) for key, rec in self.manifest.tensors.items()}
+        params = {key[len(prefix):]: shape for key, shape in shapes.items()
+                  if key.startswith(prefix)}
+        SkeletonCheck(snapshot_label(self.step)).state_shapes(
+            self.state.get(component), params, shapes, component, optimizer)
 
 
 @dataclass

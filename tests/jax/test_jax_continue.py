@@ -288,7 +288,8 @@ def test_llama_map_gives_hf_logits(tied: bool) -> None:
         rope_theta=500.0)
     torch.manual_seed(0)
     model = transformers.LlamaForCausalLM(config).eval()
-    tensors = {k: v.detach().numpy().copy() for k, v in model.named_parameters()}
+    # The state dict, as a snapshot holds it: a tied lm_head.weight is there too (an alias).
+    tensors = {k: v.detach().numpy().copy() for k, v in model.state_dict().items()}
     hf = json.loads(config.to_json_string())
     layout = llama_map_for(hf)
     params = jax.tree.map(jnp.asarray, layout.to_flax(tensors))

@@ -20,6 +20,13 @@ the same map carries the parameters and both moments (``exp_avg``, ``exp_avg_sq`
 ``trainer.on_jax.state`` does. The maps work on any array type with numpy's ``transpose``,
 ``concatenate`` and ``split`` semantics (numpy in, numpy out; JAX arrays are converted).
 
+Tied parameters: ``tied`` maps a PyTorch name that is another parameter's alias (a Hugging
+Face ``lm_head.weight`` with ``tie_word_embeddings``: ``model.state_dict()`` holds it, the
+optimizer has no state for it) to the name it aliases. The Flax tree holds the source once;
+``to_flax`` takes the alias or not (where it is given it must equal its source: else
+``ValueError``), ``to_torch(tree, tied=True)`` gives it back as a copy of its source (the
+model), ``to_torch(tree, tied=False)`` leaves it out (the optimizer's moments).
+
 Ready maps: ``gpt_map(n_layers)`` for the built-in GPT (``trainer.train.model``; the Flax module is
 ``trainer.on_jax.gpt.FlaxGPT``) and ``llama_map(...)`` for Hugging Face
 ``LlamaForCausalLM`` names (module ``trainer.on_jax.llama.FlaxLlama``), whose q/k/v are fused.
@@ -55,22 +62,35 @@ class Rule:
 class LayoutMap:
     """A bijection between PyTorch names and a Flax parameter tree (module contract)."""
 
-    def __init__(self, name: str, rules: list[Rule]) -> None:
+    def __init__(self, name: str, rules: list[Rule], tied: Mapping[str, str] | None = None
+                 ) -> None:
         self.name = name
         self.rules = rules
         names = [s for r in rules for s in r.sources]
         if len(set(names)) != len(names):
             raise ValueError(f"layout map {name}: a PyTorch name is mapped twice")
-        self.torch_names = frozenset(names)
+        self.torch_names = frozenset(names)  # the parameters the Flax tree holds
+        self.tied = dict(tied or {})  # alias -> the mapped name it aliases
+        for alias, source in self.tied.items():
+            if alias in self.torch_names or source not in self.torch_names:
+                raise ValueError(f"layout map {name}: tied {alias!r} -> {source!r}: the alias "
+                                 "must be unmapped and its source mapped by a rule")
 
     def to_flax(self, tensors: Mapping[str, Any]) -> Tree:
-        """The Flax tree of ``{fqn: array}`` (every fqn covered exactly once)."""
-        extra = sorted(set(tensors) - self.torch_names)
+        """The Flax tree of ``{fqn: array}`` (every fqn covered exactly once; a tied alias
+        may be given, equal to its source)."""
+        extra = sorted(set(tensors) - self.torch_names - set(self.tied))
         missing = sorted(self.torch_names - set(tensors))
         if extra or missing:
             raise ValueError(f"layout map {self.name} does not fit these tensors: not mapped "
                              f"{extra[:5]}, missing {missing[:5]}; use the map of the run's "
                              "model")
+        for alias, source in self.tied.items():
+            if alias in tensors and not np.array_equal(np.asarray(tensors[alias]),
+                                                       np.asarray(tensors[source])):
+                raise ValueError(f"layout map {self.name}: {alias} is declared tied to "
+                                 f"{source} but holds other values; declare it untied (a "
+                                 "rule of its own)")
         tree: Tree = {}
         for rule in self.rules:
             parts = [np.asarray(tensors[s]) for s in rule.sources]
@@ -80,8 +100,9 @@ class LayoutMap:
             _put(tree, rule.path, np.ascontiguousarray(leaf))
         return tree
 
-    def to_torch(self, tree: Mapping[str, Any]) -> dict[str, np.ndarray]:
-        """``{fqn: array}`` in PyTorch layout from a Flax tree (the inverse of ``to_flax``)."""
+    def to_torch(self, tree: Mapping[str, Any], tied: bool = True) -> dict[str, np.ndarray]:
+        """``{fqn: array}`` in PyTorch layout from a Flax tree (the inverse of ``to_flax``;
+        ``tied``: with each alias, a copy of its source)."""
         out: dict[str, np.ndarray] = {}
         for rule in self.rules:
             leaf = np.asarray(_get(tree, rule.path, self.name))
@@ -95,6 +116,8 @@ class LayoutMap:
                 parts = np.split(leaf, np.cumsum(rule.sizes)[:-1], axis=rule.axis)
             for name, part in zip(rule.sources, parts, strict=True):
                 out[name] = np.ascontiguousarray(part.T if rule.transpose else part)
+        if tied:
+            out.update({alias: out[source].copy() for alias, source in self.tied.items()})
         return out
 
     def decayed(self, decayed_names: set[str]) -> Tree:
@@ -157,7 +180,8 @@ def llama_map(n_layers: int, *, hidden: int, n_heads: int, n_kv_heads: int,
               head_dim: int | None = None, tied: bool = False) -> LayoutMap:
     """Hugging Face ``LlamaForCausalLM`` names <-> ``trainer.on_jax.llama.FlaxLlama``: q, k
     and v fused into one ``qkv`` kernel (sizes ``n_heads * head_dim``, ``n_kv_heads *
-    head_dim`` twice), gate and up kept apart; ``tied``: no ``lm_head`` (it is the embedding)."""
+    head_dim`` twice), gate and up kept apart; ``tied``: no ``lm_head`` rule (it is the
+    embedding: ``lm_head.weight`` is declared tied to ``model.embed_tokens.weight``)."""
     hd = head_dim or hidden // n_heads
     qkv_sizes = (n_heads * hd, n_kv_heads * hd, n_kv_heads * hd)
     rules = [Rule(("embed", "embedding"), ("model.embed_tokens.weight",))]
@@ -175,6 +199,7 @@ def llama_map(n_layers: int, *, hidden: int, n_heads: int, n_kv_heads: int,
             Rule((*f, "mlp", "down", "kernel"), (f"{t}.mlp.down_proj.weight",), transpose=True),
         ]
     rules.append(Rule(("norm", "scale"), ("model.norm.weight",)))
-    if not tied:
-        rules.append(Rule(("lm_head", "kernel"), ("lm_head.weight",), transpose=True))
+    if tied:
+        return LayoutMap("llama", rules, tied={"lm_head.weight": "model.embed_tokens.weight"})
+    rules.append(Rule(("lm_head", "kernel"), ("lm_head.weight",), transpose=True))
     return LayoutMap("llama", rules)

@@ -25,7 +25,9 @@ the update a Baton run makes with ``torch.optim.AdamW`` after
 ``set_adam_state(opt_state, count, mu, nu)`` returns the state with ``count`` (the number of
 completed updates: the snapshot's step) in every ``ScaleByAdamState`` and
 ``ScaleByScheduleState`` and the moments in the former; ``adam_state(opt_state)`` finds the
-``ScaleByAdamState``. The weight-decay ``mask`` is a tree of bools shaped like the params.
+``ScaleByAdamState``; ``counts(opt_state)`` lists the count of each of those states (the
+writer checks that they all equal the step). The weight-decay ``mask`` is a tree of bools
+shaped like the params.
 """
 
 from __future__ import annotations
@@ -104,6 +106,24 @@ def set_adam_state(opt_state: Any, count: int, mu: Any, nu: Any) -> Any:
         return node
 
     return visit(opt_state)
+
+
+def counts(opt_state: Any) -> list[int]:
+    """The ``count`` of every ``ScaleByAdamState`` and ``ScaleByScheduleState`` inside."""
+    found: list[int] = []
+
+    def visit(node: Any) -> None:
+        if isinstance(node, (optax.ScaleByAdamState, optax.ScaleByScheduleState)):
+            found.append(int(np.asarray(node.count)))
+        elif hasattr(node, "_fields"):
+            for name in node._fields:
+                visit(getattr(node, name))
+        elif isinstance(node, tuple):
+            for child in node:
+                visit(child)
+
+    visit(opt_state)
+    return found
 
 
 def adam_state(opt_state: Any) -> optax.ScaleByAdamState:
