@@ -70,12 +70,25 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("step", nargs="?", type=int)
     p.set_defaults(func=_guarded(_verify))
 
-    p = sub.add_parser("export", help="write the model weights as one safetensors file, or "
-                                      "(--format hf) as a Hugging Face model directory")
+    p = sub.add_parser(
+        "export", help="write the model weights as one safetensors file, (--format hf) a "
+                       "Hugging Face model directory, (--format orbax) the JAX train state as "
+                       "an Orbax checkpoint, or (--format npz) every tensor in one .npz file",
+        description="Export a committed snapshot (default: the newest). safetensors: the "
+                    "model weights for inference. hf: a Hugging Face model directory. orbax: "
+                    "a new directory OUT holding OUT/state, an Orbax checkpoint of {params "
+                    "(the Flax tree), opt_state {count, mu, nu} (the AdamW moments), step} "
+                    "that orbax.checkpoint.StandardCheckpointer().restore(OUT/state) reads "
+                    "with no Baton import, and OUT/baton.json (data cursor, seed, AdamW "
+                    "settings and decay mask, learning rate of every update, recipe). npz: "
+                    "one file holding every logical tensor under its snapshot key, in "
+                    "PyTorch layout, plus __state__ (the snapshot's JSON state), read by "
+                    "numpy.load(OUT) without pickle. See docs/jax.md.")
     p.add_argument("run_uri")
     p.add_argument("step", nargs="?", type=int)
     p.add_argument("--out", required=True,
-                   help="output FILE.safetensors, or the model directory for --format hf")
+                   help="output FILE.safetensors; the model directory for --format hf; a new "
+                        "directory for --format orbax; FILE.npz for --format npz")
     p.add_argument("--format", choices=("safetensors", "hf", "orbax", "npz"),
                    default="safetensors",
                    help="hf: config.json, model.safetensors and the dataset's tokenizer, "

@@ -10,10 +10,13 @@
     state.data = loader.state_dict()
     save_train_state("runs/tiny", state)            # a PyTorch run continues from here
 
-Modules: ``state`` (snapshot <-> ``JaxTrainState``), ``optim`` (Baton's AdamW as optax),
-``layout_map`` (declared name/layout maps, ready for the built-in GPT and Llama), ``gpt`` and
-``llama`` (their Flax forwards), ``models`` (which one a run has), ``export`` (``baton
-snapshots export --format orbax|npz``). Needs the optional extra ``baton-train[jax]``.
+Modules: ``state`` (snapshot <-> ``JaxTrainState``), ``load_checks`` (what a load reads and
+refuses; ``SketchNotCarriedWarning``), ``save_checks`` (what a save refuses before writing:
+the trainer's story rule, the run's hyper-parameters, shapes), ``optim`` (Baton's AdamW as
+optax), ``layout_map`` (declared name/layout maps, tied aliases, ready for the built-in GPT and
+Llama), ``gpt`` and ``llama`` (their Flax forwards), ``models`` (which one a run has, or the
+user's own through ``layout=``), ``export`` (``baton snapshots export --format orbax|npz``).
+Needs the optional extra ``baton-train[jax]``.
 
 Why under ``trainer``: the adapter composes the snapshot format (``elastic.portable``, which
 needs no torch) with what the trainer knows — its models' parameter names, the optimizer's
@@ -23,6 +26,7 @@ re-implemented) — and DESIGN's import direction lets only ``trainer`` compose 
 
 from __future__ import annotations
 
+from trainer.on_jax.load_checks import SketchNotCarriedWarning
 from trainer.on_jax.state import JaxTrainState, load_train_state, save_train_state
 
-__all__ = ["JaxTrainState", "load_train_state", "save_train_state"]
+__all__ = ["JaxTrainState", "SketchNotCarriedWarning", "load_train_state", "save_train_state"]
