@@ -9,6 +9,8 @@ reader applies to both (``docs/snapshot-format.md``).
   (``elastic.portable``) all use these, so a crafted snapshot is refused the same way.
 * ``finite``: a chunk's floating values checked finite as its bytes are verified (a NaN or
   an Inf is ``NonFiniteError``), by the same readers in the same pass.
+* ``state_shapes``: the shapes an optimizer's per-parameter state may have (a moment its
+  parameter's), checked from the manifest by the PyTorch restore and the neutral reader.
 
 Imports the storage layer's errors only (``elastic.errors``, ``elastic.storage``).
 """

@@ -26,8 +26,8 @@ Contract
 ``Snapshot.component(name)`` decodes one component's JSON state with its tensors in place
 (``elastic.portable.arrays.decode_state``), e.g. ``snap.component("data")`` is the data cursor.
 ``Snapshot.check_optimizer_shapes(component, optimizer, model="model")`` applies the PyTorch
-restore's shape rule to an optimizer's per-parameter state (``SkeletonCheck.state_shapes``:
-for ``"AdamW"``, ``step`` a scalar and each moment exactly its parameter's shape, the
+restore's shape rule to an optimizer's per-parameter state (``elastic.format.state_shapes``,
+torch-free: for ``"AdamW"``, ``step`` a scalar and each moment exactly its parameter's shape, the
 parameter being the snapshot's ``<model>.<fqn>``); it reads only the manifest and raises
 ``SnapshotMisfitError``, one line naming the tensor. A reader that knows the run's optimizer
 calls it (``trainer.on_jax.load_train_state`` does, with ``"AdamW"``); ``read`` cannot know it.
@@ -56,8 +56,8 @@ from elastic.format.chunk_checks import (
 )
 from elastic.format.finite import finite_check
 from elastic.format.records import ChunkRecord, Manifest, SafetensorsHeader
+from elastic.format.state_shapes import check_state_shapes
 from elastic.portable.arrays import decode_state, numpy_dtype
-from elastic.state.skeleton_check import SkeletonCheck
 from elastic.store.snapshot_store import SnapshotStore
 
 
@@ -84,8 +84,8 @@ class Snapshot:
         shapes = {key: tuple(rec.shape) for key, rec in self.manifest.tensors.items()}
         params = {key[len(prefix):]: shape for key, shape in shapes.items()
                   if key.startswith(prefix)}
-        SkeletonCheck(snapshot_label(self.step)).state_shapes(
-            self.state.get(component), params, shapes, component, optimizer)
+        check_state_shapes(snapshot_label(self.step), self.state.get(component), params,
+                           shapes, component, optimizer)
 
 
 @dataclass

@@ -13,6 +13,7 @@ from typing import Any, NoReturn
 
 from elastic.errors import SnapshotMisfitError
 from elastic.format.records import ITEMS_TAG, TENSOR_TAG, TUPLE_TAG, json_kind, short_repr
+from elastic.format.state_shapes import check_state_shapes
 
 
 class SkeletonCheck:
@@ -102,7 +103,8 @@ class SkeletonCheck:
                      shapes: Mapping[str, tuple[int, ...]], path: str,
                      optimizer: str = "") -> None:
         """Each tensor of a parameter's saved state has the shape torch's ``optimizer`` (its
-        class name) gives it: ``step`` a scalar; the scalars it keeps by name (NAdam's
+        class name) gives it (``elastic.format.state_shapes``, the rule the neutral reader
+        applies too): ``step`` a scalar; the scalars it keeps by name (NAdam's
         ``mu_product``, ASGD's ``eta`` and ``mu``) scalars; any other exactly the parameter's
         shape (Adam's moments), except in an optimizer that factors (Adafactor: its row and
         column variances have the parameter's rank, each size the parameter's or 1). An
@@ -110,21 +112,7 @@ class SkeletonCheck:
         parameter's rank with each size the parameter's or 1): doubt never refuses. A fresh
         optimizer adopts saved state as it is: a crafted shape would load, then fail at the
         first optimizer step (or, a ``step`` of shape [1], train on and be saved so)."""
-        state = saved.get("state") if isinstance(saved, dict) else None
-        for fqn, entry in state.items() if isinstance(state, dict) else ():
-            param = params.get(fqn)
-            if param is None or not isinstance(entry, dict):
-                continue  # not a live parameter's: parameter_states refuses it
-            for name, ref in entry.items():
-                tensor = ref.get(TENSOR_TAG) if isinstance(ref, dict) else None
-                shape = shapes.get(tensor) if isinstance(tensor, str) else None
-                if shape is None:
-                    continue  # not a tensor
-                want = _allowed_shape(optimizer, name, shape, param)
-                if want:
-                    self.fail(f"{path}.state.{fqn}.{name}",
-                              f"a tensor of shape {list(shape)} for a parameter of shape "
-                              f"{list(param)} ({want})")
+        check_state_shapes(self.where, saved, params, shapes, path, optimizer)
 
     def parameter_states(self, exp: dict[str, Any], got: Any, params: set[str],
                          path: str) -> None:
@@ -145,32 +133,6 @@ class SkeletonCheck:
 
 
 _SCALARS = ("bool", "int", "float", "str")
-
-# Per-parameter state torch.optim keeps as scalars besides ``step``, by optimizer class name.
-SCALAR_STATE = {"NAdam": ("mu_product",), "ASGD": ("eta", "mu")}
-# Optimizers whose state factors a parameter's shape (sizes of 1 where it sums a dimension).
-FACTORED = ("Adafactor",)
-# torch.optim's per-element optimizers whose every other state tensor has the parameter's
-# exact shape (Adam's, AdamW's moments, SGD's momentum buffer, ...).
-EXACT = ("Adam", "AdamW", "SGD", "Adagrad", "Adadelta", "Adamax", "ASGD", "NAdam", "RAdam",
-         "RMSprop", "Rprop", "SparseAdam")
-
-
-def _allowed_shape(optimizer: str, name: str, shape: tuple[int, ...],
-                   param: tuple[int, ...]) -> str:
-    """Why ``optimizer``'s state ``name`` cannot have ``shape`` for a parameter of shape
-    ``param`` ("" when it can): ``SkeletonCheck.state_shapes``'s rule."""
-    if name == "step":
-        return "" if shape == () else "step is a scalar"
-    if shape == () and (name in SCALAR_STATE.get(optimizer, ()) or optimizer not in EXACT
-                        and optimizer not in FACTORED):
-        return ""
-    if optimizer in EXACT:
-        return "" if shape == param else f"{optimizer} keeps it in the parameter's shape"
-    factored = len(shape) == len(param) and all(
-        size in (want, 1) for size, want in zip(shape, param, strict=True))
-    return "" if factored else "each size must be the parameter's or 1"
-
 
 def _own_refs(node: Any, path: str) -> Any:
     """``node`` as it stands at ``path``: every tensor reference renamed to where it

@@ -5,12 +5,17 @@ For each crafted optimizer state of tests/elastic/test_portable.py (a `step` of 
 transposed moment, a moment of one row, a scalar moment) the reader refuses the snapshot with
 the words the PyTorch restore refuses it with (one line naming the state's path), reading
 only the manifest; an untouched snapshot passes, and an optimizer that factors its second
-moments (Adafactor) keeps the looser rule.
+moments (Adafactor) keeps the looser rule. The rule lives in the torch-free format layer
+(`elastic.format.state_shapes`): a fresh interpreter checks a snapshot without importing
+torch.
 """
 
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
+import textwrap
 
 import numpy as np
 import pytest
@@ -66,3 +71,15 @@ def test_untouched_state_passes_and_factored_optimizers_keep_their_rule(run) -> 
     snap.check_optimizer_shapes("optim", "Adafactor")  # a row variance is Adafactor's shape
     with pytest.raises(SnapshotMisfitError, match="AdamW keeps it in the parameter's shape"):
         snap.check_optimizer_shapes("optim", "AdamW")
+
+
+def test_the_check_imports_no_torch(pristine) -> None:  # noqa: F811
+    code = textwrap.dedent(f"""
+        import sys
+        from elastic.portable import PortableRun
+        PortableRun({str(pristine[0])!r}).read(4).check_optimizer_shapes("optim", "AdamW")
+        print(sorted(m for m in sys.modules if m.split(".")[0] == "torch"))
+    """)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         check=True).stdout
+    assert out.strip() == "[]", out
