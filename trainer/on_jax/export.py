@@ -33,6 +33,7 @@ import json
 import logging
 import os
 import sys
+import warnings
 from collections.abc import Iterator
 from typing import Any
 
@@ -58,10 +59,15 @@ def export_orbax(run_uri: str, step: int, out: str) -> int:
     import jax
     import orbax.checkpoint as ocp
 
+    from trainer.on_jax.load_checks import SketchNotCarriedWarning
     from trainer.on_jax.optim import adam_state
     from trainer.on_jax.state import load_train_state
 
-    state = load_train_state(run_uri, step)
+    with warnings.catch_warnings():
+        # An export trains nothing: that a sketched run continues with exact gradients is
+        # for whoever trains on, not a line on the export's stderr.
+        warnings.simplefilter("ignore", SketchNotCarriedWarning)
+        state = load_train_state(run_uri, step)
     adam = adam_state(state.opt_state)
     tree = {"params": state.params,
             "opt_state": {"count": adam.count, "mu": adam.mu, "nu": adam.nu},
