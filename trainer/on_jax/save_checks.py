@@ -20,7 +20,8 @@ written then.
   loaded step steps of ``state.global_batch`` lead from the loaded cursor, epochs included.
   A cursor not handed back (``state.data = loader.state_dict()`` forgotten) or a step moved
   ahead of the updates made is refused here.
-* ``check_optimizer(state, skeleton, where)``: the hyper-parameters are the run's —
+* ``check_optimizer(state, skeleton, where)`` (``check_settings`` its first half, before the
+  skeleton is built from the settings): the hyper-parameters are the run's —
   ``state.settings`` as loaded (betas, eps, weight decay, grad clip, learning rates: the
   recipe's), and every param-group field but ``lr`` (set from the schedule) as loaded. A
   PyTorch restore takes the param groups' values over the recipe's, so a changed weight
@@ -122,8 +123,8 @@ def check_story(state: JaxTrainState, skeleton: dict[str, Any], dataset: Any,
         loader.close()
 
 
-def check_optimizer(state: JaxTrainState, skeleton: dict[str, Any], where: str) -> None:
-    """The optimizer's hyper-parameters are the run's (module contract)."""
+def check_settings(state: JaxTrainState, where: str) -> None:
+    """``state.settings`` are the run's (module contract: ``check_optimizer``)."""
     if not isinstance(state.settings, AdamWSettings):
         raise ValueError(f"{where}: field state.settings is {type(state.settings).__name__}, "
                          "not the AdamWSettings load_train_state gave; put it back")
@@ -134,6 +135,11 @@ def check_optimizer(state: JaxTrainState, skeleton: dict[str, Any], where: str) 
                      else "not the run's schedule (its recipe's lr_at at every step)")
             raise ValueError(f"{where}: field state.settings.{item.name} is {shown}; "
                              f"{_HYPER_FIX}")
+
+
+def check_optimizer(state: JaxTrainState, skeleton: dict[str, Any], where: str) -> None:
+    """The optimizer's hyper-parameters are the run's (module contract)."""
+    check_settings(state, where)
     groups = skeleton.get("optim", {}).get("param_groups")
     loaded = state.loaded.skeleton["optim"]["param_groups"]
     if not isinstance(groups, list) or len(groups) != len(loaded):

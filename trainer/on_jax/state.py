@@ -81,6 +81,7 @@ from trainer.on_jax.save_checks import (
     Loaded,
     check_counts,
     check_optimizer,
+    check_settings,
     check_shapes,
     check_story,
     jax_origin,
@@ -223,6 +224,7 @@ def save_train_state(run_uri: str, state: JaxTrainState,
     """Commit ``state`` as snapshot ``state.step`` of ``run_uri`` (module contract)."""
     where = f"{run_uri}: snapshot {state.step!r} not written"
     step = check_counts(state, where)
+    check_settings(state, where)  # the written param groups' lr comes from them
     adam = adam_state(state.opt_state)
     as_np = jax.tree.map(np.asarray, state.params)
     tensors = {f"model.{k}": v for k, v in state.layout.to_torch(as_np).items()}
