@@ -85,7 +85,7 @@ def _faulty_loss(fault: Fault, write: Any) -> Any:
 
 
 def _main(address: tuple[str, int], worker: Worker, overrides: list[str], out: str,
-          pace_s: float) -> None:
+          pace_s: float, go: Any) -> None:
     import torch
     import torch.distributed as dist
 
@@ -101,11 +101,13 @@ def _main(address: tuple[str, int], worker: Worker, overrides: list[str], out: s
         with open(log, "a") as f:
             f.write(json.dumps(record) + "\n")
 
-    time.sleep(worker.start_delay_s)
     torch.set_num_threads(1)
+    cfg = load_recipe(ROOT / "recipes" / "tiny.toml", [*overrides, *worker.overrides])
+    if go is not None:
+        go.wait()  # a replacement: imported and ready, it starts once the lost one is gone
+    time.sleep(worker.start_delay_s)
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     coordinator = _connect(address)
-    cfg = load_recipe(ROOT / "recipes" / "tiny.toml", [*overrides, *worker.overrides])
     # The run's loss (the built-in GPT's), counting forward passes to strike mid-step.
     model_build.next_token_loss = _faulty_loss(worker.fault, write)
     faults = FaultInjector()
@@ -138,6 +140,16 @@ def _stopped_at(path: Path) -> float | None:
     return None
 
 
+def _recovered(out: Path, workers: list[Worker]) -> bool:
+    """Whether any worker has written a recovery record."""
+    for w in workers:
+        path = out / f"{w.member}.jsonl"
+        if path.exists() and any(json.loads(line)["kind"] == "recovery"
+                                 for line in path.read_text().splitlines()):
+            return True
+    return False
+
+
 def run_workers(coordinator: Any, workers: list[Worker], overrides: list[str], out: Path,
                 *, pace_s: float = 0.0, timeout_s: float = 240.0
                 ) -> dict[str, list[dict[str, Any]]]:
@@ -148,13 +160,16 @@ def run_workers(coordinator: Any, workers: list[Worker], overrides: list[str], o
     _, address = serve(coordinator)
     out.mkdir(parents=True, exist_ok=True)
     ctx = mp.get_context("spawn")
-    procs = [ctx.Process(target=_main, args=(address, w, overrides, str(out), pace_s),
-                         daemon=True)
+    # A replacement's process starts with the others (a slow machine's torch import is not
+    # the test's fault) and waits for its `go`: set once the member it replaces is gone and a
+    # survivor recovered without it (a new node comes after the loss, as on a cluster).
+    go = {w.member: ctx.Event() for w in workers if w.replaces is not None}
+    procs = [ctx.Process(target=_main, args=(address, w, overrides, str(out), pace_s,
+                                             go.get(w.member)), daemon=True)
              for w in workers]
     by_member = {w.member: p for w, p in zip(workers, procs, strict=True)}
-    for p, w in zip(procs, workers, strict=True):
-        if w.replaces is None:
-            p.start()
+    for p in procs:
+        p.start()
     deadline = time.monotonic() + timeout_s
     # A worker stopped for good never ends: wait for the others, then end it.
     hung = [w.fault.stop_at is not None and not w.fault.resume_after_s for w in workers]
@@ -164,8 +179,8 @@ def run_workers(coordinator: Any, workers: list[Worker], overrides: list[str], o
             p.is_alive() for p, stopped in zip(procs, hung, strict=True) if not stopped)):
         for w in list(waiting):
             lost = by_member[w.replaces]  # type: ignore[index]
-            if lost.pid is not None and not lost.is_alive():
-                by_member[w.member].start()
+            if not lost.is_alive() and _recovered(out, workers):
+                go[w.member].set()
                 waiting.remove(w)
         for p, w in zip(procs, workers, strict=True):
             if w.fault.resume_after_s and w.member not in resumed and p.pid is not None:
