@@ -161,21 +161,25 @@ def test_a_worker_that_hangs_is_left_out_and_comes_back_as_a_joiner(
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("parallelism", ["ddp", "fsdp"])
 def test_a_second_loss_while_recovering_falls_back_to_a_group_restart(
-        tmp_path: Path, tiny_dataset: str) -> None:
+        tmp_path: Path, tiny_dataset: str, parallelism: str) -> None:
     run = tmp_path / "run"
     coordinator = _coordinator(run, 3)
     workers = [Worker("a", 0), Worker("b", 1, Fault(exit_in="recover_formed")),
                Worker("c", 2, Fault(die_at=9))]
-    overrides = [*_overrides(run, tiny_dataset, timeout_s=2.0), "snapshots.snapshot_every=2"]
+    overrides = [*_overrides(run, tiny_dataset, timeout_s=2.0), "snapshots.snapshot_every=2",
+                 f'parallelism="{parallelism}"']
     records = run_workers(coordinator, workers, overrides, tmp_path / "out", pace_s=0.3)
 
     end = _ends(records)["a"]
+    # The generation the survivors re-formed (the last one the membership started).
+    generation = coordinator.membership.health()["history"][-1]["generation"]
     assert end is not None and end["error"].startswith(
         "RecoveryFailedError: in-process recovery fell back to a group restart: the process "
-        "group of generation 2 did not form"), end
+        f"group of generation {generation} did not form"), end
     health = coordinator.membership.health()
-    assert health["phase"] == "fallback" and "generation 2" in health["fallback"]
+    assert health["phase"] == "fallback" and f"generation {generation}" in health["fallback"]
     # The group restart that follows continues from the newest commit, intact.
     newest = SnapshotStore(str(run)).committed_steps()[-1]
     assert 2 <= newest <= 4

@@ -121,6 +121,8 @@ class ShardedRecovery:
         except RecoveryFailedError as err:
             self.member.fall_back(str(err))
             raise
+        if self.context.faults is not None:  # tests: a member lost while the group re-forms
+            self.context.faults.hit(int(view["rank"]), self.reached, "recover_formed")
         self._form(view, "recovering")
         # The next session restores the newest commit: the steps past it are redone.
         coordinator = self.context.coordinator
