@@ -46,6 +46,7 @@ class Worker:
     fault: Fault = field(default_factory=Fault)
     start_delay_s: float = 0.0  # start this long after the others (or after `replaces` died)
     replaces: str | None = None  # a replacement: start once this member's process is gone
+    after_end: bool = False  # start once every other worker has ended (too late to join)
     overrides: list[str] = field(default_factory=list)  # recipe overrides of its own
 
 
@@ -163,7 +164,7 @@ def run_workers(coordinator: Any, workers: list[Worker], overrides: list[str], o
     # A replacement's process starts with the others (a slow machine's torch import is not
     # the test's fault) and waits for its `go`: set once the member it replaces is gone and a
     # survivor recovered without it (a new node comes after the loss, as on a cluster).
-    go = {w.member: ctx.Event() for w in workers if w.replaces is not None}
+    go = {w.member: ctx.Event() for w in workers if w.replaces is not None or w.after_end}
     procs = [ctx.Process(target=_main, args=(address, w, overrides, str(out), pace_s,
                                              go.get(w.member)), daemon=True)
              for w in workers]
@@ -174,12 +175,17 @@ def run_workers(coordinator: Any, workers: list[Worker], overrides: list[str], o
     # A worker stopped for good never ends: wait for the others, then end it.
     hung = [w.fault.stop_at is not None and not w.fault.resume_after_s for w in workers]
     resumed: set[str] = set()
-    waiting = [w for w in workers if w.replaces is not None]
+    waiting = [w for w in workers if w.member in go]
     while time.monotonic() < deadline and (waiting or any(
             p.is_alive() for p, stopped in zip(procs, hung, strict=True) if not stopped)):
         for w in list(waiting):
-            lost = by_member[w.replaces]  # type: ignore[index]
-            if not lost.is_alive() and _recovered(out, workers):
+            if w.after_end:
+                ready = not any(by_member[o.member].is_alive() for o in workers
+                                if o.member not in go)
+            else:
+                lost = by_member[w.replaces]  # type: ignore[index]
+                ready = not lost.is_alive() and _recovered(out, workers)
+            if ready:
                 go[w.member].set()
                 waiting.remove(w)
         for p, w in zip(procs, workers, strict=True):

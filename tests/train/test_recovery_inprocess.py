@@ -139,6 +139,26 @@ def test_a_sharded_run_restarts_its_state_in_process(
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("parallelism", ["ddp", "fsdp"])
+def test_a_replacement_that_comes_after_the_last_commit_trains_nothing(
+        tmp_path: Path, tiny_dataset: str, parallelism: str) -> None:
+    """Ray Train may place a replacement only once the others have finished: it ends at the
+    run's last step without a step, a start record or a commit of its own."""
+    run = tmp_path / "run"
+    coordinator = _coordinator(run, 2)
+    workers = [Worker("a", 0), Worker("b", 1), Worker("late", 2, after_end=True)]
+    overrides = [*_overrides(run, tiny_dataset), f'parallelism="{parallelism}"']
+    records = run_workers(coordinator, workers, overrides, tmp_path / "out")
+    ends = _ends(records)
+    for member in ("a", "b", "late"):
+        assert ends[member] == {"kind": "end", "error": None, "step": STEPS}, ends[member]
+    assert [r["kind"] for r in records["late"]] == ["pid", "end"], records["late"]
+    assert SnapshotStore(str(run)).committed_steps()[-1] == STEPS
+    history = coordinator.membership.health()["history"]
+    assert [(h["reason"], h["members"]) for h in history] == [("start", ["a", "b"])]
+
+
+@pytest.mark.slow
 def test_a_worker_that_hangs_is_left_out_and_comes_back_as_a_joiner(
         tmp_path: Path, tiny_dataset: str, uninterrupted: Path) -> None:
     """A collective that hangs instead of failing: the others wait at most

@@ -304,6 +304,9 @@ def run_worker(cfg: FitConfig, env: WorkerEnv) -> WorkerResult:
     sharded = ShardedRecovery.start(cfg, current_context())
     if sharded is None:
         return _run_session(cfg, env, announce=True)
+    if sharded.finished:  # a replacement that came after the run's last commit: no training
+        last = sharded.last_commit()
+        return WorkerResult(start_step=last, step=last, loss=float("nan"), val_loss=None)
     sessions = 0
 
     def one_session() -> WorkerResult:

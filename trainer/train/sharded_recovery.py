@@ -6,8 +6,9 @@ Contract:
   in-process recovery (`recovery.in_process` and a member id, as `ElasticTorchTrainer` hands
   every worker on Ray), this worker joins the run's membership (`elastic.recovery.member`) and
   the membership's group becomes torch.distributed's default process group
-  (`elastic.recovery.default_group`), over which the loop shards its model; None otherwise, or
-  when the run has already finished (a late replacement restores the final commit).
+  (`elastic.recovery.default_group`), over which the loop shards its model; None otherwise.
+  `ShardedRecovery.finished` is true when this worker arrived after the run's last commit (a
+  replacement too late): it has nothing to train.
 - `run(train)` calls `train()` (one session of the loop: build, restore, train) under a worker
   context with the session's own in-process recovery off and the membership's joiners as a
   step-boundary notice, and repeats it when
@@ -66,21 +67,30 @@ class ShardedRecovery:
         self.timeout_s = timeout_s
         self.recoveries: list[dict[str, Any]] = []
         self.reached = 0  # steps completed by the current session (the loop keeps it)
+        self.finished = False  # this worker arrived after the run's last commit
+
+    @staticmethod
+    def wanted(cfg: FitConfig, context: WorkerContext | None) -> bool:
+        """A sharded run whose worker context asks for in-process recovery."""
+        return (cfg.parallelism == "fsdp" and context is not None
+                and context.recovery is not None and context.recovery.in_process
+                and context.member is not None and context.coordinator is not None)
 
     @classmethod
     def start(cls, cfg: FitConfig, context: WorkerContext | None) -> ShardedRecovery | None:
-        if (cfg.parallelism != "fsdp" or context is None or context.recovery is None
-                or not context.recovery.in_process or context.member is None
-                or context.coordinator is None):
+        if not cls.wanted(cfg, context):
             return None
+        assert context is not None and context.member is not None
+        assert context.recovery is not None and context.coordinator is not None
         member_id, order = context.member
         settings = MemberSettings(coordinator_s=context.recovery.coordinator_timeout_s)
         member = Member(context.coordinator, member_id, order, settings)
         recovery = cls(member, context, "nccl" if cfg.scaling.use_gpu else "gloo",
                        context.recovery.collective_timeout_s)
         view = member.join()
-        if view is None:  # the run finished: restore its last commit as any worker would
-            return None
+        if view is None:  # the run finished before this worker could join
+            recovery.finished = True
+            return recovery
         recovery._form(view, "joining")
         member.start_beating()
         return recovery
@@ -125,9 +135,7 @@ class ShardedRecovery:
             self.context.faults.hit(int(view["rank"]), self.reached, "recover_formed")
         self._form(view, "recovering")
         # The next session restores the newest commit: the steps past it are redone.
-        coordinator = self.context.coordinator
-        assert coordinator is not None
-        restored = max(coordinator.committed_steps(), default=0)
+        restored = self.last_commit()
         record = {"reason": reason, "before": before, "world_size": len(view["members"]),
                   "rank": int(view["rank"]), "generation": int(view["generation"]),
                   "seconds": time.monotonic() - started, "step": restored,
@@ -145,6 +153,12 @@ class ShardedRecovery:
             self.member.fall_back(reason)
             raise RecoveryFailedError(f"in-process recovery fell back to a group restart: "
                                       f"{reason}") from err
+
+    def last_commit(self) -> int:
+        """The run's newest committed step (0 before the first)."""
+        coordinator = self.context.coordinator
+        assert coordinator is not None
+        return max(coordinator.committed_steps(), default=0)
 
     def _finish(self, step: int) -> None:
         """The last step is committed (rank 0 waits for it): later joiners restore it."""
