@@ -136,6 +136,13 @@ def test_an_idle_rank_joins_each_all_reduce_with_no_weight(tmp_path: Path) -> No
     _resized_run(tmp_path, batch_size=4, accumulate=False, until=3)
 
 
+def _step(model: nn.Module, optimizer: torch.optim.Optimizer, x: torch.Tensor,
+          y: torch.Tensor) -> None:
+    nn.functional.mse_loss(model(x), y).backward()
+    optimizer.step()
+    optimizer.zero_grad()
+
+
 def test_it_iterates_like_a_dataloader(tmp_path: Path) -> None:
     model, optimizer, _ = _parts()
     with Session(model, optimizer, run_uri=str(tmp_path / "a"), snapshot_every=3) as session:
@@ -144,7 +151,10 @@ def test_it_iterates_like_a_dataloader(tmp_path: Path) -> None:
         epochs = []
         for epoch in range(loader.epoch, 2):
             loader.set_epoch(epoch)
-            batches = [x for x, _ in loader]
+            batches = []
+            for x, y in loader:
+                batches.append(x)
+                _step(model, optimizer, x, y)
             epochs.append(torch.cat(batches))
             assert session.step == (epoch + 1) * (ITEMS // 8)  # the loader ended each step
         with pytest.raises(UsageError, match=r"set_epoch\(0\): the data position is in "
@@ -158,7 +168,10 @@ def test_it_iterates_like_a_dataloader(tmp_path: Path) -> None:
     with Session(model, optimizer, run_uri=str(tmp_path / "b")) as session:
         loader = session.data_loader(_dataset(), batch_size=8, seed=3)  # keeps the tail
         assert len(loader) == math.ceil(ITEMS / 8)
-        order = [i for _ in loader for i in loader.sample_indices]
+        order = []
+        for x, y in loader:
+            order += loader.sample_indices
+            _step(model, optimizer, x, y)
         assert sorted(order) == list(range(ITEMS)) and order != list(range(ITEMS))
 
 

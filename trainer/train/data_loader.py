@@ -28,6 +28,12 @@ Contract:
   `e` is that epoch (a loop counting from 0 again after a restore would train extra epochs)
   and raises a one-line `ValueError` otherwise. `len(loader)` is the number of steps of an
   epoch.
+- The loop and the session agree on what a step is (`trainer.train.step_checks`, each a
+  one-line `UsageError`): asking for the next batch when this one went through neither the
+  model's forward nor `optimizer.step()` (a resume skip) is refused; so is a `batch_size`
+  other than the one the restored snapshot trained at (`allow_batch_change=True` continues at
+  the new one, with a warning), and, at an uneven split, a rank that all-reduces gradients a
+  different number of times than the others in one step (a loop's own accumulation).
 - Loss weights: for the gradient average of DDP/FSDP to be the mean over the step's samples,
   a share's mean loss must count `weight` times (`StepShare.weight`: 1 for an even split, more
   or less for an uneven one, 0 on an idle rank's stand-in). The loader applies it itself: a
@@ -57,16 +63,28 @@ from torch.utils._pytree import tree_leaves
 
 from data_state.share_loader import ShareLoader, StepShare
 from elastic.errors import FatalRunError
+from trainer.train import step_checks
 from trainer.train.parallel import grad_sync, parallelism_of, unwrapped
 from trainer.train.session_setup import UsageError
+from trainer.train.story import ORIGIN_KEY, DataOrigin
 
 
 def make_loader(session: LoaderOwner, dataset: Any, *, batch_size: int, microbatch_size: int,
                 shuffle: bool, seed: int, collate_fn: Any, drop_last: bool, num_workers: int,
-                fingerprint: str | None, saved: Any) -> ElasticDataLoader:
-    """`Session.data_loader`'s loader: settings checked under the names the caller used,
-    then the data position of the snapshot the session restored (`saved`), if any."""
+                fingerprint: str | None, allow_batch_change: bool) -> ElasticDataLoader:
+    """`Session.data_loader`'s loader, registered as the session's `data`: settings checked
+    under the names the caller used, then the data position and global batch of the snapshot
+    the session restored, if any; its `data_origin` records this session's global batch."""
+    if "data" in session.registry.keys():
+        raise UsageError("Session.data_loader: this session already has its data loader "
+                         "(data=... or an earlier data_loader call): make one")
+    if session.step != session.start_step:
+        raise UsageError("Session.data_loader: make the loader before the first step")
     _check_settings(dataset, batch_size, microbatch_size, seed, num_workers, drop_last)
+    restored = session.snapshotter.restored_state
+    step_checks.check_global_batch(restored.get(ORIGIN_KEY), batch_size, allow_batch_change,
+                                   session.start_step)
+    saved = restored.get("data")
     shares = ShareLoader(dataset, global_batch=batch_size, microbatch_size=microbatch_size,
                          seed=seed, shuffle=shuffle, drop_last=drop_last,
                          collate_fn=collate_fn, num_workers=num_workers, rank=session.rank,
@@ -78,7 +96,10 @@ def make_loader(session: LoaderOwner, dataset: Any, *, batch_size: int, microbat
             shares.close()
             raise FatalRunError(f"the data loader does not fit the snapshot it continues: "
                                 f"{err}") from err
-    return ElasticDataLoader(session, shares, session.model)
+    loader = ElasticDataLoader(session, shares, session.model)
+    session.registry.register("data", loader)
+    session.registry.register(ORIGIN_KEY, DataOrigin(shares, session), optional=True)
+    return loader
 
 
 def _check_settings(dataset: Any, batch_size: Any, microbatch_size: Any, seed: Any,
@@ -113,15 +134,22 @@ class StepCounter(Protocol):
 
     optimizer_steps: int  # optimizer.step() calls so far (the session's pre-hook counts them)
 
+    @property
+    def step(self) -> int: ...
+
     def step_done(self, *, boundary: bool = False) -> bool: ...
 
 
 class LoaderOwner(StepCounter, Protocol):
-    """What `make_loader` needs from its `Session`: the steps, this rank's share, the model."""
+    """What `make_loader` needs from its `Session`: the steps, this rank's share, the model,
+    the state it restored and its registry."""
 
     rank: int
     world_size: int
     model: nn.Module
+    start_step: int
+    snapshotter: Any  # `restored_state`: the restored snapshot's JSON state per component
+    registry: Any
 
 
 class ElasticDataLoader:
@@ -137,6 +165,7 @@ class ElasticDataLoader:
         self._forwards = 0  # forwards (with gradients) since the share was handed out
         self.stopped = False
         self._hook = unwrapped(model).register_forward_hook(self._on_forward)
+        self._passes = step_checks.SyncPasses(model)
 
     # ------------------------------------------------------------------ DataLoader's face
 
@@ -177,7 +206,12 @@ class ElasticDataLoader:
             share = self.shares.next_step()
             self._handed, self._handed_at = share, self._session.optimizer_steps
             self._scale, self._forwards = share.weight, 0
+            self._passes.begin(self._session.step + 1, step_checks.uneven(
+                share.step_samples, share.microbatch_size, share.num_microbatches,
+                self.shares.world_size), len(share.sample_indices), share.step_samples)
             yield share.batch
+            step_checks.refuse_untrained(self._session.step + 1, self._forwards,
+                                         self._session.optimizer_steps > self._handed_at)
             self._end_step()  # the loop asked for the next batch: its step is done
             if self.epoch != epoch:
                 return
@@ -220,6 +254,7 @@ class ElasticDataLoader:
 
     def close(self) -> None:
         self._hook.remove()
+        self._passes.close()
         self.shares.close()
 
     # ------------------------------------------------------------------ step ends
@@ -242,6 +277,7 @@ class ElasticDataLoader:
                 f"step {share.step}: this rank's batch carries loss weight {share.weight:.4g} "
                 "but never went through the model's forward, so the weight could not be "
                 "applied: compute the loss from the model passed to Session(...)")
+        self._passes.end()  # every rank all-reduced as often (an uneven split)
         epoch = self.epoch
         self.shares.advance()
         if self._session.step_done(boundary=self.epoch != epoch):

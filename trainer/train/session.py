@@ -21,7 +21,8 @@ or, step by step with a loader of its own (`data_state.ResumableLoader`, `MapSty
 Contract (docs/ray-train-loop.md has the whole of it)
 --------
 - Refused in one line (`UsageError`, `trainer.train.session_setup`): a second open Session in
-  the process; above world size 1 a model that is neither DDP nor FSDP2.
+  the process; above world size 1 a model that is neither DDP nor FSDP2; a second
+  `optimizer.step()` without a step boundary (`trainer.train.step_checks`).
 - Construction registers every component once under fixed keys (`model`, `optim`, `sched`,
   `data`, `scaler` when fp16's is enabled, each of `extras`, `trainer` for its own step
   counter) and restores the newest committed snapshot into them, resharded, optimizer warm; a
@@ -78,6 +79,7 @@ from trainer.train.session_setup import (  # noqa: F401 - the public names of tr
     run_directory,
     worker_context,
 )
+from trainer.train.step_checks import OptimizerSteps
 
 if TYPE_CHECKING:
     from elastic.recovery import InProcessRecovery
@@ -94,8 +96,6 @@ RESIZE_GRACE_S = 30.0
 
 class PreemptedError(RuntimeError):
     """This worker group stopped on a preemption notice after committing a snapshot."""
-
-
 
 
 class Session(recovering.RecoveringSessionMixin):
@@ -144,6 +144,7 @@ class Session(recovering.RecoveringSessionMixin):
         setup.refuse_misuse(model, self.world_size)
         self.model = model
         self.optimizer_steps = 0  # optimizer.step() calls (the pre-hook counts them)
+        self._optimizer_steps = OptimizerSteps(optimizer)  # at most one per step
         self._loader: ElasticDataLoader | None = None
         self._close_at_return = bool(context and context.close_at_return)
         self._postponed = False  # a snapshot due at an epoch's end, taken one step later
@@ -210,24 +211,19 @@ class Session(recovering.RecoveringSessionMixin):
                     shuffle: bool = True, seed: int = 0,
                     collate_fn: Callable[[list[Any]], Any] | None = None,
                     drop_last: bool = False, num_workers: int = 0,
-                    fingerprint: str | None = None) -> ElasticDataLoader:
+                    fingerprint: str | None = None,
+                    allow_batch_change: bool = False) -> ElasticDataLoader:
         """The elastic `DataLoader` of this session (`trainer.train.data_loader`): `batch_size` is
-        the global batch; the data position is restored from the snapshot."""
+        the global batch (the snapshot's, unless `allow_batch_change`); the data position is
+        restored from the snapshot."""
         from trainer.train.data_loader import make_loader
 
-        if self._loader is not None or "data" in self.registry.keys():
-            raise UsageError("Session.data_loader: this session already has its data loader "
-                             "(data=... or an earlier data_loader call): make one")
-        if self._progress.step != self.start_step:
-            raise UsageError("Session.data_loader: make the loader before the first step")
-        loader = make_loader(
+        self._loader = make_loader(
             self, dataset, batch_size=batch_size, microbatch_size=microbatch_size,
             shuffle=shuffle, seed=seed, collate_fn=collate_fn, drop_last=drop_last,
             num_workers=num_workers, fingerprint=fingerprint,
-            saved=self.snapshotter.restored_state.get("data"))
-        self.registry.register("data", loader)
-        self._loader = loader
-        return loader
+            allow_batch_change=allow_batch_change)
+        return self._loader
 
     def steps(self, total: int) -> Iterator[int]:
         """Yield the 0-based index of each step still to train, up to `total`; after each,
@@ -248,6 +244,7 @@ class Session(recovering.RecoveringSessionMixin):
         step ends an epoch or the loop; when the training function's return commits the last
         step (under ElasticTorchTrainer), a snapshot due there is taken one step later, so
         that no restart lands past the end of the loop with nothing left to train."""
+        self._optimizer_steps.boundary()
         try:
             return self._step_done(boundary)
         except LeftBehindError as err:
@@ -365,6 +362,7 @@ class Session(recovering.RecoveringSessionMixin):
             raise FatalRunError(str(err)) from err
 
     def _before_optimizer_step(self, optimizer: torch.optim.Optimizer, *_: Any) -> None:
+        self._optimizer_steps.stepped(optimizer, self._progress.step + 1)
         self.optimizer_steps += 1
         self._wait_capture()
         if self._recovery is not None:

@@ -1,0 +1,195 @@
+"""The loop and the session agree on what a step is, or the step fails in one line.
+
+A `Session` counts a step where the loop asks for the next batch (`session.data_loader`) or
+calls `step_done()`; the snapshot, the schedule and the data position trust that count. Each
+check below catches a loop that disagrees — otherwise it trains on silently, or hangs — and
+says so in one `UsageError` line naming the mistake and the fix.
+
+Contract:
+- `OptimizerSteps(optimizer)`: `stepped(optimizer, step)` from the session's optimizer
+  pre-hook, `boundary()` from every `step_done()` (a redone step's too). A second
+  `optimizer.step()` of the session's optimizer with no step boundary in between is refused:
+  a loop that keeps its own `DataLoader` and never ends a step is never snapshotted, never
+  stops at `until`, and its next run starts cold from step 0. (Other optimizers — `extras` —
+  may step more often: the trainer's rule, `trainer.train.story`, counts only this one.)
+- `refuse_untrained(step, forwards, optimizer_stepped)`: the loop asked for the next batch
+  while this one went through no forward of the model (with gradients) and no
+  `optimizer.step()`: it was thrown away, yet counted as trained. That is the resume skip of a
+  Ray loop (`if epoch * steps_per_epoch + i < start: continue`), which the restored loader
+  makes wrong: it already starts where the run stopped. A batch whose forward ran and whose
+  update the loop chose to skip (a NaN loss, fp16's overflow) counts, as in Baton's loop.
+- `check_global_batch(saved_origin, batch_size, allow, step)`: a continuation whose global
+  batch differs from the one the snapshot's session trained at (its `data_origin`,
+  `trainer.train.story.DataOrigin`) is refused in one line naming both; `allow=True`
+  continues at the new one with a warning. A snapshot without a recorded batch is not checked.
+- `SyncPasses(model)`: at a step whose ranks hold different numbers of samples (an uneven
+  split, the only one where a loop that treats every rank alike can all-reduce a different
+  number of times on each), the ranks agree on every forward pass of a DDP model that will
+  all-reduce gradients (gradients on, not under `no_sync()`) and, at the step's end, on how
+  many there were: one `MAX` all-reduce of `[n, -n]` (`elastic.collectives`: in-process
+  recovery's group too) per pass and per step end. The agreement on a step's first such pass
+  runs inside DDP's forward, after DDP's own pre-forward collectives, which every rank runs at
+  its step's first forward whether that one syncs or not (its one-time bucket rebuild, the
+  buffer broadcast); on every later pass it runs before DDP's forward, so before any
+  collective of the pass (the buffer broadcast, the gradient all-reduce, in-process recovery's
+  gradient hook). The rank with one pass more thus meets the others' end-of-step agreement,
+  not their next collective: every rank fails in one line instead of hanging. The fix it
+  names is `loader.microbatches`, which all-reduces once per step on every rank.
+  Steps with an even split pay nothing; a failed collective (a member lost: the step is
+  redone) leaves the values as they were, so it never refuses. An FSDP2 model is not watched.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+
+from data_state.cursor import share
+from elastic import collectives
+from trainer.train.session_setup import UsageError
+
+log = logging.getLogger("baton.session")
+
+_ACCUMULATE = ("split the batch with `for x_part, y_part in loader.microbatches([x, y]):` "
+               "instead, which all-reduces once per step on every rank")
+
+
+class OptimizerSteps:
+    """See the module docstring."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer | None) -> None:
+        self._optimizer = optimizer
+        self._stepped = False  # the optimizer stepped since the last step boundary
+
+    def stepped(self, optimizer: torch.optim.Optimizer, step: int) -> None:
+        if optimizer is not self._optimizer:
+            return
+        if self._stepped:
+            raise UsageError(
+                f"step {step}: optimizer.step() ran twice without a step boundary, so the "
+                "session never snapshots, never stops at until and a new run starts from step "
+                "0: iterate session.data_loader(...) in place of your DataLoader (asking for "
+                "the next batch ends a step), or call session.step_done() after each step")
+        self._stepped = True
+
+    def boundary(self) -> None:
+        self._stepped = False
+
+
+def refuse_untrained(step: int, forwards: int, optimizer_stepped: bool) -> None:
+    if forwards or optimizer_stepped:
+        return
+    raise UsageError(
+        f"step {step}: the loop asked for the next batch without training on this one (no "
+        "forward through the model, no optimizer.step()), which would count it as trained: "
+        "delete a resume skip such as `if epoch * steps_per_epoch + i < start: continue` "
+        "(the loader already starts where the run stopped)")
+
+
+def check_global_batch(saved_origin: Any, batch_size: int, allow: bool, step: int) -> None:
+    saved = saved_origin.get("global_batch") if isinstance(saved_origin, dict) else None
+    if type(saved) is not int or saved == batch_size:
+        return
+    if allow:
+        log.warning("session.data_loader: continuing at batch_size=%d; the snapshot of step "
+                    "%d trained at batch_size=%d (allow_batch_change=True)", batch_size, step,
+                    saved)
+        return
+    raise UsageError(
+        f"session.data_loader: batch_size={batch_size}, but the snapshot of step {step} "
+        f"trained at batch_size={saved}: batch_size is the global batch, the same at every "
+        f"world size (do not divide it by the number of workers); pass batch_size={saved}, "
+        f"or allow_batch_change=True to continue at {batch_size}")
+
+
+def uneven(step_samples: int, microbatch_size: int, num_microbatches: int,
+           world_size: int) -> bool:
+    """Whether the ranks' batches differ in length at this step (an idle rank's stand-in is
+    the step's first microbatch)."""
+    lengths = set()
+    for rank in range(world_size):
+        block = share(num_microbatches, rank=rank, world_size=world_size)
+        if not block:
+            block = range(0, 1)
+        lengths.add(min(block.stop * microbatch_size, step_samples)
+                    - min(block.start * microbatch_size, step_samples))
+    return len(lengths) > 1
+
+
+class SyncPasses:
+    """See the module docstring."""
+
+    def __init__(self, model: nn.Module) -> None:
+        self._model = model
+        self._armed = False
+        self._passes = 0
+        self._counted = False  # the wrapper's hook counted the forward now running
+        self._where = ""  # the step and this rank's share, for the message
+        self._hooks = [
+            model.register_forward_pre_hook(self._before_wrapper, prepend=True),
+            model.module.register_forward_pre_hook(self._before_module, prepend=True),
+        ] if isinstance(model, DistributedDataParallel) else []
+
+    def begin(self, step: int, armed: bool, samples: int, step_samples: int) -> None:
+        """A batch was handed out: count its passes (`armed`: at an uneven split)."""
+        self._armed = armed and bool(self._hooks)
+        self._passes, self._counted = 0, False
+        self._where = f"step {step}: this rank holds {samples} of the step's {step_samples} samples"
+
+    def end(self) -> None:
+        """The step ends: every rank ran as many all-reducing passes, or `UsageError`."""
+        if not self._armed:
+            return
+        self._armed = False
+        low, high = _agree(self._passes)
+        if low != high:
+            raise UsageError(
+                f"{self._where} and all-reduced its gradients {self._passes} time(s), another "
+                f"rank {high if high != self._passes else low}: a loop's own gradient "
+                f"accumulation at an uneven split all-reduces a different number of times on "
+                f"each rank (DDP hangs); {_ACCUMULATE}")
+
+    def close(self) -> None:
+        for hook in self._hooks:
+            hook.remove()
+
+    def _syncs(self) -> bool:
+        """This forward, at an armed step, will all-reduce gradients in its backward."""
+        return (self._armed and torch.is_grad_enabled()
+                and bool(getattr(self._model, "require_backward_grad_sync", True)))
+
+    def _before_wrapper(self, module: nn.Module, args: Any) -> None:
+        if self._passes and self._syncs():  # a later pass: before DDP's forward
+            self._counted = True
+            self._count()
+
+    def _before_module(self, module: nn.Module, args: Any) -> None:
+        if self._counted:
+            self._counted = False
+        elif not self._passes and self._syncs():  # the first: after DDP's pre-forward
+            self._count()
+
+    def _count(self) -> None:
+        self._passes += 1
+        low, high = _agree(self._passes)
+        if low != high:
+            self._armed, self._counted = False, False  # the step failed: nothing more to agree
+            raise UsageError(
+                f"{self._where}; its forward pass {self._passes} would all-reduce gradients "
+                f"while another rank ended the step after {low}: a loop's own gradient "
+                f"accumulation at an uneven split all-reduces a different number of times on "
+                f"each rank (DDP hangs); {_ACCUMULATE}")
+
+
+def _agree(value: int) -> tuple[int, int]:
+    """The smallest and largest `value` over the ranks (every rank calls it)."""
+    if not collectives.grouped():
+        return value, value
+    both = torch.tensor([value, -value], dtype=torch.int64, device=collectives.group_device())
+    collectives.all_reduce(both, dist.ReduceOp.MAX)
+    return -int(both[1].item()), int(both[0].item())
