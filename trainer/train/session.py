@@ -303,16 +303,7 @@ class Session(recovering.RecoveringSessionMixin):
             return True
         if notice is not None:
             self._answer(notice)
-        if self._recovery is not None:
-            if self._recovery.boundary_failed():  # in the snapshot's agreement
-                return self._resume_after_recovery()
-            if joining:  # last: a joiner's first collective is its first step's
-                # A snapshot begun here commits first: the new generation would abort it.
-                self.snapshotter.wait_capture()
-                self.snapshotter.persister.wait()
-                self._recovery.let_joiners_in()
-            self._recovery.begin_step()
-        return False
+        return self._boundary_end(step, joining)
 
     def wait_capture(self) -> None:
         """Finish the in-flight capture now (before changing captured tensors by hand; the
