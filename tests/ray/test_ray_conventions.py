@@ -5,6 +5,10 @@
   safetensors shards), `baton snapshots export|show` read it, `baton fit --from` forks from
   it, and a `Session` (or `ElasticTorchTrainer`) given it continues the run, while an older
   snapshot's directory is refused in one line that names the fork command;
+- inside a Baton worker, `ray.train.get_checkpoint()` is the run's newest committed snapshot
+  (None before the first), in a continuation too, and `ray.train.report(metrics)` reaches the
+  run's coordinator, whose last metrics `ElasticTorchTrainer.fit()` returns as
+  `Result.metrics`;
 - `session.unwrapped_model` is the model inside DDP, the model itself without a wrapper;
 - a fixed `ScalingConfig(num_workers=N)` becomes `(1, N)` with a warning that says so.
 """
@@ -74,13 +78,44 @@ def test_the_result_checkpoint_is_the_newest_snapshot_and_everything_takes_it(
     assert snapshot_checkpoint(str(tmp_path / "empty")) is None
 
 
+def test_ray_trains_own_calls_in_a_worker_read_the_run_it_continues(tmp_path: Path) -> None:
+    import ray.train
+    from ray.train.v2._internal.execution import train_fn_utils
+
+    from elastic.coord.local_coordinator import LocalCoordinator
+    from elastic.format.records import DEFAULT_BLOCK_BYTES
+    from trainer.on_ray.train_fn import install
+
+    run = tmp_path / "run"
+    coordinator = LocalCoordinator(SnapshotStore(str(run)), keep_last=3,
+                                   block_bytes=DEFAULT_BLOCK_BYTES)
+    previous = train_fn_utils._train_fn_utils
+    install(str(run), coordinator, replica_groups=True)  # what ElasticTorchTrainer's wrapper does
+    try:
+        assert ray.train.get_checkpoint() is None  # nothing committed yet
+        _trained_run(run, 4)
+        first = ray.train.get_checkpoint()
+        assert first is not None and first.path == SnapshotStore(str(run)).step_path(4)
+        _trained_run(run, 6)  # a continuation: restores 4, commits 6
+        latest = ray.train.get_checkpoint()
+        assert latest is not None and latest.path == SnapshotStore(str(run)).step_path(6)
+        ray.train.report({"epoch": 1, "loss": 0.25})
+        ray.train.report({"epoch": 2, "loss": 0.125})
+        # What fit() returns as Result.metrics: the last report of the group's first worker.
+        assert coordinator.last_metrics() == {"epoch": 2, "loss": 0.125}
+    finally:
+        train_fn_utils.set_train_fn_utils(previous)
+
+
 def test_a_fixed_worker_count_becomes_elastic_with_a_warning_that_says_so() -> None:
     from ray.train import ScalingConfig
 
     from trainer.on_ray.elastic_trainer import ElasticTorchTrainer, elastic_scaling
 
     with pytest.warns(UserWarning, match=r"ScalingConfig\(num_workers=2\) is a fixed size.*"
-                                         r"num_workers=\(1, 2\) instead.*num_workers=\(2, 2\)"):
+                                         r"num_workers=\(1, 2\) instead.*num_workers=\(2, 2\) "
+                                         r"to keep the size fixed: a start then waits without "
+                                         r"bound for room for 2 workers"):
         assert elastic_scaling(ScalingConfig(num_workers=2)).num_workers == (1, 2)
     with warnings.catch_warnings():
         warnings.simplefilter("error")

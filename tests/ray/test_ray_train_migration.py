@@ -19,7 +19,7 @@ warmup-cosine, `prepare_model`, rank 0 `torch.save` into `ray.train.report(check
   AdamW step counters equal STEPS (never a cold start), every sample trained exactly once per
   epoch over the steps that count (P5), the stop redid nothing, the node loss at most the
   interrupted step and the restart at most the steps since the last commit (P6), and
-  `Result.checkpoint` is the final snapshot.
+  `Result.checkpoint` is the final snapshot and `Result.metrics` the last report.
 """
 
 from __future__ import annotations
@@ -226,6 +226,8 @@ def test_the_converted_docs_loop_survives_a_stop_a_smaller_group_a_node_loss_and
     assert_same_state(final_state(reference, tmp_path, STEPS), state)
     counters = {v.item() for k, v in state.items() if k.endswith(".step")}
     assert counters == {float(STEPS)}, f"AdamW step counters {counters}: a cold start"
+    # Result.metrics: the last ray.train.report of the group's first worker (the last epoch's).
+    assert out["result"].metrics == {"epoch": EPOCHS - 1, "loss": ends[-1]["loss"]}
     checkpoint = out["result"].checkpoint
     assert checkpoint.path == str(run / "snapshots" / f"{STEPS:09d}")
     with checkpoint.as_directory() as directory:

@@ -9,6 +9,7 @@ fails here rather than silently restoring the slow restart.
 from __future__ import annotations
 
 import inspect
+import logging
 import time
 from types import SimpleNamespace
 from typing import Any
@@ -55,9 +56,10 @@ class FakeCluster:
         self.answers[node] = False  # killed: GCS notices only a few heartbeats later
 
 
-def _policy(cluster: FakeCluster, **kwargs: Any) -> LiveNodesElasticPolicy:
+def _policy(cluster: FakeCluster, workers: tuple[int, int] = (1, 2),
+            **kwargs: Any) -> LiveNodesElasticPolicy:
     policy = LiveNodesElasticPolicy(
-        ScalingConfig(num_workers=(1, 2), resources_per_worker=CPU),
+        ScalingConfig(num_workers=workers, resources_per_worker=CPU),
         node_table=cluster.table, probe=cluster.probe, fresh_reservation=cluster.fresh,
         draining_nodes=lambda: cluster.draining,
         clock=lambda: cluster.now, sleep=cluster.sleep, **kwargs,
@@ -182,6 +184,39 @@ def test_below_min_workers_waits_and_rereads_at_most_once_a_second() -> None:
     cluster.now += 1.0
     decision = policy.make_decision_for_non_running_worker_group()
     assert decision == ResizeDecision(num_workers=1, resources_per_worker=CPU)
+
+
+class _Lines(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__(logging.WARNING)
+        self.lines: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.lines.append(record.getMessage())
+
+
+def test_a_start_below_min_workers_says_that_it_waits_without_bound() -> None:
+    cluster = FakeCluster(["a"])  # num_workers=(2, 2) on a cluster that holds one
+    policy = _policy(cluster, workers=(2, 2))
+    lines = _Lines()  # Ray Train's logger does not propagate to the root's
+    logging.getLogger("ray.train.baton_scaling").addHandler(lines)
+    try:
+        assert isinstance(policy.make_decision_for_non_running_worker_group(), NoopDecision)
+        cluster.now += 30.0
+        assert isinstance(policy.make_decision_for_non_running_worker_group(), NoopDecision)
+        cluster.now += 31.0
+        assert isinstance(policy.make_decision_for_non_running_worker_group(), NoopDecision)
+    finally:
+        logging.getLogger("ray.train.baton_scaling").removeHandler(lines)
+    waits = lines.lines
+    assert len(waits) == 2, waits  # once a minute
+    assert waits[0].startswith("Baton: waiting 0 s so far to start 2 worker(s) (min_workers), "
+                               "the cluster has room for 1: a start waits without bound")
+    assert waits[1].startswith("Baton: waiting 61 s so far") and "num_workers=(1, 2)" in waits[1]
+    cluster.alive["b"], cluster.answers["b"] = True, True  # the second node joins
+    cluster.now += 1.0
+    decision = policy.make_decision_for_non_running_worker_group()
+    assert decision == ResizeDecision(num_workers=2, resources_per_worker=CPU)
 
 
 def test_trainer_swaps_in_the_policy_for_elastic_runs_only(monkeypatch: Any) -> None:

@@ -30,7 +30,9 @@ Contract:
   safetensors shards). `run_uri` may be such a checkpoint too (`session.run_directory`).
   A fixed `ScalingConfig(num_workers=N)`, N > 1, becomes `(1, N)` with a warning saying so: a
   fixed size would wait, after a node loss, for a group the cluster can no longer hold
-  (`(N, N)` keeps it fixed, and a group that cannot start counts against `max_failures`).
+  (`(N, N)` keeps it fixed: a start then waits, without bound, for room for N workers, and
+  the controller log says so every minute; a group placed that cannot start counts against
+  `max_failures`).
 - On every worker, the session the training function left open is closed (committing its
   last step) when the function returns: code after the training loop runs before that commit,
   so if it fails the group restarts from an earlier snapshot and runs the loop again.
@@ -110,8 +112,9 @@ def elastic_scaling(scaling: ScalingConfig) -> ScalingConfig:
         f"ElasticTorchTrainer: ScalingConfig(num_workers={workers}) is a fixed size, which "
         f"after a node loss waits for {workers} workers the cluster may no longer hold; "
         f"training elastically with num_workers=(1, {workers}) instead (pass "
-        f"num_workers=({workers}, {workers}) to keep the size fixed)", UserWarning,
-        stacklevel=3)
+        f"num_workers=({workers}, {workers}) to keep the size fixed: a start then waits "
+        f"without bound for room for {workers} workers, and says so in the controller log)",
+        UserWarning, stacklevel=3)
     return dataclasses.replace(scaling, num_workers=(1, workers))
 
 

@@ -20,7 +20,10 @@ Contract:
      recompute=True)`: the coordinator re-reads the node table first), minus any node that
      did not answer and any node being drained (a preemption notice: Ray places nothing new
      there, so a group sized to include it waits out the start timeout, again and again).
-     Then Ray Train's own counting and `min_workers` rule decide as usual.
+     Then Ray Train's own counting and `min_workers` rule decide as usual. A start that waits
+     for room for `min_workers` (a fixed size `(N, N)` after a node loss, or on a cluster that
+     never held N) waits without bound; every `WAIT_REPORT_S` the controller log says so at
+     WARNING, with how long it has waited and the room there is.
   A failure on healthy nodes (every raylet answers) is not delayed. For a running group
   (scale-up) Ray Train decides, on a fresh reservation too, read once per its resize check
   (`scaling.resize_interval_s`), less draining nodes the group does not run on: with the
@@ -105,6 +108,8 @@ def raylet_answers(address: str, port: int, timeout_s: float) -> bool:
 class LiveNodesElasticPolicy(ElasticScalingPolicy):
     # How often to re-read GCS while waiting for it to confirm a node death.
     CONFIRM_POLL_S = 0.2
+    # How often a start waiting for min_workers says so (Ray Train's own line is INFO).
+    WAIT_REPORT_S = 60.0
 
     def __init__(
         self,
@@ -133,6 +138,8 @@ class LiveNodesElasticPolicy(ElasticScalingPolicy):
         self._confirm_deadline = 0.0
         self._restarting = False  # inside a decision for a group that is not running
         self._last_fresh = float("-inf")  # when the last fresh reservation was read
+        self._waiting_since: float | None = None  # a start below min_workers waits since
+        self._wait_reported = float("-inf")
 
     # ------------------------------------------------------------------ Ray Train's hooks
 
@@ -166,7 +173,29 @@ class LiveNodesElasticPolicy(ElasticScalingPolicy):
             self._restarting = False
         if isinstance(decision, ResizeDecision):
             self._group_nodes, self._lost = set(), None
+            self._waiting_since = None
+        else:
+            self._report_wait()
         return decision
+
+    def _report_wait(self) -> None:
+        """A start below `min_workers` waits without bound: say so (module docstring)."""
+        reserved = self._latest_reserved_resources
+        need = self.scaling_config.min_workers
+        room = self._count_possible_workers(reserved) if reserved is not None else None
+        if room is None or room >= need:
+            return
+        now = self._clock()
+        if self._waiting_since is None:
+            self._waiting_since = now
+        if now - self._wait_reported < self.WAIT_REPORT_S:
+            return
+        self._wait_reported = now
+        logger.warning(
+            "Baton: waiting %.0f s so far to start %d worker(s) (min_workers), the cluster has "
+            "room for %d: a start waits without bound for min_workers; add nodes, or lower "
+            "the minimum (ScalingConfig(num_workers=(1, %d))) to train on what there is",
+            now - self._waiting_since, need, room, self.scaling_config.max_workers)
 
     def _get_reserved_resources(self) -> Reservation | None:
         """A fresh view (at most once per Ray Train's query interval). For a restart, less the
