@@ -13,8 +13,9 @@ A new user converting a Ray Train loop keeps some of its habits; each trained on
 4. the loop's own gradient accumulation at an uneven split all-reduces a different number of
    times on each rank, which hung DDP: every rank fails in one line, with plain DDP (ranks in
    one gloo group) and under in-process recovery (each worker a group of its own, the
-   gradients reduced by Baton's hook on the membership's group), where the passes agree the
-   loop trains on.
+   gradients reduced by Baton's hook on the membership's group); the fix it names
+   (`loader.microbatches`) trains on at the same split, and an agreement whose collective
+   failed (a member lost: the step is redone) refuses nothing.
 """
 
 from __future__ import annotations
@@ -270,6 +271,32 @@ def test_the_loops_own_accumulation_at_an_uneven_split_fails_in_one_line_on_ever
     steps = ITEMS // 8
     assert [(o["error"], o["step"]) for o in _outcomes(out, 3)] == [(None, steps)] * 3
     assert SnapshotStore(str(tmp_path / "b")).committed_steps()[-1] == steps
+
+
+class _Group:
+    """In-process recovery's group as `elastic.collectives` sees it, with a scripted
+    all-reduce: what the ranks' values come to, and whether the collective went through."""
+
+    rank, world_size, device = 0, 3, torch.device("cpu")
+
+    def __init__(self, result: list[int], ok: bool) -> None:
+        self.result, self.ok = result, ok
+
+    def all_reduce(self, tensor: torch.Tensor, op: Any) -> bool:
+        tensor.copy_(torch.tensor(self.result))  # an aborted one may leave anything
+        return self.ok
+
+
+def test_an_agreement_whose_collective_failed_refuses_nothing() -> None:
+    """A member lost during the agreement (the step is then redone): no refusal from what
+    the aborted collective left behind."""
+    from elastic import collectives
+    from trainer.train.step_checks import _agree
+
+    with collectives.use_group(_Group([3, -1], ok=True)):  # type: ignore[arg-type]
+        assert _agree(1) == (1, 3)
+    with collectives.use_group(_Group([3, -1], ok=False)):  # type: ignore[arg-type]
+        assert _agree(1) == (1, 1)
 
 
 def _recovering_worker(address: tuple[str, int], order: int, run: str, out: str) -> None:

@@ -5,7 +5,9 @@ The room's modules
 * ``session``: ``Session``, the public API of a training function (restore, snapshot at step
   boundaries, preemption, planned resizes, commit at the end); ``session_setup``: what a
   Session starts from (the worker context) and what it refuses; ``data_loader``: the elastic
-  ``DataLoader`` a Session makes.
+  ``DataLoader`` a Session makes; ``step_checks``: the loop and the Session agree on what a
+  step is (a batch not trained on, no step boundary, another global batch, a loop's own
+  accumulation at an uneven split), or it fails in one line.
 * ``loop``: Baton's own training loop over a Session (``run_worker``: build, train one step,
   record), the one ``baton fit`` runs on every worker; ``nonfinite``: what it does with a
   step whose loss is NaN or Inf (stop before the update, or skip it).

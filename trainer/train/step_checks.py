@@ -35,8 +35,9 @@ Contract:
   gradient hook). The rank with one pass more thus meets the others' end-of-step agreement,
   not their next collective: every rank fails in one line instead of hanging. The fix it
   names is `loader.microbatches`, which all-reduces once per step on every rank.
-  Steps with an even split pay nothing; a failed collective (a member lost: the step is
-  redone) leaves the values as they were, so it never refuses. An FSDP2 model is not watched.
+  Steps with an even split pay nothing; an agreement whose collective failed (in-process
+  recovery's group lost a member: the step is redone) refuses nothing. An FSDP2 model is not
+  watched.
 """
 
 from __future__ import annotations
@@ -191,5 +192,11 @@ def _agree(value: int) -> tuple[int, int]:
     if not collectives.grouped():
         return value, value
     both = torch.tensor([value, -value], dtype=torch.int64, device=collectives.group_device())
-    collectives.all_reduce(both, dist.ReduceOp.MAX)
+    group = collectives.installed()
+    if group is None:
+        dist.all_reduce(both, op=dist.ReduceOp.MAX)
+    elif group.all_reduce(both, dist.ReduceOp.MAX) is False:
+        # In-process recovery's group failed (a member lost): the step is redone, and what
+        # the aborted collective left in `both` says nothing about the loop.
+        return value, value
     return -int(both[1].item()), int(both[0].item())
