@@ -33,6 +33,7 @@ from torch.distributed.fsdp import FSDPModule, fully_shard
 from torch.nn.parallel import DistributedDataParallel
 
 from elastic import collectives
+from elastic.recovery.default_group import shard_mesh
 from trainer.train.precision import fsdp_policy, fsdp_root_policy
 
 
@@ -49,9 +50,10 @@ def wrap_model(model: nn.Module, parallelism: str, device: torch.device, *,
         return DistributedDataParallel(model, device_ids=device_ids)
     if parallelism == "fsdp":
         # Shard block by block so only one block's parameters are gathered at a time.
+        mesh = shard_mesh(device.type)
         for block in shard_units(model):
-            fully_shard(block, mp_policy=fsdp_policy(precision))
-        fully_shard(model, mp_policy=fsdp_root_policy(precision))
+            fully_shard(block, mesh=mesh, mp_policy=fsdp_policy(precision))
+        fully_shard(model, mesh=mesh, mp_policy=fsdp_root_policy(precision))
         return model
     raise ValueError(f"parallelism must be 'ddp' or 'fsdp', got {parallelism!r}")
 
