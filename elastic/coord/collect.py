@@ -1,39 +1,31 @@
 """Garbage collection of a run directory: what an aborted generation, a failed commit or
-retention leaves behind is removed, never anything committed by someone else.
+retention leaves behind is removed, never anything committed by someone else. Storage errors
+are logged, never raised: collection is housekeeping, and a later commit retries.
 
-Contract
---------
 * ``delete_generation_files(store, step, generation, world, *, step_committed)`` removes what
-  ``generation`` wrote for ``step`` (its shards, receipts and temporary files, found by the
-  ``generation_tag`` in their names, plus the receipts of a ``world``-rank group), and the
-  whole step directory when nothing else is in it and the step is not committed. Another
-  generation's files stay. Storage errors are logged, never raised: deletion is housekeeping.
+  ``generation`` wrote for ``step`` (shards, receipts and temporary files, by the
+  ``generation_tag`` in their names, plus a ``world``-rank group's receipts), and the step
+  directory when nothing else is in it and the step is not committed. Other generations' files
+  stay.
 * ``collect(store, actions, old, leftover, label)``: a commit's collection, on the
   coordinator's housekeeping thread: run the abort ``actions``, retire the ``old`` committed
-  steps (``SnapshotStore.retire_step``), delete every step on storage that ``leftover(step)``
-  says is an uncommitted leftover — except the restore anchor, which stays committed (below).
-  Storage errors are logged (a later commit retries), and so is any other error (the thread
-  must never lose a bug's report); a step whose directory is refused (a symbolic link:
+  steps (``SnapshotStore.retire_step``), delete every step that ``leftover(step)`` calls an
+  uncommitted leftover, except the restore anchor. Any other error is logged too (the thread
+  must never lose a bug's report); a refused step directory (a symbolic link:
   ``RefusedEntryError``) is logged and left alone, the others go.
 * ``restore_anchor(store)``: the newest committed snapshot written by an older worker-group
-  generation than the newest snapshot's — the one the group that wrote the newest snapshots
-  restored from (a restore that falls back past newer ones sets them aside), so the newest
-  snapshot known to restore under the code that wrote the newer ones. Retention (``keep_last``)
-  never retires it: should the newer snapshots not restore (a rule broken by that code, a
-  counter out of range), it is the snapshot a rewind goes back to. It is kept until a group
-  of a newer generation restores a newer one; at most one snapshot more than ``keep_last``.
-  A generation that cannot be read counts as older (doubt keeps a snapshot). The commit
-  protocol's own bookkeeping forgets the anchor as it forgets any retired step; on storage it
-  stays committed, and a coordinator started later lists it again.
-* ``remove_failed_manifest(store, step, data)``: after a write of manifest bytes ``data``
-  that raised (it may have landed all the same: an S3 PUT whose answer was lost), remove the
-  step's manifest if it is on storage and is these bytes; True when the step's manifest is
-  then known to be absent (its files may go), False when storage cannot tell or another
-  writer's manifest is there (leave them: a manifest with all its shards is a whole
-  snapshot; a step without one is a leftover that a later collection or coordinator start
-  removes).
-
-Storage errors are logged, never raised: collection is housekeeping, a later commit retries.
+  generation than the newest snapshot's: the one the newest snapshots' group restored from
+  (a restore that falls back past newer ones sets them aside), so known to restore under the
+  code that wrote them. Retention (``keep_last``) never retires it (at most one snapshot more):
+  should the newer ones not restore, a rewind goes back to it. It is kept until a newer
+  generation restores a newer one; an unreadable generation counts as older (doubt keeps a
+  snapshot). The commit bookkeeping forgets it as any retired step; on storage it stays
+  committed, and a coordinator started later lists it again.
+* ``remove_failed_manifest(store, step, data)``: after a manifest write of ``data`` that raised
+  (it may have landed: an S3 PUT whose answer was lost), remove the step's manifest if it is
+  these bytes; True when the manifest is then known absent (its files may go), False when
+  storage cannot tell or another writer's manifest is there (a manifest with all its shards is
+  a whole snapshot; a step without one is a leftover a later collection removes).
 """
 
 from __future__ import annotations

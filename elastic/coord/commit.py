@@ -1,51 +1,33 @@
 """The commit protocol, as plain Python (the Ray actor in ray_actors.py is this, made remote).
 
-Contract
---------
 ``CommitCore`` owns the snapshot store's namespace for one run:
 
-* **Generations.** Every worker-group attempt calls ``new_generation()`` once (rank 0; the
-  others learn the number from it). The number is monotonic and persisted
-  (``generation.py``), so a restarted coordinator or a new driver continues it. Shard files
-  carry it in their names (``shard-R-of-W-gG.safetensors``): a redone step never reuses a
-  name. Receipts, failure reports and RAM puts of any other generation are refused, and a
-  new generation aborts what the previous one left in flight, including a commit it
-  overtakes: a commit and ``new_generation`` exclude each other, so a step of G commits
-  before G+1 starts or not at all (and is never judged by the generation file this
-  coordinator itself advanced, which would fence it).
-* ``report(receipt)`` records that one rank's shard of step ``s`` is durable. With all
-  ``world_size`` receipts in, it checks them (``receipts.py``: exact cover, replicas that
-  agree, and every check a restore makes; a refusal aborts the step and is kept among the
-  failures the driver shows), and unless fenced writes ``manifest.json`` with an exclusive create
-  (``generation.commit_manifest``: the commit; a committed name is never rewritten), then
-  collects: older in-flight steps are aborted, only the newest ``keep_last`` committed snapshots are
-  kept (older ones retired: ``SnapshotStore.retire_step``), and uncommitted leftovers older
-  than the newest commit at the time of the deletion are deleted. The bookkeeping is done
-  before ``report`` returns; the deletions run on one housekeeping thread, in order, so the
-  reply never waits for them. ``settle()`` waits for those handed over so far; one lost to a
-  crash is redone by a later collection or the next coordinator's start. A manifest write
-  that raised may have landed (a lost answer): the step's files are deleted only once its
-  manifest is known to be absent (``collect.remove_failed_manifest``).
-* ``fail(step, rank, reason, generation)`` / ``worker_lost(rank)`` abort the affected
-  in-flight snapshots and delete the files their generation wrote (never another
-  generation's). An in-flight snapshot older than ``pending_timeout_s``, or beyond the
-  ``max_pending`` newest, is aborted the same way: a stuck rank cannot grow memory or step
-  directories without bound.
-* ``reject(step, reason)``: a *definite* integrity failure of a committed snapshot; it is
-  moved to ``RUN/quarantine/`` with the reason and the generation, never deleted, and stays
-  committed until the move is done. ``rewind(step)`` (training restarted from ``step``)
-  quarantines any newer committed snapshot the same way (a restore never leaves one: it
-  refuses a snapshot that does not fit the code): doubt never destroys.
-* On construction it rebuilds its view from the store (a restarted coordinator loses no
-  committed snapshot) and removes every uncommitted leftover, remembering those steps as
-  aborted so that late receipts cannot resurrect a partial snapshot.
-* ``health()``: the newest commit, in-flight steps, recent failure reasons, fenced or not.
-
-Storage I/O happens outside the core's lock (``_lock``), so a slow store never blocks a
-worker's poll or another report; a commit's fencing read and manifest write hold the
-generation lock. ``elastic.coord.local_coordinator.LocalCoordinator`` wraps the core with the
-in-memory copy and the on-demand requests (``elastic.coord.protocol``). A receipt is an
-``elastic.coord.receipts.Receipt``.
+* **Generations.** Every worker-group attempt calls ``new_generation()`` once (rank 0); the
+  number is monotonic and persisted (``generation.py``), a restarted coordinator or new driver
+  continuing it. Shard names carry it (``shard-R-of-W-gG.safetensors``): no name is reused.
+  Receipts, failure reports and RAM puts of another generation are refused; a new generation
+  aborts what the previous one left in flight. A commit and ``new_generation`` exclude each
+  other: a step of G commits before G+1 starts or not at all (never fenced by its own advance).
+* ``report(receipt)`` records one rank's durable shard of step ``s``. With all ``world_size``
+  receipts in it checks them (``receipts.py``; a refusal aborts the step and is kept among the
+  failures the driver shows) and, unless fenced, writes ``manifest.json`` create-only
+  (``generation.commit_manifest``: the commit), then collects: older in-flight steps aborted,
+  the newest ``keep_last`` commits kept (older ones retired), uncommitted leftovers older than
+  the newest commit deleted. Bookkeeping is done before ``report`` returns; the deletions run
+  in order on one housekeeping thread (``settle()`` waits for them; one lost to a crash is
+  redone later). A step whose manifest write raised (a lost answer may have landed) is
+  deleted only once its manifest is known absent (``collect.remove_failed_manifest``).
+* ``fail(step, rank, reason, generation)`` / ``worker_lost(rank)`` abort the affected in-flight
+  snapshots, deleting their generation's files; so are those older than ``pending_timeout_s``
+  or beyond the ``max_pending`` newest (a stuck rank cannot grow memory without bound).
+* ``reject(step, reason)``: a *definite* integrity failure moves a committed snapshot to
+  ``RUN/quarantine/`` (committed until moved, never deleted); ``rewind(step)`` quarantines
+  newer committed snapshots the same way: doubt never destroys.
+* On construction it rebuilds its view from the store and removes uncommitted leftovers,
+  remembered as aborted so late receipts cannot resurrect a partial snapshot. ``health()``:
+  the newest commit, in-flight steps, recent failure reasons, fenced or not. Storage I/O runs
+  outside ``_lock`` (a slow store never blocks a poll); a commit's fencing read and manifest
+  write hold the generation lock. ``LocalCoordinator`` wraps the core.
 """
 
 from __future__ import annotations

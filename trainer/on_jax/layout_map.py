@@ -1,35 +1,30 @@
 """Declared name/layout maps between a snapshot's PyTorch tensors and a Flax parameter tree.
 
-Contract
---------
 A ``LayoutMap`` is a list of ``Rule``s, each mapping one leaf of a Flax parameter tree (a path
-of dict keys) to one or more PyTorch parameter names (the ``<fqn>`` of ``model.<fqn>`` in a
-snapshot) and back:
+of dict keys) to one or more PyTorch parameter names (the ``<fqn>`` of ``model.<fqn>``) and back:
 
 * ``transpose``: a ``torch.nn.Linear`` weight is ``(out, in)``, a Flax ``Dense`` kernel
   ``(in, out)``; embeddings, norms and biases keep their layout;
 * several ``sources`` are fused along ``axis`` of the Flax leaf (after the transpose), e.g.
-  Hugging Face's ``q_proj``, ``k_proj``, ``v_proj`` into one ``qkv`` kernel; going back the
-  leaf is split at the sources' sizes along that axis (``sizes``, declared by the map).
+  ``q_proj``, ``k_proj``, ``v_proj`` into one ``qkv`` kernel; going back the leaf is split at
+  the sources' declared ``sizes``.
 
 ``to_flax(tensors)`` builds the tree from ``{fqn: array}``; ``to_torch(tree)`` gives back
-``{fqn: array}`` with the PyTorch shapes. Every name must be covered exactly once both ways:
-a tensor the map does not name, or a rule whose source is missing, is ``ValueError`` naming
-it. Transposes, concatenations and splits only move elements, and AdamW is elementwise, so
-the same map carries the parameters and both moments (``exp_avg``, ``exp_avg_sq``) — what
-``trainer.on_jax.state`` does. The maps work on any array type with numpy's ``transpose``,
-``concatenate`` and ``split`` semantics (numpy in, numpy out; JAX arrays are converted).
+``{fqn: array}`` with the PyTorch shapes. Every name is covered exactly once both ways: a tensor
+the map does not name, or a rule whose source is missing, is ``ValueError`` naming it. The maps
+only move elements and AdamW is elementwise, so the same map carries the parameters and both
+moments (``trainer.on_jax.state``). Any array type with numpy's ``transpose``, ``concatenate``
+and ``split`` semantics works (numpy in, numpy out; JAX arrays are converted).
 
-Tied parameters: ``tied`` maps a PyTorch name that is another parameter's alias (a Hugging
-Face ``lm_head.weight`` with ``tie_word_embeddings``: ``model.state_dict()`` holds it, the
-optimizer has no state for it) to the name it aliases. The Flax tree holds the source once;
-``to_flax`` takes the alias or not (where it is given it must equal its source: else
-``ValueError``), ``to_torch(tree, tied=True)`` gives it back as a copy of its source (the
-model), ``to_torch(tree, tied=False)`` leaves it out (the optimizer's moments).
+Tied parameters: ``tied`` maps an alias (a Hugging Face ``lm_head.weight`` with
+``tie_word_embeddings``: in ``state_dict()``, without optimizer state) to the name it aliases.
+The Flax tree holds the source once; ``to_flax`` takes the alias or not (given, it must equal
+its source: else ``ValueError``); ``to_torch(tree, tied=True)`` gives it back as a copy of its
+source (the model), ``tied=False`` leaves it out (the optimizer's moments).
 
-Ready maps: ``gpt_map(n_layers)`` for the built-in GPT (``trainer.train.model``; the Flax module is
-``trainer.on_jax.gpt.FlaxGPT``) and ``llama_map(...)`` for Hugging Face
-``LlamaForCausalLM`` names (module ``trainer.on_jax.llama.FlaxLlama``), whose q/k/v are fused.
+Ready maps: ``gpt_map(n_layers)`` for the built-in GPT (``trainer.train.model``; Flax module
+``trainer.on_jax.gpt.FlaxGPT``) and ``llama_map(...)`` for Hugging Face ``LlamaForCausalLM``
+names (``trainer.on_jax.llama.FlaxLlama``), whose q/k/v are fused.
 """
 
 from __future__ import annotations

@@ -1,51 +1,33 @@
-"""A Baton snapshot as a JAX/Flax/Optax train state, and back.
+"""A Baton snapshot as a JAX/Flax/Optax train state, and back (the guide: docs/jax.md).
 
-Contract
---------
 ``load_train_state(run_uri, step=None, layout=None, *, model=None, loss_fn=None)`` reads a
-committed snapshot of a run trained with Baton's AdamW (``optim.name = "adamw"``) through
-``elastic.portable`` (every byte verified, the same checks as the PyTorch restore) and
-returns a ``JaxTrainState``:
-
-* ``params``: the Flax parameter tree (``layout``: a ``LayoutMap``; default the run's model's
-  ready map, ``trainer.on_jax.models.for_run``), ``model`` the Flax module that applies them
-  (``model``; default the ready module: the built-in GPT's, a Llama's; None for the user's
+committed snapshot of a run trained with AdamW (``optim.name = "adamw"``) through
+``elastic.portable`` (every byte verified, the PyTorch restore's checks) into a ``JaxTrainState``:
+* ``params`` (the Flax tree through ``layout``, a ``LayoutMap``; default the run's ready map,
+  ``trainer.on_jax.models.for_run``), ``model`` (default the ready module; None for a user's
   own model until set) and ``loss_fn`` (default the next-token loss);
-* ``tx`` and ``opt_state``: ``baton_adamw`` (``trainer.on_jax.optim``) with ``mu``/``nu`` the
-  snapshot's ``exp_avg``/``exp_avg_sq`` through the same map, ``count`` = the step; the
-  weight-decay mask is the snapshot's own param groups (those with ``weight_decay > 0``: for a
-  built-in optimizer, matrices only); betas, eps and weight decay come from the param groups,
-  the schedule and ``grad_clip`` from ``run.json``'s recipe (``trainer.train.optim.lr_at``);
-* ``step``, ``data`` (the data cursor, JSON; ``loader()`` gives the numpy loader at it),
-  ``global_batch`` and ``microbatch_size`` (those of the snapshot's session:
-  ``trainer.on_jax.load_checks.data_batches``), ``seed`` (the run's), ``config`` (the recipe
-  from ``run.json``), ``skeleton`` (the snapshot's JSON state, written back updated).
+* ``tx``/``opt_state``: ``baton_adamw`` (``trainer.on_jax.optim``), ``mu``/``nu`` the moments
+  through the same map, ``count`` the step; the weight-decay mask, betas, eps and weight decay
+  from the snapshot's param groups, the schedule and ``grad_clip`` from ``run.json``'s recipe;
+* ``step``, ``data`` (the cursor; ``loader()`` the numpy loader at it), ``global_batch`` and
+  ``microbatch_size`` (the snapshot's session), ``seed``, ``config`` (the recipe) and
+  ``skeleton`` (the snapshot's JSON state, written back updated).
 
-It refuses, in one ``ValueError`` line naming the field and the fix
-(``trainer.on_jax.load_checks``): another optimizer, a model without a ready map and no
-``layout`` (named: a ``model_factory``, a Hugging Face family), a parameter without optimizer
-state (but a tied alias the map declares) or whose step differs from the run's (optax keeps
-one count for all), a moment whose shape is not its parameter's (the PyTorch restore's rule,
-``Snapshot.check_optimizer_shapes``) or a parameter whose shape is not the module's, param
-groups that disagree on betas or eps, or with two weight decays, a schedule position other
-than the step, a run without ``run.json``. A run that sketches (BASIS) is said once, as a
-warning: JAX continues it with exact gradients.
+It refuses in one ``ValueError`` line naming the field and the fix (``load_checks``): another
+optimizer; a model without a ready map and no ``layout``; a parameter without optimizer state
+(but a declared tied alias) or at another step (optax keeps one count); a moment or parameter of
+the wrong shape; param groups that disagree on betas or eps or hold two weight decays; a
+schedule position other than the step; no ``run.json``. A sketched (BASIS) run is a warning.
 
-``train_step(tokens)`` makes one update on a global batch ``(global_batch, seq_len)`` (the
-mean next-token loss over all its sequences: the mean of the microbatch means a Baton step
-takes) and returns the loss; ``save_train_state(run_uri, state)`` commits the state as snapshot
-``state.step`` (``elastic.portable.write_snapshot``: lease, new generation, manifest last)
-with the JSON skeleton of the snapshot it was loaded from, so a PyTorch run restores it:
-parameters and moments mapped back, every parameter's ``step`` = ``state.step``, the schedule
-and trainer steps, the data cursor and each param group's lr (``lr_at(step)``, what
-``LrSchedule`` sets) updated, and the data origin (``trainer.train.story``: the step and
-cursor the JAX steps started from, at ``state.global_batch``) where the snapshot has one.
-Components it does not know are carried as they were; one that holds tensors is refused.
-Before a byte is written the state must tell one story (``trainer.on_jax.save_checks``):
-optax's counts are the step, the cursor is where the steps since the loaded snapshot lead
-(the trainer's own ``StoryRule``, on the dataset of the last ``loader()`` or else the
-recipe's), the optimizer's hyper-parameters and every tensor's shape are those it was loaded
-with; else one ``ValueError`` line naming the field and the fix, and nothing is written.
+``train_step(tokens)`` makes one update on a global batch ``(global_batch, seq_len)`` (the mean
+next-token loss, as a Baton step), returning the loss. ``save_train_state(run_uri, state)``
+commits snapshot ``state.step`` (``elastic.portable.write_snapshot``: lease, new generation,
+manifest last) on the loaded snapshot's skeleton, so PyTorch restores it: parameters and moments
+mapped back; every ``step``, the schedule, trainer steps, cursor, each group's lr (``lr_at``)
+and the data origin (``trainer.train.story``) updated; other components carried as they were
+(one holding tensors refused). Nothing is written unless the state tells one story
+(``save_checks``: counts, cursor by ``StoryRule``, hyper-parameters, shapes): else a one-line
+``ValueError`` naming the field and the fix.
 """
 
 from __future__ import annotations

@@ -1,47 +1,32 @@
 """`ElasticTorchTrainer`: Ray Train's `TorchTrainer`, plus what a `Session` needs, nothing else.
 
-Usage (driver)::
-
-    trainer = ElasticTorchTrainer(train_func, run_uri="runs/mine",
-                                  train_loop_config={...}, scaling_config=ScalingConfig(...),
-                                  run_config=RunConfig(...))
-    result = trainer.fit()
-
-Contract:
-- It is `trainer.on_ray.scaling.BatonTorchTrainer` (Ray Train's `TorchTrainer` whose restarts
-  after a node loss go straight to the size the live nodes hold, whose `FatalRunError`s fail the run
-  once, whose `fit()` raises a one-line `RunFailedError`) with, around `fit()`:
-  * the run lease (`elastic.lease.run_lease.RunLease`): acquired (`force_takeover` takes it from a
-    live driver) and released when not passed in; renewed during the fit either way. A lease taken
-    over meanwhile raises `LeaseLostError` (its commits were refused);
-  * the run's coordinator actor (`elastic.coord.ray_actors.get_or_create_coordinator`, one per run
-    and lease), kept alive until `fit()` returns; `trainer.coordinator` is its handle
-    meanwhile, `trainer.health` its final `health()`;
-  * `trainer.on_ray.resize.SnapshotBeforeResize` added to `run_config.callbacks` (a planned resize
-    redoes nothing);
-  * around the user's `train_func` on every worker: the code-version check (a worker on
-    other Baton code is a `FatalRunError`; `BATON_SKIP_CODE_CHECK=1` turns it off) and the
-    worker context every `trainer.train.session.Session` starts from (run directory, snapshot
-    settings, coordinator, Ray Train's preemption notice, `until`).
-- Ray Train's conventions: `fit()` returns Ray Train's `Result` whose `checkpoint` is a
-  `ray.train.Checkpoint` of the newest committed snapshot's directory (`RUN/snapshots/<step>`;
-  None when nothing was committed), which `Session(run_uri=...)`, `baton fit --from` and
-  `baton snapshots ...` accept and `Checkpoint.as_directory()` opens (`manifest.json` and
-  safetensors shards). `run_uri` may be such a checkpoint too (`session.run_directory`).
-  A fixed `ScalingConfig(num_workers=N)`, N > 1, becomes `(1, N)` with a warning saying so: a
-  fixed size would wait, after a node loss, for a group the cluster can no longer hold
-  (`(N, N)` keeps it fixed: a start then waits, without bound, for room for N workers, and
-  the controller log says so every minute; a group placed that cannot start counts against
-  `max_failures`).
-- On every worker, the session the training function left open is closed (committing its
-  last step) when the function returns: code after the training loop runs before that commit,
-  so if it fails the group restarts from an earlier snapshot and runs the loop again.
-- Stops: `until` ends the workers (committing) after that step; `request_stop()` — or setting
-  the `stop` event passed in — asks the coordinator, and the workers commit the step they are
-  at and end normally. `trainer.stopped_at` is then the step they stopped at (else None).
-  With a `stop` event, Ray Train's own Ctrl-C handler (which aborts the run) is not
-  installed: the caller owns SIGINT and sets the event.
-Ray is imported here (this module is part of the Ray side of `trainer`).
+`ElasticTorchTrainer(train_func, run_uri=..., train_loop_config=..., scaling_config=...,
+run_config=...).fit()` (docs/ray-train-loop.md) is `trainer.on_ray.scaling.BatonTorchTrainer`
+(restarts sized to the live nodes, a `FatalRunError` fails the run once, `fit()` raises a
+one-line `RunFailedError`) with, around `fit()`:
+- the run lease (`elastic.lease.run_lease.RunLease`): acquired (`force_takeover` takes it from a
+  live driver) and released when not passed in, renewed during the fit either way; a lease
+  taken over meanwhile raises `LeaseLostError` (its commits were refused);
+- the run's coordinator actor (`elastic.coord.ray_actors.get_or_create_coordinator`), alive
+  until `fit()` returns: `trainer.coordinator` its handle, `trainer.health` its final `health()`;
+- `trainer.on_ray.resize.SnapshotBeforeResize` in `run_config.callbacks` (a planned resize
+  redoes nothing);
+- on every worker, around `train_func`: the code-version check (other Baton code is a
+  `FatalRunError`; `BATON_SKIP_CODE_CHECK=1` turns it off) and the worker context a
+  `trainer.train.session.Session` starts from (run directory, snapshot settings, coordinator,
+  preemption notice, `until`). When the function returns, the session it left open is closed,
+  committing its last step: code after the loop runs before that commit, and if it fails the
+  group restarts from an earlier snapshot and runs the loop again.
+Ray Train's conventions: `fit()` returns a `Result` whose `checkpoint` is a `ray.train.Checkpoint`
+of the newest committed snapshot's directory (None when nothing was committed), which `Session`,
+`baton fit --from` and `baton snapshots` accept; `run_uri` may be such a checkpoint. A fixed
+`ScalingConfig(num_workers=N)`, N > 1, becomes `(1, N)` with a warning (after a node loss a fixed
+size waits for a group the cluster can no longer hold); `(N, N)` keeps it fixed: a start then
+waits without bound for room, the controller log saying so every minute.
+Stops: `until` ends the workers (committing) after that step; `request_stop()` or the `stop`
+event passed in asks the coordinator, the workers commit the step they are at, and
+`trainer.stopped_at` is that step (else None). With a `stop` event Ray Train's Ctrl-C handler
+is not installed: the caller owns SIGINT. Ray is imported here (the Ray side of `trainer`).
 """
 
 from __future__ import annotations

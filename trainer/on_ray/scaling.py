@@ -1,49 +1,33 @@
-"""How a failed worker group restarts: after a node loss straight at the size the live
-nodes can hold (after an error no restart can fix, not at all: `failures.py`).
+"""How a failed worker group restarts: after a node loss straight at the size the live nodes can
+hold (after an error no restart can fix, not at all: `failures.py`). Why Ray Train's own policy
+would first wait out a start timeout: docs/design.md, "Restarts sized to the live nodes".
 
-Why: Ray Train's elastic policy sizes a restarting worker group from the cluster view of
-Ray's `AutoscalingCoordinator`, which refreshes its node list only every 20 s. Right after
-a node dies that view still holds the dead node, so Ray Train first retries at the old size,
-its placement group cannot be placed, and the restart waits out the worker-group start
-timeout (15-60 s), sometimes twice, before it tries the size that fits.
-
-Contract:
 - `LiveNodesElasticPolicy(scaling_config)` is Ray Train's `ElasticScalingPolicy` with one
   change, in the decision for a group that is not running (a restart):
-  1. it remembers the nodes the running group's workers were on; when that group fails, it
-     asks each of those nodes' raylet whether it still answers (a TCP connect, `probe_s`);
-  2. for a node that no longer answers but that Ray (GCS) still lists alive, it waits — no
-     decision yet, at most `confirm_s` — until GCS marks it dead, so the new placement group
-     is never offered to a node that is gone (Ray Train's teardown of the old group waits for
-     that verdict anyway: its calls to the dead workers fail only then, so little is added);
-  3. it sizes the new group from a *fresh* reservation (`get_reserved_resources(...,
-     recompute=True)`: the coordinator re-reads the node table first), minus any node that
-     did not answer and any node being drained (a preemption notice: Ray places nothing new
-     there, so a group sized to include it waits out the start timeout, again and again).
-     Then Ray Train's own counting and `min_workers` rule decide as usual. A start that waits
-     for room for `min_workers` (a fixed size `(N, N)` after a node loss, or on a cluster that
-     never held N) waits without bound; every `WAIT_REPORT_S` the controller log says so at
-     WARNING, with how long it has waited and the room there is.
+  1. it remembers the nodes the running group's workers were on and, when that group fails,
+     asks each one's raylet whether it still answers (a TCP connect, `probe_s`);
+  2. for a node that no longer answers but that GCS still lists alive, it waits (no decision
+     yet, at most `confirm_s`) until GCS marks it dead, so the new placement group is never
+     offered to a node that is gone;
+  3. it sizes the new group from a fresh reservation (`get_reserved_resources(...,
+     recompute=True)`), minus nodes that did not answer and nodes being drained; then Ray
+     Train's counting and `min_workers` rule decide. A start waiting for room for
+     `min_workers` waits without bound, saying so at WARNING every `WAIT_REPORT_S`.
   A failure on healthy nodes (every raylet answers) is not delayed. For a running group
-  (scale-up) Ray Train decides, on a fresh reservation too, read once per its resize check
-  (`scaling.resize_interval_s`), less draining nodes the group does not run on: with the
-  coordinator's cached view a node that joined was used only up to 20 s later (a run at 1
-  worker often ended before it grew), and a draining node would be grown onto and wait out
-  the start timeout. (Draining nodes the group runs on are the preemption path's: counted.)
-- `BatonTorchTrainer` is `TorchTrainer` with that policy and `failures.FatalAwareFailurePolicy`
-  (an error no restart can fix fails the run once; a group that cannot start counts against
-  `max_failures`) in place of Ray Train's default ones (a fixed size keeps Ray Train's fixed
-  scaling policy), and `failures.StartReport` among the controller callbacks. With a backend
-  of replica groups (`trainer.on_ray.replica_groups.replica_torch_config`) its controller is
-  `replica_groups.ReplicaGroupController`. Its `fit()` raises
-  `failures.RunFailedError` (a `TrainingFailedError`) whose message is one line: the worker's
-  message and the number of restarts.
+  (scale-up) Ray Train decides, on a fresh reservation read once per resize check
+  (`scaling.resize_interval_s`), less draining nodes the group does not run on (those it runs
+  on are the preemption path's).
+- `BatonTorchTrainer` is `TorchTrainer` with that policy (a fixed size keeps Ray Train's fixed
+  policy), `failures.FatalAwareFailurePolicy` (an error no restart can fix fails the run once;
+  a group that cannot start counts against `max_failures`) and `failures.StartReport` among
+  the controller callbacks; with replica groups
+  (`trainer.on_ray.replica_groups.replica_torch_config`) its controller is
+  `replica_groups.ReplicaGroupController`. `fit()` raises `failures.RunFailedError` (a
+  `TrainingFailedError`) in one line: the worker's message and the number of restarts.
 
 It uses Ray Train V2 internals (`ElasticScalingPolicy`, `DefaultFailurePolicy`, the
 `_initialize_and_run_controller` hook, the coordinator's `recompute` flag), hence the pinned
-Ray range (>=2.60,<2.61); `tests/ray/test_trainer_scaling.py` pins the parts it relies on and tests
-the decisions on fake cluster states; `tests/ray/test_trainer_elastic.py` checks the restart time
-on a real node loss.
+range (>=2.60,<2.61); `tests/ray/test_trainer_scaling.py` pins them and tests the decisions.
 """
 
 from __future__ import annotations

@@ -1,38 +1,29 @@
-"""What a continued run must keep, and the records it is checked against: the one rule the
-driver applies before Ray starts (`trainer.run.run_dir.check_run_dir`) and every worker's
-rank 0 applies again (`trainer.train.loop`), so the two refuse exactly the same recipes.
+"""What a continued run must keep: the one rule the driver applies before Ray starts
+(`trainer.run.run_dir.check_run_dir`) and every worker's rank 0 again (`trainer.train.loop`),
+so the two refuse exactly the same recipes.
 
-Contract:
-- `check_continuation(cfg, fingerprint=..., reschedule=False)` refuses — `RunDirError` naming
-  the field, the saved and the new value, and the fix — a recipe that changes what a
-  continued run must keep: `seed`, `data.seq_len`, the model's shape (`TENSOR_SHAPE_FIELDS`;
-  not for a custom `model_factory`), the optimizer (its state is restored:
-  `trainer.train.optim.optimizer_change`: `optim.name`, a custom `optimizer_factory` or not),
-  the dataset (its train split's fingerprint differs from the one the newest snapshot's data
-  cursor was made on), or, unless `reschedule`, the learning-rate schedule
-  (`SCHEDULE_FIELDS`: `steps`, `optim.lr`, `optim.warmup_steps`, `optim.min_lr_ratio`,
-  `optim.schedule`, `optim.decay_fraction`; the fix names `--reschedule`). Saved values come
-  from `run.json`'s `config` (written by the run's first session; the fixed fields never
-  change after), the session log for the schedule (`saved_schedule`) and the newest
-  committed manifest's data cursor. A Hugging Face model's config is part of the model:
-  `run.json` records its `config.json` object (`model_config_record`, key
-  `HF_MODEL_CONFIG_KEY`), and a continued run whose `model.hf_config` / `model.init_from`
-  holds other content (wherever the file now lives), or that switches between a Hugging Face
-  model and the built-in GPT, is refused naming the field and the first key that differs; the
-  fix is to restore the file or to fork into a new run directory (`baton fit --from`), whose
-  own checks compare tensor shapes. What cannot be read is not held against the recipe
-  (doubt never refuses).
-- The learning-rate schedule is a function of the recipe's schedule fields (`schedule_of`),
-  so stopping early never changes it. An entry or `run.json` written before a field existed
-  holds what the run was trained with then (`ADDED_LATER`: cosine). `saved_schedule(store,
-  step)` is the schedule the run was trained with up to committed step `step`: that of the
-  newest session entry that started at or before `step` (a session started later and rolled
-  back does not count), else the first session's `run.json` config; None when neither can be
-  read. `schedule_changes` lists the fields a recipe changes.
-- `read_sessions(store)`: the valid entries of `RUN/sessions.json` (the session log the
-  driver writes, `trainer.run.session_log`), oldest first. The file is untrusted: an
-  unreadable file, or an entry without a valid `from_step` and `schedule`, is ignored
-  (logged), never a crash.
+- `check_continuation(cfg, fingerprint=..., reschedule=False)` raises `RunDirError` (naming the
+  field, the saved and the new value, and the fix) for a recipe that changes `seed`,
+  `data.seq_len`, the model's shape (`TENSOR_SHAPE_FIELDS`; not for a custom `model_factory`),
+  the optimizer (`trainer.train.optim.optimizer_change`), the dataset (its train split's
+  fingerprint differs from the newest snapshot cursor's), or, unless `reschedule`, the
+  learning-rate schedule (`SCHEDULE_FIELDS`; the fix names `--reschedule`). Saved values come
+  from `run.json`'s `config` (written by the first session; the fixed fields never change
+  after), the session log (`saved_schedule`) and the newest committed manifest's data cursor.
+  A Hugging Face model's `config.json` object is recorded in `run.json` (`model_config_record`,
+  `HF_MODEL_CONFIG_KEY`): other content there (wherever the file now lives), or a switch to or
+  from the built-in GPT, is refused naming the field and the first key that differs; the fix
+  is to restore the file or to fork (`baton fit --from`, whose checks compare tensor shapes).
+  What cannot be read is not held against the recipe (doubt never refuses).
+- The schedule is a function of the schedule fields (`schedule_of`), so stopping early never
+  changes it; a record written before a field existed holds what the run was trained with then
+  (`ADDED_LATER`). `saved_schedule(store, step)` is the schedule of the newest session entry
+  that started at or before committed `step` (a later, rolled-back session does not count),
+  else the first session's `run.json` config; None when neither reads. `schedule_changes`
+  lists the fields a recipe changes.
+- `read_sessions(store)`: the valid entries of `RUN/sessions.json` (written by
+  `trainer.run.session_log`), oldest first. The file is untrusted: an unreadable file or an
+  entry without a valid `from_step` and `schedule` is ignored (logged), never a crash.
 """
 
 from __future__ import annotations

@@ -1,54 +1,33 @@
-"""`ElasticDataLoader`: a `DataLoader`-shaped loader that is elastic, made by a `Session`.
+"""`ElasticDataLoader`: a `DataLoader`-shaped loader that is elastic, made by a `Session`:
+`session.data_loader(dataset, batch_size=64, shuffle=True, seed=0)` (docs/ray-train-loop.md).
 
-Usage, inside a training function, after `Session(...)`::
-
-    loader = session.data_loader(dataset, batch_size=64, shuffle=True, seed=0)
-    for epoch in range(loader.epoch, epochs):
-        loader.set_epoch(epoch)
-        for x, y in loader:                    # this rank's share of each global batch
-            loss = criterion(model(x), y)
-            optimizer.zero_grad(); loss.backward(); optimizer.step(); scheduler.step()
-
-Contract:
-- `batch_size` is the global batch: every step trains exactly that many samples over all
-  ranks (with `drop_last=False`, an epoch's tail as one shorter last step), whatever the world
-  size; each rank gets its share (`data_state.share_loader`: fixed microbatches of
-  `microbatch_size` samples, shared out in contiguous blocks). The order depends only on
-  `(seed, epoch)` (`shuffle=False`: dataset order), so a run resized or resumed at any world
-  size trains every sample of an epoch exactly once.
-- Iterating yields one batch per step, from the committed data position to the end of its
-  epoch. Asking for the next batch ends the previous batch's step: the loader advances its
-  cursor, then `session.step_done()` counts the step and acts at its boundary (snapshot when
-  due, preemption, planned resize, stop): nothing to forget. After a stop (the driver's, or
-  `until`) every iteration is empty. Leaving the loop early (`break`) leaves the step open:
-  the next iteration, `set_epoch()` or `session.close()` ends it if an optimizer step ran
-  since its batch was handed out, else the same batch is handed out again.
-- `epoch` is the epoch of the committed data position (a run restored mid-epoch continues
-  that epoch): loop `for epoch in range(loader.epoch, epochs)`. `set_epoch(e)` checks that
-  `e` is that epoch (a loop counting from 0 again after a restore would train extra epochs)
-  and raises a one-line `ValueError` otherwise. `len(loader)` is the number of steps of an
-  epoch.
-- The loop and the session agree on what a step is (`trainer.train.step_checks`, each a
-  one-line `UsageError`): asking for the next batch when this one went through neither the
-  model's forward nor `optimizer.step()` (a resume skip) is refused; so is a `batch_size`
-  other than the one the restored snapshot trained at (`allow_batch_change=True` continues at
-  the new one, with a warning), and, at an uneven split, a rank that all-reduces gradients a
-  different number of times than the others in one step (a loop's own accumulation).
-- Loss weights: for the gradient average of DDP/FSDP to be the mean over the step's samples,
-  a share's mean loss must count `weight` times (`StepShare.weight`: 1 for an even split, more
-  or less for an uneven one, 0 on an idle rank's stand-in). The loader applies it itself: a
-  forward hook on the model scales the gradient flowing back into its outputs by the current
-  weight (nothing happens at weight 1), so a loss computed from the model's outputs as a mean
-  needs no change. A step whose weight is not 1 and whose batch never went through the
-  model's forward (with gradients on) fails in one line at its end.
-- `microbatches(batch)`: gradient accumulation. It splits the batch just handed out (or its
-  parts, `[x, y]`: every tensor along dim 0, per-sample lists too) into pieces of
-  `microbatch_size` samples, gives
-  each its part of the weight, and runs all but the last piece's forward/backward under
-  `trainer.train.parallel.grad_sync(model, last=False)`: every rank all-reduces exactly once per
-  step, whatever its number of pieces (an idle rank has one, of weight 0). With FSDP2, ranks with
-  fewer pieces add zero-weight passes so that every rank runs as many. A piece whose forward
-  did not run inside the loop over it (`list(loader.microbatches(...))`) is a `UsageError`.
+- `batch_size` is the global batch: every step trains that many samples over all ranks (with
+  `drop_last=False` an epoch's tail is one shorter last step) at any world size; each rank gets
+  its share (`data_state.share_loader`: fixed microbatches of `microbatch_size`, in contiguous
+  blocks). The order depends only on `(seed, epoch)` (`shuffle=False`: dataset order), so a run
+  resized or resumed at any world size trains every sample of an epoch exactly once.
+- Iterating yields one batch per step, from the committed data position to its epoch's end.
+  Asking for the next batch ends the previous step: the cursor advances, then
+  `session.step_done()` acts at the boundary (snapshot, preemption, resize, stop). After a stop
+  every iteration is empty. After a `break` the next iteration, `set_epoch()` or
+  `session.close()` ends the open step if an optimizer step ran since its batch was handed
+  out, else the same batch is handed out again.
+- `epoch` is the committed position's epoch: loop `for epoch in range(loader.epoch, epochs)`;
+  `set_epoch(e)` raises a one-line `ValueError` for another epoch (a loop counting from 0 after
+  a restore would train extra epochs). `len(loader)` is the number of steps of an epoch.
+- The loop and the session agree on what a step is (`trainer.train.step_checks`, one-line
+  `UsageError`s): a batch that went through neither forward nor `optimizer.step()`, a
+  `batch_size` other than the restored snapshot's (unless `allow_batch_change=True`, with a
+  warning), and, at an uneven split, ranks all-reducing a different number of times.
+- Loss weights: so that DDP/FSDP's gradient average is the mean over the step's samples, a
+  forward hook on the model scales the gradient into its outputs by the share's weight
+  (`StepShare.weight`: 1 for an even split, 0 on an idle rank's stand-in); a mean loss needs no
+  change. A step of weight other than 1 whose batch never went through forward fails in one line.
+- `microbatches(batch)`: gradient accumulation. It splits the batch (or its parts, `[x, y]`:
+  every tensor along dim 0, per-sample lists too) into pieces of `microbatch_size`, each with
+  its part of the weight, all but the last under `trainer.train.parallel.grad_sync(model,
+  last=False)`: one all-reduce per rank per step (with FSDP2, ranks with fewer pieces add
+  zero-weight passes). A piece whose forward did not run inside the loop over it is a `UsageError`.
 """
 
 from __future__ import annotations

@@ -1,49 +1,33 @@
 """Optimizers and learning-rate schedules for the worker loop.
 
-Contract:
-- `build_optimizer(model, cfg, factory=None)` builds `cfg.name`'s optimizer over `model`'s
-  trainable parameters, weight decay on matrices only (2-D+ parameters; biases, norms and
-  nothing else are exempt, as in nanoGPT):
-  * `adamw`: decoupled weight decay, `betas = (beta1, beta2)`, `eps`. On CUDA the fused
-    kernel (one launch updates every parameter; elementwise, so a sharded parameter gets the
-    same update as a whole one). On CPU the per-parameter loop, as torch itself defaults to
-    there: the fused and foreach kernels are built for GPUs, and on CPU foreach only adds a
-    list of temporaries per step without a speed-up.
-  * `sgd`: `momentum` (0: plain SGD, which keeps no optimizer state; `elastic.state.registry`
-    snapshots its param groups alone), `nesterov` (needs momentum); weight decay is SGD's
-    own (L2, added to the gradient).
-  * `adafactor`: `torch.optim.Adafactor` (factored second moments: a row and a column
-    vector per matrix, so its state is O(n + m) per n x m matrix), `beta2_decay`; weight
-    decay decoupled. Its `lr` is the cap of the relative step size (`min(lr, 1/sqrt(t))`
-    times the parameter's RMS), not an absolute step.
-  `factory` (the Python API's `FitConfig.optimizer_factory`) replaces all of that: it is
-  called with the (wrapped) model and must return a `torch.optim.Optimizer`, else
-  `ConfigError` naming `optimizer_factory`. Whatever optimizer is built, its whole state goes
-  into the snapshot (`elastic.state.registry`, keyed by parameter name) and reshards; a stateless
-  one (e.g. SGD without momentum) has only its param groups there.
+- `build_optimizer(model, cfg, factory=None)` builds `cfg.name`'s optimizer over the trainable
+  parameters, weight decay on matrices only (2-D+; biases and norms exempt, as in nanoGPT):
+  * `adamw`: decoupled weight decay, `betas`, `eps`; on CUDA the fused kernel (elementwise, so a
+    sharded parameter gets a whole one's update), on CPU the per-parameter loop (torch's own
+    default there: foreach only adds temporaries, without a speed-up);
+  * `sgd`: `momentum` (0: plain SGD, no optimizer state but its param groups), `nesterov`
+    (needs momentum); weight decay is SGD's own (L2, added to the gradient);
+  * `adafactor`: `torch.optim.Adafactor` (factored second moments, O(n + m) per n x m matrix),
+    `beta2_decay`, decoupled weight decay; its `lr` caps the relative step size
+    (`min(lr, 1/sqrt(t))` times the parameter's RMS), not an absolute step.
+  `factory` (`FitConfig.optimizer_factory`) replaces all that: called with the (wrapped) model,
+  it must return a `torch.optim.Optimizer`, else `ConfigError` naming `optimizer_factory`. Any
+  optimizer's whole state is snapshotted by parameter name and reshards (`elastic.state.registry`).
 - `lr_at(cfg, total_steps, step)` is the learning rate of `step` (0-based: the update that
-  completes step `step + 1`): linear warmup over `warmup_steps` to `lr`, then per
-  `cfg.schedule`, with `floor = min_lr_ratio * lr` and `progress` going 0 -> 1 from the end
-  of warmup to `total_steps`:
-  * `cosine`: `floor + (lr - floor) * (1 + cos(pi * progress)) / 2`;
-  * `linear`: `floor + (lr - floor) * (1 - progress)`;
-  * `constant`: `lr` (`min_lr_ratio` is not used);
-  * `wsd` (warmup-stable-decay): `lr` until the last `decay_fraction` of the run
-    (`decay_start`), then linear to `floor` at `total_steps`.
-  It is a pure function of the recipe (`SCHEDULE_FIELDS` of `trainer.train.continuation`: the run's
-  `steps` and the `optim` schedule fields), never of when a session started or stopped:
-  stopping early and continuing lands on exactly the same learning rates.
-- `LrSchedule` applies it to every parameter group of an optimizer (a factory's too: the
-  recipe's `optim.lr` and schedule drive its learning rate). Its whole snapshot state is the
-  step counter: the schedule's shape always comes from the recipe being run, so a snapshot
-  can never silently override a changed `steps` or `lr` (`trainer.train.continuation` refuses such
-  a change when a run continues, unless asked for; `describe_schedule` says what it does from
-  there). `WarmupCosine` is the name it had when cosine was the only schedule.
-- `optimizer_change(saved_config, cfg)` tells whether the optimizer state of a run made with
-  `saved_config` (its `run.json` config) fits the optimizer `cfg` builds: a continued run and
-  a fork restore that state, so another `optim.name`, or a custom factory on one side only,
-  is a (field, saved, new) triple; None otherwise, and when
-  the saved config cannot tell (doubt never refuses; restore checks the state itself).
+  completes step `step + 1`): linear warmup over `warmup_steps` to `lr`, then, with
+  `floor = min_lr_ratio * lr` and `progress` 0 -> 1 from warmup's end to `total_steps`:
+  `cosine` `floor + (lr - floor) * (1 + cos(pi * progress)) / 2`; `linear`
+  `floor + (lr - floor) * (1 - progress)`; `constant` `lr`; `wsd` `lr` until the last
+  `decay_fraction` of the run (`decay_start`), then linear to `floor` at `total_steps`. A pure
+  function of the recipe (`trainer.train.continuation.SCHEDULE_FIELDS`), never of when a session
+  started or stopped: stopping early and continuing lands on the same learning rates.
+- `LrSchedule` applies it to every param group (a factory's too). Its snapshot state is the step
+  counter alone: the schedule's shape comes from the recipe being run, so a snapshot never
+  silently overrides a changed `steps` or `lr` (`continuation` refuses such a change unless
+  asked; `describe_schedule` says what happens from there). `WarmupCosine` is its old name.
+- `optimizer_change(saved_config, cfg)`: a (field, saved, new) triple when a run's saved
+  optimizer state cannot fit what `cfg` builds (another `optim.name`, a custom factory on one
+  side only); None otherwise, and when the saved config cannot tell (doubt never refuses).
 """
 
 from __future__ import annotations

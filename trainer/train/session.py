@@ -1,52 +1,33 @@
 """`Session`: elastic snapshots for any training loop (Baton's own loop is built on it).
 
-Usage, inside a Ray Train V2 `train_func` run by
-`trainer.on_ray.elastic_trainer.ElasticTorchTrainer` (or in a single process, or under torchrun,
-with `run_uri=`)::
+In a Ray Train V2 `train_func` under `ElasticTorchTrainer` (or alone, or under torchrun, with
+`run_uri=`): `Session(model, optimizer, scheduler, snapshot_every=10)`, then
+`session.data_loader(...)` or `for step in session.steps(total)` over a loader of its own
+(`data_state.ResumableLoader`, `MapStyleLoader`). Usage and contract: docs/ray-train-loop.md.
 
-    session = Session(model, optimizer, scheduler, snapshot_every=10)
-    loader = session.data_loader(dataset, batch_size=64, shuffle=True, seed=0)
-    for epoch in range(loader.epoch, epochs):  # a restored run continues its epoch
-        loader.set_epoch(epoch)
-        for x, y in loader:                    # asking for a batch ends the previous step
-            ...forward, backward, optimizer.step(), scheduler.step()...
-    session.close()  # commits the last step; under ElasticTorchTrainer, returning does it
-
-or, step by step with a loader of its own (`data_state.ResumableLoader`, `MapStyleLoader`)::
-
-    session = Session(model, optimizer, scheduler, loader, snapshot_every=10)
-    for step in session.steps(total_steps):   # starts at the restored step; ends committing
-        ...forward, backward, optimizer.step(), scheduler.step(), loader.advance()...
-
-Contract (docs/ray-train-loop.md has the whole of it)
---------
 - Refused in one line (`UsageError`, `trainer.train.session_setup`): a second open Session in
   the process; above world size 1 a model that is neither DDP nor FSDP2; a second
   `optimizer.step()` without a step boundary (`trainer.train.step_checks`).
 - Construction registers every component once under fixed keys (`model`, `optim`, `sched`,
-  `data`, `scaler` when fp16's is enabled, each of `extras`, `trainer` for its own step
-  counter) and restores the newest committed snapshot into them, resharded, optimizer warm; a
-  snapshot of another model, or none usable, raises `FatalRunError`. `session.step`: completed
-  steps. Rank, world size, run directory, coordinator, snapshot settings, preemption notice
-  and `until` come from the worker context `ElasticTorchTrainer` installs (explicit
-  arguments win; without either, `run_uri` is required).
-- `step_done()` ends a step (`steps(total)` and the elastic loader call it): it counts the
-  step, then acts at the boundary, agreed across ranks: a preemption commits this step and
-  raises `PreemptedError`; a planned resize commits it and waits for the teardown; a stop
-  (the driver's, or `until`) commits it and returns True; otherwise a due snapshot begins,
-  its copies overlapping the next step (an optimizer pre-hook finishes them first).
+  `data`, `scaler` when fp16's is enabled, each of `extras`, `trainer` for its step counter) and
+  restores the newest committed snapshot, resharded, optimizer warm (another model's, or none
+  usable: `FatalRunError`). `session.step`: completed steps. Rank, world size, run directory,
+  coordinator, snapshot settings, preemption notice and `until` come from the worker context
+  `ElasticTorchTrainer` installs (explicit arguments win; `run_uri` is needed without either).
+- `step_done()` ends a step (`steps(total)` and the elastic loader call it): it counts the step,
+  then acts at the boundary, agreed across ranks: a preemption commits this step and raises
+  `PreemptedError`; a planned resize commits it and waits for the teardown; a stop (the
+  driver's, or `until`) commits it and returns True; else a due snapshot begins, its copies
+  overlapping the next step (an optimizer pre-hook finishes them first).
 - In-process recovery (`trainer.train.session_recovery`, when the context asks for it): the
-  session joins the run's membership; a step whose group failed applies nothing and is redone
-  on the re-formed group (or counts, where a member applied it); joiners are let in at an
-  agreed boundary; a replacement takes its state from a live member.
-- `close()` commits the current step unless a snapshot of it exists, then flushes;
-  `close(commit=False)` only flushes. Under `ElasticTorchTrainer` returning from the training
-  function does it.
-- Data: a world-size-free loader (`reshard(rank=, world_size=)`) is resharded to this rank;
-  any other stateful loader is restored as rank 0 saved it (a warning at another world size;
-  `strict_data=True`: `FatalRunError`).
-
-Nothing here imports Ray; `trainer.on_ray.elastic_trainer` is the Ray side.
+  session joins the run's membership; a step whose group failed applies nothing and is redone on
+  the re-formed group (or counts, where a member applied it); joiners come in at an agreed
+  boundary, a replacement taking its state from a live member.
+- `close()` commits the current step unless a snapshot of it exists, then flushes (returning
+  from the training function does it); `close(commit=False)` only flushes.
+- Data: a world-size-free loader (`reshard(rank=, world_size=)`) is resharded to this rank, any
+  other restored as rank 0 saved it (at another world size a warning; `FatalRunError` with
+  `strict_data=True`). Nothing here imports Ray.
 """
 
 from __future__ import annotations

@@ -2,42 +2,32 @@
 
 A `Session` counts a step where the loop asks for the next batch (`session.data_loader`) or
 calls `step_done()`; the snapshot, the schedule and the data position trust that count. Each
-check below catches a loop that disagrees — otherwise it trains on silently, or hangs — and
-says so in one `UsageError` line naming the mistake and the fix.
+check catches a loop that disagrees (it would train on silently, or hang) in one `UsageError`
+line naming the mistake and the fix.
 
-Contract:
 - `OptimizerSteps(optimizer)`: `stepped(optimizer, step)` from the session's optimizer
   pre-hook, `boundary()` from every `step_done()` (a redone step's too). A second
-  `optimizer.step()` of the session's optimizer with no step boundary in between is refused:
-  a loop that keeps its own `DataLoader` and never ends a step is never snapshotted, never
-  stops at `until`, and its next run starts cold from step 0. (Other optimizers — `extras` —
-  may step more often: the trainer's rule, `trainer.train.story`, counts only this one.)
-- `refuse_untrained(step, forwards, optimizer_stepped)`: the loop asked for the next batch
-  while this one went through no forward of the model (with gradients) and no
-  `optimizer.step()`: it was thrown away, yet counted as trained. That is the resume skip of a
-  Ray loop (`if epoch * steps_per_epoch + i < start: continue`), which the restored loader
-  makes wrong: it already starts where the run stopped. A batch whose forward ran and whose
-  update the loop chose to skip (a NaN loss, fp16's overflow) counts, as in Baton's loop.
-- `check_global_batch(saved_origin, batch_size, allow, step)`: a continuation whose global
-  batch differs from the one the snapshot's session trained at (its `data_origin`,
-  `trainer.train.story.DataOrigin`) is refused in one line naming both; `allow=True`
-  continues at the new one with a warning. A snapshot without a recorded batch is not checked.
-- `SyncPasses(model)`: at a step whose ranks hold different numbers of samples (an uneven
-  split, the only one where a loop that treats every rank alike can all-reduce a different
-  number of times on each), the ranks agree on every forward pass of a DDP model that will
-  all-reduce gradients (gradients on, not under `no_sync()`) and, at the step's end, on how
-  many there were: one `MAX` all-reduce of `[n, -n]` (`elastic.collectives`: in-process
-  recovery's group too) per pass and per step end. The agreement on a step's first such pass
-  runs inside DDP's forward, after DDP's own pre-forward collectives, which every rank runs at
-  its step's first forward whether that one syncs or not (its one-time bucket rebuild, the
-  buffer broadcast); on every later pass it runs before DDP's forward, so before any
-  collective of the pass (the buffer broadcast, the gradient all-reduce, in-process recovery's
-  gradient hook). The rank with one pass more thus meets the others' end-of-step agreement,
-  not their next collective: every rank fails in one line instead of hanging. The fix it
-  names is `loader.microbatches`, which all-reduces once per step on every rank.
-  Steps with an even split pay nothing; an agreement whose collective failed (in-process
-  recovery's group lost a member: the step is redone) refuses nothing. An FSDP2 model is not
-  watched.
+  `optimizer.step()` with no step boundary in between is refused: a loop with its own
+  `DataLoader` that never ends a step is never snapshotted, never stops at `until`, and its next
+  run starts cold. (Other optimizers, `extras`, may step more often: `trainer.train.story`
+  counts only this one.)
+- `refuse_untrained(step, forwards, optimizer_stepped)`: the loop asked for the next batch while
+  this one went through no forward (with gradients) and no `optimizer.step()`: thrown away, yet
+  counted. That is a Ray loop's resume skip (`if epoch * steps_per_epoch + i < start:
+  continue`), wrong with the restored loader, which already starts where the run stopped. A
+  batch whose forward ran and whose update the loop skipped (a NaN loss, fp16's overflow)
+  counts, as in Baton's loop.
+- `check_global_batch(saved_origin, batch_size, allow, step)`: a continuation at another global
+  batch than the snapshot's session trained at (`trainer.train.story.DataOrigin`) is refused
+  naming both; `allow=True` continues with a warning; a snapshot without one is not checked.
+- `SyncPasses(model)`: at a step with an uneven split, the ranks of a DDP model agree on every
+  forward pass that will all-reduce gradients and, at the step's end, on how many there were
+  (one `MAX` all-reduce of `[n, -n]` through `elastic.collectives`), placed so that a rank with
+  one pass more meets the others' end-of-step agreement, not their next collective: every rank
+  fails in one line instead of hanging (where it runs and why: docs/design.md, "Step checks").
+  The fix it names is `loader.microbatches`. Even splits pay nothing; an agreement whose
+  collective failed (in-process recovery lost a member: the step is redone) refuses nothing. An
+  FSDP2 model is not watched.
 """
 
 from __future__ import annotations

@@ -1,38 +1,32 @@
 """The trainer's rule for a snapshot: its step, the optimizer's step counts, the schedule's
 position and the data cursor tell one story.
 
-Contract
---------
 `register_story(registry, components, progress_key=, progress=)` adds `StoryRule` to a
 Session's registry (`elastic.state.registry.StateRegistry.add_rule`) and registers
-`DataOrigin` under `ORIGIN_KEY` (optional: a snapshot without one restores, it only checks
-less). `components` are the live components by key (`optim`, `sched`, `data`); the rule tells
-them apart by type. Before a restore writes a byte of a live tensor it checks the snapshot's
-JSON state and the optimizer's per-parameter `step` values (read first, verified), and
-refuses in one `ValueError` line naming the field (the registry makes it a
-`SnapshotMisfitError`: nothing is quarantined nor restored past; the newest snapshot that
-tells one story is named for a rewind). With T = the snapshot's `<progress_key>.step`:
+`DataOrigin` under `ORIGIN_KEY` (optional: a snapshot without one restores, checked less).
+`components` are the live components by key (`optim`, `sched`, `data`), told apart by type.
+Before a restore writes a byte of a live tensor the rule checks the snapshot's JSON state and
+the optimizer's `step` values (read first, verified) and refuses in one `ValueError` line
+naming the field (the registry makes it a `SnapshotMisfitError`: nothing is quarantined nor
+restored past; the newest snapshot that tells one story is named for a rewind). With T = the
+snapshot's `<progress_key>.step`:
 
 * T is an integer in [0, 2**62).
-* A `torch.optim` optimizer: every parameter's `step` is a whole number in [0, T]. Fewer is
-  allowed (updates skipped: fp16 overflows, `optim.skip_nonfinite_loss`, a parameter without
-  a gradient yet); more is not.
-* The schedule: Baton's `LrSchedule` is at T exactly (its loop steps it every step, skipped
-  or not). A torch LR scheduler's `last_epoch` is at most T (one step per training step, or
-  fewer: per epoch) and its `_step_count`, where it keeps one, is `last_epoch + 1`.
-* The data cursor of a world-size-free loader (`data_state.ResumableLoader` and its kin): it
-  fits the live loader (`check_state`: dataset, seed, counters in range, not at the end of
-  the last epoch a cursor can hold); it is not at the end of an epoch (`samples_consumed` =
-  the dataset's length: a Baton loader moves such a cursor on, so none writes it); every
-  epoch took a step (`epoch` <= T). Where the snapshot records its `DataOrigin` — the step,
-  cursor, global batch and tail policy its session started from (each session's own, so a
-  run may change `data.global_batch` between sessions) — the cursor is exactly where T minus
-  that step steps of that global batch lead from that cursor (`DataCursor.after_steps`).
+* A `torch.optim` optimizer: every parameter's `step` is a whole number in [0, T] (fewer:
+  skipped updates, fp16 overflows, a parameter without a gradient yet; more is refused).
+* The schedule: Baton's `LrSchedule` is at T exactly (stepped every step, skipped or not); a
+  torch LR scheduler's `last_epoch` is at most T (per step, or per epoch) and its
+  `_step_count`, where it keeps one, is `last_epoch + 1`.
+* A world-size-free loader's cursor (`data_state.ResumableLoader` and kin) fits the live loader
+  (`check_state`), is not at an epoch's end (no Baton loader writes one), and every epoch took a
+  step (`epoch` <= T). Where the snapshot records its `DataOrigin` (the step, cursor, global
+  batch and tail policy its session started from: each session's own, so `data.global_batch`
+  may change between sessions), the cursor is exactly where T minus that step steps of that
+  global batch lead from that cursor (`DataCursor.after_steps`).
 
-`DataOrigin(loader, progress)`'s state is that origin; the rule moves it to the restored
-step and cursor, with the live loader's global batch, after every load (`loaded`), so the
-snapshots a session writes name the point it started from. Only the check reads a saved
-origin; loading one changes nothing.
+`DataOrigin(loader, progress)`'s state is that origin; after every load (`loaded`) the rule
+moves it to the restored step and cursor, with the live global batch, so the snapshots a
+session writes name the point it started from. Only the check reads a saved origin.
 """
 
 from __future__ import annotations
