@@ -13,8 +13,8 @@ Contract:
   resets VmHWM to the current resident set, `malloc_env(...)` is the glibc setting under which
   the resident set follows live memory.
 - Results: `write_json(path, obj)` creates the folder; `read_json(path)` is {} if absent.
-- Fresh processes: `start_worker("sketch_memory_worker", ...)` runs `python -m
-  benchmarks.sketch_memory_worker ...` from the repository root; `worker_result` is the JSON of
+- Fresh processes: `start_worker("sketch_memory.worker", ...)` runs `python -m
+  benchmarks.sketch_memory.worker ...` from the repository root; `worker_result` is the JSON of
   its last stdout line; `worker_main(handlers)` is the worker's side (`MODE JSON`).
 - `moto_s3()`: a local S3 API with the standard AWS variables pointing at it; `CpuLock`: an
   flock that timing-sensitive benchmarks hold so they do not overlap.

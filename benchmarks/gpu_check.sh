@@ -19,10 +19,10 @@
 #   triton_kernels  `pytest -m gpu -k triton`: the Triton kernels compiled for the GPU (no
 #                   TRITON_INTERPRET) against the torch reference, and the sketched layer and a
 #                   Llama sketched with include="auto" through them against the reference
-#   sketch_memory   python -m benchmarks.sketch_memory --device cuda (seq 2048): activation bytes,
+#   sketch_memory   python -m benchmarks.sketch_memory.run --device cuda (seq 2048): activation bytes,
 #                   peak GPU memory and step time of BASIS vs exact backprop and checkpointing,
 #                   and a profile of one step of each (top ops, launches, synchronisations)
-#   sketch_fused    python -m benchmarks.sketch_fused (built-in GPT, d 1024 and 2048, 4 layers,
+#   sketch_fused    python -m benchmarks.sketch_fused.run (built-in GPT, d 1024 and 2048, 4 layers,
 #                   8 x 1024 tokens, bf16 autocast, R = n/16): step time and peak memory of
 #                   exact, exact with the MLP recomputed, BASIS's default plan, every linear
 #                   sketched (with and without the MLP recompute), through the fused sketch
@@ -33,7 +33,7 @@
 #                   AdamW moments (relative difference <= 1e-3), with fp32 snapshots and a loss
 #                   that went down
 #   gpu_scale       (not run by default: only with --only gpu_scale, a separate invocation of
-#                   cuda + this step, 500 s) python -m benchmarks.gpu_scale: a 1.1B Llama's
+#                   cuda + this step, 500 s) python -m benchmarks.gpu_scale.run: a 1.1B Llama's
 #                   snapshot stall, persist and restore against torch.save/load and DCP, BASIS
 #                   at d 2048 and 4096 against exact, recompute and checkpointing, and BASIS's
 #                   quality at 16k tokens per microbatch over 3 seeds; into gpu_scale.json
@@ -148,7 +148,7 @@ step_triton_kernels() {
 
 step_sketch_memory() {
     local out="$RESULTS/sketch_memory_cuda.json"
-    "$PY" -m benchmarks.sketch_memory --device cuda --seq-lens 2048 --ranks 64 256 \
+    "$PY" -m benchmarks.sketch_memory.run --device cuda --seq-lens 2048 --ranks 64 256 \
         --combined-ranks 64 --rounds 3 --profile 12 --out "$out" || return 1
     "$PY" - "$out" <<'EOF'
 import json, os, sys
@@ -161,7 +161,7 @@ EOF
 
 step_sketch_fused() {
     local out="$RESULTS/sketch_fused_cuda.json"
-    env -u TRITON_INTERPRET -u BATON_SKETCH_BACKEND "$PY" -m benchmarks.sketch_fused \
+    env -u TRITON_INTERPRET -u BATON_SKETCH_BACKEND "$PY" -m benchmarks.sketch_fused.run \
         --d-models 1024 2048 --rounds 5 --out "$out" || return 1
     "$PY" - "$out" <<'EOF'
 import json, os, sys
@@ -175,7 +175,7 @@ EOF
 
 step_gpu_scale() {
     local out="$RESULTS/gpu_scale.json"
-    env -u TRITON_INTERPRET -u BATON_SKETCH_BACKEND "$PY" -m benchmarks.gpu_scale \
+    env -u TRITON_INTERPRET -u BATON_SKETCH_BACKEND "$PY" -m benchmarks.gpu_scale.run \
         --dir "$WORK" --out "$out" || return 1
     "$PY" - "$out" <<'EOF'
 import json, os, sys

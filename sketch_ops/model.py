@@ -8,7 +8,7 @@ Contract:
   name to R (the per-layer ranks of `policy.ranks_for_budget`); a mapping selects exactly its
   keys, each of which must name an `nn.Linear` the selection admits. `estimator` is
   `"centered"` (the default: it halves the gradient error on real activations,
-  benchmarks/sketch_quality.py) or `"basis"` (docs/design.md §4 as written); see `function.py`.
+  benchmarks/sketch_quality/run.py) or `"basis"` (docs/design.md §4 as written); see `function.py`.
   Instead of `rank`, `memory_budget=B, rows=n` gives per-layer ranks whose sketches of an
   n-row microbatch fit in B bytes (`policy.py`).
   `include` selects the layers (`policy.selector`, the one definition): None = every

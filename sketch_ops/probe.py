@@ -31,7 +31,7 @@ reverted as a whole). (3) A class whose measured saving is under `min_saving` (d
 `MIN_SAVING` = 0.10) of `exact_bytes` is left exact ("keep"): a sketch costs gradient
 quality on every layer of its class, so it must buy a real share of the step's memory.
 Measured on a Llama (d 256, 4 layers, intermediate 688, 4 096 tokens, R = n/16;
-benchmarks/sketch_llama.py, benchmarks/reports/2026-12-05-sketch-llama.md): the down-projections
+benchmarks/sketch_llama/run.py, benchmarks/reports/2026-12-05-sketch-llama.md): the down-projections
 free 57 % of the probed bytes, the q/k/v projections 4.4 % and the LM head 1.3 %; sketching
 q/k/v and the LM head as well took the step from 0.38x to 0.33x exact's bytes and the
 validation loss from +0.0 % to +7.5 % of exact's. On the built-in GPT the one class it

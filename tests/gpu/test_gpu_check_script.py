@@ -43,8 +43,8 @@ def test_the_script_is_valid_bash_and_its_dry_run_lists_the_steps(tmp_path: Path
     assert total <= 600 and f"total time limit: {total}s" in text  # under 10 minutes
     for needle in ("-m \"$marks\" -k \"not triton\"", "local marks=\"gpu and not multigpu\"",
                    "-m gpu -k triton",
-                   "-m benchmarks.sketch_memory --device cuda", "fit recipes/llama-tiny.toml",
-                   "-m benchmarks.sketch_fused --d-models 1024 2048",
+                   "-m benchmarks.sketch_memory.run --device cuda", "fit recipes/llama-tiny.toml",
+                   "-m benchmarks.sketch_fused.run --d-models 1024 2048",
                    "--until 8", "precision.dtype=\"bf16\"", "scaling.use_gpu=true"):
         assert needle in text, needle
     bad = _bash(str(SCRIPT), "--no-such-flag")
@@ -64,12 +64,12 @@ def test_what_the_steps_select_exists(tmp_path: Path) -> None:
     assert (cfg.precision.dtype, cfg.scaling.use_gpu, cfg.steps) == ("bf16", True, 16)
     assert cfg.scaling.max_workers == 1 and 8 % cfg.snapshots.snapshot_every == 0
 
-    help_text = subprocess.run([sys.executable, "-m", "benchmarks.sketch_memory", "--help"],
+    help_text = subprocess.run([sys.executable, "-m", "benchmarks.sketch_memory.run", "--help"],
                                capture_output=True, text=True, cwd=ROOT, timeout=60).stdout
     for flag in ("--device", "--seq-lens", "--ranks", "--combined-ranks", "--rounds", "--profile",
                  "--out"):
         assert flag in help_text, flag
-    help_text = subprocess.run([sys.executable, "-m", "benchmarks.sketch_fused", "--help"],
+    help_text = subprocess.run([sys.executable, "-m", "benchmarks.sketch_fused.run", "--help"],
                                capture_output=True, text=True, cwd=ROOT, timeout=60).stdout
     for flag in ("--d-models", "--rounds", "--out"):
         assert flag in help_text, flag
@@ -131,6 +131,6 @@ def test_gpu_scale_is_its_own_invocation_within_the_limit(tmp_path: Path) -> Non
     steps = re.findall(r"^step (\w+) \(timeout (\d+)s\):$", proc.stdout, flags=re.M)
     assert [name for name, _ in steps] == ["cuda", "gpu_scale"]
     assert sum(int(limit) for _, limit in steps) <= 600
-    assert "-m benchmarks.gpu_scale" in proc.stdout
+    assert "-m benchmarks.gpu_scale.run" in proc.stdout
     default = re.findall(r"^step (\w+) \(timeout", _dry_run(tmp_path), flags=re.M)
     assert default == STEPS and "benchmarks.gpu_scale" not in _dry_run(tmp_path)

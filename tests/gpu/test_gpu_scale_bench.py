@@ -1,4 +1,4 @@
-"""benchmarks/gpu_scale.py dry-run on the CPU at toy size: every part runs and writes the
+"""benchmarks/gpu_scale/run.py dry-run on the CPU at toy size: every part runs and writes the
 figures its GPU run reports (snapshot sides and targets, BASIS rows, quality per seed); each
 side's restore was checked to bring the saved weights back."""
 
@@ -15,7 +15,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 def test_the_tiny_dry_run_measures_every_part(tmp_path: Path) -> None:
     out = tmp_path / "gpu_scale.json"
-    proc = subprocess.run([sys.executable, "-m", "benchmarks.gpu_scale", "--tiny", "--device",
+    proc = subprocess.run([sys.executable, "-m", "benchmarks.gpu_scale.run", "--tiny", "--device",
                            "cpu", "--dir", str(tmp_path), "--out", str(out)],
                           capture_output=True, text=True, cwd=ROOT, timeout=240)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]

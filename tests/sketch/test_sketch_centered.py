@@ -245,8 +245,8 @@ def test_sketch_model_with_a_budget_sets_the_per_layer_ranks() -> None:
 
 
 def test_quality_benchmark_builds_every_variant_and_picks_the_equal_memory_batch() -> None:
-    from benchmarks import sketch_quality_variants as bench
-    from benchmarks.sketch_quality_worker import build
+    from benchmarks.sketch_quality import variants as bench
+    from benchmarks.sketch_quality.worker import build
 
     names = [v.name for v in bench.VARIANTS]
     assert len(names) == len(set(names)) and "exact" in names and bench.MEMORY_BASE in names
@@ -290,7 +290,7 @@ def test_quality_benchmark_builds_every_variant_and_picks_the_equal_memory_batch
 
 
 def test_quality_benchmark_keeps_each_variants_seeds_apart(tmp_path, monkeypatch) -> None:
-    from benchmarks import sketch_quality_report as bench
+    from benchmarks.sketch_quality import report as bench
 
     monkeypatch.setattr(bench, "RUNS", tmp_path)
     for name in ("exact-s0", "exact-s1", "exact-steps356-s0", "exact-recompute-s0"):

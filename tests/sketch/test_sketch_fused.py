@@ -45,12 +45,12 @@ def test_fused_path_under_interpreter(check: str) -> None:
 
 
 def test_the_gpu_benchmark_runs_at_toy_size_on_cpu(tmp_path: Path) -> None:
-    """benchmarks/sketch_fused.py (a step of benchmarks/gpu_check.sh) end to end, at toy size
+    """benchmarks/sketch_fused/run.py (a step of benchmarks/gpu_check.sh) end to end, at toy size
     on the CPU: every configuration, its ratio to exact and its kernel count are reported."""
     import json
 
     out = tmp_path / "fused.json"
-    proc = subprocess.run([sys.executable, "-m", "benchmarks.sketch_fused",
+    proc = subprocess.run([sys.executable, "-m", "benchmarks.sketch_fused.run",
                            "--device", "cpu", "--tiny", "--dtype", "fp32", "--out", str(out)],
                           capture_output=True, text=True, timeout=240, cwd=ROOT)
     assert proc.returncode == 0, proc.stderr[-3000:]

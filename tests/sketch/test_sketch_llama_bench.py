@@ -1,4 +1,4 @@
-"""benchmarks/sketch_llama.py's smoke mode (`--quick`: a tiny Llama, in this process) runs its
+"""benchmarks/sketch_llama/run.py's smoke mode (`--quick`: a tiny Llama, in this process) runs its
 three phases and writes the ratios and validation figures its report's table is made of
 (benchmarks/reports/2026-12-05-sketch-llama.md)."""
 
@@ -15,7 +15,7 @@ pytest.importorskip("transformers")
 
 def test_quick_run_writes_memory_time_and_quality_ratios(tmp_path: Path,
                                                          tiny_dataset: str) -> None:
-    from benchmarks import sketch_llama as bench
+    from benchmarks.sketch_llama import run as bench
 
     out = tmp_path / "llama.json"
     argv = ["--quick", "--data", tiny_dataset, "--out", str(out), "--only",

@@ -61,7 +61,7 @@ def test_gelu_mlp_keeps_only_its_input_and_the_proj_sketch() -> None:
 
 
 def test_memory_benchmark_imports_and_lists_its_configurations() -> None:
-    from benchmarks.sketch_memory import configurations
+    from benchmarks.sketch_memory.run import configurations
 
     names = [c["name"] for c in configurations([16, 64], [64])]
     assert names == [
@@ -80,7 +80,7 @@ def test_memory_benchmark_imports_and_lists_its_configurations() -> None:
 def test_the_benchmark_profile_counts_a_sketched_steps_extra_work() -> None:
     """`--profile`'s record of one step: ranked ops, op calls, and the host-side plan work a
     sketched step adds (the sketch plan is drawn per step: its row selection is a nonzero)."""
-    from benchmarks import sketch_memory_worker as module
+    from benchmarks.sketch_memory import worker as module
 
     base = {"checkpoint": False, "seq_len": 32, "batch": 1, "device": "cpu"}
     exact = module.profile_step(module.Trainee({"name": "exact", "rank": 0, **base}), top=4)

@@ -37,7 +37,7 @@ from trainer.config import ModelConfig
 # free: qkv's, fc's and the LM head's are the input of the LayerNorm fused into them
 # (`sketch_ops.norm_linear`), attention proj's is SDPA's own output. Sketching those would only
 # add gradient noise (and save their weight-gradient matmuls: the speed trade, see
-# `mlp_recompute="never"` and docs/basis.md). Measured in benchmarks/sketch_quality.py
+# `mlp_recompute="never"` and docs/basis.md). Measured in benchmarks/sketch_quality/run.py
 # (benchmarks/reports/2026-12-03-sketch-quality.md).
 SKETCH_LAYERS = ("blocks.*.mlp.proj",)
 BYTE_VOCAB_SIZE = 256  # the byte tokenizer's; a ModelConfig.vocab_size of 0 with no dataset
