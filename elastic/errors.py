@@ -1,44 +1,33 @@
 """The error vocabulary of elastic snapshots: what a failure means decides what Baton does.
 
-Contract
---------
-* ``SnapshotIntegrityError`` (a ``ValueError``): a *definite* integrity failure of one
-  snapshot — a checksum mismatch, a malformed or unsafe manifest, a file missing from a
-  store that answered. Only this rejects a snapshot: restore falls back to the previous
-  committed one and the rejected snapshot is moved to ``RUN/quarantine/STEP/`` (never
-  deleted).
-* ``ManifestError``: the manifest itself is malformed or names something it must not
-  (a path outside the snapshot, a dtype that disagrees with the file). A subclass of
-  ``SnapshotIntegrityError``, so it triggers the same fallback.
-* ``NonFiniteError``: a floating tensor of the snapshot holds NaN or Inf (what a writer with
-  a bug commits: its checksums pass). A subclass of ``SnapshotIntegrityError``: no code
-  trains on from such values, so it is as definite as a checksum mismatch, and restore takes
-  the same path (quarantined, never deleted; the previous committed snapshot is restored).
-* ``SnapshotMisfitError``: a ``ManifestError`` that may be the live code's and not the
-  snapshot's: its state does not fit a registered component (other keys or types) or a
-  registered tensor has another dtype. A code or config change (a rollback) gives it for
-  every newer snapshot, so restore never quarantines one for it, nor restores an older one in
-  its place: it raises ``SnapshotMismatchError`` with every snapshot left in place, naming the
-  newest one that fits (going back to it is ``baton snapshots rewind``, ``elastic.set_aside``).
+* ``SnapshotIntegrityError`` (a ``ValueError``): a *definite* integrity failure of one snapshot
+  (a checksum mismatch, a malformed or unsafe manifest, a file missing from a store that
+  answered). Only this rejects a snapshot: restore falls back to the previous committed one,
+  the rejected one is moved to ``RUN/quarantine/STEP/`` (never deleted). Its subclasses:
+  ``ManifestError`` (the manifest is malformed or names what it must not: a path outside the
+  snapshot, a dtype the file disagrees with) and ``NonFiniteError`` (a floating tensor holds
+  NaN or Inf: what a buggy writer commits, checksums passing; no code trains on from it).
+* ``SnapshotMisfitError``: a ``ManifestError`` that may be the live code's, not the snapshot's:
+  its state does not fit a registered component (keys, types) or a tensor's dtype. A code or
+  config change gives it for every newer snapshot, so restore neither quarantines nor restores
+  past one for it: it raises ``SnapshotMismatchError``, every snapshot left in place, naming
+  the newest one that fits (going back: ``baton snapshots rewind``, ``elastic.set_aside``).
 * ``StorageUnavailableError`` (an ``OSError``): the store did not answer within its deadline
-  after retries (HTTP 5xx, throttling, a black-holed endpoint). This is *doubt*, not proof:
-  a restore that meets it fails without falling back and without touching any snapshot.
+  after retries (HTTP 5xx, throttling, a black-holed endpoint): *doubt*, not proof; a restore
+  that meets it fails without falling back and without touching any snapshot.
 * ``RestoreMemoryError`` (a ``RuntimeError``): the worker could not allocate what a restore
-  needs. The worker's shortage, not the snapshot's fault: restore fails without falling back
-  (an older snapshot is as big) and without touching any snapshot.
-* ``FencedError``: a report from another worker-group generation or from a driver whose
-  lease was taken over. Refused; nothing it sent is committed.
-* ``describe(err)`` turns any failure into the one line a person can act on (the driver
-  shows it): errno names for OS errors (``ENOSPC``, ``EACCES``), "storage unreachable" for
-  doubt.
-* ``FatalRunError``: an error a restart cannot fix (a bad dataset, a recipe that disagrees
-  with the run it continues, a worker running other code). The run fails once, with this
-  message on the driver, instead of restarting forever.
-* ``ReplicasDivergedError``: a ``FatalRunError``: state that every rank must hold the same
-  (a DDP model, its optimizer) differs between ranks, so no snapshot of it is committed.
-  ``divergence_message(name, step, ranks)`` is the one line such a snapshot fails with,
-  whether the sampled fingerprints refused it at ``begin_capture`` (``elastic.replicas``) or
-  the commit refused its ranks' full checksums (``elastic.coord.receipts``).
+  needs; the worker's shortage, so restore fails without falling back (an older snapshot is
+  as big) and without touching any snapshot.
+* ``FencedError``: a report from another worker-group generation or from a driver whose lease
+  was taken over; refused, nothing it sent is committed.
+* ``describe(err)``: the one line a person can act on (the driver shows it): errno names for
+  OS errors (``ENOSPC``, ``EACCES``), "storage unreachable" for doubt.
+* ``FatalRunError``: an error a restart cannot fix (a bad dataset, a recipe that disagrees with
+  the run it continues, a worker on other code): the run fails once, with this message.
+* ``ReplicasDivergedError``, a ``FatalRunError``: state every rank must hold the same (a DDP
+  model, its optimizer) differs between ranks, so no snapshot of it is committed.
+  ``divergence_message(name, step, ranks)`` is its one line, whether the sampled fingerprints
+  (``elastic.replicas``) or the commit's full checksums (``elastic.coord.receipts``) refused it.
 """
 
 from __future__ import annotations

@@ -1,41 +1,31 @@
 """Step-boundary notices: preemption (SIGTERM or an external notice), on-demand snapshots and
 stop requests, agreed across ranks.
 
-Contract
---------
-``PreemptionWatcher`` is a flag object the training loop checks at every step boundary::
+``PreemptionWatcher`` is a flag object the training loop checks at every step boundary:
+``watcher = PreemptionWatcher(external=notice_fn).install()`` (the SIGTERM handler, main
+thread), then after each step ``notice = watcher.poll(step)``; on a notice the loop captures
+now (``snapshotter.after_step(step, force=True)``), commits (``snapshotter.close()``) and, if
+``notice.must_exit``, stops.
 
-    watcher = PreemptionWatcher(external=notice_fn).install()  # SIGTERM handler (main thread)
-    for step in ...:
-        train_step(...)
-        notice = watcher.poll(step)
-        if notice is not None:
-            snapshotter.after_step(step, force=True)  # capture now, even if not due
-            snapshotter.close()                        # ... and commit before exiting
-            if notice.must_exit:
-                break
-
-* The signal handler only sets a flag (no work inside a handler); the snapshot happens at
-  the next step boundary, which is a consistent cut.
-* ``external`` (optional) is asked every ``external_check_every`` steps for a preemption
-  notice from the platform: it returns the notice's detail, or None. Inside a Ray Train
-  worker ``trainer.on_ray.elastic_trainer`` passes one that asks ``ray.train.get_preemption_info()``
-  (itself a barrier across workers, so all ranks must call ``poll`` on the same steps). This
-  module imports nothing of Ray. The advice of such a notice is to snapshot and keep training
-  (``must_exit=False``); a SIGTERM means this process is going away (``must_exit=True``).
-* ``requested`` (optional, asked on rank 0 only) reports an on-demand snapshot request, e.g.
-  the coordinator's before a planned resize: source ``"request"``, ``must_exit=False``.
-* ``stop_requested`` (optional, asked on rank 0 only) reports that the driver asked the run
-  to stop (Ctrl-C, a time limit): source ``"stop"``, ``must_exit=False`` (the loop commits a
-  snapshot and ends normally).
-* ``joiners`` (optional, asked on every rank) reports workers waiting to join the training
-  group (in-process recovery, ``elastic.recovery``): source ``"join"``, the least urgent.
-* With a group of ranks (``elastic.collectives``), ``poll`` agrees across ranks (all-reduce
-  MAX of the most urgent cause: signal, external, stop, request, join), so a signal
-  delivered to only some workers, or a request seen by rank 0 only, makes every rank act on
-  the same step.
-* A notice is returned once per cause (requests and stops: once per poll while asked);
-  later polls return ``None``.
+* The signal handler only sets a flag; the snapshot happens at the next step boundary, a
+  consistent cut.
+* ``external`` (optional), asked every ``external_check_every`` steps, returns a platform's
+  preemption notice's detail, or None. In a Ray Train worker ``trainer.on_ray.elastic_trainer``
+  passes one asking ``ray.train.get_preemption_info()`` (a barrier across workers: all ranks
+  must call ``poll`` on the same steps); this module imports nothing of Ray. Such a notice
+  advises to snapshot and keep training (``must_exit=False``); a SIGTERM means this process is
+  going away (``must_exit=True``).
+* ``requested`` (optional, rank 0 only): an on-demand snapshot request, e.g. the coordinator's
+  before a planned resize: source ``"request"``, ``must_exit=False``.
+* ``stop_requested`` (optional, rank 0 only): the driver asked the run to stop (Ctrl-C, a time
+  limit): source ``"stop"``, ``must_exit=False`` (the loop commits and ends normally).
+* ``joiners`` (optional, every rank): workers waiting to join the group (in-process recovery,
+  ``elastic.recovery``): source ``"join"``, the least urgent.
+* With a group of ranks (``elastic.collectives``), ``poll`` agrees across ranks (all-reduce MAX
+  of the most urgent cause: signal, external, stop, request, join), so a signal delivered to
+  some workers only, or a request seen by rank 0 only, makes every rank act on the same step.
+* A notice is returned once per cause (requests and stops: once per poll while asked); later
+  polls return ``None``.
 """
 
 from __future__ import annotations

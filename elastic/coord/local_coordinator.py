@@ -1,39 +1,33 @@
 """The coordinator a worker talks to: the commit protocol plus the in-memory copy.
 
-Contract
---------
 ``LocalCoordinator`` speaks ``elastic.coord.protocol.CoordinatorClient`` for one run, in-process
 or as the Ray actor (``elastic.coord.ray_actors`` makes this very class remote). It adds to
 ``elastic.coord.commit.CommitCore`` (generations, receipts, commit, fencing, GC, quarantine):
 
 * The RAM tier's index, metadata only: which node's store (``elastic.store.ram_store``) holds
-  which shard file of which step, as the receipts say (``receipt.ram``: the nodes that
-  took the file). ``ram_locations(step)`` answers restores; when a snapshot commits or is
-  aborted the stores concerned are told what to keep (``RamStore.keep``: the newest commit
-  plus the steps in flight). The coordinator never receives shard bytes: what it handles
-  per snapshot (``health()["handled_bytes"]``: receipts in, manifests out) is
-  O(number of chunks), whatever the state's size. A restarted coordinator has lost the
-  receipts: ``recover_ram_index(holdings)`` rebuilds the index of its newest commit from
-  what the live stores say they hold (``RamStore.holdings()``, node -> metadata; a store
-  that is gone is simply absent, its files are read from storage).
-* On-demand snapshots before a planned resize: ``request_snapshot`` / ``snapshot_requested``
-  / ``answer_request`` / ``request_met`` / ``cancel_request``.
+  which shard file of which step, as the receipts say (``receipt.ram``). ``ram_locations(step)``
+  answers restores; when a snapshot commits or is aborted the stores concerned are told what
+  to keep (``RamStore.keep``: the newest commit plus the steps in flight). It never receives
+  shard bytes: what it handles per snapshot (``health()["handled_bytes"]``: receipts in,
+  manifests out) is O(number of chunks), whatever the state's size. A restarted coordinator
+  has lost the receipts: ``recover_ram_index(holdings)`` rebuilds its newest commit's index
+  from what the live stores hold (``RamStore.holdings()``; a store that is gone is absent, its
+  files are read from storage).
+* On-demand snapshots before a planned resize: ``request_snapshot`` / ``snapshot_requested`` /
+  ``answer_request`` / ``request_met`` / ``cancel_request``.
 * Stop requests (Ctrl-C or a time limit on the driver): ``request_stop`` (driver) /
-  ``stop_requested`` (workers, at every step boundary) / ``answer_stop(step)`` (rank 0, once
-  the snapshot of the step it stopped at is persisted); ``health()["stopped_at"]`` tells the
-  driver. A request stays until the fit ends, so a worker group restarted in between stops
-  too.
-
+  ``stop_requested`` (workers, every step boundary) / ``answer_stop(step)`` (rank 0, once the
+  snapshot of that step is persisted); ``health()["stopped_at"]`` tells the driver. A request
+  stays until the fit ends, so a worker group restarted in between stops too.
 * In-process recovery's membership (``elastic.coord.membership``): ``membership_reset``
-  (driver) and the ``membership_*`` calls of the protocol; each formation starts a new
-  generation of the commit protocol. The process groups meet at a ``RendezvousStore``
-  this coordinator starts on first use (``rendezvous_host``: its node's address).
-* The training loop's last reported metrics (``record_metrics``; the driver's
-  ``last_metrics`` gives them to Ray Train's ``Result.metrics``).
+  (driver) and the protocol's ``membership_*`` calls; each formation starts a new generation
+  of the commit protocol. The process groups meet at a ``RendezvousStore`` started on first
+  use (``rendezvous_host``: this node's address).
+* The loop's last reported metrics (``record_metrics``; the driver's ``last_metrics`` gives
+  them to Ray Train's ``Result.metrics``).
 
 Thread-safe: its own lock guards only the RAM index and the request flags; the core has its
-own and does storage I/O outside it, so a threaded actor never serialises behind a slow
-store.
+own and does storage I/O outside it, so a threaded actor never serialises behind a slow store.
 """
 
 from __future__ import annotations

@@ -1,38 +1,33 @@
 """Who trains together: the coordinator's side of in-process recovery.
 
-Contract
---------
 A *membership* is the ordered list of workers (members, by id) that train together in one
-worker-group generation; a member's rank is its index. ``Membership`` decides every change
-of it, as plain data, so the protocol tests with a fake clock and no process group:
+worker-group generation; a member's rank is its index. ``Membership`` decides every change of
+it, as plain data, so the protocol tests with a fake clock and no process group:
 
-* ``reset(expected)`` (the driver's side, before Ray Train starts a whole worker group):
-  a new membership forms once ``expected`` members have joined, ordered by the ``order``
-  each gave (Ray Train's world rank). Members of earlier generations are left out.
-* ``join(member, order)``: a member of the forming group, or — while a membership runs — a
-  *joiner* (a replacement worker) that waits to be let in at the members' next step
-  boundary. Joiners are counted in every view (``joiners``), so the members see them.
-* ``beat(member, generation)``: every member (and waiting joiner) calls it every
-  ``beat_s``; it is how the coordinator tells gone from slow, and how members learn of
-  joiners, of a reform in progress and of a fallback.
-* ``reform(member, generation, reason)``: a member whose process group failed, or that
-  agreed with its peers to let joiners in, asks for the next membership. It forms once
-  every member of the current one has asked or is *gone* (no beat for ``dead_after_s``),
-  or ``reform_wait_s`` after the first ask: the members that asked, in their old order,
-  then the joiners still beating, in arrival order. Each formation is a new generation
-  (``new_generation``: the commit protocol's, so an older generation's snapshot files and
-  receipts are refused, P7).
-* A member left out (gone too long, or behind a formation it did not take part in) is
-  *fenced*: every view tells it so and every reform it asks for with its old generation is
-  refused. It may join again as a joiner (it then receives the state from a live member).
+* ``reset(expected)`` (the driver, before Ray Train starts a whole worker group): a new
+  membership forms once ``expected`` members have joined, ordered by the ``order`` each gave
+  (Ray Train's world rank); members of earlier generations are left out.
+* ``join(member, order)``: a member of the forming group, or, while a membership runs, a
+  *joiner* (a replacement) that waits to be let in at the members' next step boundary.
+  Joiners are counted in every view (``joiners``), so the members see them.
+* ``beat(member, generation)``, every ``beat_s`` from each member and waiting joiner: it tells
+  gone from slow, and tells members of joiners, a reform in progress, a fallback.
+* ``reform(member, generation, reason)``: a member whose process group failed, or that agreed
+  with its peers to let joiners in, asks for the next membership. It forms once every member
+  has asked or is *gone* (no beat for ``dead_after_s``), or ``reform_wait_s`` after the first
+  ask: the members that asked, in their old order, then the joiners still beating, in arrival
+  order. Each formation is a new generation of the commit protocol (``new_generation``: an
+  older generation's files and receipts are refused, P7).
+* A member left out (gone too long, or behind a formation it took no part in) is *fenced*: its
+  old generation's views and reforms say so; it may join again (state from a live member).
 * ``fallback(member, reason)``: in-process recovery cannot go on (a second failure while
-  recovering, a state that cannot be trusted): every member's next view says so and each
-  ends its worker, so the worker group restarts whole. ``finish(generation)``: the run's
-  last step is committed; joiners that arrive later restore it instead of joining.
+  recovering, a state that cannot be trusted): every member's next view says so and each ends
+  its worker, so the group restarts whole. ``finish(generation)``: the run's last step is
+  committed; later joiners restore it instead of joining.
 
-Every method returns a ``View`` as a plain dict (it crosses Ray); every method is safe to
-repeat. ``rendezvous`` names where a generation's process group meets:
-``<store address>/<prefix>``, a new prefix per generation. Thread-safe.
+Every method returns a ``View`` as a plain dict (it crosses Ray) and is safe to repeat; its
+``rendezvous`` is where a generation's process group meets (``<store address>/<new prefix>``).
+Thread-safe.
 """
 
 from __future__ import annotations

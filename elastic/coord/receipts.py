@@ -1,43 +1,30 @@
-"""One rank's receipt, and from the receipts of one step to its manifest: the checks that
-make a commit whole.
+"""One rank's receipt, and from the receipts of one step to its manifest: the checks that make a
+commit whole.
 
-Contract
---------
-``Receipt`` is what a rank reports once its shard of a step is durable (``elastic.write.persist``
-makes it): ``step, rank, world_size, generation, layout, file, chunks`` (tensor key -> the
-``ChunkRecord``s this rank wrote), ``versions`` (the code that wrote it), ``ram`` (the nodes
-whose RAM stores took a copy of the file), ``replicas`` (at world size > 1: the crc32 of every
-replicated model and optimizer tensor this rank holds, whole, ``elastic.write.replica_sums``;
-absent from the JSON when empty) and, from rank 0 only, ``skeletons`` (the state's JSON
-skeletons) and ``catalog`` (every logical tensor's ``TensorSpec``). In-process it is
-passed as is. Where it crosses Ray or the disk (a store group's receipt file) it travels as
-JSON: ``to_json()`` gives the plain object (its form on disk:
-``shard-R-of-W-gG.safetensors.receipt.json``) and ``Receipt.from_json(obj)`` reads one back,
-untrusted: a value of the wrong type or a missing field raises ``ValueError`` with one line
-naming it; nothing is unpickled.
+``Receipt`` is what a rank reports once its shard of a step is durable (``elastic.write.persist``):
+``step, rank, world_size, generation, layout, file, chunks`` (tensor key -> its
+``ChunkRecord``s), ``versions`` (the writing code), ``ram`` (the nodes whose RAM stores took a
+copy), ``replicas`` (at world size > 1: the crc32 of every replicated model and optimizer tensor
+held whole, ``elastic.write.replica_sums``; absent from the JSON when empty) and, from rank 0
+only, ``skeletons`` (the state's JSON skeletons) and ``catalog`` (every logical tensor's
+``TensorSpec``). Across Ray or the disk (a store group's
+``shard-R-of-W-gG.safetensors.receipt.json``) it travels as JSON: ``to_json()``, and
+``Receipt.from_json(obj)``, untrusted: a wrong type or missing field is a one-line
+``ValueError`` naming it; nothing is unpickled.
 
 ``manifest_from_receipts(step, world_size, generation, receipts, *, block_bytes, versions)``
-builds the ``Manifest`` of ``step`` from the receipts of all ``world_size`` ranks (rank ->
-receipt, as ``commit.CommitCore.report`` collected them) and returns it with its
-``manifest.json`` bytes (serialised once: the check below parses them, and the commit writes
-and keeps the same bytes; at tens of thousands of chunks a manifest is tens of MB), or
-raises ``ValueError`` with one line saying what is wrong, in which case the step must be
-aborted, not committed:
+builds step's ``Manifest`` from all ``world_size`` receipts (rank -> receipt) with its
+``manifest.json`` bytes (serialised once, checked and written as is: at tens of thousands of
+chunks a manifest is tens of MB), or raises a one-line ``ValueError`` (abort the step) unless:
 
-* rank 0's receipt carries the catalog of every logical tensor (dtype, shape), the state
-  skeletons and the layout;
-* every rank runs the same library versions as rank 0 (a mixed install could write shards
-  another rank cannot read);
-* every rank wrote exactly its own shard of this generation (``shard_filename``), so no
-  straggler of another generation is mixed in;
-* every chunk names a tensor of the catalog, and for every tensor the chunks cover exactly
-  its element count (no tensor missing, none written twice);
-* every rank holds every replicated tensor as rank 0 does: the same ``replicas`` checksums
-  (each rank wrote only a part of a replicated tensor; one element that differs on any rank
-  fails the step with ``elastic.errors.divergence_message``, naming the tensor and ranks);
-* the manifest passes the checks a restore makes of it (``manifest_check.check_manifest``:
-  chunks inside their tensor and not overlapping, byte ranges, checksums, state
-  references), so nothing is committed that a restore would refuse.
+* rank 0's receipt carries the catalog (dtype, shape), the state skeletons and the layout;
+* every rank runs rank 0's library versions (a mixed install could write unreadable shards);
+* every rank wrote exactly its own shard of this generation (``shard_filename``: no straggler);
+* every chunk names a catalog tensor, and each tensor's chunks cover exactly its elements;
+* every rank holds every replicated tensor as rank 0 does (the same ``replicas`` checksums;
+  one element that differs fails the step with ``elastic.errors.divergence_message``);
+* the manifest passes every check a restore makes (``manifest_check.check_manifest``), so
+  nothing is committed that a restore would refuse.
 
 The manifest's ``versions`` are ``versions`` (the coordinator's) updated with rank 0's.
 Nothing here reads storage.

@@ -1,41 +1,33 @@
 """Read a Baton run's snapshots with numpy: no torch, the same checks as the PyTorch restore.
 
-Contract
---------
 ``PortableRun(run_uri, storage_options=None)`` opens a run directory (local path or
-``s3://bucket/prefix/run``) through Baton's storage layer
-(``elastic.store.snapshot_store.SnapshotStore``):
+``s3://bucket/prefix/run``) through Baton's storage layer (``SnapshotStore``):
 
-* ``committed_steps()``: the committed snapshots (those with a ``manifest.json``), ascending;
+* ``committed_steps()``: the committed snapshots (with a ``manifest.json``), ascending;
   ``newest()`` the last one (``ValueError`` naming the run when there is none).
-* ``manifest(step)``: the parsed manifest, validated by ``elastic.format.manifest_check`` (the one
-  set of checks every reader applies; P8).
+* ``manifest(step)``: the parsed manifest, validated by ``elastic.format.manifest_check`` (the
+  checks every reader applies; P8).
 * ``read(step=None, keys=None)`` -> ``Snapshot``: the logical (unsharded) tensors named by
   ``keys`` (default: all), each assembled from its chunks into one C-contiguous numpy array,
-  and the JSON ``state``. Before any tensor byte is read, every used shard file passes the
+  and the JSON ``state``. Before a tensor byte is read every used shard file passes the
   shard-file rule and every used chunk is compared with its file's safetensors header
   (``elastic.format.chunk_checks``); every byte read is verified against the manifest's crc32
-  blocks, and every floating value read must be finite (``elastic.format.finite``: a NaN or
-  an Inf is ``NonFiniteError``, as the PyTorch restore refuses it). A failure is
-  ``SnapshotIntegrityError`` (``ManifestError`` for a malformed or unsafe snapshot), one line
-  naming the snapshot and the field, file, chunk or block; nothing is
-  returned then. Nothing is unpickled or executed.
-* ``run_info()``: ``run.json`` (the recipe and versions the run was made with) or None, read as
-  the run's own record (never through a link).
+  blocks, every floating value must be finite (``elastic.format.finite``). A failure is
+  ``SnapshotIntegrityError`` (``ManifestError``, ``NonFiniteError``), one line naming the
+  snapshot and the field, file, chunk or block; nothing is returned, unpickled or executed.
+* ``run_info()``: ``run.json`` (recipe, versions) or None, read as the run's own (no link).
 
 ``Snapshot.component(name)`` decodes one component's JSON state with its tensors in place
-(``elastic.portable.arrays.decode_state``), e.g. ``snap.component("data")`` is the data cursor.
+(``elastic.portable.arrays.decode_state``; ``"data"`` is the data cursor).
 ``Snapshot.check_optimizer_shapes(component, optimizer, model="model")`` applies the PyTorch
-restore's shape rule to an optimizer's per-parameter state (``elastic.format.state_shapes``,
-torch-free: for ``"AdamW"``, ``step`` a scalar and each moment exactly its parameter's shape, the
-parameter being the snapshot's ``<model>.<fqn>``); it reads only the manifest and raises
-``SnapshotMisfitError``, one line naming the tensor. A reader that knows the run's optimizer
-calls it (``trainer.on_jax.load_train_state`` does, with ``"AdamW"``); ``read`` cannot know it.
+restore's shape rule (``elastic.format.state_shapes``; for ``"AdamW"``: ``step`` a scalar, each
+moment its parameter ``<model>.<fqn>``'s shape) from the manifest alone, raising a one-line
+``SnapshotMisfitError`` naming the tensor; a reader that knows the optimizer calls it
+(``trainer.on_jax.load_train_state`` does), ``read`` cannot know it.
 
-What it reads: each chunk once, whole (a row block straight into its place in the output
-array, any other chunk through one buffer of its size); about 1x the snapshot's bytes of
-memory for what is read. It reads alone (no process group): a multi-host JAX job reads the
-whole state on each host.
+Each chunk is read once, whole (a row block straight into its place, any other through one
+buffer of its size): about 1x the bytes read in memory. It reads alone (no process group): a
+multi-host JAX job reads the whole state on each host.
 """
 
 from __future__ import annotations

@@ -1,35 +1,30 @@
 """Commit a snapshot written from numpy arrays: what a Baton driver commits, without torch.
 
-Contract
---------
 ``write_snapshot(run_uri, step, tensors, state, *, versions=None, run_info=None,
 lease_ttl_s=60.0)`` commits snapshot ``step`` of the run at ``run_uri`` holding ``tensors``
-(logical key -> numpy array, keys ``<component>.<name>``) and ``state`` (component -> JSON
-skeleton whose ``{"__tensor__": key}`` leaves reference every tensor exactly once, as
-``elastic.state.registry`` writes it), and returns its ``Manifest``. It follows the run's rules for
-writers (P3, P7):
+(logical key ``<component>.<name>`` -> numpy array) and ``state`` (component -> JSON skeleton
+whose ``{"__tensor__": key}`` leaves reference every tensor exactly once, as
+``elastic.state.registry`` writes it), and returns its ``Manifest``, following the run's rules
+for writers (P3, P7):
 
-* **One writer.** It takes the run lease (``elastic.lease.run_lease.RunLease``) for the duration of
-  the write and releases it after. A live Baton driver holding the lease makes it refuse
-  (``LeaseHeldError``, one line naming the holder): stop that driver first. A lease left by a dead
-  holder on this host is taken over as a driver would.
-* **A generation of its own.** It starts a new worker-group generation (``generation.json``
-  + 1), so its shard file ``shard-00000-of-00001-gNNNNNN.safetensors`` is a name no other
-  writer uses, written create-only.
-* **The manifest last, create-only.** The manifest is built from a receipt by
-  ``elastic.coord.receipts.manifest_from_receipts`` — the coordinator's own checks, which include
-  every check a restore makes of a manifest — and written with an exclusive create after the
-  fencing check (``elastic.coord.generation.fencing_reason``: no newer generation started and the
-  lease still ours). A step that is already committed, or that is not newer than the newest
-  committed step, is refused (``ValueError``): a committed snapshot is never overwritten, and
-  restore would never pick an older one.
-* On any failure before the commit, the files of its generation are removed
+* **One writer.** It holds the run lease (``elastic.lease.run_lease.RunLease``) for the write. A
+  live driver holding it makes it refuse (``LeaseHeldError``, one line naming the holder); a
+  lease left by a dead holder on this host is taken over as a driver would.
+* **A generation of its own** (``generation.json`` + 1), so its shard file
+  ``shard-00000-of-00001-gNNNNNN.safetensors`` is a name no other writer uses, written
+  create-only.
+* **The manifest last, create-only**, built by ``elastic.coord.receipts.manifest_from_receipts``
+  (the coordinator's checks, every restore check included) and written with an exclusive
+  create after the fencing check (``elastic.coord.generation.fencing_reason``). A step already
+  committed, or not newer than the newest committed step, is refused (``ValueError``): a
+  committed snapshot is never overwritten, and restore would never pick an older one.
+* On any failure before the commit its generation's files are removed
   (``elastic.coord.collect.delete_generation_files``); nothing else is touched.
 
 One shard, one chunk per tensor, layout ``ddp``, world size 1: any world size and layout
-restores it (restore reshards). The shard is built in memory (its size in bytes); arrays of
-any byte order are stored little-endian. ``run_info`` is written as ``run.json`` when the run
-has none (a new run). Retention (``keep_last``) is left to the run's next driver.
+restores it (restore reshards). The shard is built in memory (its size in bytes); any byte
+order is stored little-endian. ``run_info`` is written as ``run.json`` when the run has none.
+Retention (``keep_last``) is left to the run's next driver.
 """
 
 from __future__ import annotations
