@@ -2,39 +2,31 @@
 same (a DDP model, its optimizer moments) is the same on every rank.
 
 Why: a snapshot of replicated state is written in pieces, each by one rank
-(`elastic.state.layout.owned_pieces`). If the replicas diverged (a model nobody wrapped in DDP, a
-rank-dependent update), the committed snapshot would mix them tensor by tensor — even one
-weight's moments from different ranks — and every checksum would still pass.
+(`elastic.state.layout.owned_pieces`); diverged replicas (a model nobody wrapped in DDP, a
+rank-dependent update) would be committed mixed tensor by tensor, every checksum passing.
 
-Contract:
 - `fingerprints(tensors, step, samples=SAMPLES)` -> `(names, values)`: for every replicated
-  tensor of `tensors` (any tensor but a sharded DTensor; a replicated DTensor's local
-  tensor), sorted by name, `samples` elements at positions derived from `(name, step)` only
-  (the same on every rank for the same shapes; others at the next snapshot, so a long run
-  samples much of each tensor), as the int64 bit patterns of their float64 values (every
-  dtype compares exactly; equal values give equal patterns). `values` is an int64 CPU tensor
-  of `len(names) * samples` entries. Cost: one small gather per tensor, no copy of a tensor.
-- `agree(busy, names, values)` (every rank calls it, with the same names): one all-reduce
-  (MAX) of `[busy, values, ~values]`; returns `(busy on any rank, the first name whose
-  fingerprint differs between ranks or None)`. Without a process group of more than one rank
-  it returns `(busy, None)`.
-- `divergence_message(name, step)` is the one line the snapshot fails with
+  tensor (any but a sharded DTensor; a replicated DTensor's local tensor), sorted by name,
+  `samples` elements at positions derived from `(name, step)` only (the same on every rank;
+  others next snapshot, so a long run samples much of each tensor), as the int64 bit patterns
+  of their float64 values (every dtype compares exactly). `values` is an int64 CPU tensor of
+  `len(names) * samples` entries; cost: one small gather per tensor, no copy.
+- `agree(busy, names, values)` (every rank, same names): one all-reduce (MAX) of
+  `[busy, values, ~values]`; returns `(busy on any rank, the first name whose fingerprint
+  differs, or None)`; `(busy, None)` without a process group of more than one rank.
+- `divergence_message(name, step)`: the snapshot's one-line failure
   (`elastic.errors.divergence_message`).
 
 Two checks, kept both on purpose:
 - these fingerprints, at `begin_capture`, before a byte is written: a divergence that is
-  everywhere (a model nobody wrapped in DDP, a rank-dependent update of a whole tensor) fails
-  the snapshot on every rank at once with `ReplicasDivergedError`, a `FatalRunError`: such a
-  run cannot snapshot again, so it stops with the reason. They cost ~2 ms for 300 tensors and
-  ride on the all-reduce the ranks make anyway, but see 4 elements per tensor: one element
-  that differs is almost never among them;
-- full checksums (`elastic.write.replica_sums`): every rank's capture thread takes the crc32
-  of every replicated tensor it holds, whole, while the copies overlap the next
-  forward/backward; the receipts carry them and the commit refuses a step whose ranks
-  disagree anywhere (`elastic.coord.receipts`): that snapshot is not committed, its failure
-  names the tensor and the ranks, training goes on and the next step whose replicas agree
-  commits. Exact, and off the training thread (a stall only where a capture outlasts
-  forward/backward), but known only at the commit, once every rank has persisted.
+  everywhere fails the snapshot on every rank at once with `ReplicasDivergedError` (a
+  `FatalRunError`: such a run cannot snapshot again). ~2 ms for 300 tensors, riding on the
+  all-reduce the ranks make anyway, but 4 elements per tensor almost never catch one element;
+- full checksums (`elastic.write.replica_sums`): the capture thread's crc32 of every
+  replicated tensor a rank holds, whole, overlapping forward/backward; the commit refuses a
+  step whose ranks disagree anywhere (`elastic.coord.receipts`), naming tensor and ranks, and
+  training goes on to the next step whose replicas agree. Exact and off the training thread,
+  but known only at the commit.
 """
 
 from __future__ import annotations

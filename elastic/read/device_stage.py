@@ -1,34 +1,31 @@
 """Restoring into tensors the reader cannot write directly (a GPU's): through bounded host
 staging buffers, each block verified before it is copied to the device.
 
-Contract
---------
-``read_to(placed, source, manifest)`` is what a restore calls to fill its placed ops: ops
-whose destination is in host memory go to ``elastic.read.read_batches.read_placed`` (read
-straight into the tensors, then verified); every other op goes, device by device, to
-``read_staged`` with that device's ``Copier``.
+``read_to(placed, source, manifest)`` is what a restore calls to fill its placed ops: ops whose
+destination is in host memory go to ``elastic.read.read_batches.read_placed`` (read straight
+into the tensors, then verified); every other op goes, device by device, to ``read_staged``
+with that device's ``Copier``.
 
-``read_staged(placed, source, manifest, copier)`` reads the ops in file order, in batches of
-at most ``buffer_bytes`` (a large contiguous op is cut into pieces: ``split_direct``), each
-into one of at most ``buffers`` host buffers (``Stager``: page-locked when the copier asks,
-as CUDA's asynchronous copies need), verifies every checksum block of the batch there and
-only then hands each op's bytes to ``copier.copy`` — asynchronous on CUDA: a side stream
-copies batch k to the device while the next batches are read. A buffer is read into again
-only once the copies out of it have finished (its fence). With a local store and no RAM
-tier (``ByteSource.parallel_reads``) the verifying pool's threads read and verify batches
-at once, and batches are copied to the device in file order as they are ready.
+``read_staged(placed, source, manifest, copier)`` reads the ops in file order, in batches of at
+most ``buffer_bytes`` (a large contiguous op is cut: ``split_direct``), each into one of at most
+``buffers`` host buffers (``Stager``: page-locked when the copier asks, as CUDA's asynchronous
+copies need), verifies every checksum block of the batch there and only then hands each op's
+bytes to ``copier.copy``; on CUDA a side stream copies batch k while the next are read. A
+buffer is read into again only once the copies out of it have finished (its fence). With a
+local store and no RAM tier (``ByteSource.parallel_reads``) the verifying pool's threads read
+and verify batches at once, copied to the device in file order as they are ready.
 
 * Bytes of a batch that fails verification never reach the device; those of earlier batches
-  did (``elastic.read.restore`` states what a failed restore leaves behind and what follows).
-* It returns, or raises, only once every copy it issued has finished and no thread writes
-  into its buffers any more: a fallback restore never races with a copy of this one.
-* Host memory beyond the state: ``buffers`` × ``buffer_bytes`` (4–6 × 32 MiB), plus, for an
-  op that must read a whole chunk larger than a buffer (a resharded target that needs a
-  non-contiguous part of it), one buffer of that chunk's size while it is in use.
+  did (``elastic.read.restore`` states what a failed restore leaves and what follows).
+* It returns, or raises, only once every copy it issued has finished and no thread writes into
+  its buffers: a fallback restore never races with a copy of this one.
+* Host memory beyond the state: ``buffers`` x ``buffer_bytes`` (4-6 x 32 MiB), plus one buffer
+  of a chunk's size while an op must read a whole chunk larger than a buffer (a resharded
+  target that needs a non-contiguous part of it).
 
 ``HostCopier`` copies synchronously from pageable memory (devices other than CUDA, and the
-tests of the staging logic on a CPU); ``CudaCopier`` issues ``copy_(non_blocking=True)`` on
-its own stream from pinned buffers and fences with CUDA events.
+staging tests on a CPU); ``CudaCopier`` issues ``copy_(non_blocking=True)`` on its own stream
+from pinned buffers and fences with CUDA events.
 """
 
 from __future__ import annotations

@@ -1,52 +1,33 @@
 """Restore as a group: every checksum block the group needs is read once, by one rank.
 
-Contract
---------
-``group_read_tensors(manifest, targets, source)`` is ``restore.read_tensors`` for a rank of
-an initialised process group (gloo or NCCL; every rank calls it for the same snapshot, with
-targets planned the same way). It returns the same tensors, bitwise, but the group reads
-each byte of the snapshot that it needs once in all:
+``group_read_tensors(manifest, targets, source)`` is ``restore.read_tensors`` for a rank of an
+initialised process group (gloo or NCCL; every rank calls it for the same snapshot, with
+targets planned the same way). It returns the same tensors, bitwise, but the group reads each
+byte of the snapshot that it needs once in all (how the blocks are shared out and exchanged:
+docs/design.md, "The group read"):
 
-* Every rank plans its reads as ``read_tensors`` would (``plan_reads``: needed ranges
-  widened to whole checksum blocks) and the ranks all-gather these block ranges (integers).
-  From them every rank computes the same plan: the blocks of each chunk that one rank needs
-  are *private* to it; blocks that several ranks need are *shared* and cut into pieces of at
-  most ``SHARE_PIECE_BYTES`` (whole blocks), each owned by the needing rank that has been
-  given the fewest bytes so far (ranks take turns, so the reading is balanced).
-* A replicated (DDP) state is needed whole by every rank: every block is shared, and each
-  rank reads about ``state / W`` and receives the rest. A sharded (FSDP2) state shares only
-  the blocks at the boundaries between two ranks' rows, so the group reads the union of
-  what the ranks need — nothing twice, however small the chunks are against the blocks.
-* Each rank reads its private blocks straight into its tensors (``device_stage.read_to``:
-  its live tensors where the restore reads in place, a GPU's through staging), and so
-  does the owner of a shared piece of at least ``IN_PLACE_MIN_BYTES`` that every needing
-  rank uses whole (a replicated tensor's): once all agree that these reads succeeded, each
-  such piece is broadcast from the owner's tensor straight into the others' (gloo; NCCL
-  through a device buffer of the piece's size). The other shared pieces (small ones, and
-  the partly used blocks at the edges of sharded rows) are exchanged in rounds of at most
-  ``ROUND_BYTES``: the owners read and verify their pieces of the round into one round
-  buffer (on ``group_device``: CPU for gloo, CUDA for NCCL), each owner broadcasts the
-  pieces every rank needs and sends the others (point to point) to the ranks that need
-  them, and every rank that needs a piece copies its bytes into its tensor. Memory beyond the
-  state: a round buffer or one piece (and, for NCCL, a CPU staging buffer of the same
-  size) besides the reads' staging buffers.
-* Ops whose bytes do not land contiguously in the target (a resharded rectangle that needs
-  a non-contiguous part of a chunk) are read by their rank alone, as ``read_tensors`` does.
-* Headers: each rank checks the safetensors headers of the chunks it reads itself, so the
-  group reads the manifest's tensor bytes once plus each file's header once per rank that
-  reads from that file (at most W × the headers).
-* Agreement: a failure (checksum, missing file, storage) on one rank fails the read on every
-  rank at the same point — before the exchange, and before each round — with the failing
-  rank's own error there and, on the others, a ``SnapshotIntegrityError`` /
-  ``StorageUnavailableError`` / ``RestoreMemoryError`` / ``RuntimeError`` naming the failing
-  rank and repeating its
-  message (as UTF-8 bytes sent as integers); nothing is loaded, so the caller
-  (``Snapshotter.restore``) moves on to the previous snapshot on every rank together. Every
-  buffer the exchange uses (``_Buffers``) is allocated before the agreement that follows the
-  ranks' own reads, so an allocation failure (out of CPU or GPU memory) is agreed like any
-  other failure and never leaves the other ranks waiting in a collective.
-  Everything is verified before it is sent: a rank only receives bytes whose owner checked
-  their crc32. Only integers and raw tensor bytes cross the process group; nothing is pickled.
+* Every rank plans its reads as ``read_tensors`` would (``plan_reads``) and the ranks
+  all-gather the block ranges. From them every rank computes the same plan: blocks one rank
+  needs are *private* to it; blocks several need are *shared*, cut into pieces of at most
+  ``SHARE_PIECE_BYTES``, each owned by the needing rank given the fewest bytes so far.
+* A replicated (DDP) state is read about ``state / W`` per rank, the rest received; a sharded
+  (FSDP2) state shares only the blocks at row boundaries, so the group reads the union of what
+  its ranks need, nothing twice.
+* Private blocks, and shared pieces of at least ``IN_PLACE_MIN_BYTES`` every needing rank uses
+  whole, are read straight into the tensors (``device_stage.read_to``) and the latter broadcast
+  from the owner's tensor; other shared pieces travel in rounds of at most ``ROUND_BYTES``
+  through a round buffer on ``group_device`` (CPU for gloo, CUDA for NCCL). Memory beyond the
+  state: a round buffer or one piece (for NCCL a CPU staging buffer of the same size too).
+* Ops whose bytes do not land contiguously in the target are read by their rank alone. Each
+  rank checks the headers of the files it reads from (at most W x the headers in all).
+* Agreement: a failure (checksum, missing file, storage, memory) on one rank fails the read on
+  every rank at the same point, before the exchange and before each round, with the failing
+  rank's own error there and, on the others, an error of the same kind
+  (``SnapshotIntegrityError`` / ``StorageUnavailableError`` / ``RestoreMemoryError`` /
+  ``RuntimeError``) naming that rank and repeating its message; nothing is loaded, so
+  ``Snapshotter.restore`` falls back on every rank together. Exchange buffers are allocated
+  before the agreement after the own reads: a rank out of memory never leaves others waiting.
+* Only bytes whose owner checked their crc32 are sent; only integers and raw bytes, no pickle.
 """
 
 from __future__ import annotations

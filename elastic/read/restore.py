@@ -1,88 +1,33 @@
 """Restore: read the byte ranges this rank needs and materialise its state.
 
-Contract
---------
 A restore is ``check_compatible`` → ``check_rules`` → ``plan_targets`` → ``read_tensors`` →
-``StateRegistry.load``: everything is checked that can be before a byte of a live tensor is
-written, and every byte is verified before anything is loaded. The manifest was validated
-when it was parsed (``elastic.format.manifest_check.parse_manifest``); what it claims about
-the files is checked here, because a manifest is untrusted input (P8, docs/design.md):
+``StateRegistry.load``: all that can be checked is checked before a byte of a live tensor is
+written, every byte verified before anything is loaded. The manifest is untrusted (P8): parsed
+by ``elastic.format.manifest_check``, its claims about the files checked here (the steps in
+detail: docs/design.md, "The restore, step by step").
 
 * ``check_compatible``: the snapshot's model tensors are the registered model's (else
-  ``SnapshotMismatchError`` listing missing, unexpected and shape-mismatched tensors), and
-  every component's JSON state fits the live component (``StateRegistry.check_state``; a
-  misfit is ``SnapshotMisfitError`` naming the component and path; optimizer state may
-  cover a subset of the parameters, and its tensors' manifest shapes must be ones the
-  optimizer gives them: ``step`` a scalar, moments their parameter's).
-* ``check_rules``: the rules the trainer added to the registry (``StateRegistry.add_rule``:
-  its step, the optimizer's step counts, the schedule and the data cursor tell one story)
-  hold on the snapshot's state; the scalar tensors they need (each parameter's ``step``)
-  are read first, verified, into new CPU tensors (a few bytes each; one range request per
-  tensor on S3). A rule that fails is ``SnapshotMisfitError`` naming the field: no live
-  tensor was written.
-* Targets come from the registry's current tensors (``layout.target_piece``); a registered
-  tensor whose dtype differs from the manifest's is ``SnapshotMisfitError`` (a dtype edited
-  in the manifest alone also disagrees with the file's header: ``ManifestError``).
-  Optimizer moments that do not exist yet take the layout of their parameter — the tensor
-  named ``<param fqn>`` inside their key with the same global shape — and are allocated once,
-  on its device; everything else is a plain CPU tensor (the optimizer's load_state_dict
-  places it).
-* In place (``plan_targets(..., in_place=keys)``, what ``Snapshotter.restore`` asks for the
-  model and optimizer components): a live tensor of those components — a DTensor's local
-  shard — that is contiguous, has the target's dtype and local shape and is the only tensor
-  of the registry on its storage becomes the target's ``fill``: the restore writes into it,
-  on the CPU with ``preadv`` straight into its memory, on a GPU through bounded pinned
-  staging buffers (``elastic.read.device_stage``), and loading it is a copy onto itself. Tied or
-  aliased tensors, other components' tensors and state that does not exist yet are
-  allocated (once, on their device). Memory beyond what the process holds: the staging
-  buffers and the state that did not exist yet (a fresh optimizer's moments).
-* **What a failed restore leaves.** Every check that needs no tensor bytes — the manifest,
-  the registry fit (misfits), dtypes, the files' headers, coverage, allocation — runs before
-  the first byte is written into a live tensor, so these failures leave the registry as it
-  was. Bytes are verified as they arrive (on a GPU: in the staging buffer, before the copy
-  to the device), so a corrupt block is never loaded; but a failure found once reading has
-  begun (a checksum, a short file, storage that stops answering, another rank's failure)
-  leaves the live model and optimizer tensors partly overwritten. The rule: a restore that
-  raises once reading has begun leaves those tensors unspecified, and its caller never
-  trains from them. ``Snapshotter.restore`` falls back to the previous committed snapshot,
-  whose read overwrites every element of every target (``check_coverage``) and whose load
-  replaces the optimizer's state whole (a parameter without state in it has none after), so
-  the fallback ends bitwise at that snapshot; if nothing can be restored it raises, and
-  ``trainer.Session`` makes that fatal (a restarted worker builds its state anew).
-* Before any tensor bytes are read, the safetensors header of every file used is read (one
-  small range read per file, cached in the ``ByteSource``: from the first byte up to the
-  file's first chunk) and each used chunk must be in it with the manifest's dtype, shape and
-  absolute byte range (else ``ManifestError``).
-* For each target rectangle and each overlapping chunk the reader asks for one byte range:
-  when the chunk and the target both span all of dims 1.. the needed rows are contiguous,
-  otherwise the whole chunk is read. The range is widened to whole checksum blocks and
-  every block read is verified against the manifest's crc32 (a mismatch is
-  ``SnapshotIntegrityError`` naming the file, chunk and block). Values are copied bitwise;
-  nothing is ever unpickled.
-* Every floating element read is checked finite in the same pass, each piece right after
-  its crc32 (``elastic.format.finite``): a NaN or an Inf is ``NonFiniteError`` naming the
-  tensor, a definite failure of the snapshot (its checksums pass: a writer with a bug made
-  it), so it takes the corrupt snapshot's path. On a GPU the check runs on the staging
-  buffer, before the copy to the device; read in place on the CPU, the bytes are in the
-  live tensor when they are checked (as when they are checksummed), so such a failure falls
-  under the rule above: the live tensors are unspecified and the previous snapshot's read
-  overwrites them.
-* What a restore reads. Alone (``read_tensors``: one process, or no process group): each
-  rank reads its needed ranges widened to whole checksum blocks, so a rank that needs part
-  of a chunk reads up to two partial blocks more (a whole chunk smaller than a block), and a
-  DDP group reads the state W times. With its group (``elastic.read.group_read``, what
-  ``Snapshotter.restore`` uses when torch.distributed has its world size): every block the
-  group needs is read once, by one rank, and sent to the others, so a DDP restore reads 1×
-  the state in all (about state / W per rank) and an FSDP2 restore the union of the blocks
-  its ranks need (1.0× at W=2 → W'=4, against 1.9× alone at GPT-2-small shapes), plus each
-  used file's header once per rank that reads from it. On S3 ranges are merged into fewer
-  requests only while a request's holes stay within 1/16 of its bytes.
-* Bytes come from a ``ByteSource`` (``elastic.read.byte_source``): the RAM tier or the store.
+  ``SnapshotMismatchError`` listing missing, unexpected and shape-mismatched tensors); every
+  component's JSON state and optimizer tensor shapes fit the live component (else
+  ``SnapshotMisfitError`` naming the component and path).
+* ``check_rules``: the trainer's rules (``StateRegistry.add_rule``) hold, else a misfit.
+* ``plan_targets``: targets from the registry's tensors (another dtype: ``SnapshotMisfitError``);
+  moments that do not exist yet take their parameter's layout and device. In place
+  (``in_place=keys``) a live tensor that is contiguous, of the target's dtype and local shape
+  and alone on its storage is written into directly (CPU: ``preadv``; GPU:
+  ``elastic.read.device_stage``).
+* ``read_tensors``: each used file's safetensors header first (each chunk as the manifest says,
+  else ``ManifestError``), then one range per target and chunk, widened to whole checksum
+  blocks, each verified against its crc32 (``SnapshotIntegrityError`` naming file, chunk, block)
+  and every floating element checked finite (``NonFiniteError``). With its process group
+  ``elastic.read.group_read`` reads each block once. Bytes come from a ``ByteSource``.
+* A failure before reading begins leaves the registry as it was; once reading has begun it
+  leaves the live tensors unspecified and the caller never trains from them:
+  ``Snapshotter.restore`` falls back to the previous commit, which overwrites every target
+  element (``check_coverage``) and the optimizer's state whole, ending bitwise at it.
 
-``collector_paused()`` is the context a restore runs in: Python's cyclic garbage collector off.
-Bad input never surfaces as RuntimeError/KeyError/TypeError/IndexError: every failure is a
-``SnapshotIntegrityError`` (or its subclasses ``ManifestError``, ``NonFiniteError``), which
-restore answers by falling back to the previous committed snapshot.
+``collector_paused()``: the context a restore runs in (cyclic GC off). Bad input is never a
+RuntimeError/KeyError/TypeError/IndexError: always a ``SnapshotIntegrityError`` (or subclass).
 """
 
 from __future__ import annotations

@@ -1,38 +1,33 @@
 """In-process recovery of one worker: a lost member costs one step, not a restart.
 
-Contract
---------
 ``InProcessRecovery(coordinator, member_id=, order=, device=, settings=)`` is what a
 ``trainer.train.session.Session`` runs when the run's coordinator keeps a membership
 (``elastic.coord.membership``; on Ray, ``trainer.on_ray.replica_groups`` sets it up):
 
-- ``join()`` makes this worker a member (``elastic.recovery.member``), forms its process
-  group (``elastic.recovery.group.ElasticGroup``) and installs it as the group of Baton's
-  collectives (``elastic.collectives``); False when the coordinator runs no membership or
-  the run has finished (``run_finished``).
-  ``started_fresh``: a member of a group that starts whole (it restores the newest snapshot
-  with the others); otherwise a joiner, which ``receive_joined_state()`` brings up to the
-  members' state from a live member.
-- ``attach(model, registry)``: the gradient all-reduce of a DDP model moves onto the group
+- ``join()`` makes this worker a member (``elastic.recovery.member``), forms its process group
+  (``elastic.recovery.group.ElasticGroup``) and installs it as the group of Baton's collectives
+  (``elastic.collectives``); False when the coordinator runs no membership or the run has
+  finished (``run_finished``). ``started_fresh``: a member of a group that starts whole (it
+  restores the newest snapshot with the others); otherwise a joiner, which
+  ``receive_joined_state()`` brings up to the members' state from a live member.
+- ``attach(model, registry)``: a DDP model's gradient all-reduce moves onto the group
   (``elastic.recovery.grad_sync``); ``registry`` is what is saved, restored and sent.
 - Per step: ``begin_step()`` keeps what a step changes besides the model's and optimizers'
-  tensors (``StepState``); ``before_optimizer_step(optimizer)``, from the optimizer's
-  pre-hook, drops the gradients of a step whose group failed (so ``optimizer.step()``
-  changes nothing) and otherwise notes that the update was applied;
-  ``must_recover()``: the group failed or the membership moved on.
-- ``recover(step, open_step, reason)`` at a step boundary: puts back the open step's state
-  if its update was not applied, asks for the next membership, forms its group, and agrees
-  with the other members who holds the furthest state (``done``: completed steps, counting
-  the open one where its update was applied); the members behind (a joiner, a member whose
-  all-reduce failed where another's succeeded) receive it from the first member that holds
-  it (``elastic.recovery.transfer``). Returns a ``Recovered``: whether the open step counts
-  (``counted``; else it is redone, on the new membership, with the same samples: P1, P5),
-  the new rank, world size and generation, and what it cost. A failure of the group while
-  recovering, a membership that cannot form, a coordinator gone, or a state that does not
-  load raise ``RecoveryFailedError`` after telling every member to fall back: the worker
-  group then restarts whole from the newest snapshot.
-- ``close(finished)``: stop beating; ``finished`` (rank 0, the last step committed): later
-  joiners restore that commit instead of joining.
+  tensors (``StepState``); ``before_optimizer_step(optimizer)``, from the optimizer's pre-hook,
+  drops the gradients of a step whose group failed (``optimizer.step()`` changes nothing) and
+  otherwise notes the update applied; ``must_recover()``: the group failed or the membership
+  moved on.
+- ``recover(step, open_step, reason)`` at a step boundary puts back the open step's state if
+  its update was not applied, asks for the next membership, forms its group and agrees on who
+  holds the furthest state (``done``: completed steps, the open one counted where applied);
+  members behind (a joiner, a member whose all-reduce failed where another's succeeded) receive
+  it from the first that holds it (``elastic.recovery.transfer``). It returns a ``Recovered``:
+  whether the open step counts (``counted``; else it is redone on the new membership with the
+  same samples: P1, P5), the new rank, world size and generation, and the cost. A group failure
+  while recovering, a membership that cannot form, a coordinator gone or a state that does not
+  load raise ``RecoveryFailedError`` after telling every member to fall back: the worker group
+  restarts whole from the newest snapshot.
+- ``close(finished)``: stop beating; ``finished`` (rank 0, last step committed): joiners restore.
 """
 
 from __future__ import annotations
