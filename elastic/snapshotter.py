@@ -1,72 +1,33 @@
 """The worker-side API of elastic snapshots.
 
-Usage (one ``Snapshotter`` per worker)::
+One ``Snapshotter(run_uri, registry, rank, world_size, settings, coordinator=None)`` per
+worker, over a ``StateRegistry`` and a frozen ``elastic.settings.SnapshotSettings``; its usage
+and what each setting does are in docs/snapshots.md ("From your own code"). A training loop
+rarely needs it directly: ``trainer.train.session.Session`` wraps it.
 
-    registry = StateRegistry()
-    registry.register("model", model); registry.register("optim", optimizer)
-    registry.register("sched", scheduler); registry.register("data", cursor)
-    settings = SnapshotSettings(layout="ddp" | "fsdp", snapshot_every=100, keep_last=2)
-    snap = Snapshotter(run_uri, registry, rank, world_size, settings,
-                       coordinator=handle_or_None)
-    step = snap.restore()          # newest committed snapshot, resharded; 0 if none
-    while training:
-        loss.backward(); snap.wait_capture(); optimizer.step(); step += 1
-        snap.begin_capture_if_due(step)  # copies overlap the next forward/backward
-    snap.close()                   # flush the last persist
-
-Its tunables are one frozen ``elastic.settings.SnapshotSettings`` (validated when made);
-its collaborators (coordinator, RAM tier, fault injector) and identity (rank, world size,
-generation) are its own parameters.
-
-A training loop rarely needs this class directly: ``trainer.train.session.Session`` wraps it with
-the optimizer hook that calls ``wait_capture``, preemption, planned resizes and stops.
-
-``after_step(step)`` is the simple form (capture when due, wait for the copy at once).
-The pipelined form above (``begin_capture_if_due`` after the optimizer step, ``wait_capture``
-just before the next one) hides the copy behind forward/backward: the only training stall is
-the part of the copy that forward/backward did not cover.
-
-Coordinator: ``None`` means in-process (``LocalCoordinator``) for ``world_size == 1`` and a
-store-based receipt exchange (``StoreCoordinator``, rank 0 commits) otherwise; on a Ray
-cluster pass ``elastic.coord.ray_actors.RayCoordinatorClient``. All ranks must call the capture
-methods with the same steps (a step boundary is a consistent cut in synchronous training).
-
-RAM tier (``ram_tier``, ``elastic.store.ram_store``): where each shard's RAM copy goes and restores
-read from first. On a Ray cluster pass ``elastic.coord.ray_actors.ray_ram_tier(...)`` (stores on
-peer nodes); the in-process coordinator of world size 1 gets an in-process store (capped at
-``settings.ram_cap_bytes``) unless ``settings.ram`` is off; store groups have none.
-
-Replicas: with a process group of this world size, every capture first compares a
-fingerprint of each replicated model and optimizer tensor across ranks (``elastic.replicas``,
-in the same collective as the busy agreement below); a tensor that differs fails the
-snapshot with ``ReplicasDivergedError`` naming it (reported to the coordinator, nothing
-committed): a snapshot never mixes diverged replicas.
-
-Busy policy (``settings.on_busy``): when the previous snapshot is still being persisted, ``"skip"``
-(default) skips this snapshot so a slow or dead storage never blocks training, ``"wait"``
-waits for it; with a process group of this world size the ranks agree (all-reduce MAX), so
-a step is skipped by every rank or by none (a step one rank skipped could never commit, and
-ranks whose persists end at different times could commit almost none). ``force=True``
-(preemption) always waits. A failure report that itself fails (the coordinator or its
-storage gone at that moment) is logged: a failed capture fails its snapshot, not training.
-
-Restore agreement (``elastic.read.newest``): when torch.distributed is initialised, ranks
-agree (all-reduce MAX of a ``elastic.read.verdict.Verdict``) that every rank read and
-verified the same snapshot before any rank loads it. With a process group of this world size
-the ranks read together (``elastic.read.group_read``): each byte the group needs is read and
-verified by one rank and sent to the others, so a DDP restore reads the state once in all,
-not W times; a failure on any rank fails the read on all. A definitely corrupt snapshot is
-reported by name (``restore_errors``), quarantined by the coordinator, and the previous
-committed one is tried (a RAM copy that fails its checks is no verdict on the snapshot: its
-files are read from storage first); storage that does not answer, or a rank that cannot
-allocate what the restore needs (``RestoreMemoryError``), fails the restore and touches no
-snapshot. The model's and optimizer's tensors are read in place, so a read that fails
-part-way leaves them unspecified: the next snapshot tried overwrites all of them, and a
-restore that raises is never trained from (``elastic.read.restore``'s rule).
-
-Generations: every worker-group attempt writes under its own generation number (rank 0
-starts it at the coordinator in ``restore()``, the others receive it by broadcast), so a
-straggler of an earlier attempt can never complete or mix into this attempt's snapshots.
+* ``restore()``: the newest committed snapshot, resharded to this rank; returns its step (0 if
+  none). Ranks agree (all-reduce MAX of an ``elastic.read.verdict.Verdict``) that every rank
+  verified the same snapshot before any loads it, and with a process group of this world size
+  read it together (``elastic.read.group_read``). A definitely corrupt snapshot is reported
+  (``restore_errors``), quarantined, and the previous one tried (a RAM copy failing its checks
+  sends its files to storage first); storage that does not answer or a rank out of memory
+  (``RestoreMemoryError``) fails the restore, touching no snapshot. A read that fails part-way
+  leaves the live tensors unspecified; they are never trained from (``elastic.read.restore``).
+  Rank 0 starts this attempt's generation at the coordinator, the others receive it: a
+  straggler of an earlier attempt never mixes into this attempt's snapshots.
+* ``begin_capture_if_due(step)`` after the optimizer step, ``wait_capture()`` before the next:
+  the copy hides behind forward/backward, the only stall is what they did not cover;
+  ``after_step(step)`` captures and waits at once. All ranks call them on the same steps (a
+  step boundary is a consistent cut). ``close()`` flushes the last persist.
+* Replicas: with a process group, a capture first compares fingerprints of the replicated
+  tensors (``elastic.replicas``); a difference fails the snapshot with ``ReplicasDivergedError``.
+* Busy (``settings.on_busy``) while the previous snapshot persists: ``"skip"`` (default; slow
+  storage never blocks training) or ``"wait"``; ranks agree, so every rank skips or none does;
+  ``force=True`` (preemption) always waits. A failed capture fails its snapshot, not training.
+* ``coordinator=None``: in-process (``LocalCoordinator``) at world size 1, else a store-based
+  exchange (``StoreCoordinator``, rank 0 commits); on Ray, ``RayCoordinatorClient``. RAM tier
+  (``ram_tier``, ``elastic.store.ram_store``): on Ray ``ray_ram_tier(...)`` (peer nodes); world
+  size 1 gets an in-process store (``settings.ram_cap_bytes``) unless ``settings.ram`` is off.
 """
 
 from __future__ import annotations

@@ -1,52 +1,33 @@
-"""A model and its optimizer as the state registry sees them: state dicts keyed by parameter
-FQN, exactly as DCP's state-dict API (``torch.distributed.checkpoint.state_dict``) keys them.
+"""A model and its optimizer as the state registry sees them: state dicts keyed by parameter FQN,
+exactly as DCP's state-dict API (``torch.distributed.checkpoint.state_dict``) keys them.
 
-Contract
---------
 - ``ModelState(model)``: ``state_dict()`` equals ``get_model_state_dict(model)`` (FQN keys;
   FSDP2 parameters as DTensors, their local shards); ``load_state_dict(sd)`` does what
   ``set_model_state_dict(model, sd)`` does (strict), after adopting loaded tensors (below).
 - ``OptimizerState(model, optimizer)``: ``state_dict()`` equals
-  ``get_optimizer_state_dict(model, optimizer)`` — state and param groups keyed by the FQNs
-  of ``model``'s parameters — except that it never steps the optimizer (below);
-  ``load_state_dict(sd)`` does what ``set_optimizer_state_dict`` does.
+  ``get_optimizer_state_dict(model, optimizer)`` (state and param groups keyed by the FQNs of
+  ``model``'s parameters) except that it never steps the optimizer; ``load_state_dict(sd)``
+  does what ``set_optimizer_state_dict`` does. A snapshot's ``state`` may name a subset of the
+  trainable parameters (only those that had a gradient hold state); the others load without
+  state, as in the uninterrupted run.
 - ``plain_prefix(model)``: ``"module."`` for a DDP whose module is plain, ``""`` for a plain
   module, None otherwise. *Plain*: no parameter or buffer is a tensor subclass (FSDP2's
   DTensors) and no module renames the state below it (DDP, FSDP1, ``torch.compile``'s
-  ``OptimizedModule``, the activation-checkpoint wrapper, a module with DCP's
-  ``_fqn_modifiers``). A plain model's FQNs are its state-dict keys less the prefix, so both
-  classes compute DCP's result from the module's and the optimizer's own state dicts; any
-  other model goes through DCP. The two paths give equal state dicts and load alike
-  (tests/elastic/test_elastic_module_state.py compares them).
-
-Why the plain path: DCP walks every parameter name through the module tree (``_get_fqns``)
-on every call, ~3 ms per call at ~90 parameters on this CPU — four calls per restore (get
-and set for model and optimizer) were a third of a 0.37 GB restore's fixed cost, and a
-capture pays two. A restore into a restarted worker's plain or DDP model is the common case.
-
-Loading adopts rather than copies where it can: a plain parameter or buffer (not a DTensor
-or other subclass) whose loaded tensor has its dtype, device, shape and strides, and whose
-storage no other live tensor shares, takes the loaded tensor's storage (``tensor.data =
-loaded``: the Parameter object, its ``requires_grad`` and the optimizer's references to it
-stay); the loaded tensor must not be written afterwards. Everything else is copied. (A
-restore reads every byte into fresh tensors and verifies them before loading anything, so
-this costs no atomicity; it saves a copy of the model.)
-
-DCP cannot tell "no state yet" from "never has state": for an optimizer with empty state and
-no gradients it makes the state up with a fake ``optimizer.step()`` at learning rate 0. Run by
-a capture on its side thread, that step would wait on the very capture (``Session``'s
-pre-step hook) and set the learning rates to 0 under the training thread. So for a plain
-model ``state_dict()`` is always the optimizer's own, keyed by FQN (an empty ``state`` when it
-has none yet: no fake step, no moments allocated only to be replaced by a restore); for any
-other model a post-step hook records whether the last step left any state, and once a step
-has left none (plain SGD) the same. Loading never needs the fake step:
-``Optimizer.load_state_dict`` fills an empty optimizer.
-
-An optimizer holds state only for parameters that have had a gradient (an unused head, an
-MoE expert not routed to yet): a snapshot's ``state`` may name a subset of the trainable
-parameters, and loading it leaves the others without state, as the uninterrupted run has
-them (DCP is called with ``strict=False`` for this; ``Optimizer.load_state_dict`` replaces
-the state whole, so the fake step's made-up state of those parameters does not survive).
+  ``OptimizedModule``, the activation-checkpoint wrapper, DCP's ``_fqn_modifiers``). For a
+  plain model both classes compute DCP's result from the module's and optimizer's own state
+  dicts, without DCP's per-call cost; any other model goes through DCP. The two paths give
+  equal state dicts and load alike (tests/elastic/test_elastic_module_state.py).
+- Loading adopts rather than copies where it can: a plain parameter or buffer whose loaded
+  tensor has its dtype, device, shape and strides, and whose storage no other live tensor
+  shares, takes the loaded tensor's storage (``tensor.data = loaded``; the Parameter, its
+  ``requires_grad`` and the optimizer's references stay); the loaded tensor must not be written
+  afterwards. Everything else is copied.
+- No fake step: DCP makes up an empty optimizer's state with an ``optimizer.step()`` at learning
+  rate 0, which on a capture's side thread would deadlock on the capture and zero the learning
+  rates. A plain model's ``state_dict()`` is the optimizer's own (empty ``state`` when it has
+  none yet); for any other a post-step hook records whether the last step left state, and
+  once one has left none (plain SGD) the same. Why and what it saves: docs/design.md, "Module
+  state without DCP's per-call cost".
 """
 
 from __future__ import annotations

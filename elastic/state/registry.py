@@ -1,64 +1,33 @@
 """The state registry: every stateful component of a run, under one fixed key each.
 
-Contract
---------
-The trainer registers each component once::
+The trainer registers each component once (``registry.register("model", model)``; ``optim``
+bound to the registered model, ``sched``, ``data``, any extra key). Models and optimizers are
+seen as ``torch.distributed.checkpoint.state_dict`` sees them (``elastic.state.module_state``):
+optimizer state keyed by parameter FQN, never by position, FSDP2 parameters as DTensors (local
+shards). Any other ``state_dict()`` is a tree of dicts, lists, tuples, JSON scalars and tensors.
 
-    registry = StateRegistry()
-    registry.register("model", model)                 # nn.Module (plain, DDP or FSDP2)
-    registry.register("optim", optimizer)             # bound to the registered "model"
-    registry.register("sched", lr_scheduler)          # anything with state_dict()/load_state_dict()
-    registry.register("data", data_cursor)
-    registry.register("trainer", trainer_state)       # user extras: any other key
+``flatten()`` gives (a) a flat ``{name: tensor}`` map, names ``"<key>.<path>"`` (e.g.
+``optim.state.blocks.0.attn.weight.exp_avg``), and (b) one JSON *skeleton* per key with each
+tensor replaced by ``{"__tensor__": name}``; ``load(tensors, skeletons)`` is the inverse. Plain
+(non-DTensor) tensors are replicated: a per-rank tensor state means nothing at another size.
 
-Models and optimizers are seen as ``torch.distributed.checkpoint.state_dict`` sees them
-(``get_model_state_dict`` / ``get_optimizer_state_dict`` and the ``set_*`` twins; a plain or
-DDP model's without DCP's per-call cost, never stepping an optimizer:
-``elastic.state.module_state``), so optimizer state is keyed by parameter FQN, never by position,
-and FSDP2 parameters come out as DTensors (their local shards). Every other component's
-``state_dict()`` must be a tree of dicts, lists, tuples, str/int/float/bool/None and tensors.
+Skeletons read from a snapshot are untrusted (P8). ``check_state(skeletons)`` compares each
+component's snapshot skeleton with its live ``state_dict()``'s before anything is loaded and
+raises ``SnapshotMisfitError`` naming the component and path (``data.epoch: expected int, got
+str``) unless: objects (and optimizer param groups) have the same keys; leaves the same JSON
+type (an int may stand for a float; anything where the live value is null, and in
+``param_groups`` a null for any scalar); tuples the live length, list elements compared in
+turn (past the live end, with its last: lists may grow); tensor references where the live state
+has a tensor, same name; ``param_groups[*].params`` name live parameters; optimizer tensors the
+shapes it gives them (``elastic.state.skeleton_check``: ``step`` a scalar, the parameter's
+shape, sizes of 1 only for a factored optimizer).
 
-``flatten()`` turns the registry into (a) a flat ``{name: tensor}`` map — names are
-``"<key>.<path>"``, e.g. ``model.blocks.0.attn.weight`` or
-``optim.state.blocks.0.attn.weight.exp_avg`` — and (b) one JSON *skeleton* per key in which
-each tensor is replaced by ``{"__tensor__": name}``. ``load(tensors, skeletons)`` is the
-inverse. Plain (non-DTensor) tensors are assumed identical on every rank (replicated): a
-per-rank tensor state is not supported because it has no meaning at another world size.
-
-Skeletons read from a snapshot are untrusted (P8, docs/design.md). ``check_state(skeletons)``
-compares each registered component's snapshot skeleton with the skeleton of its live
-``state_dict()`` *before anything is loaded* (``load`` calls it first; restore calls it
-before reading tensors) and raises ``SnapshotMisfitError`` (a ``ManifestError``: restore
-does not quarantine a snapshot for it alone) naming the component and the path
-(``data.epoch: expected int, got str``) unless:
-
-* objects have the same keys (also each optimizer param group: the live group's keys);
-* leaves have the same JSON type — bool is not int, a string is not a number, an int may
-  stand for a float; where the live value is null anything is accepted (its type is
-  unknown), and inside optimizer ``param_groups`` a null may stand for any scalar (torch's
-  optional flags such as ``foreach``);
-* tuples have the live length; a list is compared element by element, and elements past
-  the live list's end with its last element (lists such as a loss history may grow);
-* a tensor reference stands where the live state has a tensor, with the same name;
-* an optimizer's ``param_groups[*].params`` name parameters the live optimizer has;
-* given the saved shapes, a ``torch.optim`` optimizer's per-parameter tensors (all but
-  L-BFGS's) have shapes it gives them: ``step`` a scalar, the scalars it keeps by name
-  (NAdam's ``mu_product``, ASGD's ``eta``, ``mu``) scalars, any other the parameter's exact
-  shape; only an optimizer that factors (Adafactor, by name) may have sizes of 1 where the
-  parameter has more (``elastic.state.skeleton_check``).
-
-Rules. What only the trainer knows — that its step, the optimizer's step counts, the
-schedule's position and the data cursor tell one story — is not a component's: the trainer
-adds a ``SnapshotRule`` (``add_rule``). Restore asks the rules for the scalar tensors they
-need (``rule_scalars``: e.g. each parameter's ``step``), reads just those (verified), and
-runs ``check_rules`` before it writes a byte into a live tensor; a rule's ``ValueError`` is
-``SnapshotMisfitError`` (the live code's rule: nothing is quarantined). ``load`` calls each
-rule's ``loaded()`` once every component is loaded. Nothing here knows a trainer's keys.
-
-Model and optimizer tensors themselves (names, shapes, dtypes) are checked by restore. A
-snapshot that lacks a registered component raises ``SnapshotMismatchError``, unless it was
-registered ``optional=True``: then it keeps its fresh state (e.g. fp16's loss scaler when a
-run switches into fp16); a snapshot's component that nothing registered is ignored.
+Rules: what only the trainer knows (its step, counts, schedule and cursor tell one story) is a
+``SnapshotRule`` (``add_rule``). Restore reads the scalars they need (``rule_scalars``,
+verified) and runs ``check_rules`` before writing a live byte; a rule's ``ValueError`` is a
+``SnapshotMisfitError``. ``load`` calls each rule's ``loaded()`` at the end. A snapshot lacking a
+registered component raises ``SnapshotMismatchError`` unless it was registered ``optional=True``
+(it keeps its fresh state); a component nothing registered is ignored.
 """
 
 from __future__ import annotations

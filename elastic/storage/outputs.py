@@ -1,56 +1,31 @@
-"""Where a command's local output may go, and how it is written there (P8: no command's
-output resolves into a run directory).
+"""Where a command's local output may go, and how it is written there (P8). Every ``--out`` a
+person names (``baton snapshots export``, ``report``, ``data prepare``) goes through here: no
+output lands in a run or dataset directory, through a link, or over what is not a regular file.
 
-Contract
---------
-A command that writes a local file or directory a person names (``--out`` of ``baton
-snapshots export`` in every format, ``baton report``, ``baton data prepare``) goes through
-this module, so that no output ever lands in a Baton run or dataset directory, is written
-through a link, or replaces something that is not a regular file.
-
-* ``baton_directories(path)``: the Baton run and dataset directories that ``path`` is or lies
-  in, deepest first, as ``(kind, directory)`` (``"run"`` or ``"dataset"``). ``path`` is taken
-  as given (the callers resolve it: see below). A **run directory** holds one of
-  ``RUN_MARKERS`` (``run.json``, ``lease.json``, ``generation.json``, ``sessions.json``: what
-  the first driver or worker writes) or a ``snapshots/`` directory with a step entry
-  (``000001200``: a run copied without its files); a **dataset directory** holds
-  ``DATASET_MARKER`` (``dataset.json``). The names are the owners' constants
-  (``elastic.lease``, ``elastic.coord.generation``, ``trainer.train.continuation``,
-  ``data_state.manifest``), repeated here because this leaf imports nothing of theirs; a test
-  keeps them equal.
-* ``output_location(out)``: where ``out`` is written: its directories resolved (a person may
-  keep outputs behind a linked directory), its final component not (a link there is replaced,
-  never written through).
-* ``file_output_problem(out)``: the one line (starting with ``out``) why a file output must
-  not be written, or None: ``out`` resolves, through a link at any component (the final one
-  included) or as located, into a run or dataset directory; or it exists and is neither a
-  regular file nor a link (a device such as ``/dev/full``, a FIFO, a directory, a socket):
-  such an entry is never replaced by a regular file.
-* ``directory_output_problem(out, new=...)``: the same for a directory output: it resolves
-  into a run or dataset directory (or is one), its final component is a link, or it exists
-  and is not a directory (``new``: it exists at all).
-* ``dataset_output_problem(out)``: ``baton data prepare``'s form of the directory rule: the
-  output may be a dataset directory itself (``--overwrite`` replaces it) and a run's own
-  ``data/`` (where ``baton fit`` prepares the default corpus) or below, but no other part of a
-  run nor the inside of another dataset; its root may be a link to a directory.
-* ``replaced_file(out)``: a context manager yielding a temporary file beside
-  ``output_location(out)`` (created exclusively: no link followed); when the block ends
-  without an error the file is fsynced and renamed over the final name (a link there is
-  replaced, its target untouched; an entry that became something else than a regular file or
-  a link meanwhile is refused), else removed.
-* ``new_directory(out)``: a context manager yielding a temporary directory beside
-  ``output_location(out)``; when the block ends without an error it is renamed to that name
-  (refused if the name exists by then), else removed with what was written into it: a failed
-  write (a full disk) leaves nothing, so a retry is not refused as "exists".
-
-* ``merged_directory(out)``: a context manager yielding a temporary directory beside
-  ``output_location(out)``; when the block ends without an error each of its entries is
-  renamed into ``out`` (made if absent), replacing a file or link of that name (never writing
-  through it) and refusing to replace anything else; the temporary directory is removed in
-  every case. For a directory a person may name again (a Hugging Face model directory).
-
-Refusals are one line for the caller to prefix with the field (``--out``). Local paths only
-(``file://`` is stripped); the standard library only (a leaf of the storage layer).
+* ``baton_directories(path)``: the run and dataset directories ``path`` (as given) is or lies
+  in, deepest first, as ``(kind, directory)``. A run directory holds one of ``RUN_MARKERS``
+  (``run.json``, ``lease.json``, ``generation.json``, ``sessions.json``) or a ``snapshots/``
+  step entry; a dataset directory ``DATASET_MARKER`` (``dataset.json``). The names repeat the
+  owners' constants (this leaf imports nothing of theirs); a test keeps them equal.
+* ``output_location(out)``: ``out``, directories resolved, final component not (never followed).
+* ``file_output_problem(out)``: the one line (starting with ``out``) why a file output must not
+  be written, or None: it resolves (through a link anywhere, or as located) into a run or
+  dataset directory, or it exists and is neither a regular file nor a link (``/dev/full``, a
+  FIFO, a directory, a socket are never replaced).
+* ``directory_output_problem(out, new=...)``: the same for a directory (it is or lies in a run
+  or dataset directory, its final component is a link, or it exists and is not a directory;
+  ``new``: exists at all). ``dataset_output_problem(out)``: ``baton data prepare``'s form: a
+  dataset directory itself (``--overwrite``) or a run's own ``data/`` is allowed, no other part
+  of a run nor the inside of another dataset; its root may be a link to a directory.
+* ``replaced_file(out)``: a temporary file beside ``output_location(out)`` (exclusive create),
+  fsynced and renamed over the name on success (a link there replaced, its target untouched;
+  anything else that appeared meanwhile refused), else removed.
+* ``new_directory(out)``: yields a temporary directory, renamed to the name on success (refused
+  if it exists by then), else removed with its contents (a failed write leaves nothing).
+* ``merged_directory(out)``: a temporary directory whose entries, on success, are renamed into
+  ``out`` (made if absent), replacing files or links of that name only (a Hugging Face model).
+Refusals are one line for the caller to prefix with ``--out``. Local paths only (``file://``
+stripped); the standard library only (a leaf of the storage layer).
 """
 
 from __future__ import annotations

@@ -1,38 +1,33 @@
 """Spare shard files: a retired snapshot's shards are reused for the next ones (local stores).
 
-Contract
---------
 ``RUN/spare/`` (``SPARE_DIR``) holds shard files of snapshots that retention removed
-(``SnapshotStore.retire_step``), under fresh names, never read by anything. They are only
-ever overwritten whole and renamed into a step directory by the atomic write:
+(``SnapshotStore.retire_step``), under fresh names, never read by anything; they are only ever
+overwritten whole and renamed into a step directory by the atomic write:
 
 * ``retire(paths, spare_dir, keep)`` moves up to ``keep`` minus the spares already there of
   ``paths`` into ``spare_dir`` (one rename each, same filesystem) and returns the paths it did
-  not take, for the caller to delete. So ``spare/`` never holds more than one retired
-  snapshot's shards (``keep`` = the retiring step's shard count).
-* Both do nothing when ``spare_dir`` is not a plain directory (a symbolic link to one
-  elsewhere would move files into or out of the run): ``retire`` then returns all paths.
-* ``claim(spare_dir, tmp)`` renames one spare to ``tmp`` (atomic: of two writers racing for
-  the same spare exactly one gets it) and opens it for writing, without following a symbolic
-  link; it returns the descriptor, or None when there is no spare. Entries that are not
-  regular files are left where they are. A spare that, once taken, is not a plain file with
-  a single link is unlinked and the next one tried: a symlink could point outside the run
-  (it is never followed: ``O_NOFOLLOW``), a hard link's other name — a user's ``cp -al``
-  backup — would change with it. The caller (``local_files.LocalFiles.write``) writes the
-  whole content from offset 0, truncates to its length, then fsyncs and renames as for a new
-  file, so a crash leaves at most a temporary file, as before.
+  not take, for the caller to delete: ``spare/`` never holds more than one retired snapshot's
+  shards (``keep`` = the retiring step's shard count).
+* ``claim(spare_dir, tmp)`` renames one spare to ``tmp`` (atomic: of two writers racing for it
+  exactly one wins) and opens it for writing without following a link; it returns the
+  descriptor, or None when there is none. Entries that are not regular files stay where they
+  are; a claimed spare that is not a plain file with a single link is unlinked and the next
+  tried (a symlink could point outside the run, a hard link's other name, such as a ``cp -al``
+  backup, would change with it). The caller (``local_files.LocalFiles.write``) writes the whole
+  content from offset 0, truncates, fsyncs and renames as for a new file, so a crash leaves at
+  most a temporary file.
+* Both do nothing when ``spare_dir`` is not a plain directory (a link would move files into or
+  out of the run): ``retire`` then returns all paths.
 
-Why: a new file's pages are allocated in the page cache and its blocks on disk as it is
-written; a retired shard already has both, so its overwrite is a copy into cached pages and
-a write of allocated blocks (0.37 GB here: write + fsync 0.14 s against 0.24 s for a new
-file; on a VM that hands freed memory back to its host, a new file's page allocation is
-where persists measured 2-4x slower in some rounds). RocksDB's `recycle_log_file_num` and
-PostgreSQL's WAL segment recycling do the same for their logs.
+Why: a new file's pages and disk blocks are allocated as it is written; a retired shard has
+both, so its overwrite is a copy into cached pages (RocksDB's ``recycle_log_file_num`` and
+PostgreSQL's WAL recycling do the same). The timings, and why new files were slow on the test
+VM: benchmarks/reports/2026-12-05-snapshot-scale.md, "Spares, and why new files were slow".
 
-What it changes for readers: a process that opened a shard before its snapshot was retired
-(retention only retires snapshots older than the newest ``keep_last``) may see its bytes
-replaced; every read is checked against the manifest's crc32s, so it fails as corrupt
-(``SnapshotIntegrityError``), never returns wrong data. ``rm -rf RUN/spare`` is always safe.
+For readers: a process that opened a shard before its snapshot was retired (only snapshots older
+than the newest ``keep_last`` are) may see its bytes replaced; every read is checked against the
+manifest's crc32s, so it fails as corrupt (``SnapshotIntegrityError``), never returns wrong
+data. ``rm -rf RUN/spare`` is always safe.
 """
 
 from __future__ import annotations

@@ -1,74 +1,33 @@
 """The RAM tier: copies of shard files held by stores on peer nodes, never on the head.
 
-Contract
---------
-``RamStore`` holds shard-file bytes for one run on one node. It is plain Python: in-process
-it is used as is (world size 1, tests), and on a Ray cluster the very same class is the
-per-node actor (``elastic.coord.ray_actors.get_or_create_ram_store``: named
-``baton-ram-<run>-<node>`` in namespace ``baton``, pinned to its node, detached so that it
-outlives the worker that created it; it dies with its node).
+``RamStore`` holds shard-file bytes for one run on one node: plain Python in-process (world size
+1, tests), on Ray the per-node actor (``ray_actors.get_or_create_ram_store``, named
+``baton-ram-<run>-<node>`` in namespace ``baton``, pinned to its node, detached).
 
-* ``put(step, generation, file, data)`` keeps ``data`` (a copy the store owns) and returns
-  True, or refuses (False): a generation older than one it has seen, a step at or before
-  the newest committed one (unless from a newer generation: a group that restarted from an
-  older commit), an in-flight step older than the one it holds, or more than
-  ``cap_bytes`` held in all (``snapshots.ram_copy_mib`` per node: that shard is then
-  storage-only). It holds the newest committed snapshot plus at most one in flight: a put
-  for a newer step drops any other uncommitted step first. Before it has heard of any
-  commit it keeps the two newest steps (never more), so the first notice may come late.
-  A notice later than that costs a copy, never a byte: a put of a newer step, or a new
-  generation's first put, drops the steps the store was not told are committed, the one
-  committed meanwhile included, and a restore of it then reads storage.
-* ``keep(committed, in_flight)`` (from the coordinator when a snapshot commits or is
-  aborted) drops every step but those (and any newer one, whose receipt the coordinator
-  had not seen when it sent this).
-* ``read(step, requests)`` returns the byte ranges ``(file, start, end)`` of ``step``, or
-  None when it does not hold every file asked for (then the reader goes to storage).
-* ``holdings()`` says what it holds, metadata only (never the bytes): ``{"committed": step
-  or None, "steps": {step: {"generation": g, "files": {file: nbytes}}}}``. A restarted
-  coordinator rebuilds its index of the RAM tier from the answers of the live stores
-  (``LocalCoordinator.recover_ram_index``).
+* ``put(step, generation, file, data)`` keeps a copy the store owns and returns True, or refuses
+  (False): a generation older than one seen, a step at or before the newest commit (unless
+  from a newer generation: a group restarted from an older commit), an in-flight step older
+  than the one held, or more than ``cap_bytes`` in all (``snapshots.ram_copy_mib``: that shard
+  is then storage-only). It holds the newest commit plus at most one step in flight (a newer
+  put drops other uncommitted steps; before any commit notice, the two newest steps). A late
+  commit notice costs a copy, never a byte: the dropped commit is then read from storage.
+* ``keep(committed, in_flight)`` (the coordinator, at a commit or abort) drops all other steps
+  but newer ones; ``read(step, requests)``: the ranges ``(file, start, end)``, or None unless
+  every file is held (the reader then goes to storage).
+* ``holdings()``: metadata only, ``{"committed": step or None, "steps": {step: {"generation":
+  g, "files": {file: nbytes}}}}``, from which a restarted coordinator rebuilds its index.
 
-``ring_holders(node, live_nodes, replicas)`` is the placement (Gemini-style ring): a worker
-on node ``i`` of the sorted live nodes sends its shard to the stores of nodes ``i+1 ..
-i+replicas`` (never its own node while another exists; on a one-node cluster its own node,
-which does not survive that node's loss). ``RamTier`` is a worker's view of the stores: it
-starts putting a shard where the ring says (``start_put``: the data is taken when the call
-returns, the answer may come later) and tells, within a bounded wait, which nodes took it
-(they go in the receipt, and the coordinator keeps only that metadata; the persister waits
-at most as long again as the durable write took, so the RAM tier never holds up a commit),
-and reads ranges from whichever node the coordinator says holds a file; a store that is
-gone (``StoreLost``) or refuses reads as "not held", so the reader falls back to storage,
-never fails. ``in_process_tier`` is the tier of a run without Ray: one store, node
-``"local"``.
+``ring_holders(node, live_nodes, replicas)``: a worker on node ``i`` of the sorted live nodes
+sends its shard to nodes ``i+1 .. i+replicas`` (its own only on a one-node cluster, which does
+not survive that node's loss). ``RamTier`` is a worker's view: ``start_put`` (the data is taken
+when the call returns), which nodes took it within a bounded wait (at most as long again as the
+durable write: the tier never holds up a commit), and reads from whichever node the coordinator
+names; a store gone (``StoreLost``) or refusing reads as "not held", never a failure.
+``in_process_tier``: one store, node ``"local"``, for a run without Ray.
 
-How the bytes travel. Measured on this 2-core machine, a 256 MiB shard from a worker on
-one raylet of a ``ray.cluster_utils.Cluster`` to a store actor on another (best of two;
-memcpy of the same buffer: 48 ms, 5.6 GB/s):
-
-=================================================  =======  ========
-put: the image as a numpy argument, store keeps it  357 ms  0.75 GB/s
-put: numpy argument, store copies it (chosen)        517 ms  0.52 GB/s
-put: ``ray.put`` first, the store gets the ref       907 ms  0.30 GB/s
-put: ``bytes(image)`` argument (the old path)       1532 ms  0.18 GB/s
-read 64 MiB ranges returned as numpy views           861 ms  0.31 GB/s
-read 64 MiB ranges returned as ``bytes``            1151 ms  0.23 GB/s
-=================================================  =======  ========
-
-With ``snapshots.ram_replicas`` stores per shard, each numpy argument is serialised again,
-one after the other, before the shard's write starts. Measured the same way (128 MiB, two
-stores on other raylets, medians of four alternating rounds; the call's stall, then until
-both stores took it): two numpy arguments 341 ms, 486 ms; one ``ray.put`` whose reference
-both stores get 17 ms, 327 ms (one store: numpy 19 ms, 221 ms; ``ray.put`` 17 ms, 194 ms; the
-907 ms above was not reproduced). So the worker puts the capture image into the object store
-once (``RamTier(share=ray.put)``: one copy, no intermediate ``bytes``, the one copy a remote
-node needs anyway) and sends every store of its ring the reference, concurrently. The store
-copies it into a buffer it owns (one more memcpy, +0.16 s here) rather than keeping the
-argument: a kept argument pins the object store's shared memory, which is sized and
-spilled by Ray, not by ``snapshots.ram_copy_mib``. Dropped buffers are reused by later puts
-(``allocated`` stays at two per shard), so after the first two snapshots a store allocates
-nothing. Reads return numpy views of the held buffer (sent out of band, no pickled copy);
-the reader copies them into its tensors.
+Transport: the image is put into the object store once (``RamTier(share=ray.put)``), every ring
+store gets the reference and copies it into buffers it owns and reuses; reads return numpy
+views (why: benchmarks/reports/2026-12-07-snapshot-path-costs.md).
 """
 
 from __future__ import annotations

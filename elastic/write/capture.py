@@ -1,36 +1,29 @@
 """Capture: copy the chunks this rank owns into one reusable CPU file image.
 
-Contract
---------
-``ShardImage`` is a preallocated uint8 buffer laid out *as the shard file itself*:
-safetensors header first, then every owned chunk's bytes. Capturing is a ``copy_`` of each
-live tensor piece into its view of the image; persisting is one sequential write of the
-image (no serialisation, no extra copy). The image is reused while the set of owned pieces
-stays the same (same names, shapes, dtypes), so after the first snapshot a capture touches
-no fresh pages (measured: a first copy into fresh buffers costs ~5x one into touched ones).
-On CUDA it is pinned and the copies run on a side stream.
+``ShardImage`` is a preallocated uint8 buffer laid out *as the shard file itself*: safetensors
+header first, then every owned chunk's bytes. Capturing is a ``copy_`` of each live tensor piece
+into its view of the image; persisting is one sequential write of the image (no serialisation,
+no extra copy). The image is reused while the owned pieces stay the same (names, shapes,
+dtypes), so after the first snapshot a capture touches no fresh pages (a copy into fresh pages
+costs several times more: benchmarks/reports/2026-12-07-snapshot-path-costs.md). On CUDA it is
+pinned and the copies run on a side stream. Chunks are laid out in decreasing element size, so
+every offset is aligned to its element size and the image can be viewed as any dtype.
 
-``Capturer.begin(step)`` takes, synchronously, what the training loop itself changes during
-the next step — every non-model component (scheduler, data cursor, extras; tensors in them
-are cloned) and the models' buffers (forward may update them in place, e.g. BatchNorm
-statistics) — and the references to every model and optimizer tensor (the state-dict read,
-~1.4 ms for 356 tensors: a forward that *reassigns* a buffer or FSDP2 swapping unsharded
-parameters in must not change which tensors this snapshot reads), and hands the rest to one
-long-lived side thread, which plans the chunks and copies them into the
-image (on CUDA through a side stream that starts after the work already queued). All of
-that overlaps the next step's forward/backward, which reads parameters and optimizer state
-but does not change them.
-``handle.wait()`` must return before anything mutates them (the next ``optimizer.step()``):
-that is the only place training can wait. This is CheckFreq's pipelining: the stall is
+``Capturer.begin(step)`` takes, synchronously, what the training loop itself changes during the
+next step (every non-model component, tensors in them cloned, and the models' buffers, which
+forward may update in place) and the references to every model and optimizer tensor (a forward
+that reassigns a buffer, or FSDP2 swapping unsharded parameters in, must not change which
+tensors this snapshot reads). One long-lived side thread then plans the chunks and copies them
+into the image (on CUDA through a side stream that starts after the work already queued),
+overlapping the next forward/backward, which reads parameters and optimizer state but does not
+change them. ``handle.wait()`` must return before anything mutates them (the next
+``optimizer.step()``): the only place training can wait. CheckFreq's pipelining: the stall is
 ``max(0, capture time - forward/backward time)`` plus the small synchronous part.
 
-Chunks are laid out in decreasing element size, so every chunk's offset is aligned to its
-element size and the image can be viewed as any dtype without copying.
-
-At world size > 1 (``replica_checksums=None``, read at each capture) the side thread also
-takes the crc32 of every replicated model and optimizer tensor, whole, after the copies and
-before ``handle.wait()`` returns (``elastic.write.replica_sums``): ``Captured.replicas``,
-which the persist's receipt carries so that the commit can refuse replicas that differ.
+At world size > 1 (``replica_checksums=None``, read at each capture) the side thread also takes
+the crc32 of every replicated model and optimizer tensor, whole, after the copies and before
+``handle.wait()`` returns (``elastic.write.replica_sums``): ``Captured.replicas``, carried by
+the persist's receipt so that the commit can refuse replicas that differ.
 """
 
 from __future__ import annotations
