@@ -1,38 +1,32 @@
 """The one rule for local entries inside a run or dataset directory: plain, never through a link.
 
-Contract
---------
-A ``Storage`` (``elastic.storage.storage_io``) is rooted at a run or dataset directory. Below that
-root, everything Baton reads, lists, writes, moves or removes must be what Baton itself puts
-there: regular files in real directories. A symbolic link would make Baton act on another
-run's snapshot or any file the process can reach (P8), and a FIFO or a device would block an
-open forever. So, for a ``path`` below ``root`` (the root itself may be a link: a person chose
-where the run lives):
+A ``Storage`` (``elastic.storage.storage_io``) is rooted at a run or dataset directory. Below
+that root everything Baton reads, lists, writes, moves or removes must be what Baton puts there:
+regular files in real directories. A symbolic link would make Baton act on another run's
+snapshot or any file the process can reach (P8), and a FIFO or a device would block an open
+forever. For a ``path`` below ``root`` (the root itself may be a link: a person chose where the
+run lives):
 
 * ``open_plain(root, path)`` opens a file for reading without following any link on the way
-  (each directory is opened with ``O_NOFOLLOW`` relative to the one above it, so a link swapped
-  in meanwhile is not followed either), ``lstat``s the entry first and opens it ``O_NOFOLLOW |
-  O_NONBLOCK`` (a FIFO swapped in after the ``lstat`` is opened without blocking), then
-  ``fstat``s the descriptor: only a regular file is returned.
-* ``check_below(root, path, final=...)`` refuses a path whose directories below the root (and,
-  with ``final``, the entry itself) include a symbolic link: the check before a listing, a
-  write, a rename or a removal.
-* ``open_append(root, path)``: the same rule for a file Baton appends to inside a run (Ray's
-  messages in ``RUN/logs/ray.log``).
-* ``entry_kind(root, path)`` is ``"file"``, ``"directory"``, ``"link"``, ``"other"`` (a FIFO,
-  socket or device) or None, never following a link below the root.
+  (each directory opened ``O_NOFOLLOW`` relative to the one above, so a link swapped in
+  meanwhile is not followed either), ``lstat``s the entry, opens it ``O_NOFOLLOW | O_NONBLOCK``
+  (a FIFO swapped in after the ``lstat`` does not block) and ``fstat``s the descriptor: only a
+  regular file is returned.
+* ``check_below(root, path, final=...)`` refuses a path whose directories below the root (with
+  ``final``, the entry too) include a link: the check before a listing, write, rename or removal.
+* ``open_append(root, path)``: the same rule for a file Baton appends to (``RUN/logs/ray.log``).
+* ``entry_kind(root, path)``: ``"file"``, ``"directory"``, ``"link"``, ``"other"`` (a FIFO, socket
+  or device) or None, never following a link below the root.
 * A refusal is ``RefusedEntryError`` (an ``OSError``), one line naming the entry and why.
-* ``follow=True`` (a ``Storage`` over a person's own input files, e.g. the sources of ``baton
-  data prepare``, which may live in a cache of links) follows links, but still opens
-  non-blocking and refuses what is not a regular file.
-* ``output_problem(out, dirs)``: why a local output path (``--out`` of a command) must not
-  be written, or None. It resolves every link of ``out`` and of each directory, and refuses an
-  output that resolves inside any of them (``baton data prepare``: its own sources). The rule
-  for every run and dataset directory, links at the output and what an output may replace is
-  ``elastic.storage.outputs``.
+* ``follow=True`` (a person's own input files, e.g. ``baton data prepare``'s sources, which may
+  live in a cache of links) follows links, but still opens non-blocking and refuses what is
+  not a regular file.
+* ``output_problem(out, dirs)``: why a local output must not be written, or None: it resolves
+  inside one of ``dirs`` (links resolved; ``baton data prepare``: its own sources). The rule
+  for run and dataset directories and what an output may replace is ``elastic.storage.outputs``.
 
-Paths that are not below the root are opened as named (``O_NONBLOCK``, regular files only).
-Imports: the standard library only (a leaf of the storage layer).
+Paths not below the root are opened as named (``O_NONBLOCK``, regular files only). Imports:
+the standard library only (a leaf of the storage layer).
 """
 
 from __future__ import annotations

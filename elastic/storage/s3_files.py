@@ -1,39 +1,33 @@
 """S3 objects for the storage layer (``elastic.storage.storage_io``): every request under a
 deadline, retried, never lying about what is there.
 
-Contract
---------
 ``S3Files`` does for ``s3://`` objects what ``elastic.storage.local_files.LocalFiles`` does for
-local paths (same method names; ``Storage`` picks one by its URI and counts the bytes), through one
-s3fs filesystem (``fs``):
+local paths (same method names; ``Storage`` picks one by its URI and counts the bytes), through
+one s3fs filesystem (``fs``):
 
-* **Settings** come from the standard AWS environment; the endpoint is
-  ``AWS_ENDPOINT_URL_S3``, else ``AWS_ENDPOINT_URL``, passed explicitly so that a filesystem
-  cached by fsspec for another endpoint is never handed back. Explicit options win.
-  Listings are never cached (a cached "not there" would be a lie about a commit).
+* **Settings** from the standard AWS environment; the endpoint (``AWS_ENDPOINT_URL_S3``, else
+  ``AWS_ENDPOINT_URL``) is passed explicitly, so fsspec never hands back a filesystem cached for
+  another endpoint; explicit options win. Listings are never cached (a cached "not there"
+  would be a lie about a commit).
 * **Deadlines and retries.** Every request runs under ``elastic.storage.retry.call_with_retries``
-  (``call``): one attempt gives up after ``timeout_s`` plus ``nbytes / MIN_BYTES_PER_S`` for
-  a transfer of known size (fsspec's ``sync(..., timeout=)`` cancels it however the endpoint
-  misbehaves); a whole call, retries included, ends within about ``retry_deadline_s`` plus
-  the same allowance. botocore's and s3fs's own retry loops are off.
-* **Exact reads.** ``read_file`` is one GET, its length checked against Content-Length (an
-  object longer than its ``max_bytes`` refused before the body is read: ``too_large``);
-  ``read_range`` returns exactly the bytes asked for (``elastic.storage.byte_ranges.short_read``
-  judges a short answer: truncated object, definite; cut-short response, retried).
-* **Writes.** An object smaller than ``multipart_threshold`` is one ``PUT`` (one ``bytes``
-  copy); a larger one a multipart upload (``elastic.storage.s3_multipart``: parts of ``part_bytes``
-  sent by ``part_concurrency`` threads, each retried on its own; the object appears at
-  completion, a failure aborts it). ``mid_write`` runs after half the parts, or before the
-  PUT. ``exclusive``: a HEAD check, then a conditional ``PUT`` (``If-None-Match: *``); a
+  (``call``): an attempt gives up after ``timeout_s`` plus ``nbytes / MIN_BYTES_PER_S`` for a
+  transfer of known size (fsspec's ``sync(..., timeout=)`` cancels it however the endpoint
+  misbehaves); a whole call ends within about ``retry_deadline_s`` plus that allowance.
+  botocore's and s3fs's own retry loops are off.
+* **Exact reads.** ``read_file`` is one GET, its length checked against Content-Length (longer
+  than ``max_bytes``: refused before the body is read, ``too_large``); ``read_range`` returns
+  exactly the bytes asked for (``elastic.storage.byte_ranges.short_read`` judges a short answer:
+  a truncated object is definite, a cut-short response retried).
+* **Writes.** Below ``multipart_threshold`` one ``PUT`` (one ``bytes`` copy); above, a multipart
+  upload (``elastic.storage.s3_multipart``). ``mid_write`` runs after half the parts, or before
+  the PUT. ``exclusive``: a HEAD check, then a conditional ``PUT`` (``If-None-Match: *``); a
   refused PUT, or an object a retry's HEAD finds, whose bytes equal ours counts as our own
-  create (a lost answer, or aiohttp resending a PUT), different bytes raise
-  ``FileExistsError``. On stores without conditional writes only the HEAD check remains.
-* ``request(what, path, operation, **params)``: one raw S3 API call under the same deadlines
-  (a ``get_object`` body read whole inside the attempt), for what fsspec does not expose.
+  create (a lost answer, or aiohttp resending a PUT); different bytes raise ``FileExistsError``.
+  On stores without conditional writes only the HEAD check remains.
+* ``request(what, path, operation, **params)``: one raw S3 API call under the same deadlines (a
+  ``get_object`` body read whole inside the attempt), for what fsspec does not expose.
 
-Imports: the standard library, fsspec (s3fs through it), ``elastic.storage.retry``,
-``elastic.storage.s3_multipart``, ``elastic.storage.byte_ranges`` and
-``elastic.storage.json_bounds``.
+Imports: stdlib, fsspec (s3fs), ``retry``, ``s3_multipart``, ``byte_ranges``, ``json_bounds``.
 """
 
 from __future__ import annotations

@@ -1,34 +1,29 @@
 """S3 multipart uploads: a large object goes up in parallel parts, and appears whole or not at all.
 
-A leaf of the storage layer: it imports only the standard library. ``elastic.storage.storage_io``
-(the one module that talks to fsspec/s3fs) hands it ``request``, which runs one S3 API call
-on the object under the layer's deadlines and retries (``Storage.s3_request``).
+A leaf of the storage layer (the standard library only): ``elastic.storage.storage_io`` hands it
+``request``, which runs one S3 API call on the object under the layer's deadlines and retries.
 
-Contract
---------
 ``multipart_upload(request, data, *, part_bytes, concurrency, exclusive=False, mid_write=None)``:
 
-* **Parts in parallel.** ``data`` (any buffer) is cut into parts of ``part_bytes`` (grown if
-  the object would need more than S3's 10,000 parts), uploaded by ``concurrency`` threads.
-  Each part is one ``upload_part`` call with its own retries: a transient failure re-sends
-  that part only. Memory: one ``bytes`` copy per part being sent (botocore wants ``bytes``),
-  so at most ``concurrency x part_bytes`` besides ``data``, never a copy of the object.
-* **Atomic.** The object appears only at ``complete_multipart_upload``. Any failure before
-  (a part that fails definitely or past the deadline, the ``mid_write`` hook raising,
-  an interrupt) stops the parts not yet started, waits for those in flight, aborts the
-  upload (``abort_multipart_upload``, best effort: the original error is raised) and
-  raises: no object, no parts left behind. A crash of the process leaves an invisible
-  incomplete upload, which only a bucket lifecycle rule (``AbortIncompleteMultipartUpload``)
-  removes.
-* **Create-only** (``exclusive``): an object already there is refused before any part is
-  sent (``FileExistsError``, from a HEAD), and the completion carries ``If-None-Match: *``
-  (AWS S3 and moto refuse it atomically when the key exists: ``FileExistsError``). A
-  completion whose answer was lost is retried; a retry refused because the object exists,
-  or because the upload is gone (S3 completed it), counts as ours only if the object's
-  ETag is the one our parts make (``multipart_etag``: the MD5 of the parts' MD5s, "-N");
-  otherwise the refusal is raised (``FileExistsError`` for a create-only write).
-* ``mid_write`` (a fault-injection hook) is called once half of the parts are uploaded; if
-  it raises, the upload is aborted as above.
+* **Parts in parallel.** ``data`` (any buffer) is cut into parts of ``part_bytes`` (grown past
+  S3's 10,000-part limit), uploaded by ``concurrency`` threads, each one ``upload_part`` call
+  with its own retries (a transient failure re-sends that part only). Memory: one ``bytes``
+  copy per part in flight (botocore wants ``bytes``), at most ``concurrency x part_bytes``
+  besides ``data``, never a copy of the object.
+* **Atomic.** The object appears only at ``complete_multipart_upload``. Any failure before (a
+  part failing definitely or past the deadline, ``mid_write`` raising, an interrupt) stops the
+  parts not yet started, waits for those in flight, aborts the upload
+  (``abort_multipart_upload``, best effort: the original error is raised) and raises: no object,
+  no parts left behind. A crashed process leaves an invisible incomplete upload, which only a
+  bucket lifecycle rule (``AbortIncompleteMultipartUpload``) removes.
+* **Create-only** (``exclusive``): an object already there is refused before any part is sent
+  (``FileExistsError``, from a HEAD), and the completion carries ``If-None-Match: *`` (AWS S3
+  and moto refuse it atomically when the key exists). A completion whose answer was lost is
+  retried; a retry refused because the object exists, or the upload is gone (S3 completed it),
+  counts as ours only if the object's ETag is the one our parts make (``multipart_etag``: the
+  MD5 of the parts' MD5s, "-N"); otherwise the refusal is raised.
+* ``mid_write`` (a fault-injection hook) is called once half of the parts are uploaded; if it
+  raises, the upload is aborted as above.
 """
 
 from __future__ import annotations

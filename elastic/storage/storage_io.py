@@ -1,63 +1,33 @@
-"""``Storage``: local paths and ``s3://`` behind one interface, never lying, never hanging.
+"""``Storage``: local paths and ``s3://`` behind one interface, never lying, never hanging; what
+every caller of the storage layer (``elastic.storage``, whose face gives its import rule) uses.
 
-The interface every caller of the storage layer (``elastic.storage``, whose face lists the
-layer's modules and its import rule) uses.
+``Storage(uri, storage_options=None, *, timeout_s=30.0, retry_deadline_s=60.0)``: one root,
+``uri`` a local path (made absolute), ``file://PATH`` or ``s3://bucket/prefix`` (else
+``ValueError``); ``path(*parts)`` joins under it as ``str`` (a ``Path`` collapses ``s3://``).
 
-Contract
---------
-``Storage(uri, storage_options=None, *, timeout_s=30.0, retry_deadline_s=60.0)``: one
-filesystem root. ``uri`` is a local path, ``file://PATH`` or ``s3://bucket/prefix``; any other
-scheme raises ``ValueError``. ``root`` is ``uri`` as a path of that filesystem (local: absolute)
-and ``path(*parts)`` joins under it; every method takes such a path (URIs stay ``str``: a
-``Path`` would collapse the ``//`` of ``s3://``). ``fs`` is the fsspec filesystem underneath.
-
-* **S3 settings, deadlines and retries**: see ``elastic.storage.s3_files`` (the AWS environment's
-  endpoint, uncached listings; every request under ``timeout_s`` plus its transfer's
-  allowance, retried within ``retry_deadline_s``). Local paths: one plain call, no deadline,
-  no retries.
+* **S3 settings, deadlines, retries, conditional writes**: ``elastic.storage.s3_files``. Local
+  paths: one plain call, no deadline, no retries.
 * **Exact reads.** ``read_range(path, start, end)`` returns exactly ``end - start`` bytes or
-  raises: fewer bytes from an object long enough is a transient cut-short response
-  (``ShortReadError``, retried on S3); an object that ends before ``end`` is a definite
-  ``elastic.storage.byte_ranges.TruncatedError`` (a ``SnapshotIntegrityError``, never retried).
-  ``read_file`` is one GET of a whole (small) object, its length checked (``max_bytes``: a
-  longer object is refused before it is read, ``JSONBoundsError``).
-* **Plain entries, bounded JSON: one rule for every caller.** Below ``root`` (a run or dataset
-  directory) a local entry is opened, listed, written, moved and removed only when no
-  symbolic link is on the way, and read only when it is a regular file, opened non-blocking
-  first (``elastic.storage.plain_files``: a link is ``RefusedEntryError``, an ``OSError``; a FIFO
-  never blocks). ``read_json(path, where=...)`` is the one way Baton reads a JSON file of a run
-  or dataset directory, local or S3: ``read_file`` under a size bound, then
-  ``elastic.storage.json_bounds.loads`` (size, depth, numbers; one-line ``JSONBoundsError``).
-  ``follow_links=True`` is for a person's own input files (the sources of ``baton data
-  prepare``), which may be links, never for a run or dataset directory.
-* **Range merging.** ``read_ranges(path, ranges)`` fetches many ranges of one object with few
-  requests (``elastic.storage.byte_ranges.merge_ranges``); ``hole_limit`` is ``MERGE_HOLE_BYTES`` on
-  S3 and 0 on local disk.
-* **Reads into buffers.** ``read_into(path, [(offset, [buffer, ...]), ...])`` fills
-  caller-owned buffers (e.g. the memory of the tensors a restore loads) with exact reads:
-  local ``preadv`` straight into them; S3 spans merged as above, copied in, except that a
-  span's holes stay at most ``READ_INTO_MAX_WASTE`` (1/16) of the bytes it wants.
-* **Atomic writes.** ``write_file(path, data)`` (``bytes`` or any buffer, e.g. a
-  ``memoryview`` of a tensor's memory) never leaves a partial ``path``: locally a fsync'ed
-  temporary file renamed over it (``durable=False`` skips the fsyncs, for probes), written
-  without a copy; on S3 one ``PUT`` (one ``bytes`` copy), or from ``multipart_threshold``
-  bytes on a multipart upload (parts of ``part_bytes``, ``part_concurrency`` at a time, one
-  copy per part in flight). ``mid_write`` is a fault-injection hook (after half the bytes).
-  ``spare_dir`` (local only): the temporary file is a spare file from that directory when
-  there is one, overwritten whole (``elastic.storage.spares``).
-* **Create-only writes** (``exclusive=True``) raise ``FileExistsError`` if the name exists
-  (local: a hard link, atomic; S3: a conditional PUT, an ambiguous outcome settled by
-  comparing bytes: a concurrent writer of identical content is indistinguishable from us,
-  so callers that must tell writers apart put a unique token in the content). Details:
-  ``elastic.storage.local_files`` and ``elastic.storage.s3_files``.
-* **Listing and deleting.** ``listdir`` (names directly under a directory, ``[]`` when it is
-  absent), ``find`` (every object below, relative name -> size), ``exists``/``isfile``/
-  ``isdir``/``size``, ``remove`` (a missing name is not an error), ``remove_many``,
-  ``remove_tree``, ``copy``, ``makedirs`` (S3 has no directories: a no-op there).
-* ``s3_request(what, path, operation, **params)``: one raw S3 API call (e.g. a conditional
-  ``put_object``) under the same deadlines and retries, for callers that need S3 semantics
-  fsspec does not expose (the run lease); ``ValueError`` on a local storage.
-* ``stats`` counts reads and writes, so tests can show that a restore touched no storage.
+  raises: fewer from an object long enough is a transient ``ShortReadError`` (retried on S3);
+  an object ending before ``end`` a definite ``TruncatedError`` (a ``SnapshotIntegrityError``).
+  ``read_file``: one GET of a small object, longer than ``max_bytes`` refused unread.
+* **One rule for every caller.** Below ``root`` no local entry is acted on through a link, and
+  only regular files are read, opened non-blocking (``plain_files``: ``RefusedEntryError``);
+  ``read_json(path, where=...)``, bounded (``json_bounds``: one-line ``JSONBoundsError``), is the
+  one way to read a run's or dataset's JSON. ``follow_links=True``: a person's own inputs only.
+* **Ranges.** ``read_ranges`` merges ranges into few requests (holes up to ``MERGE_HOLE_BYTES``
+  on S3, none locally); ``read_into(path, [(offset, [buffer, ...]), ...])`` fills caller-owned
+  buffers exactly (local ``preadv``; S3 spans wasting at most ``READ_INTO_MAX_WASTE``, 1/16).
+* **Atomic writes.** ``write_file(path, data)`` (bytes or any buffer) never leaves a partial
+  ``path``: locally a fsynced temporary file renamed over it, no copy (``durable=False`` skips
+  the fsyncs, for probes; ``spare_dir`` reuses a spare file, ``elastic.storage.spares``); on S3
+  one ``PUT`` or, from ``multipart_threshold``, a multipart upload. ``mid_write``: a fault hook.
+  ``exclusive=True`` raises ``FileExistsError`` if the name exists (local: a hard link; S3: a
+  conditional PUT, an ambiguous outcome settled by comparing bytes, so callers that must tell
+  writers apart put a unique token in the content).
+* ``listdir`` (``[]`` when absent), ``find`` (name -> size), ``exists``/``isfile``/``isdir``/
+  ``size``, ``remove`` (missing is fine), ``remove_many``, ``remove_tree``, ``copy``, ``makedirs``
+  (no-op on S3); ``s3_request``: one raw S3 call (the lease's); ``stats`` counts reads, writes.
 """
 
 from __future__ import annotations

@@ -1,40 +1,30 @@
 """The snapshot store: one run directory on a local path or ``s3://``.
 
-Contract
---------
-``SnapshotStore(run_uri, storage_options=None, *, timeout_s=30.0, retry_deadline_s=60.0)``
-reads and writes ``RUN/run.json``, ``RUN/snapshots/<step>/...``, ``RUN/quarantine/...`` and
-``RUN/spare/``.
-It is an ``elastic.storage.storage_io.Storage`` rooted at the run directory, so every byte moves
-under that layer's contract: deadlines and retries on S3 (``timeout_s`` per attempt,
-``retry_deadline_s`` per call: the ``[snapshots] storage_timeout_s / storage_retry_s`` settings),
-exact range reads (a truncated file is a definite ``SnapshotIntegrityError``, a response cut short
-is retried), atomic writes (local: temp + fsync + rename + directory fsync; S3: one PUT) and
-create-only writes (``write_file(..., exclusive=True)``). It never lies and never hangs. What it
-adds:
+``SnapshotStore(run_uri, storage_options=None, *, timeout_s=30.0, retry_deadline_s=60.0)`` reads
+and writes ``RUN/run.json``, ``RUN/snapshots/<step>/...``, ``RUN/quarantine/...`` and
+``RUN/spare/``. It is an ``elastic.storage.storage_io.Storage`` rooted at the run directory, so
+every byte moves under that layer's contract (deadlines and retries on S3, from ``[snapshots]
+storage_timeout_s / storage_retry_s``; exact range reads; atomic and create-only writes): it
+never lies and never hangs. What it adds:
 
-* A snapshot is *committed* iff its ``manifest.json`` exists. Other step directories are
-  uncommitted leftovers that readers ignore. A local entry of ``snapshots/`` that is not a
-  real directory (a symbolic link to another run's step) is no step of this run at all:
-  ``all_steps`` leaves it out, so nothing lists, reads, retires, quarantines or removes it
-  (``refused_steps`` says why, one line, logged once); the storage layer's rule
-  (``elastic.storage.plain_files``) refuses every act through a link on top of that.
+* A snapshot is *committed* iff its ``manifest.json`` exists; other step directories are
+  uncommitted leftovers that readers ignore. A local entry of ``snapshots/`` that is not a real
+  directory (a link to another run's step) is no step of this run: ``all_steps`` leaves it out,
+  so nothing lists, reads, retires, quarantines or removes it (``refused_steps`` says why, one
+  line, logged once).
 * ``load_manifest`` reads at most ``MAX_MANIFEST_BYTES``; a manifest that is a link, a FIFO or
   another non-regular file is a ``ManifestError`` (the snapshot is unusable, nothing blocks).
 * **Quarantine, never delete.** ``quarantine_step`` moves a rejected snapshot to
-  ``RUN/quarantine/<step>[-k]/`` with ``reason.json``. Local: one directory rename (the
-  reason is written into the directory first, so it moves with it). S3: claim the target
-  by an exclusive create of ``reason.json``, copy every object, check the copies' sizes,
-  then delete the originals manifest first; nothing is deleted before its copy exists. A
-  crash mid-way leaves the snapshot committed where it was (and a partial copy). Neither the
-  snapshot's directory nor ``quarantine/`` may be a link. ``reason.json`` records the reason,
-  the time, and when known the run's generation and the step training rewound to;
-  ``unquarantine`` moves a snapshot back (the manifest last), for ``elastic.set_aside``.
+  ``RUN/quarantine/<step>[-k]/`` with ``reason.json`` (the reason, the time, and when known the
+  run's generation and the step rewound to). Local: one directory rename, the reason written
+  inside first. S3: claim the target by an exclusive create of ``reason.json``, copy every
+  object, check the copies' sizes, then delete the originals manifest first; a crash mid-way
+  leaves the snapshot committed where it was. Neither directory may be a link.
+  ``unquarantine`` moves one back (the manifest last), for ``elastic.set_aside``.
+* **Spares** (local): ``retire_step`` (retention) keeps its shard files in ``RUN/spare/`` and
+  ``write_shard`` overwrites one instead of allocating a new file (``elastic.storage.spares``).
+  On S3 both are the plain delete and create-only write.
 * ``stats`` counts storage reads, so tests can show that a restore touched no storage.
-* **Spares** (local stores): ``retire_step`` — retention's removal of an old snapshot —
-  keeps its shard files in ``RUN/spare/`` and ``write_shard`` overwrites one of them instead
-  of allocating a new file (``elastic.storage.spares``: why, and what a reader of a retired
-  snapshot may see). On S3 both are the plain delete and create-only write.
 """
 
 from __future__ import annotations
