@@ -1,45 +1,33 @@
 """Row-blocked pieces shared by the fused MLP functions (`fused.py`, `swiglu.py`).
 
-Contract:
 - `block_size(n, width, dtype, device)`: the rows per block of a fused function on n rows (at
-  most BLOCK_ROWS on the CPU, more on a GPU; spread evenly over the blocks n needs), and
-  `row_blocks(n, size)` the `[start, end)` ranges it walks, so that no n × hidden tensor
-  outlives a block. Inside `gpu_blocks(dtype)` it gives a GPU's blocks whatever the device (a
-  plan for a GPU counts a GPU step's ops on the CPU).
-- `layer_sketches(layers, n)`: per layer, `(rank, seed, estimator)`: its effective rank, its
-  seed for this call (`layer_seed`, drawn in the order given) and estimator for a
-  `SketchedLinear`, `(0, 0, "basis")` for a plain layer (rank 0 means an exact dW).
+  most BLOCK_ROWS on the CPU, more on a GPU; spread evenly), `row_blocks(n, size)` the
+  `[start, end)` ranges it walks, so that no n × hidden tensor outlives a block. Inside
+  `gpu_blocks(dtype)` it gives a GPU's blocks on any device (to plan a GPU step on the CPU).
+- `layer_sketches(layers, n)`: per layer `(rank, seed, estimator)`: a `SketchedLinear`'s
+  effective rank, its seed for this call (`layer_seed`, drawn in the order given) and
+  estimator; `(0, 0, "basis")` for a plain layer (rank 0: an exact dW).
 - `BlockInputSketch(n, rank, seed, width, estimator, device, acc, block_rows, dtype)`: `S M`
-  and `||M||²` (and M's column sums for the centred estimator) of an n × width matrix M of
-  `dtype` that arrives in the blocks `row_blocks(n, block_rows)`: `add(start, end, rows)` per
-  block. S is linear in the rows, so block sketches add up to the whole sketch. `finish(dtype)`
-  returns a `SavedSketch`: on the torch path what `function.input_sketch` returns (the scaled
-  sketch M̂ in `dtype` and, centred, M's row mean), on the fused path (`dispatch.fused_on`:
-  CUDA, or `BATON_SKETCH_BACKEND=triton`) the fused kernels' unscaled centred sketch, mean,
-  the invariant scalar's partial sums and the plan's order. There, `add_activated(start, end,
-  pre, "gelu" | "silu_mul", other)` fuses the producer: it computes the block's `gelu(pre)` or
-  `silu(pre) * other` and sketches it in the same pass (`fuses_producer` says whether it can).
-- `saved_sketch_weight_grad(dy, dy_sum, saved, n, rank, seed, dtype, need_db=False)`:
-  `(dW, db)`, a sketched layer's dW estimate in `dtype` from its whole output gradient and the
-  `SavedSketch` of its input (what `sketched_linear`'s backward computes), and, with
-  `need_db` on the fused path, its bias gradient from the same pass over dY (else None: the
-  caller sums dY's columns). `output_layer_grads(dy, saved, n, rank, seed, dtype, need)`: a
-  fused MLP's last layer's `(dW, db)` from its output gradient, each None unless `need`s
-  (need_dw, need_db) asks for it; dW only when the layer is sketched (rank > 0), from `saved`;
-  db from dY's column sums, on the fused path summed in the pass that sketches dY.
-- `linear_into(dest, x, weight, bias)`: `dest[...] = F.linear(x, weight, bias)`, the GEMM
-  writing into `dest` itself when dtypes and layout allow (a block of the fused output).
+  and `||M||²` (and M's column sums, centred) of an n × width M arriving in blocks,
+  `add(start, end, rows)` per block (S is linear in the rows: block sketches add up).
+  `finish(dtype)` returns a `SavedSketch`: on the torch path what `function.input_sketch`
+  returns, on the fused path (`dispatch.fused_on`) the fused kernels' unscaled centred sketch,
+  mean, the invariant scalar's partial sums and the plan's order. There `add_activated(start,
+  end, pre, "gelu" | "silu_mul", other)` computes the block's activation and sketches it in the
+  same pass (`fuses_producer` says whether it can).
+- `saved_sketch_weight_grad(dy, dy_sum, saved, n, rank, seed, dtype, need_db=False)`: `(dW,
+  db)`, a sketched layer's dW estimate from its output gradient and its input's `SavedSketch`
+  (as `sketched_linear`'s backward), and with `need_db` on the fused path its bias gradient
+  from the same pass (else None). `output_layer_grads(dy, saved, n, rank, seed, dtype, need)`:
+  a fused MLP's last layer's `(dW, db)`, each None unless `need` asks; dW only when sketched.
+- `linear_into(dest, x, weight, bias)`: `dest[...] = F.linear(x, weight, bias)`, in place if it can.
 - `BlockWeightGrad(shape, rank, seed, estimator, n, device, acc, block_rows, dtype)`: dW = dYᵀX
-  of a layer whose input X and output gradient dY are both at hand in the blocks
-  `row_blocks(n, block_rows)` (a layer recomputed in backward): exact (accumulated `dYᵀX`)
-  for rank 0, else the BASIS estimate from the two block sketches. `add(start, end, dy_rows,
-  x_rows)` per block, then `finish(dy_sum, dtype=None)` with dY's column sums (accumulation
-  dtype; read by the torch path's centred estimator only), in `dtype` (default `acc`).
+  of a layer whose X and dY are both at hand in blocks (a layer recomputed in backward): exact
+  at rank 0, else the BASIS estimate from the two block sketches; `add(start, end, dy_rows,
+  x_rows)` per block, then `finish(dy_sum, dtype=None)` (dY's column sums, in `acc`).
 
-Every result equals what the unfused `sketched_linear` / `nn.Linear` computes from the same
-seed, up to fp32 summation order (sums are accumulated in `acc`, fp32 for low precision; an
-exact dW's per-block products are rounded to the data's dtype first, as the unfused layer's
-whole product is).
+Every result is the unfused `sketched_linear` / `nn.Linear`'s from the same seed, up to fp32
+summation order (sums in `acc`; an exact dW's block products rounded to the data's dtype first).
 """
 
 from __future__ import annotations

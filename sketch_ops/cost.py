@@ -1,44 +1,33 @@
-"""What a sketch plan costs in time and in gradient quality: a roofline model and the BASIS
-error formula, for `include="auto"` (`speed_plan.py`) and `baton sketch-plan`.
+"""What a sketch plan costs in time and in gradient quality: a roofline model and the BASIS error
+formula, for `include="auto"` (`speed_plan.py`) and `baton sketch-plan`.
 
-Contract:
 - `Rates(gemm_flops, bandwidth, launch_s, device, source, fused_path, itemsize)`: a device's
-  sustained
-  GEMM rate (FLOP/s in the training dtype), memory bandwidth (bytes/s), the cost of one more
-  kernel launch (s), and where the figures come from (`source`: "modelled" from a datasheet
-  table, "measured" here by a micro-benchmark, or "given"). `fused_path` says whether sketched
-  layers there take the fused kernels (CUDA) or the torch reference (more passes and ops).
-- `device_rates(device, dtype)`: the rates for a device — a known GPU (`KNOWN_GPUS`: peak
-  dense rates × `GEMM_EFFICIENCY`, bandwidth × `BANDWIDTH_EFFICIENCY`, the realistic shares of
-  the field's roofline) is modelled, any other device (a CPU, an unknown GPU) measured once:
-  a 1024² matmul and a 32 MiB copy, ~0.1 s; or, `measure=False` (a run's choice), modelled
-  with nominal rates, so that every rank and every restart decides alike.
-  `target_rates(name, dtype)`: a known GPU's modelled rates by name, to plan for a GPU from
-  a CPU (`baton sketch-plan --target h100`).
+  sustained GEMM rate (FLOP/s in the training dtype), memory bandwidth (bytes/s), the cost of
+  one more kernel launch (s), and their `source` ("modelled" from a datasheet table, "measured"
+  here by a micro-benchmark, or "given"); `fused_path`: whether sketched layers take the fused
+  kernels (CUDA) or the torch reference (more passes and ops).
+- `device_rates(device, dtype)`: a known GPU (`KNOWN_GPUS`: peak dense rates ×
+  `GEMM_EFFICIENCY`, bandwidth × `BANDWIDTH_EFFICIENCY`) is modelled; any other device measured
+  once (a 1024² matmul and a 32 MiB copy, ~0.1 s) or, `measure=False` (a run's choice), modelled
+  with nominal rates so that every rank and restart decides alike. `target_rates(name, dtype)`:
+  a known GPU's rates by name, to plan for it from a CPU (`baton sketch-plan --target h100`).
 - `layer_delta_s(rows, in_features, out_features, rank, itemsize, rates)`: the change of a
-  step's time when one linear layer's weight gradient is sketched instead of exact: its dW GEMM
-  (2·n·N·M FLOPs, or its bytes if memory-bound) is replaced by the R-row GEMM (2·R·N·M) plus
-  one pass over its input and one over its output gradient, and the launches the sketch adds
-  (2 on the fused path, its share of the microbatch's plans included; the reference path's
-  ~45 small ops and 3 passes per direction).
-  Negative: the sketched step is faster.
-  `sketch_overhead_s(...)` is that delta's part besides the GEMMs.
+  step's time when one linear layer's dW is sketched: its dW GEMM (2·n·N·M FLOPs, or its bytes
+  if memory-bound) replaced by the R-row GEMM (2·R·N·M), one pass over its input and one over
+  its output gradient, and the launches the sketch adds (2 on the fused path, plans included;
+  the reference path's ~45 small ops and 3 passes per direction). Negative: faster.
+  `sketch_overhead_s(...)`: that delta's part besides the GEMMs.
 - `count_flops(run)`: `(run(), FLOPs)`, the dense GEMM and attention FLOPs of what `run` ran
-  (torch's `flop_registry` formulas, CPU SDPA's added, causal attention halved; sparse
-  operands skipped), e.g. of one training step.
-- `step_time_s(flops, traffic_bytes, rates, extra_s=0)`: a step's modelled time: its GEMM and
-  attention FLOPs at the GEMM rate, plus its other memory traffic at the bandwidth
-  (`activation_traffic(exact_bytes, kept_bytes)`: `TRAFFIC_PASSES` passes over exact
-  backprop's activation bytes — written in forward, read in backward, their gradients written —
-  and `RECOMPUTE_PASSES` over the bytes a configuration recomputes instead of keeping), plus
-  `extra_s` (the sketches' overheads), plus a start-and-tail time per kernel for its
-  `launches` (the step's ops as `launch_count.LaunchCounter` counts them); on a GPU, at least
-  the host's time to launch them (it runs ahead of the device). A model of the step, not a
-  measurement: it leaves out the optimizer, the loss and communication.
-- `relative_error(...)`: the `E||dŴ - dW||² / ||dW||²` of docs/design.md §4 for one layer's
-  estimate at rank R from the moments of its input X and output gradient dY (centred first for the
-  centred estimator), without the invariant scalars; its square root is the relative RMS error
-  that `sketch.max_quality_cost` bounds.
+  (torch's `flop_registry`, CPU SDPA's added, causal attention halved, sparse operands skipped).
+- `step_time_s(flops, traffic_bytes, rates, extra_s=0)`: a step's modelled time: FLOPs at the
+  GEMM rate, other traffic at the bandwidth (`activation_traffic(exact_bytes, kept_bytes)`:
+  `TRAFFIC_PASSES` over exact backprop's activation bytes, `RECOMPUTE_PASSES` over those
+  recomputed), `extra_s` (the sketches' overheads), and a start-and-tail time per kernel of its
+  `launches` (`launch_count.LaunchCounter`; on a GPU at least the host's launch time). A model,
+  not a measurement: it leaves out the optimizer, the loss and communication.
+- `relative_error(...)`: `E||dŴ - dW||² / ||dW||²` (docs/design.md §4) for one layer at rank R
+  from the moments of X and dY (centred first for the centred estimator), without the invariant
+  scalars; its square root is the relative RMS error `sketch.max_quality_cost` bounds.
 """
 
 from __future__ import annotations

@@ -1,47 +1,33 @@
 """`sketched_linear`: a linear layer whose weight gradient comes from a BASIS sketch.
 
-Contract: `sketched_linear(x, weight, bias, *, rank, seed)` returns exactly
-`F.linear(x, weight, bias)`. In backward, dX = dY W and db = Σ rows of dY are exact; dW is the
-BASIS estimate `γdy γx (S dY)ᵀ (S X)` where x and dY are flattened to n rows, S is the R × n
-sketch expanded from `seed` (`seeds.make_plan`, the same S for x and dY) and
-γ = ||·||_F / (||S ·||_F + 1e-8) are the invariant scalars. R is clamped to n, and at R = n the
-sketch is a signed permutation, so dW is exact up to fp32 summation order.
+`sketched_linear(x, weight, bias, *, rank, seed)` returns exactly `F.linear(x, weight, bias)`.
+In backward dX = dY W and db = Σ rows of dY are exact; dW is the BASIS estimate
+`γdy γx (S dY)ᵀ (S X)` (docs/design.md §4), x and dY flattened to n rows, S the R × n sketch
+expanded from `seed` (`seeds.make_plan`, the same S for both), γ = ||·||_F / (||S ·||_F + 1e-8)
+the invariant scalars. R is clamped to n; at R = n (a signed permutation) dW is exact.
 
 Saved for backward: the R × N sketch X̂ = γx S X (in x's dtype), a reference to the weight (no
-copy) and the seed as a one-element int64 tensor, from which backward regenerates S (and, for the
-centred estimator, the N-vector of row means). Not x, not the hash. Bucket sums and norms
+copy) and the seed as a one-element int64 tensor, from which backward regenerates S (and, for
+the centred estimator, the N-vector of row means). Not x, not the hash. Bucket sums and norms
 accumulate in fp32.
 
-Two paths, chosen by `dispatch.fused_on`. The torch reference (CPU, fp64, the uniform hash)
-runs `reference.py`'s functions as above. The fused path (CUDA, fp32/bf16/fp16, balanced plans;
-`fused_kernels.py`) runs a step of the layer in 5 device launches (7 when a narrow layer
-splits its sketches into bucket groups to fill the GPU) and no host read, besides its share
-of the plans: forward the product and one sketch launch (bucket sums, signs, column sums,
-norms and the centring together); backward dX, one launch sketching dY (and summing its
-columns: db and μdy) and one GEMM on the R-row sketches in the data's dtype with fp32
-accumulation, whose epilogue applies the invariant scalars and the mean term. The plan (a
-keys launch and a sort) is drawn with the other sketched layers' of the microbatch inside
-`sketch_seed` (`plan_cache`: 2 launches per microbatch), alone outside it. It saves S̃X
-unscaled (γx is applied in the GEMM), a few partial sums for γx, and the plan's order as int32
-(4n bytes) instead of drawing the plan again in backward.
+Two paths, chosen by `dispatch.fused_on`: the torch reference (CPU, fp64, the uniform hash)
+runs `reference.py`'s functions; the fused path (CUDA, fp32/bf16/fp16, balanced plans,
+`fused_kernels.py`) runs a layer's step in 5 device launches and no host read, plus its share
+of the plans drawn inside `sketch_seed` (`plan_cache`), and saves S̃X unscaled, a few partial
+sums for γx and the plan's order as int32 (4n bytes) instead of drawing it again
+(docs/basis.md, "The fused sketch path (CUDA)").
 
-Estimators (`estimator=`):
-- `"basis"`: the estimate above.
-- `"centered"` (the default): the same sketch of the *centred* rows `X - 1 μxᵀ` and
-  `dY - 1 μdyᵀ` (μ the row means), plus the exact rank-1 term `n μdy μxᵀ`. The identity
-  `dYᵀX = (dY - 1μdyᵀ)ᵀ(X - 1μxᵀ) + n μdy μxᵀ` holds exactly, so only the centred part is
-  estimated. Without the scalars it is unbiased for any fixed hash, and its error is the
-  formula of docs/design.md §4 with the centred matrices in place of X and dY — smaller whenever
-  the rows share a common mean (GELU outputs, LayerNorm outputs with their bias). It saves
-  μx (N numbers) more; μdy comes free from db.
+Estimators (`estimator=`): `"basis"`, the estimate above; `"centered"` (the default), the same
+sketch of the centred rows plus the exact rank-1 term `n μdy μxᵀ` (the identity and its error:
+docs/design.md §4), smaller whenever the rows share a mean; it saves μx (N numbers) more, μdy
+comes free from db.
 
-Approximation: dW is a randomised estimate. Without the scalars it is unbiased for any fixed
-hash; with them (the default, as in BASIS) it is slightly biased but norm-stable. Its error is
-given in docs/design.md §4. The analysis options `invariant_scalars=False` and
-`balanced_hash=False` (uniform i.i.d. hash) exist to test those statements.
-
-Under autocast the inputs are cast to the autocast dtype first (as `F.linear` would be), and the
-sketch runs with autocast off so forward and backward dtypes agree.
+Approximation: dW is a randomised estimate, unbiased for any fixed hash without the scalars,
+slightly biased but norm-stable with them (the default, as in BASIS); `invariant_scalars=False`
+and `balanced_hash=False` (a uniform i.i.d. hash) exist to test that.
+Under autocast the inputs are cast to the autocast dtype first (as `F.linear` would be), and
+the sketch runs with autocast off so forward and backward dtypes agree.
 """
 
 from __future__ import annotations

@@ -1,41 +1,33 @@
 """`gelu_mlp`: a transformer MLP `proj(gelu(fc(norm(x))))` that keeps only its input.
 
-Contract: `gelu_mlp(fc, proj, x, *, norm=None, recompute=None)` returns
-`proj(F.gelu(fc(norm(x))))` (no norm when `norm` is None). It goes through one fused,
-row-blocked autograd function that recomputes the hidden activations when a backward will run,
-fc and proj are each an `nn.Linear` or a `SketchedLinear`, and `recompute` is True, or None
-(the default) and proj is sketched. Its gradients equal those of
-the unfused composition — the same sketches from the same per-layer seeds and estimators, so dX,
-the biases and every plain layer's dW exact, a sketched layer's dW the same BASIS estimate — up
-to fp32 summation order. Otherwise it is the plain composition, with the norm fused into fc when
-fc is plain (`norm_linear`).
+`gelu_mlp(fc, proj, x, *, norm=None, recompute=None)` returns `proj(F.gelu(fc(norm(x))))` (no
+norm when `norm` is None); fc and proj are each an `nn.Linear` or a `SketchedLinear`. When a
+backward will run and `recompute` is True, or None (the default) and proj is sketched, it goes
+through one fused, row-blocked autograd function that recomputes the hidden activations; its
+gradients equal the unfused composition's (the same sketches from the same per-layer seeds and
+estimators: dX, the biases and every plain layer's dW exact, a sketched layer's dW the same
+BASIS estimate) up to fp32 summation order. Otherwise it is the plain composition, the norm
+fused into fc when fc is plain (`norm_linear`).
 
-Why: the MLP's largest activations are its 4d-wide hidden tensors: GELU saves its input, and
-proj keeps GELU's output for its weight gradient. Once proj is sketched, only GELU's input is
-still needed, and the fused function recomputes it instead: it walks the rows in blocks
-(`blocked.block_size`: 2 048 rows on the CPU, up to 64 MiB of hidden rows on a GPU). Forward,
-per block: norm, fc, GELU, proj, and the block's part of proj's input sketch (S is linear in
-the rows, so block sketches add up). Saved: x (n × d; the norm's input, which a LayerNorm keeps
-anyway), proj's R × 4d sketch (plus the hidden row mean for the centred
-estimator) and the two seeds. On the fused sketch path (`blocked.BlockInputSketch`, CUDA) the
-GELU and proj's input sketch are one kernel over the block (in place on fc's output: GELU as
-F.gelu computes it, to an ulp), so the sketch costs no pass of its own. Backward, per block:
-recompute the norm and fc's output, the hidden gradient `dY W2`, GELU's derivative, the
-block's slice of dX and its part of `S dH` (or, for a plain fc, of the exact `dHᵀ x`). No
-n × 4d tensor outlives a block. The price is one extra fc matmul in backward.
+The fused function walks the rows in blocks (`blocked.block_size`). Forward, per block: norm,
+fc, GELU, proj and the block's part of proj's input sketch. Saved: x (n × d, the norm's input,
+which a LayerNorm keeps anyway), proj's R × 4d sketch (plus the hidden row mean, centred) and
+the two seeds. On the fused sketch path the GELU and proj's input sketch are one kernel over the
+block, in place on fc's output (GELU as F.gelu computes it, to an ulp). Backward, per block:
+recompute the norm and fc's output, the hidden gradient `dY W2`, GELU's derivative, the block's
+slice of dX and its part of `S dH` (or, for a plain fc, of the exact `dHᵀ x`). No n × 4d tensor
+outlives a block; the price is one extra fc matmul in backward. Why, and what it saves:
+docs/basis.md, "Where a sketch saves memory".
 
 `recompute=True` with a plain proj is the same recompute with exact gradients (selective
-activation recomputation of the MLP): the same memory as the sketched MLP minus proj's sketch,
-for one more matmul in backward (proj's exact dW from the recomputed hidden rows). It is the
-exact-backprop baseline that BASIS must beat at equal memory. `recompute=False` never fuses:
-GELU keeps its n × 4d input, and sketched layers then save their weight-gradient matmuls
-without paying for the recompute (the fastest step, not the smallest).
+activation recomputation): the sketched MLP's memory minus proj's sketch, for one more matmul
+(proj's exact dW from the recomputed rows), the exact baseline BASIS must beat at equal memory.
+`recompute=False` never fuses: GELU keeps its n × 4d input and sketched layers save time, not
+memory (the fastest step, not the smallest).
 
-Because x is kept for the recompute anyway, sketching fc saves no memory here: a plain fc gets
-its exact weight gradient for free (the built-in GPT's default,
-`trainer.train.model.SKETCH_LAYERS`).
-Under autocast the norm runs unfused in front (as `nn.LayerNorm` would, in fp32), and the fused
-function keeps its output instead of x.
+x is kept for the recompute anyway, so sketching fc saves no memory: a plain fc gets its exact
+dW for free (`trainer.train.model.SKETCH_LAYERS`). Under autocast the norm runs unfused in front
+(in fp32, as `nn.LayerNorm`), and the fused function keeps its output instead of x.
 """
 
 from __future__ import annotations

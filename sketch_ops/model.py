@@ -1,43 +1,33 @@
 """`sketch_model`: swap a model's selected `nn.Linear`s for `SketchedLinear`s; `auto_plan`.
 
-Contract:
 - `sketch_model(model, *, rank, include=None, estimator="centered")` replaces `nn.Linear`
   modules in place by `SketchedLinear`s that reuse the same `Parameter` objects (an optimizer
   built before still points at them) and returns the replaced qualified names, in
   `named_modules` order. `rank` is one R for every selected layer, or a mapping from qualified
-  name to R (the per-layer ranks of `policy.ranks_for_budget`); a mapping selects exactly its
-  keys, each of which must name an `nn.Linear` the selection admits. `estimator` is
-  `"centered"` (the default: it halves the gradient error on real activations,
-  benchmarks/sketch_quality/run.py) or `"basis"` (docs/design.md §4 as written); see `function.py`.
-  Instead of `rank`, `memory_budget=B, rows=n` gives per-layer ranks whose sketches of an
-  n-row microbatch fit in B bytes (`policy.py`).
-  `include` selects the layers (`policy.selector`, the one definition): None = every
-  `nn.Linear`; a sequence of `fnmatch` glob patterns matched against the qualified name; a
-  callable `(name, module) -> bool`; or `"auto"`, which needs `probe_batch=` (one microbatch
-  of the model's input; `loss_fn=(model, batch) -> loss`, default the sum of the output):
+  name to R (`policy.ranks_for_budget`), which selects exactly its keys (each an `nn.Linear` the
+  selection admits). `estimator`: `"centered"` (the default; about halves the gradient error on
+  real activations: benchmarks/sketch_quality/run.py) or `"basis"` (docs/design.md §4 as
+  written). Instead of `rank`, `memory_budget=B, rows=n` gives per-layer ranks whose sketches
+  of an n-row microbatch fit in B bytes (`policy.py`).
+  `include` (`policy.selector`, the one definition): None = every `nn.Linear`; `fnmatch` globs
+  of qualified names; a callable `(name, module) -> bool`; or `"auto"`, which needs
+  `probe_batch=` (one microbatch; `loss_fn=(model, batch) -> loss`, default the output's sum):
   `auto_plan` applies the structural fusions and probes one step, and only the layers whose
-  sketch frees memory — at least `min_saving` (default `probe.MIN_SAVING`, 0.10) of the
-  step's activation bytes per class of layers, e.g. every block's q/k/v — are swapped. Only
-  modules whose type is exactly `nn.Linear` are candidates: already-sketched layers and
-  subclasses (which may not call `forward`, e.g. `nn.MultiheadAttention.out_proj`) are left
-  alone.
+  sketch frees at least `min_saving` (`probe.MIN_SAVING`, 0.10) of the step's activation bytes
+  per class of layers (e.g. every block's q/k/v) are swapped. Only exact `nn.Linear`s are
+  candidates (not subclasses, which may not call `forward`: `MultiheadAttention.out_proj`).
 - `auto_plan(model, probe_batch, *, rank, loss_fn=None, estimator="centered",
-  min_saving=MIN_SAVING, keep_gate=KEEP_GATE)` patches the model's structures in place
-  (`fuse_swiglu_mlps`: a Llama-style gate/up/down MLP becomes one recomputing function, which
-  with `keep_gate` (the default) keeps gate's output and recomputes only up, and with
-  `keep_gate=False` keeps only its input (less memory, one matmul more: `swiglu.py`);
-  `fuse_rms_norms`: an RMSNorm that keeps only its input and the per-row 1/rms, so once the
-  linears it feeds are sketched its output is kept by nobody; both matched by structure,
-  values and gradients unchanged),
-  then returns `probe.plan_sketch`'s `AutoPlan` with the patched module names in
-  `plan.fused`. With `max_quality_cost > 0` (default `MAX_QUALITY_COST`, 0) it then also
-  sketches the classes of layers whose sketch the cost model predicts makes the step faster on
-  `rates`' device with a measured gradient error of at most `max_quality_cost`
-  (`speed_plan.extend_for_speed`; `plan.speed` says why for each class).
+  min_saving=MIN_SAVING, keep_gate=KEEP_GATE)` patches the model's structures in place, matched
+  by structure, values and gradients unchanged (`fuse_swiglu_mlps`: a gated MLP becomes one
+  recomputing function keeping gate's output, or with `keep_gate=False` only its input, one
+  matmul more: `swiglu.py`; `fuse_rms_norms`: an RMSNorm keeping only its input and 1/rms per
+  row), then returns `probe.plan_sketch`'s `AutoPlan`, the patched names in `plan.fused`. With
+  `max_quality_cost > 0` (default `MAX_QUALITY_COST`, 0) it also sketches the classes of layers
+  the cost model predicts make the step faster on `rates`' device with a measured gradient
+  error of at most `max_quality_cost` (`speed_plan.extend_for_speed`; `plan.speed` says why).
 
-Call `sketch_model` before wrapping the model in DDP/FSDP, so names have no wrapper prefix.
-Why this is not in `layer.py`: the fusions build on `SketchedLinear`, and "auto" builds on
-them, so the module that chooses layers sits above both (no import cycle).
+Call `sketch_model` before wrapping in DDP/FSDP (names without a wrapper prefix). Not in
+`layer.py`: the fusions build on `SketchedLinear` and "auto" on them (no import cycle).
 """
 
 from __future__ import annotations
