@@ -1,37 +1,28 @@
 """The fused sketch path's plans, drawn a microbatch at a time: one keys launch and one sort for
 all the sketched layers of a microbatch, instead of two launches per layer.
 
-Contract:
 - `open_block(microbatch, derive) -> PlanStore` and `close_block(store)`: `seeds.sketch_seed`
   calls them on entering and leaving a block; `microbatch` is its `(seed, step, microbatch)`
   and `derive(name)` a layer's seed in it. Blocks with equal `microbatch` share one store (a
   backward run in a block of its own finds the forward's plans).
 - `PlanStore.note(seed, name)`: the layer `name` drew `seed` here (`seeds.layer_seed`).
 - `PlanStore.order(kernels, n, seed, device)` is bitwise `kernels.plan_order(n, seed, device)`
-  (int64, n; shared between callers: never write into it). On a miss, one
-  `kernels.plan_orders` call draws this plan together with the plans, under this microbatch's
-  seeds, of every layer the previous microbatch asked for by name with the same n and device
-  (`kernels.KEYS_PER_LAUNCH` seeds per keys launch, one sort for all; "previous": the latest
-  that asked for any); later requests, activation-checkpoint recompute and layers called
-  twice hit. The first microbatch a process runs draws each plan alone.
+  (int64, n; shared between callers: never write into it). On a miss, one `kernels.plan_orders`
+  call draws this plan together with the plans, under this microbatch's seeds, of every layer
+  the previous microbatch (the latest that asked for any) asked for by name with the same n and
+  device (`kernels.KEYS_PER_LAUNCH` seeds per keys launch, one sort for all); later requests,
+  activation-checkpoint recompute and layers called twice hit. The first microbatch a process
+  runs draws each plan alone.
 - Lifetime: a store's plans are dropped when a block for another microbatch opens (or when a
   block closes while another store is kept), so at most one microbatch beyond the open blocks
   holds plans: 8 bytes per row and sketched layer (the layers save their own int32 copy for
-  backward, as without a store). `held_bytes()` says how many are held now.
+  backward). `held_bytes()` says how many are held now.
 
 A plan is a pure function of (seed, n), so a held plan is the right one whoever drew it, and
 which layers are drawn together changes launches, never bits: a resumed, resized or recomputed
 step draws the same sketches (P1). Outside any block seeds are fresh per call and nothing is
-shared (`seeds.plan_order` draws each plan alone).
-
-Why this design: of a lone sketched layer's 7 launches per step, 2 draw its plan (keys and
-sort). The plans of a microbatch's layers do not depend on its data, so they can all be drawn
-when the first is needed: 2 launches per microbatch, 5 + 2/k per layer for k sketched layers
-(6 at k = 2; a lone layer stays at 7). The seeds travel as kernel arguments (a tuple), so no
-host-to-device copy is added. Learning the layers from the previous microbatch needs no
-registry and no change to how models or the trainer call them. Replacing the sort instead
-(ranking the keys by a counting pass) needs a grid-wide prefix sum: a second launch again, or
-one program finishing O(n) serial work; a batched sort is one op for any number of layers.
+shared (`seeds.plan_order` draws each plan alone). Why this design, and the alternatives
+weighed: docs/design.md, "A microbatch's sketch plans, drawn together".
 """
 
 from __future__ import annotations

@@ -1,47 +1,30 @@
 """Which linear layers' sketches free memory: probe steps over what autograd keeps.
 
-Contract: `plan_sketch(model, batch, *, rank, loss_fn=None, estimator="centered")` returns a
-`AutoPlan` for the model as it is (fusions applied or not), with one `LayerPlan` per
-candidate layer (a module whose type is exactly `nn.Linear`, what `sketch_model` swaps):
-- `"sketch"`: sketching it (with the sibling layers that read the same input) lowers the
-  step's activation bytes by more than nothing: its input is kept for weight gradients alone;
-- `"keep"`: its input is kept anyway (by a norm, an activation, attention, a layer that is not
-  a candidate), a sketch would cost more than it frees, or it did not run;
+`plan_sketch(model, batch, *, rank, loss_fn=None, estimator="centered")` returns an `AutoPlan`
+for the model as it is (fusions applied or not), with one `LayerPlan` per candidate layer (a
+module of exactly type `nn.Linear`, what `sketch_model` swaps):
+- `"sketch"`: sketching it (with the sibling layers that read the same input) lowers the step's
+  activation bytes: its input is kept for weight gradients alone;
+- `"keep"`: its input is kept anyway (by a norm, an activation, attention, a non-candidate
+  layer), a sketch would cost more than it frees, or it did not run;
 - `"recomputed"`: it runs inside a fused function (`norm_linear`, `gelu_mlp`, `swiglu_mlp`),
-  which keeps what that function needs; an exact weight gradient there costs no memory,
-with the bytes its input's storage holds and the bytes its sketch frees net of the sketch
-(0 unless sketched). `plan.exact_bytes` is the step's activation bytes as probed (distinct
-saved storages, parameters excluded: `memory.saved_bytes`'s count) and `plan.predicted_bytes`
-that minus every sketched layer's freed bytes.
+  where an exact weight gradient costs no memory;
+with the bytes its input's storage holds and the bytes its sketch frees net of the sketch (0
+unless sketched). `plan.exact_bytes` is the step's activation bytes as probed (distinct saved
+storages, parameters excluded: `memory.saved_bytes`) and `plan.predicted_bytes` that minus
+every sketched layer's freed bytes.
 
-How: (1) one training step (`loss_fn(model, batch)`, default the sum of the output or of its
-`.logits`, then backward) runs under `torch.autograd.graph.saved_tensors_hooks`, with hooks on
-every `nn.Linear` that record each call's input storage and what was saved while it ran.
-Layers are grouped when they share a saved input storage (q/k/v, gate/up). A group whose input
-storages are saved by its own layers and nobody else is tentatively sketched when those bytes
-exceed its R × N sketches. A layer whose module never ran but whose weight was saved is
-"recomputed". (2) Some functions change shape once a layer is sketched (`gelu_mlp` and
-`swiglu_mlp` recompute the whole MLP once their down-projection is sketched, which frees the
-hidden activations too, and makes sketching the up-projections pointless). So the tentative
-plan is applied and the forward probed again, then each class of groups (the same names up to
-block indices, e.g. every block's q/k/v) is reverted in turn: a class whose revert does not
-raise the saved bytes is left exact, otherwise its measured saving is its freed bytes. Group
-decisions are per class; blocks of a model are assumed alike (a class is kept sketched or
-reverted as a whole). (3) A class whose measured saving is under `min_saving` (default
-`MIN_SAVING` = 0.10) of `exact_bytes` is left exact ("keep"): a sketch costs gradient
-quality on every layer of its class, so it must buy a real share of the step's memory.
-Measured on a Llama (d 256, 4 layers, intermediate 688, 4 096 tokens, R = n/16;
-benchmarks/sketch_llama/run.py, benchmarks/reports/2026-12-05-sketch-llama.md): the down-projections
-free 57 % of the probed bytes, the q/k/v projections 4.4 % and the LM head 1.3 %; sketching
-q/k/v and the LM head as well took the step from 0.38x to 0.33x exact's bytes and the
-validation loss from +0.0 % to +7.5 % of exact's. On the built-in GPT the one class it
-sketches (the MLP's down-projection) frees 14-25 %. `min_saving=0` sketches every class
-that frees anything.
+How (in full: docs/design.md, "How the probe decides"): one training step under
+`saved_tensors_hooks` finds each layer's saved input storage, and layers sharing one form a
+group (q/k/v, gate/up); the tentative plan is applied and probed again, and each class of groups
+(the same names up to block indices) is reverted in turn to measure its saving. A class saving
+under `min_saving` (`MIN_SAVING` = 0.10) of `exact_bytes` stays exact: a sketch costs gradient
+quality on every layer of its class (what the classes free on a Llama and on the GPT:
+benchmarks/reports/2026-12-05-sketch-llama.md). `min_saving=0` sketches all that frees anything.
 
-The probe leaves the model as it was: no module stays swapped, every parameter's `.grad`
-(tensor or None) and every buffer are put back, no optimizer runs, and torch's RNG (CPU and
-the model's CUDA devices) is restored, so it changes neither the trajectory nor a resume (P1).
-Cost: one training step and (classes + 1) forward passes on `batch`.
+The probe leaves the model as it was (no module swapped; every `.grad`, buffer and torch RNG
+state, CPU and CUDA, put back; no optimizer runs), so it changes neither the trajectory nor a
+resume (P1). Cost: one training step and (classes + 1) forward passes on `batch`.
 """
 
 from __future__ import annotations

@@ -1,35 +1,31 @@
 """Where BASIS sketches come from: 64-bit seeds and the (hash, signs) plan they expand to.
 
-Contract:
 - `derive_seed(seed, step, microbatch, layer_name)` is a pure, platform-independent function
   (blake2b, never Python's salted `hash()`), returning a seed in [0, 2**63).
-- `make_plan(n, rank, seed, device=)` expands a seed into the sketch of n rows (a
-  `SketchPlan`, defined in `sketch_ops.plan`, which the kernels read): the effective
-  rank `min(rank, n)` (at least 1), the bucket `hash` of every row, its sign, and the same
-  sketch in bucket-major (CSR) form. The balanced plan (the default) is drawn on `device` from
-  an integer hash of the row index (`plan_hash`): the same seed gives bitwise the same sketch
-  on CPU and CUDA, and on a GPU drawing it is a few launches with no host work that grows with
-  n and no synchronisation (drawing it on the CPU and copying it cost more host time than the
-  GPU step of the layer it sketches). The uniform hash (`balanced=False`, an analysis option)
-  is drawn from a CPU `torch.Generator` and copied.
-- `sketch_seed(seed, step, microbatch)` is a context manager; inside it every sketched layer's
-  seed is `derive_seed(seed, step, microbatch, layer name)`. Outside it, `layer_seed` draws a
+- `make_plan(n, rank, seed, device=)` expands a seed into the sketch of n rows (a `SketchPlan`,
+  `sketch_ops.plan`, which the kernels read): the effective rank `min(rank, n)` (at least 1),
+  every row's bucket `hash` and sign, and the same sketch in bucket-major (CSR) form. The
+  balanced plan (the default) is drawn on `device` from an integer hash of the row index
+  (`plan_hash`): bitwise the same on CPU and CUDA, and on a GPU a few launches with no host work
+  that grows with n and no synchronisation (drawing it on the CPU and copying it cost more host
+  time than the layer's GPU step). The uniform hash (`balanced=False`, an analysis option) is
+  drawn from a CPU `torch.Generator` and copied.
+- `sketch_seed(seed, step, microbatch)`: a context manager inside which every sketched layer's
+  seed is `derive_seed(seed, step, microbatch, layer name)`. Outside it `layer_seed` draws a
   fresh seed from torch's global CPU generator, which `torch.utils.checkpoint` saves and
   restores, so a recomputed forward still reproduces its sketch.
-- `plan_order(kernels, n, seed, device)`: the fused path's plan order for `seed`
-  (`kernels.plan_order`, bitwise); inside a block from the microbatch's `plan_cache.PlanStore`,
-  which draws the plans of a microbatch's sketched layers together.
+- `plan_order(kernels, n, seed, device)`: the fused path's plan order for `seed`, bitwise
+  `kernels.plan_order`; inside a block from the microbatch's `plan_cache.PlanStore`.
 
 Activation checkpointing: a recompute reproduces the forward's sketch when it runs under the
 same `sketch_seed` state as the forward (the trainer runs backward inside the context) or when
-both run outside any context. If the forward ran inside a context and the backward (with its
-recompute) runs after leaving it, the recompute draws a fresh seed: the layer stays correct —
-the saved sketch and the seed used in backward come from the same recompute — but the sketch is
-no longer the one derived from (seed, step, microbatch, layer).
+both run outside any context. A forward inside a context whose recompute runs after leaving it
+draws a fresh seed: the layer stays correct (the saved sketch and the seed used in backward come
+from the same recompute), but the sketch is no longer the one derived from (seed, step,
+microbatch, layer).
 
 The active seed is process-global (not thread- or context-local) on purpose: autograd may run
-backward, and with it activation-checkpoint recompute, on its own worker threads, which would
-not see a thread-local or contextvar value.
+backward, and with it activation-checkpoint recompute, on its own worker threads.
 """
 
 from __future__ import annotations

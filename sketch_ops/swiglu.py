@@ -1,54 +1,31 @@
-"""`swiglu_mlp`: a gated MLP `down(act(gate(x)) * up(x))` (Llama's SwiGLU) that keeps x and
-gate's output, or only x (`swiglu_find.fuse_swiglu_mlps` finds such MLPs in any model and
-routes them here).
+"""`swiglu_mlp`: a gated MLP `down(act(gate(x)) * up(x))` (Llama's SwiGLU) that keeps x and gate's
+output, or only x (`swiglu_find.fuse_swiglu_mlps` finds such MLPs in any model).
 
-Contract:
-- `swiglu_mlp(gate, up, down, act, x, *, recompute=None, keep_gate=KEEP_GATE)` returns
-  `down(act(gate(x)) * up(x))`. When gate, up and down are each an `nn.Linear` or a
-  `SketchedLinear` (biases optional), act is a parameter-free module acting on each row on its
-  own (SiLU, any GELU; in practice elementwise), a backward will run, and `recompute` is True
-  — or None (the default) and down is sketched — it is one row-blocked autograd function.
-  Saved: x (n × d), down's R × I input sketch (plus the I-vector row mean for the centred
-  estimator) when down is sketched, and the three seeds (one int64 tensor); with `keep_gate`
-  (the default, `KEEP_GATE`) one n × I tensor, gate's output (its pre-activation), computed
-  for all rows at once; with `keep_gate=False` none.
-  Backward recomputes, per row block (`blocked.block_size`), up's output, gate's (unless
-  kept) and the activation, and from them dX, the biases, each plain layer's exact dW (down's
-  from the recomputed hidden rows) and each sketched layer's BASIS estimate (gate's and up's
-  from block sketches of x and their output gradients). Its gradients equal the unfused
-  composition's — the same sketches from the same per-layer seeds, dX and plain layers' dW
-  exact — up to fp32 summation order; its output is the composition's up to the row blocking
-  of the matmuls (bitwise for a single block). An activation that computes SiLU (decided once
-  per module by a probe of its values, whatever its class: `nn.SiLU`, transformers'
-  `SiLUActivation`) is run as `F.silu` and differentiated with `silu_backward` directly, in
-  place in the block's temporaries, when all operands share one dtype (the same values, to
-  the bit, as the general path, which differentiates the activation through autograd).
-  Otherwise it is the plain composition. On the fused sketch path (`blocked.BlockInputSketch`,
-  CUDA) with a sketched down and SiLU, the activation, the product and down's input sketch
-  are one kernel over the block (the product as torch rounds it, to an ulp): the sketch costs
-  no pass of its own.
+`swiglu_mlp(gate, up, down, act, x, *, recompute=None, keep_gate=KEEP_GATE)` returns
+`down(act(gate(x)) * up(x))`. When gate, up and down are each an `nn.Linear` or a
+`SketchedLinear` (biases optional), act is a parameter-free module acting on each row alone
+(SiLU, any GELU), a backward will run, and `recompute` is True (or None and down is sketched),
+it is one row-blocked autograd function; otherwise the plain composition.
+- Saved: x (n × d), down's R × I input sketch when down is sketched (plus the I-vector row mean,
+  centred), the three seeds (one int64 tensor), and with `keep_gate` (the default) gate's output,
+  one n × I tensor computed for all rows at once.
+- Backward recomputes, per row block (`blocked.block_size`), up's output, gate's (unless kept)
+  and the activation, and from them dX, the biases, each plain layer's exact dW (down's from the
+  recomputed rows) and each sketched layer's BASIS estimate. Gradients equal the unfused
+  composition's (the same sketches from the same seeds) up to fp32 summation order; the output
+  is the composition's up to the row blocking of the matmuls (bitwise for a single block).
+- An activation that computes SiLU (probed once per module, whatever its class) runs as
+  `F.silu`, differentiated with `silu_backward` in place in the block's temporaries when all
+  operands share one dtype (the same bits as differentiating through autograd). On the fused
+  sketch path with a sketched down and SiLU, the activation, the product and down's input
+  sketch are one kernel over the block (the product as torch rounds it, to an ulp).
 
-Why: in a Llama MLP exact backprop keeps four n × I tensors (gate's output for the activation,
-the activation's output and up's output for the product, the product for down's weight
-gradient), I ≈ 2.7 d. Sketch down and only the activation's and product's inputs are still
-needed, which backward recomputes from x: the MLP keeps x and an R × I sketch. When an RMSNorm
-feeds the MLP (`rms_norm.py`), the norm keeps its own input and the MLP keeps the norm's output
-(its x); the two stay separate functions, each keeping one n × d tensor.
-
-The time it costs (per MLP, n·d·I multiply-adds per matmul): exact backprop runs 9 matmuls
-(3 forward; backward: dHidden, down's dW, dX through gate and up, gate's and up's dW).
-Recomputing around a sketched down runs 10 (the sketch replaces down's dW, backward adds gate
-and up again) plus the sketches (O(n·I) each): ~10 % more MLP time on a CPU, where matmuls
-are the step. `keep_gate` keeps gate's output (one n × I tensor more, 4 n·I bytes in fp32)
-and recomputes only up: 9 matmuls, as exact — the saved dW pays for the recompute. It is the
-default (`KEEP_GATE`) because it meets issue 16's targets together: on the Llama benchmark
-(benchmarks/reports/2026-12-05-sketch-llama.md) 0.51× exact's activation bytes at 0.96-0.97× its
-step time, against 0.38× at 1.02-1.04× keeping x alone. `keep_gate=False` is for when
-memory matters more than ~5 % of step time.
-
+Memory and time: with down sketched the MLP keeps x and an R × I sketch instead of four n × I
+tensors; `keep_gate` keeps gate's output too and runs as many matmuls as exact backprop, while
+`keep_gate=False` keeps less for one matmul more (~5 % of step time). The counts, and why
+`keep_gate` is the default: docs/design.md, "The SwiGLU MLP's memory and time".
 Under autocast x and the weights are cast to the autocast dtype (as the linear layers would),
-the activation runs under the caller's autocast state and the product is cast to down's dtype
-(as autocast casts down's input).
+the activation runs under the caller's autocast state and the product is cast to down's dtype.
 """
 
 from __future__ import annotations
