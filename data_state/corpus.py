@@ -1,40 +1,33 @@
 """Corpus preparation: text, JSON Lines, Parquet or `save_to_disk` inputs -> fixed-length token
 sequences in Parquet + `dataset.json`, streaming, on one process, N processes or Ray.
 
-Contract of `prepare_corpus(sources, out, *, seq_len, ...)`:
-- Sources (`discover.discover`): local files, directories, globs, `s3://` URIs. With no
-  sources it prepares the **default corpus**: every `.py` file of this Python's standard
-  library (`sysconfig.get_paths()["stdlib"]`, without `site-packages`/`dist-packages`), about
-  31 MB / 1,800 files on CPython 3.11 — real text on every machine with Python, so no
-  download is ever needed. Its content depends on the Python version; the manifest records
-  the version and every file's checksum.
-- Inputs are taken in sorted order of their names; `max_bytes` keeps the longest prefix of
-  that list that fits. A document is a text file or a row (`text_field` of JSON Lines,
-  `text_column` of Parquet/Arrow). Unusable text files are listed in the manifest with the
-  reason, unusable rows counted by reason (`sources.read_unit`); an input with no usable
-  document at all is a `ValueError` that gives those counts.
+Contract of `prepare_corpus(sources, out, *, seq_len, ...)` (the guide: docs/data.md):
+- Sources (`discover.discover`): local files, directories, globs, `s3://` URIs. With none it
+  prepares the **default corpus**: every `.py` file of this Python's standard library
+  (`sysconfig.get_paths()["stdlib"]`, no `site-packages`/`dist-packages`; about 31 MB / 1,800
+  files on CPython 3.11), so no download is ever needed; the manifest records the Python
+  version and every file's checksum.
+- Inputs in sorted order of their names; `max_bytes` keeps the longest prefix that fits. A
+  document is a text file or a row (`text_field` of JSON Lines, `text_column` of
+  Parquet/Arrow). Unusable files are listed in the manifest with the reason, unusable rows
+  counted by reason (`sources.read_unit`); no usable document at all is a `ValueError` with
+  those counts.
 - Tokenizer (`tokenizer.py`): `"bytes"` (vocab 256, byte 0 ends each document), a local
-  `tokenizer.json` or model directory (`tokenizer=PATH`), or a byte-level BPE of
-  `train_tokenizer` ids trained on the train split's documents first (a second pass over
-  the inputs). Token dtype follows the vocabulary. A tokenizers tokenizer is stored as
-  `URI/tokenizer.json`, recorded with its SHA-256, vocab size and special tokens.
-- Split by document, deterministic, no leakage (`sources` module docstring).
-- Each split's token stream (its documents in input order, each followed by the EOS token)
-  is cut into sequences of `seq_len` tokens (`split_writer.py`); the last partial sequence
-  is dropped and counted. Sequences cross document boundaries (EOS marks them).
-- Streaming: inputs are cut into work units of about 2 MB and results are consumed in unit
-  order (`parallel.py`), shards written as they fill; memory is bounded by a few units per
-  worker plus one shard per split (32 MB of tokens), whatever the corpus size. The
-  tokenizer trainer's word counts grow with the number of distinct words, not with bytes.
-- `workers=N` tokenizes in N processes, `use_ray=True` on a Ray cluster with Ray Data, which
-  also writes the shards there (`ray_tokenize.py`: token bytes never pass through the
-  driver, which sees counts and writes the manifest); the output is byte-identical to the
-  serial run's either way (nothing about N is recorded).
-- Shards (and the tokenizer) are written first, each atomically, and `dataset.json` last: a
-  dataset without its manifest is incomplete and readers refuse it. An existing dataset at
-  `out` is only replaced with `overwrite=True` (its manifest is removed first, so a crash
-  mid-way never leaves the old manifest describing new shards).
-- Preparing the same inputs twice gives byte-identical shards and manifest (no timestamps).
+  `tokenizer.json` or model directory, or a byte-level BPE of `train_tokenizer` ids trained on
+  the train split first (a second pass). Token dtype follows the vocabulary. A tokenizers
+  tokenizer is stored as `URI/tokenizer.json` with its SHA-256, vocab size and special tokens.
+- Split by document, deterministic, no leakage (`sources`). Each split's token stream (documents
+  in input order, each followed by EOS) is cut into `seq_len` sequences (`split_writer.py`),
+  crossing document boundaries; the last partial sequence is dropped and counted.
+- Streaming: work units of about 2 MB, results consumed in unit order (`parallel.py`), shards
+  written as they fill; memory is a few units per worker plus one shard per split (32 MB of
+  tokens), whatever the corpus size (the tokenizer trainer's counts grow with distinct words).
+- `workers=N` tokenizes in N processes, `use_ray=True` with Ray Data, which writes the shards
+  on the cluster (`ray_tokenize.py`: the driver sees counts and writes the manifest); the
+  output is byte-identical to the serial run's (nothing about N is recorded).
+- Shards (and tokenizer) are written first, each atomically, `dataset.json` last: a dataset
+  without its manifest is incomplete and refused. An existing dataset is replaced only with
+  `overwrite=True` (its manifest removed first). Same inputs, byte-identical output.
 """
 
 from __future__ import annotations

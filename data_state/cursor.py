@@ -1,6 +1,5 @@
 """The data cursor — the whole data state of a run — and the pure arithmetic of steps.
 
-Contract:
 - `DataCursor(dataset, seed, epoch, samples_consumed)` is everything needed to continue the
   data stream exactly: the dataset's fingerprint, the shuffle seed, the epoch and how many
   samples of that epoch's order were consumed by committed steps. It holds no rank and no
@@ -18,9 +17,8 @@ Contract:
   refuses anything else). A cursor never moves past `LAST_EPOCH` (2**62 - 1): the step that
   would end that epoch raises `CursorRangeError` instead (a `ValueError`), so a cursor out of
   range is never written. `after_steps(n, ...)` is where n more steps lead, computed at once.
-- `step_samples` is the number of samples of the step at a cursor (`global_batch`, or the
-  tail); it splits into `ceil(step_samples / microbatch_size)` microbatches, the last one
-  short when the tail does not divide.
+- `step_samples`: the samples of the step at a cursor (`global_batch`, or the tail), in
+  `ceil(step_samples / microbatch_size)` microbatches (the last short if the tail does not divide).
 - `assign_microbatches` shares a step's microbatches among workers in contiguous, balanced
   blocks: worker `rank` of `world_size` gets microbatches
   `[rank * M // world_size, (rank + 1) * M // world_size)`. Block sizes differ by at most one,

@@ -1,44 +1,33 @@
 """The resumable, world-size-free loader: fixed microbatches per step, shared out to workers.
 
-Contract:
-- A step is `M = global_batch / microbatch_size` microbatches. Step content is a pure
-  function of the cursor: microbatch m of the step starting at cursor
-  `(seed, epoch, c)` holds the samples at positions `[c + m*b, c + (m+1)*b)` of
-  `Permutation(len(dataset), seed=seed, epoch=epoch)` (b = microbatch_size). So microbatch m
-  of step s holds the same samples whatever the world size; worker `rank` only chooses which
-  microbatches it materialises (`cursor.assign_microbatches`: contiguous balanced blocks).
-- The trainer loop is:
-
-      with ResumableLoader(ds, global_batch=64, microbatch_size=8, seed=0,
-                           rank=rank, world_size=world_size) as loader:
-          loader.load_state_dict(snapshot["data"])      # optional: resume, any world size
-          while training:
-              for mb in loader.next_step():             # this rank's microbatches
-                  (model.loss(mb.tokens) / mb.num_microbatches).backward()
-              all_reduce_sum(grads); optimizer.step()
-              loader.advance()                          # commit: the cursor moves only here
-              snapshot["data"] = loader.state_dict()    # JSON, no rank, no world size
-
-  `next_step()` is idempotent until `advance()`: it returns the same step again (e.g. to
-  redo a failed step). Prefetched steps are never counted: the cursor in `state_dict()` moves
-  only in `advance()`, after the step's optimizer update.
+- A step is `M = global_batch / microbatch_size` microbatches, a pure function of the cursor:
+  microbatch m of the step at cursor `(seed, epoch, c)` holds positions `[c + m*b, c + (m+1)*b)`
+  of `Permutation(len(dataset), seed=seed, epoch=epoch)` (b = microbatch_size), whatever the
+  world size; worker `rank` only chooses which microbatches it materialises
+  (`cursor.assign_microbatches`: contiguous balanced blocks).
+- The loop (docs/data.md, "The loader"): `with ResumableLoader(ds, global_batch=...,
+  microbatch_size=..., seed=..., rank=..., world_size=...) as loader`, optionally
+  `loader.load_state_dict(saved)` (any world size); per step `for mb in loader.next_step()`
+  (this rank's microbatches, each loss divided by `mb.num_microbatches`, gradients summed over
+  ranks), the optimizer step, then `loader.advance()`; `state_dict()` is JSON, no rank.
+- `next_step()` is idempotent until `advance()` (it returns the same step again, e.g. to redo a
+  failed one). Prefetched steps are never counted: the cursor moves only in `advance()`, after
+  the step's optimizer update. `pending` is True in between (`trainer.train.session.Session`
+  refuses to end a step while its loader is pending).
 - `reshard(rank=..., world_size=...)` changes this worker's share in place (a resize);
-  `load_state_dict` restores a cursor saved under any world size. Both drop prefetched work.
+  `load_state_dict` restores a cursor saved under any world size; both drop prefetched work.
   `check_state(state)` is `load_state_dict`'s refusal without the load (a `ValueError` naming
-  the field: another dataset or seed, a position past the epoch's end, a counter out of
-  range, the end of the last epoch a cursor can hold): a restore asks it before reading.
-- Epochs end when fewer than `global_batch` positions remain (the tail is dropped; see
-  `cursor.py`); the next step starts the next epoch's order. `drop_last=False` trains the
-  tail as a shorter last step instead (fewer microbatches, the last one short).
-  `shuffle=False` reads every epoch in dataset order (the cursor's fingerprint says so, so a
-  snapshot of a shuffled run is refused by an in-order loader and back).
-- `pending` is True between `next_step()` and `advance()`: a step was handed out and not
-  committed (`trainer.train.session.Session` refuses to end a step while its loader is pending).
+  the field: another dataset or seed, a position past the epoch's end, a counter out of range,
+  the end of the last epoch a cursor can hold): a restore asks it before reading.
+- Epochs end when fewer than `global_batch` positions remain (the tail dropped: `cursor.py`);
+  `drop_last=False` trains the tail as a shorter last step. `shuffle=False` reads every epoch
+  in dataset order (recorded in the cursor's fingerprint: a shuffled run's snapshot is refused
+  by an in-order loader and back).
 - Subclasses choose what a step's part becomes (`_materialize`): token microbatches here,
   collated items in `data_state.map_loader`.
-- A background thread prefetches up to `prefetch_steps` steps into a bounded queue; errors in
-  it (a corrupt shard, say) are raised by `next_step()`. `close()` (or leaving the `with`
-  block) stops and joins it; the loader can be used again afterwards (it restarts lazily).
+- A background thread prefetches up to `prefetch_steps` steps into a bounded queue; its errors
+  (a corrupt shard) are raised by `next_step()`. `close()` (or leaving the `with` block) stops
+  and joins it; the loader restarts it lazily if used again.
 """
 
 from __future__ import annotations
