@@ -24,12 +24,10 @@ contract and its few public names; ``tests/project/test_imports.py`` keeps the i
 (face > write, read, portable > coord > lease > store, state > format > errors and the
 shared pieces > storage).
 
-The on-disk format is described in ``elastic/format/records.py`` and
-docs/snapshot-format.md.
+The on-disk format is described in ``elastic/format/records.py`` and docs/snapshot-format.md.
 
-The names below are loaded on first use (PEP 562 ``__getattr__``), never at ``import
-elastic``: so ``import elastic.storage`` (what ``data_state`` does) loads no torch and no
-Ray, and ``data_state`` depends on that leaf alone, not on the rest of ``elastic``.
+The names below are loaded on first use (PEP 562 ``__getattr__``), never at ``import elastic``:
+``import elastic.storage`` (``data_state``'s one dependency) loads no torch and no Ray.
 """
 
 from __future__ import annotations

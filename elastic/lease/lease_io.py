@@ -1,55 +1,33 @@
 """Storage primitives of the run lease: the atomic create, conditional replace and conditional
 delete of ``RUN/lease.json`` on local disk and on S3, and the probe for S3 conditional writes.
 
-Contract
---------
 ``lease_backend(store)`` gives the backend for a run directory (local path or ``s3://``, the
 only kinds of store there are). A backend reads the lease with an opaque version (S3: the
 ETag; local disk: the bytes themselves) and writes only on that version:
 
-* ``read()`` returns ``(bytes, version)`` of one stored version, or ``(None, None)`` when
-  there is no lease. ``read`` and ``replace`` take ``deadline_s``: on S3 the call (retries
-  included) ends within it rather than the store's ``retry_deadline_s`` (a renew must end
-  before the lease does); local disk calls have no deadline. A local ``lease.json`` that is a
-  symbolic link, a FIFO or not a regular file, or a lease larger than ``MAX_LEASE_BYTES``, is
-  never read: it reads as an unreadable lease (empty bytes).
+* ``read()`` returns ``(bytes, version)`` of one stored version, or ``(None, None)`` when there
+  is no lease. ``read`` and ``replace`` take ``deadline_s``: on S3 the call (retries included)
+  ends within it rather than the store's ``retry_deadline_s`` (a renew must end before the
+  lease does); local calls have no deadline. A local ``lease.json`` that is a link, a FIFO or
+  not a regular file, or a lease larger than ``MAX_LEASE_BYTES``, is never read: it reads as
+  an unreadable lease (empty bytes).
 * ``create(data)`` writes the lease only if there is none; ``replace(data, version)`` and
-  ``delete(version)`` only if the stored lease is still ``version`` (deleting a lease that is
-  already gone is not an error). A failed condition raises ``LeaseConflict``; the lease is
-  then left as the other writer made it.
-* ``honours_conditions()`` says whether the store enforces these conditions (local disk:
-  always; S3: a probe write, below).
+  ``delete(version)`` only if the stored lease is still ``version`` (deleting a lease already
+  gone is not an error). A failed condition raises ``LeaseConflict``, the lease left as the
+  other writer made it.
+* ``honours_conditions()``: whether the store enforces these conditions (local disk: always;
+  S3: a probe write, a second ``If-None-Match: *`` PUT of a scratch object that must fail).
 * This module only moves bytes: what a record means (tokens, expiry, who may take over) is
   ``elastic.lease.run_lease``'s.
 
-Atomicity
----------
-* S3: create is ``PutObject`` with ``If-None-Match: *``; replace and delete carry
-  ``If-Match: <ETag of what we read>``. S3 evaluates these server-side, so the
-  read-compare-write is atomic and two drivers can never both win. A conditional write whose
-  answer was lost and retried can come back 412 although it landed: on any precondition
-  failure we re-read and count the write as ours when the stored bytes are the bytes we sent.
-* Every byte moves through the store (``elastic.storage.storage_io``): on S3 each request runs under
-  the store's deadlines and retries (``store.s3_request``), so a black-holed endpoint fails
-  the lease operation within ``retry_deadline_s`` instead of hanging.
-* Local disk: create is the storage layer's create-only write (a temporary file, fsync'ed and
-  ``os.link``ed to ``lease.json``: fails with EEXIST if the name exists; readers never see a
-  partial file). Replace and delete re-read the lease, compare its bytes with what we read
-  before, then write atomically (temp, fsync, rename) / remove. That
-  compare-then-act step is serialised by ``flock`` on ``RUN/.lease.lock``, which closes the
-  race between processes of one host and between NFS clients (Linux emulates ``flock`` with
-  NFS byte-range locks). The window that remains: on a filesystem whose locks are no-ops
-  (some FUSE mounts), two takeovers of the same expired lease that interleave between the
-  re-read and the rename can both succeed; the later rename wins the file and the earlier
-  driver finds a foreign token at its first renew (within ``ttl / 3``), while the fencing
-  check refuses its manifests from the moment the file changed.
-* Stores without conditional writes (S3-compatible servers that ignore ``If-None-Match`` /
-  ``If-Match``): detected once per lease by a probe write (a second ``If-None-Match: *`` PUT
-  of a scratch object that must fail; ``elastic.lease.run_lease`` logs a warning); the lease is then
-  *advisory*. Every operation still re-reads the lease and compares tokens first, so a driver
-  notices a takeover at its next renew, and ``lease_holds`` still fences manifests; but two
-  drivers whose acquires (or takeovers) interleave within one request round trip can both
-  believe they won until the first renew, and in that window both can commit.
+Atomicity: on S3 create is ``PutObject`` with ``If-None-Match: *`` and replace and delete carry
+``If-Match: <ETag read>``, evaluated server-side, so two drivers never both win (a retried write
+refused although it landed counts as ours when the stored bytes are ours); every request runs
+under the store's deadlines (``store.s3_request``). Locally create is the storage layer's
+create-only write (``os.link``), and replace and delete re-read and compare under ``flock`` on
+``RUN/.lease.lock``. Where that stops (filesystems whose locks are no-ops, S3-compatible stores
+without conditional writes: the lease is then advisory): docs/design.md, "The run lease's
+atomicity".
 """
 
 from __future__ import annotations

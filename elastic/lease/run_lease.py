@@ -1,42 +1,33 @@
 """The run lease: one live driver per run directory (P7 "one writer").
 
-Contract
---------
-The lease is the object ``RUN/lease.json``::
-
-    {"token": <uuid4 hex>, "holder": {"host", "pid", "ray_job_id", "started_at"},
-     "acquired_at": <unix s>, "expires_at": <unix s>, "epoch": <int>}
+The lease is the object ``RUN/lease.json``: ``{"token": <uuid4 hex>, "holder": {"host", "pid",
+"ray_job_id", "started_at"}, "acquired_at": <unix s>, "expires_at": <unix s>, "epoch": <int>}``.
 
 * ``RunLease(store).acquire()`` creates it atomically, or takes over a lease whose holder
-  stopped renewing (``expires_at < now``), or any lease with ``force=True``. Every acquire
-  or takeover writes a new token and ``epoch + 1``. A live lease held by someone else raises
-  ``LeaseHeldError``: one line naming the holder, the expiry and the fix. A lease file that
-  is not one this module wrote (bad JSON, a field of another type, a time that is not a
-  finite number: untrusted input) is unreadable and fails closed the same way; ``force``
-  replaces it.
-  A lease whose holder ran on this kernel and in this pid namespace and whose process is
-  gone (killed without releasing) is taken over at once, without waiting for the expiry
-  (``holder_is_dead``); a holder elsewhere is only taken over once its lease expires.
+  stopped renewing (``expires_at < now``), or any lease with ``force=True``; every acquire or
+  takeover writes a new token and ``epoch + 1``. A live lease held by someone else raises
+  ``LeaseHeldError``: one line naming the holder, the expiry and the fix. A lease file this
+  module did not write (bad JSON, a field of another type, a time that is not a finite number:
+  untrusted input) is unreadable and fails closed the same way; ``force`` replaces it. A lease
+  whose holder ran on this kernel and in this pid namespace and whose process is gone is taken
+  over at once (``holder_is_dead``); a holder elsewhere only once its lease expires.
 * ``renew()`` pushes ``expires_at`` to ``now + ttl``; its storage calls end before the lease
-  would (on S3 within the time left minus ``RENEW_MARGIN_S``, at least
-  ``MIN_RENEW_DEADLINE_S``, instead of the store's 60 s retry deadline). ``start_renewing()``
-  renews from a daemon thread every ``ttl / 3``, and every ``RENEW_RETRY_S`` after a renew
-  that failed for storage reasons (doubt is not a loss, but a lease must not lapse while the
-  store hiccups). A renew that finds another token raises (thread: records)
-  ``LeaseLostError``; the driver must stop committing.
+  would (on S3 within the time left minus ``RENEW_MARGIN_S``, at least ``MIN_RENEW_DEADLINE_S``,
+  instead of the store's 60 s retry deadline). ``start_renewing()`` renews from a daemon thread
+  every ``ttl / 3``, and every ``RENEW_RETRY_S`` after a renew that failed for storage reasons
+  (doubt is not a loss, but a lease must not lapse while the store hiccups). A renew that finds
+  another token raises (thread: records) ``LeaseLostError``; the driver must stop committing.
 * ``release()`` deletes the lease only if it still carries this driver's token: a driver never
   deletes a lease that was taken over from it.
-* ``lease_holds(store, token)`` is the fencing check: the coordinator calls it before writing
-  a manifest, so a driver whose lease was taken over can no longer commit.
+* ``lease_holds(store, token)`` is the fencing check: the coordinator calls it before writing a
+  manifest, so a driver whose lease was taken over can no longer commit.
 * Time is injected (``clock``); nothing here sleeps except the renew thread.
 
-Atomicity
----------
-Every write is conditional on the version of the lease just read, so of two drivers racing
-for the lease at most one wins. ``elastic.lease.lease_io`` holds the storage primitives and states
-the guarantees per store (S3 If-None-Match / If-Match; local disk link + ``flock``) and where
-they stop: on stores that ignore conditional writes the lease is advisory, and a driver
-notices a takeover at its next renew while ``lease_holds`` still fences its manifests.
+Every write is conditional on the version of the lease just read, so of two drivers racing for
+the lease at most one wins. ``elastic.lease.lease_io`` holds the storage primitives and the
+guarantees per store, and where they stop: on stores that ignore conditional writes the lease
+is advisory, and a driver notices a takeover at its next renew while ``lease_holds`` still
+fences its manifests.
 """
 
 from __future__ import annotations
