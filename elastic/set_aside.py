@@ -26,36 +26,22 @@ not fit and the newest one that does). Going back is a person's decision, made h
     definite integrity failure fails here and stays).
   The manifest arrives last (``SnapshotStore.unquarantine``). Returns ``(restored steps,
   [(step, why it stayed)])``; each reason is one line.
-* ``under_lease(store)``: a context manager that holds the run lease for the block (a
-  command run by hand: ``baton snapshots rewind`` / ``restore-quarantined``), renewed while
-  it lasts, so neither ever runs beside a live driver (``LeaseHeldError``, one line, names
-  it). Given that ``lease``, both functions check it is still held before each move
-  (``LeaseLostError`` otherwise: nothing more is moved).
+* The caller holds the run lease through ``elastic.lease.held_lease`` (``baton snapshots
+  rewind`` / ``restore-quarantined``: renewed while the command lasts, since verifying a
+  large snapshot may outlast its ttl), so neither ever runs beside a live driver
+  (``LeaseHeldError``, one line, names it). Given that ``lease``, both functions check it is
+  still held before each move (``LeaseLostError`` otherwise: nothing more is moved).
 """
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Iterator
 from typing import Any
 
 from elastic.catalog import verify
 from elastic.coord.generation import read_generation
 from elastic.format.records import parse_shard_name
-from elastic.lease.run_lease import LeaseLostError, RunLease
+from elastic.lease import LeaseLostError, RunLease
 from elastic.store.snapshot_store import SnapshotStore
-
-
-@contextlib.contextmanager
-def under_lease(store: SnapshotStore) -> Iterator[RunLease]:
-    """Hold the run lease for the block (``LeaseHeldError`` while a live driver holds it)."""
-    lease = RunLease(store)
-    lease.acquire()
-    lease.start_renewing()  # verifying a large snapshot may outlast the lease's ttl
-    try:
-        yield lease
-    finally:
-        lease.release()
 
 
 def _still_held(lease: RunLease | None) -> None:

@@ -2,11 +2,11 @@
 
 `InProcessFit(world_size)` stands in for `trainer.on_ray.ray_fit.fit` (monkeypatched): it runs the
 real worker loop (`trainer.train.loop.run_worker`) on `world_size` gloo processes (or in this
-process for 1), with the real pre-flight (`check_run_dir`), the real metrics files and the
-real snapshots; only Ray's placement and restarts are left out. `until` is passed to the
-loop as its planned stop; `stop` (the Ctrl-C / time-limit event) is honoured before
-training starts: when `wait_for_stop` is set, the fake waits for the event and then trains
-to `stop_step` only, as the workers would stop at their next step boundary.
+process for 1), with the real pre-flight (`check_run_dir`, where the real fit runs it), the
+real metrics files and the real snapshots; only Ray's placement and restarts are left out.
+`until` is passed to the loop as its planned stop; `stop` (the Ctrl-C / time-limit event) is
+honoured before training starts: when `wait_for_stop` is set, the fake waits for the event
+and then trains to `stop_step` only, as the workers would stop at their next step boundary.
 
 The `fake_fit` fixture (conftest.py) puts one in place of Ray's fit; `baton(capsys, argv)`
 runs the CLI and returns its exit code and its output as one line (rich may wrap).
@@ -69,9 +69,12 @@ class InProcessFit:
 
     def __call__(self, cfg: FitConfig, *, on_progress: Any = None, pace_s: float = 0.0,
                  lease: Any = None, until: int | None = None,
-                 stop: threading.Event | None = None, **_: Any) -> Any:
+                 stop: threading.Event | None = None, resumed_from: int | None = None,
+                 **_: Any) -> Any:
         self.calls.append({"until": until, "steps": cfg.steps})
-        resumed = check_run_dir(cfg)  # the real fit's pre-flight, on the recorded session
+        # The real fit's pre-flight, run as it does: only when the caller did not (`baton fit`
+        # checks before it takes the lease and passes the step on).
+        resumed = check_run_dir(cfg) if resumed_from is None else resumed_from
         cfg = ensure_dataset(cfg)
         self.started.set()
         stop_after = until

@@ -52,6 +52,7 @@ _ATTEMPTS = 5  # read-then-conditional-write rounds before giving up on a conten
 RENEW_MARGIN_S = 5.0  # a renew's storage calls end this long before the lease would expire
 MIN_RENEW_DEADLINE_S = 5.0  # ... but get at least this long (a lease already lapsed)
 RENEW_RETRY_S = 2.0  # the pause after a renew that failed for storage reasons
+DEFAULT_TTL_S = 60.0  # how long a lease lives unrenewed
 
 log = logging.getLogger(__name__)
 
@@ -186,7 +187,7 @@ def _parse(data: bytes | None) -> dict[str, Any] | None:
 class RunLease:
     """This driver's lease on one run directory (see the module docstring)."""
 
-    def __init__(self, store: SnapshotStore, *, ttl_s: float = 60.0,
+    def __init__(self, store: SnapshotStore, *, ttl_s: float = DEFAULT_TTL_S,
                  holder: dict[str, Any] | None = None,
                  clock: Callable[[], float] = time.time) -> None:
         if ttl_s <= 0:
@@ -288,6 +289,12 @@ class RunLease:
         self.token, self._record = None, None
 
     # ------------------------------------------------------------------ renew thread
+
+    @property
+    def renewing(self) -> bool:
+        """Whether ``start_renewing`` was called and ``stop_renewing`` not since (its thread
+        may have ended on a loss: ``lost`` says so)."""
+        return self._thread is not None
 
     def start_renewing(self, interval_s: float | None = None) -> None:
         if self._thread is not None and self._thread.is_alive():

@@ -49,7 +49,7 @@ from elastic.format.records import (
     crc32_blocks,
     shard_filename,
 )
-from elastic.lease.run_lease import RunLease
+from elastic.lease import held_lease
 from elastic.portable.arrays import dtype_name
 from elastic.store.snapshot_store import SnapshotStore
 from elastic.version import code_version
@@ -69,9 +69,9 @@ def write_snapshot(run_uri: str, step: int, tensors: Mapping[str, np.ndarray],
     if isinstance(step, bool) or not isinstance(step, int) or step < 0:
         raise ValueError(f"step must be a non-negative int, got {step!r}")
     store = SnapshotStore(run_uri, storage_options)
-    lease = RunLease(store, ttl_s=lease_ttl_s)
-    lease.acquire()
-    try:
+    # Not renewed: a write that outlasts ``lease_ttl_s`` may lose the lease to another
+    # driver, and then the fencing check below refuses its commit.
+    with held_lease(store, ttl_s=lease_ttl_s, renew=False) as lease:
         newest = store.committed_steps()
         if newest and step <= newest[-1]:
             raise ValueError(f"{store.run_uri}: step {step} is not newer than the newest "
@@ -99,8 +99,6 @@ def write_snapshot(run_uri: str, step: int, tensors: Mapping[str, np.ndarray],
                 delete_generation_files(store, step, generation, 1, step_committed=False)
             raise
         return manifest
-    finally:
-        lease.release()
 
 
 def _write_shard(store: SnapshotStore, step: int, generation: int,

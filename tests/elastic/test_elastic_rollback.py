@@ -22,8 +22,9 @@ import torch
 
 from elastic.coord.generation import GENERATION_NAME, read_generation
 from elastic.format.records import MAX_GENERATION, step_dirname
+from elastic.lease import held_lease
 from elastic.lease.run_lease import LeaseLostError, RunLease
-from elastic.set_aside import restore_quarantined, under_lease
+from elastic.set_aside import restore_quarantined
 from elastic.settings import SnapshotSettings
 from elastic.snapshotter import Snapshotter
 from elastic.state.registry import SnapshotMismatchError
@@ -129,7 +130,7 @@ def test_an_explicit_rewind_sets_aside_and_restore_quarantined_brings_back(
     assert f"baton snapshots restore-quarantined {run}" in said, said
     store = SnapshotStore(str(run))
     assert store.committed_steps() == [2, 4]
-    with under_lease(store) as lease:  # a lease taken over meanwhile: nothing more moves
+    with held_lease(store) as lease:  # a lease taken over meanwhile: nothing more moves
         lease.lost = "the run lease was taken over by another driver"
         with pytest.raises(LeaseLostError):
             restore_quarantined(store, lease=lease)

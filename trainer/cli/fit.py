@@ -175,63 +175,64 @@ def _cmd_fit(args: argparse.Namespace) -> int:
     except (ConfigError, RunDirError, ValueError) as err:
         console.print(f"[red]error:[/red] {escape(one_line(err))}")
         return 2
-    from elastic.lease.run_lease import LeaseHeldError, LeaseLostError, RunLease
+    from elastic.lease import LeaseHeldError, LeaseLostError, held_lease
     from elastic.store.snapshot_store import SnapshotStore
 
     # One driver per run directory: take the lease before Ray starts (and before importing
     # it), so a second driver fails in a second instead of after a cluster start-up.
+    # Renewed from now on, and only here (the fit and the trainer use this lease as it is):
+    # making a fork (preparing its corpus, copying its shards) may take longer than the
+    # lease's ttl, and a lease left to expire meanwhile could be taken over.
     store = SnapshotStore(cfg.snapshots.run_uri)
-    lease = RunLease(store)
+    held = contextlib.ExitStack()
     try:
-        record = lease.acquire(force=args.force_takeover)
+        lease = held.enter_context(held_lease(store, force=args.force_takeover))
     except LeaseHeldError as err:
         console.print(f"[red]error:[/red] {escape(str(err))}")
         return 2
-    # Renewed from now on: making a fork (preparing its corpus, copying its shards) may take
-    # longer than the lease's ttl, and a lease left to expire meanwhile could be taken over.
-    lease.start_renewing()
     from trainer.on_ray.failures import RunFailedError
     from trainer.run.commit_watch import FinalCommitError
     from trainer.run.session_log import begin_session, end_session
 
     outcome, step, began = "failed", None, False
-    try:
-        if record["epoch"] > 1:
-            console.print(f"took over the run lease of {cfg.snapshots.run_uri} "
-                          f"(epoch {record['epoch']})")
+    with held:  # released on leaving (only if still ours), after the session's end is recorded
         try:
-            resumed = _start_session(args, cfg, store, session, resumed)
-        except (ConfigError, RunDirError, ValueError) as err:
+            if lease.epoch > 1:
+                console.print(f"took over the run lease of {cfg.snapshots.run_uri} "
+                              f"(epoch {lease.epoch})")
+            try:
+                resumed = _start_session(args, cfg, store, session, resumed)
+            except (ConfigError, RunDirError, ValueError) as err:
+                console.print(f"[red]error:[/red] {escape(one_line(err))}")
+                return 2
+            begin_session(store, cfg, resumed, rescheduled=args.reschedule,
+                          forked_from=args.fork_from)
+            began = True
+            if session.time_limit_s is not None:
+                session.time_limit_s -= time.monotonic() - started
+            result = _fit_interruptibly(cfg, args, session, lease, resumed)
+        except (KeyboardInterrupt, SystemExit):  # a second Ctrl-C; SIGTERM
+            outcome = "aborted"
+            if sys.exc_info()[0] is SystemExit:
+                raise
+            console.print("[red]aborted[/red]: the steps since the last committed snapshot are "
+                          f"lost; continue with: {_continue_command(args)}")
+            return 130
+        except (LeaseLostError, RunFailedError, FinalCommitError) as err:
+            # One line each: the lease was taken over; the worker's message and the restarts;
+            # trained to the end, but the end is not committed (and why).
             console.print(f"[red]error:[/red] {escape(one_line(err))}")
-            return 2
-        begin_session(store, cfg, resumed, rescheduled=args.reschedule,
-                      forked_from=args.fork_from)
-        began = True
-        if session.time_limit_s is not None:
-            session.time_limit_s -= time.monotonic() - started
-        result = _fit_interruptibly(cfg, args, session, lease)
-    except (KeyboardInterrupt, SystemExit):  # a second Ctrl-C; SIGTERM
-        outcome = "aborted"
-        if sys.exc_info()[0] is SystemExit:
-            raise
-        console.print("[red]aborted[/red]: the steps since the last committed snapshot are "
-                      f"lost; continue with: {_continue_command(args)}")
-        return 130
-    except (LeaseLostError, RunFailedError, FinalCommitError) as err:
-        # One line each: the lease was taken over; the worker's message and the restarts;
-        # trained to the end, but the end is not committed (and why).
-        console.print(f"[red]error:[/red] {escape(one_line(err))}")
-        if isinstance(err, LeaseLostError):
-            outcome = ""  # not ours to record any more
-        return 1
-    else:
-        stopped_at = getattr(result, "stopped_at", None)
-        outcome = "stopped" if stopped_at is not None and stopped_at < cfg.steps else "finished"
-        step = stopped_at if outcome == "stopped" else cfg.steps
-    finally:
-        if began and outcome and lease.token is not None and not lease.lost:
-            _record_end(store, outcome, step, end_session)
-        lease.release()  # only if still ours
+            if isinstance(err, LeaseLostError):
+                outcome = ""  # not ours to record any more
+            return 1
+        else:
+            stopped_at = getattr(result, "stopped_at", None)
+            outcome = ("stopped" if stopped_at is not None and stopped_at < cfg.steps
+                       else "finished")
+            step = stopped_at if outcome == "stopped" else cfg.steps
+        finally:
+            if began and outcome and lease.token is not None and not lease.lost:
+                _record_end(store, outcome, step, end_session)
     _print_summary(result.summary.to_dict())
     if outcome == "stopped":
         console.print(f"stopped at step {step}; continue with: {_continue_command(args)}")
@@ -279,7 +280,7 @@ def _record_end(store: Any, outcome: str, step: int | None,
 
 
 def _fit_interruptibly(cfg: Any, args: argparse.Namespace, session: _Session,
-                       lease: Any) -> Any:
+                       lease: Any, resumed: int) -> Any:
     """Run `trainer.on_ray.ray_fit.fit` in a thread while the main thread owns the signals: the
     first SIGINT sets the stop event (the workers commit at the next step boundary and end),
     the second raises KeyboardInterrupt here; SIGTERM exits as Ray's own handler would.
@@ -311,8 +312,10 @@ def _fit_interruptibly(cfg: Any, args: argparse.Namespace, session: _Session,
 
     def target() -> None:
         try:
+            # `resumed`: the run directory was checked once, before the lease was taken.
             outcome["result"] = fit(cfg, on_progress=on_progress, pace_s=args.pace,
-                                    lease=lease, until=session.until, stop=stop)
+                                    lease=lease, until=session.until, stop=stop,
+                                    resumed_from=resumed)
         except BaseException as err:  # noqa: BLE001 - handed to the main thread as is
             outcome["error"] = err
         finally:

@@ -209,10 +209,11 @@ def _ls(args: argparse.Namespace) -> int:
 
 
 def _rewind(args: argparse.Namespace) -> int:
-    from elastic.set_aside import rewind, under_lease
+    from elastic.lease import held_lease
+    from elastic.set_aside import rewind
 
     store = SnapshotStore(args.run_uri)
-    with under_lease(store) as lease:
+    with held_lease(store) as lease:  # renewed: verifying a large snapshot may outlast the ttl
         moved = rewind(store, args.to_step, lease)
     print(f"rewound {args.run_uri} to snapshot {args.to_step}: set aside "
           + ", ".join(f"{step} (in {where})" for step, where in moved)
@@ -221,10 +222,11 @@ def _rewind(args: argparse.Namespace) -> int:
 
 
 def _restore_quarantined(args: argparse.Namespace) -> int:
-    from elastic.set_aside import restore_quarantined, under_lease
+    from elastic.lease import held_lease
+    from elastic.set_aside import restore_quarantined
 
     store = SnapshotStore(args.run_uri)
-    with under_lease(store) as lease:
+    with held_lease(store) as lease:  # renewed: verifying a large snapshot may outlast the ttl
         restored, kept = restore_quarantined(store, args.step, lease)
     for step in restored:
         print(f"snapshot {step}: verified and committed again")

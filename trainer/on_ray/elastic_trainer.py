@@ -44,8 +44,7 @@ import ray.train
 from ray.train.v2.api.config import RunConfig, ScalingConfig
 
 from elastic.errors import FatalRunError
-from elastic.lease.run_lease import LeaseLostError, RunLease
-from elastic.store.snapshot_store import SnapshotStore
+from elastic.lease import LeaseLostError, RunLease, held_lease
 from elastic.version import code_version
 from trainer.config import RecoveryConfig, SnapshotConfig
 from trainer.on_ray.replica_groups import MembershipStart, replica_torch_config
@@ -162,25 +161,14 @@ class ElasticTorchTrainer(BatonTorchTrainer):
     # ------------------------------------------------------------------ driver
 
     def fit(self) -> Any:
-        lease = self.lease
-        own = lease is None
-        if lease is None:
-            lease = RunLease(SnapshotStore(self.snapshots.run_uri))
-            lease.acquire(force=self.force_takeover)
-        lease.start_renewing()
-        try:
+        # A lease passed in stays its owner's (taken, renewed and released there); one taken
+        # here is released here. An error after a takeover is raised as LeaseLostError.
+        with held_lease(self.snapshots.run_uri, lease=self.lease,
+                        force=self.force_takeover) as lease:
             result = self._fit_leased(lease)
             result.checkpoint = snapshot_checkpoint(self.snapshots.run_uri)
             if self.metrics is not None:
                 result.metrics = self.metrics
-        except BaseException as err:
-            if lease.lost:  # the failure is most likely the refused commits: say why
-                raise LeaseLostError(lease.lost) from err
-            raise
-        finally:
-            lease.stop_renewing()
-            if own:
-                lease.release()  # conditional: never deletes the lease of a driver that took over
         if lease.lost:
             raise LeaseLostError(lease.lost)
         return result

@@ -46,8 +46,7 @@ from ray.train.torch import TorchConfig
 from ray.train.v2.api.config import FailureConfig, RunConfig, ScalingConfig
 
 from elastic.coord.ray_actors import HEAD_NODE_RESOURCES, NAMESPACE
-from elastic.lease.run_lease import LeaseLostError, RunLease
-from elastic.store.snapshot_store import SnapshotStore
+from elastic.lease import RunLease, held_lease
 from trainer.config import FitConfig
 from trainer.on_ray.elastic_trainer import ElasticTorchTrainer
 from trainer.on_ray.monitor import RunMonitor, get_monitor, monitor_name
@@ -172,6 +171,7 @@ def fit(
     lease: RunLease | None = None,
     until: int | None = None,
     stop: threading.Event | None = None,
+    resumed_from: int | None = None,
 ) -> FitResult:
     """Train `config` to `config.steps`, continuing the run if it has committed snapshots.
 
@@ -191,25 +191,20 @@ def fit(
     boundary. Either way the workers commit a snapshot of the step they stopped at and end normally;
     `FitResult.stopped_at` is that step (None when the run reached `config.steps`). With `stop`, the
     caller owns SIGINT (Ray Train's abort handler is not installed).
+    `resumed_from`: the committed step the run continues from, given by a caller that already
+    ran `check_run_dir` on this run and held the lease since (`baton fit`); None: fit runs it.
     """
-    resumed_from = check_run_dir(config)
-    own_lease = lease is None
-    if lease is None:
-        lease = RunLease(SnapshotStore(config.snapshots.run_uri))
-        lease.acquire(force=force_takeover)
-    lease.start_renewing()  # preparing the corpus may take longer than the lease's ttl
-    try:
+    if resumed_from is None:
+        # Once per fit: `baton fit` checks before it takes the lease and passes the step on;
+        # under the lease only that driver changed the directory since (its fork, its session
+        # log), and every worker's rank 0 applies the continuation rule again.
+        resumed_from = check_run_dir(config)
+    # A lease passed in is renewed by its owner (preparing the corpus may outlast the ttl)
+    # and released there; one taken here is renewed and released here.
+    with held_lease(config.snapshots.run_uri, lease=lease, force=force_takeover) as lease:
         return _fit_leased(config, lease, resumed_from, on_progress=on_progress,
                            storage_path=storage_path, pace_s=pace_s,
                            record_samples=record_samples, until=until, stop=stop)
-    except BaseException as err:
-        if lease.lost and not isinstance(err, LeaseLostError):
-            raise LeaseLostError(lease.lost) from err
-        raise
-    finally:
-        lease.stop_renewing()
-        if own_lease:
-            lease.release()  # conditional: never deletes the lease of a driver that took over
 
 
 def _fit_leased(

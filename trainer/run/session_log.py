@@ -94,20 +94,17 @@ def accept_schedule(cfg: FitConfig) -> str:
     """Python API twin of `baton fit --reschedule`: record the recipe's schedule as the run's
     from its newest committed step, so `trainer.fit(cfg)` continues with it; returns what the
     schedule does from there (one line)."""
-    from elastic.lease.run_lease import RunLease
+    from elastic.lease import held_lease
     from trainer.train.optim import describe_schedule
 
     store = SnapshotStore(cfg.snapshots.run_uri)
     # Under the run lease, as a driver writes the log: while one trains this raises
     # LeaseHeldError (naming it), instead of closing that driver's entry as its own.
-    lease = RunLease(store)
-    lease.acquire()
-    try:
+    # Not renewed: two small writes end well within the lease's ttl.
+    with held_lease(store, renew=False):
         step = max(store.committed_steps(), default=0)
         begin_session(store, cfg, step, rescheduled=True)
         end_session(store, "stopped", step)  # recorded only; the fit that follows opens its own
-    finally:
-        lease.release()
     return describe_schedule(cfg.optim, cfg.steps, step)
 
 
