@@ -37,7 +37,7 @@ from collections.abc import Sequence
 
 # The storage layer raises these itself; they are defined there (one class each) and are
 # part of this vocabulary too.
-from elastic.storage.errors import SnapshotIntegrityError, StorageUnavailableError
+from elastic.storage import SnapshotIntegrityError, StorageUnavailableError
 
 __all__ = ["FatalRunError", "FencedError", "ManifestError", "NonFiniteError",
            "ReplicasDivergedError",

@@ -53,8 +53,7 @@ from elastic.format.records import (
     json_kind,
     short_repr,
 )
-from elastic.storage.json_bounds import JSONBoundsError
-from elastic.storage.json_bounds import loads as loads_json
+from elastic.storage import JSONBoundsError, loads_json
 
 # Bounds of a sane manifest. They exist so a crafted manifest fails with a clear error
 # instead of an allocation failure or an overflow deep inside torch or the OS.

@@ -50,7 +50,9 @@ from elastic.storage.json_bounds import (
     finite_number,
     is_int64,
 )
-from elastic.storage.json_bounds import loads as loads_json
+from elastic.storage.json_bounds import (
+    loads as loads_json,
+)
 from elastic.storage.local_files import fsync_dir
 from elastic.storage.outputs import (
     DATASET_MARKER,
@@ -63,20 +65,16 @@ from elastic.storage.outputs import (
     output_location,
     replaced_file,
 )
-from elastic.storage.plain_files import (
-    RefusedEntryError,
-    check_below,
-    open_append,
-    output_problem,
-)
+from elastic.storage.plain_files import RefusedEntryError, check_below, open_append, output_problem
 from elastic.storage.retry import storage_errors
+from elastic.storage.spares import SPARE_DIR, retire
 from elastic.storage.storage_io import IOStats, Storage, absolute_uri
 
-__all__ = ["DATASET_MARKER", "INT64", "MAX_JSON_BYTES", "MAX_SPAN_BYTES", "MERGE_HOLE_BYTES",
-           "READ_INTO_MAX_WASTE", "RUN_MARKERS", "IOStats", "JSONBoundsError",
-           "RefusedEntryError", "ShortReadError", "SnapshotIntegrityError", "Storage",
+__all__ = ["DATASET_MARKER", "INT64", "IOStats", "JSONBoundsError", "MAX_JSON_BYTES",
+           "MAX_SPAN_BYTES", "MERGE_HOLE_BYTES", "READ_INTO_MAX_WASTE", "RUN_MARKERS",
+           "RefusedEntryError", "SPARE_DIR", "ShortReadError", "SnapshotIntegrityError", "Storage",
            "StorageUnavailableError", "TruncatedError", "absolute_uri", "check_below",
            "dataset_output_problem", "directory_output_problem", "file_output_problem",
            "finite_number", "fsync_dir", "is_int64", "loads_json", "merge_ranges",
-           "merged_directory", "new_directory", "open_append", "output_location",
-           "output_problem", "replaced_file", "storage_errors"]
+           "merged_directory", "new_directory", "open_append", "output_location", "output_problem",
+           "replaced_file", "retire", "storage_errors"]

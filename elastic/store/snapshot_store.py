@@ -43,13 +43,14 @@ from elastic.errors import ManifestError, StorageUnavailableError
 from elastic.format.manifest_check import MAX_MANIFEST_BYTES, parse_manifest
 from elastic.format.records import MANIFEST_NAME, Manifest, is_shard_name, step_dirname
 from elastic.storage import (
+    SPARE_DIR,
     RefusedEntryError,
     Storage,
     finite_number,
     fsync_dir,
     is_int64,
+    retire,
 )
-from elastic.storage.spares import SPARE_DIR, retire
 
 log = logging.getLogger("baton.elastic")
 
