@@ -1,14 +1,18 @@
-"""Read-only tools over a run's snapshots: list, describe, verify, export.
+"""Tools over a run's snapshots: list, describe, verify, export, copy into another run.
 
-Contract: these functions never modify the store. ``verify`` re-reads every chunk of a
+Contract: these functions never modify the run they read. ``verify`` re-reads every chunk of a
 snapshot through the same checks as restore — the manifest validated as it is parsed, each
 file's safetensors header compared with the manifest, symlinked shard files refused, every
 checksum block verified — and raises ``SnapshotIntegrityError`` (``ManifestError`` for a
 malformed or unsafe manifest; both are ``ValueError``) with one line naming the snapshot and
 the first bad field, file, chunk or block. ``export_model`` writes the logical model weights
 (keys without the ``model.`` prefix) as one plain safetensors file for inference, only after
-every tensor it exports was read and verified: on any failure nothing is written. What
-``verify`` cannot check without a live trainer is whether the JSON state fits the
+every tensor it exports was read and verified: on any failure nothing is written.
+``copy_shard`` copies one shard file of a committed snapshot into the same step of another
+run (a fork), create-only, only after reading it whole and checking it as ``verify`` would
+(the file itself, its header against the manifest, every checksum block): a missing file is
+``FileNotFoundError``; nothing is written unless every check passed; one file is held in
+memory. What ``verify`` cannot check without a live trainer is whether the JSON state fits the
 components that will load it (restore does that, ``StateRegistry.check_state``). Nothing is
 unpickled.
 """
@@ -16,11 +20,20 @@ unpickled.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from safetensors.torch import save_file
 
+from elastic.errors import SnapshotIntegrityError
+from elastic.format import (
+    SafetensorsHeader,
+    check_headers,
+    check_shard_file,
+    snapshot_label,
+    verify_blocks,
+)
 from elastic.format.records import MANIFEST_NAME, Manifest, itemsize, str_to_dtype
 from elastic.read.byte_source import ByteSource
 from elastic.read.restore import read_tensors
@@ -117,3 +130,43 @@ def export_model(store: SnapshotStore, step: int, out: str, component: str = "mo
     save_file({k[len(prefix):]: v.contiguous() for k, v in tensors.items()}, out,
               metadata={"baton_step": str(step)})
     return len(keys)
+
+
+_READ_PIECE = 64 << 20  # copy_shard reads a file in ranges of this many bytes
+
+
+@dataclass
+class _FileBytes:
+    """One shard file read whole, as the header source ``check_headers`` reads from."""
+
+    data: bytes
+    headers: dict[str, SafetensorsHeader] = field(default_factory=dict)
+
+    def read_many(self, requests: list[tuple[str, int, int]]) -> list[bytes]:
+        return [self.data[start:end] for _, start, end in requests]
+
+
+def copy_shard(source: SnapshotStore, manifest: Manifest, name: str,
+               target: SnapshotStore) -> int:
+    """Copy shard file ``name`` of committed snapshot ``manifest`` from ``source`` into the
+    same step of ``target``, create-only, once it checks out (module contract); its size."""
+    step = manifest.step
+    if name not in manifest.files:
+        raise ValueError(f"{source.run_uri}: {name} is not a file of snapshot {step}")
+    check_shard_file(source, step, name)  # a link or a FIFO is refused before any read
+    path = source.step_path(step, name)
+    size = source.size(path)
+    data = b"".join(source.read_range(path, start, min(size, start + _READ_PIECE))
+                    for start in range(0, size, _READ_PIECE))
+    used = [(key, chunk) for key, record in manifest.tensors.items()
+            for chunk in record.chunks if chunk.file == name]
+    check_headers(manifest, used, _FileBytes(data))
+    view = memoryview(data)
+    for _, chunk in used:
+        start, end = chunk.byte_range
+        if end > len(data):
+            raise SnapshotIntegrityError(f"{snapshot_label(step)}: {name} ends within chunk "
+                                         f"{chunk.name}; truncated")
+        verify_blocks(chunk, start, [view[start:end]], manifest.block_bytes, step)
+    target.write_file(target.step_path(step, name), data, exclusive=True)
+    return size

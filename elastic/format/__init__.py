@@ -17,17 +17,23 @@ Imports the storage layer's errors only (``elastic.errors``, ``elastic.storage``
 
 from __future__ import annotations
 
-from elastic.format.chunk_checks import check_headers, snapshot_label, verify_blocks
+from elastic.format.chunk_checks import (
+    check_headers,
+    check_shard_file,
+    snapshot_label,
+    verify_blocks,
+)
 from elastic.format.manifest_check import parse_manifest
 from elastic.format.records import (
     FORMAT_VERSION,
     MANIFEST_NAME,
     ChunkRecord,
     Manifest,
+    SafetensorsHeader,
     TensorRecord,
     step_dirname,
 )
 
-__all__ = ["FORMAT_VERSION", "MANIFEST_NAME", "ChunkRecord", "Manifest", "TensorRecord",
-           "check_headers", "parse_manifest", "snapshot_label", "step_dirname",
-           "verify_blocks"]
+__all__ = ["FORMAT_VERSION", "MANIFEST_NAME", "ChunkRecord", "Manifest", "SafetensorsHeader",
+           "TensorRecord", "check_headers", "check_shard_file", "parse_manifest",
+           "snapshot_label", "step_dirname", "verify_blocks"]

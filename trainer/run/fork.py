@@ -31,9 +31,10 @@ Contract:
   its first committed snapshot: `run.json` (the recipe as the workers record it, `data.uri`
   and `model.vocab_size` resolved, and the lineage: `parent` = uri, step, loss at that step,
   dataset fingerprint, whether the data cursor was kept); each shard file, read whole from
-  the parent, checked against the manifest (safetensors header, every crc32 block) and
-  written create-only; `generation.json` (the new run's worker groups start above the
-  parent's generation, so no shard name is ever reused) and, last, the manifest (the
+  the parent, checked against the manifest (the file, its safetensors header, every crc32
+  block) and written create-only (`elastic.catalog.copy_shard`); `generation.json` (the
+  new run's worker groups start above the parent's generation, so no shard name is ever
+  reused) and, last, the manifest (the
   commit; with a reset data cursor when asked, and its data origin, `trainer.train.story`,
   moved to the fork step). On any failure what it wrote is removed and
   the new run holds no snapshot; a fork killed before its commit removes nothing, and the
@@ -52,8 +53,9 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
+from elastic.catalog import copy_shard
 from elastic.coord.generation import GENERATION_NAME
-from elastic.format.records import Manifest, crc32_blocks, parse_header
+from elastic.format import Manifest
 from elastic.snapshot_ref import split_snapshot_dir
 from elastic.store.snapshot_store import SnapshotStore
 from trainer.config import FitConfig
@@ -69,7 +71,6 @@ from trainer.train.optim import optimizer_change
 
 DATA_CURSOR_CHOICES = ("auto", "keep", "reset")
 _GENERATION_RE = re.compile(r"-g(\d{6})\.safetensors$")
-_READ_PIECE = 64 << 20
 
 
 @dataclass
@@ -353,48 +354,18 @@ def _absolute(store: SnapshotStore) -> str:
 
 
 def _copy_shard(plan: ForkPlan, name: str, written: list[str]) -> int:
-    """Read one shard file of the parent, check it against the manifest, write it into the
-    new run create-only; returns its size."""
+    """One shard file of the parent, checked and copied by the catalog
+    (`elastic.catalog.copy_shard`); its refusals become a fork's one-line `RunDirError`."""
     source, step = plan.source, plan.step
     where = f"snapshot {step} of {source.run_uri}: {name}"
-    path = source.step_path(step, name)
-    if source.is_local:
-        directory = os.path.realpath(source.step_path(step))
-        if os.path.islink(path) or os.path.dirname(os.path.realpath(path)) != directory:
-            raise RunDirError(f"{where} is a symbolic link or resolves outside the snapshot "
-                              "directory; refused")
     try:
-        size = source.size(path)
-        data = b"".join(source.read_range(path, start, min(size, start + _READ_PIECE))
-                        for start in range(0, size, _READ_PIECE))
+        size = copy_shard(source, plan.manifest, name, plan.target)
     except FileNotFoundError as err:
         raise RunDirError(f"{where} is missing (if the parent run is still training, its "
                           "keep_last may have just deleted this snapshot: fork a newer one)"
                           ) from err
-    _check_shard(plan.manifest, name, data, where)
-    out = plan.target.step_path(step, name)
-    plan.target.write_file(out, data, exclusive=True)
-    written.append(out)
+    except ValueError as err:  # ManifestError, SnapshotIntegrityError: a link, a bad chunk
+        raise RunDirError(f"{where}: {err}; the parent snapshot is corrupt or unsafe (fork "
+                          "an older step)") from err
+    written.append(plan.target.step_path(step, name))
     return size
-
-
-def _check_shard(manifest: Manifest, name: str, data: bytes, where: str) -> None:
-    """Every chunk the manifest places in file `name`: in the safetensors header with its
-    dtype, shape and byte range, and every crc32 block right."""
-    header = parse_header(data, where)
-    view = memoryview(data)
-    for key, record in manifest.tensors.items():
-        for chunk in record.chunks:
-            if chunk.file != name:
-                continue
-            entry = header.entries.get(chunk.name)
-            start, end = chunk.byte_range
-            span = None if entry is None else (header.data_start + entry.data_offsets[0],
-                                               header.data_start + entry.data_offsets[1])
-            if (entry is None or entry.dtype != record.dtype or entry.shape != chunk.shape
-                    or span != chunk.byte_range or end > len(data)):
-                raise RunDirError(f"{where}: chunk {chunk.name} of {key} does not match the "
-                                  "manifest (header or size); the parent snapshot is corrupt")
-            if tuple(crc32_blocks(view[start:end], manifest.block_bytes)) != chunk.crc32:
-                raise RunDirError(f"{where}: checksum mismatch in chunk {chunk.name} of {key}; "
-                                  "the parent snapshot is corrupt (fork an older step)")
