@@ -41,7 +41,7 @@ from elastic.catalog import verify
 from elastic.coord.generation import read_generation
 from elastic.format.records import parse_shard_name
 from elastic.lease import LeaseLostError, RunLease
-from elastic.store.snapshot_store import SnapshotStore
+from elastic.store import SnapshotStore
 
 
 def _still_held(lease: RunLease | None) -> None:

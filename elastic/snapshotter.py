@@ -51,8 +51,7 @@ from elastic.replicas import agree as agree_replicas
 from elastic.replicas import divergence_message, fingerprints
 from elastic.settings import SnapshotSettings
 from elastic.state.registry import StateRegistry
-from elastic.store.ram_store import RamTier, in_process_tier
-from elastic.store.snapshot_store import SnapshotStore
+from elastic.store import RamTier, SnapshotStore, in_process_tier
 from elastic.version import code_version
 from elastic.write.capture import CaptureHandle, Capturer
 from elastic.write.persist import Persister

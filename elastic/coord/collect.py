@@ -43,7 +43,7 @@ from elastic.format.records import (
     shard_filename,
 )
 from elastic.storage import RefusedEntryError
-from elastic.store.snapshot_store import SnapshotStore
+from elastic.store import SnapshotStore
 
 log = logging.getLogger("baton.elastic")
 

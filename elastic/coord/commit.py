@@ -47,7 +47,7 @@ from elastic.coord.receipts import Receipt, manifest_from_receipts
 from elastic.errors import FencedError
 from elastic.faults import FaultInjector
 from elastic.format.records import Manifest
-from elastic.store.snapshot_store import SnapshotStore
+from elastic.store import SnapshotStore
 
 log = logging.getLogger("baton.elastic")
 

@@ -43,7 +43,7 @@ from elastic.format.records import (
 )
 from elastic.lease.run_lease import lease_holds
 from elastic.storage import is_int64
-from elastic.store.snapshot_store import SnapshotStore
+from elastic.store import SnapshotStore
 
 GENERATION_NAME = "generation.json"
 

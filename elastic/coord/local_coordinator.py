@@ -43,8 +43,7 @@ from elastic.coord.membership import Membership, MembershipSettings
 from elastic.coord.receipts import Receipt, json_size
 from elastic.faults import FaultInjector
 from elastic.rendezvous import RendezvousStore
-from elastic.store.ram_store import RamStoreClient, StoreLost
-from elastic.store.snapshot_store import SnapshotStore
+from elastic.store import RamStoreClient, SnapshotStore, StoreLost
 
 log = logging.getLogger("baton.elastic")
 

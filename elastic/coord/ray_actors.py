@@ -46,15 +46,15 @@ from elastic.coord.local_coordinator import LocalCoordinator
 from elastic.coord.protocol import PROTOCOL_METHODS
 from elastic.coord.receipts import Receipt, json_size
 from elastic.format.records import DEFAULT_BLOCK_BYTES
-from elastic.store.ram_store import (
+from elastic.store import (
     PutWaiter,
     RamStore,
     RamStoreClient,
     RamTier,
     Requests,
+    SnapshotStore,
     StoreLost,
 )
-from elastic.store.snapshot_store import SnapshotStore
 
 log = logging.getLogger("baton.elastic")
 

@@ -26,7 +26,7 @@ from elastic.coord.receipts import Receipt, json_size
 from elastic.faults import FaultInjector
 from elastic.format.manifest_check import MAX_MANIFEST_BYTES
 from elastic.format.records import RECEIPT_SUFFIX, shard_filename
-from elastic.store.snapshot_store import SnapshotStore
+from elastic.store import SnapshotStore
 
 
 class StoreCoordinator:

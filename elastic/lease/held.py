@@ -33,7 +33,7 @@ import contextlib
 from collections.abc import Iterator
 
 from elastic.lease.run_lease import DEFAULT_TTL_S, LeaseLostError, RunLease
-from elastic.store.snapshot_store import SnapshotStore
+from elastic.store import SnapshotStore
 
 
 @contextlib.contextmanager

@@ -50,7 +50,7 @@ from elastic.format.finite import finite_check
 from elastic.format.records import ChunkRecord, Manifest, SafetensorsHeader
 from elastic.format.state_shapes import check_state_shapes
 from elastic.portable.arrays import decode_state, numpy_dtype
-from elastic.store.snapshot_store import SnapshotStore
+from elastic.store import SnapshotStore
 
 
 @dataclass

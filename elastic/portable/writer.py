@@ -51,7 +51,7 @@ from elastic.format.records import (
 )
 from elastic.lease import held_lease
 from elastic.portable.arrays import dtype_name
-from elastic.store.snapshot_store import SnapshotStore
+from elastic.store import SnapshotStore
 from elastic.version import code_version
 
 

@@ -33,7 +33,7 @@ import torch
 from elastic.format.chunk_checks import check_shard_file, snapshot_label
 from elastic.format.records import SafetensorsHeader
 from elastic.storage import SnapshotIntegrityError
-from elastic.store.snapshot_store import SnapshotStore
+from elastic.store import SnapshotStore
 
 # Copies of at least this many bytes go through torch (``copy_bytes``).
 TORCH_COPY_MIN_BYTES = 1 << 20

@@ -10,7 +10,16 @@ Imports ``elastic.format`` and the storage layer only.
 
 from __future__ import annotations
 
-from elastic.store.ram_store import RamStore, RamTier
+from elastic.store.ram_store import (
+    PutWaiter,
+    RamStore,
+    RamStoreClient,
+    RamTier,
+    Requests,
+    StoreLost,
+    in_process_tier,
+)
 from elastic.store.snapshot_store import SnapshotStore
 
-__all__ = ["RamStore", "RamTier", "SnapshotStore"]
+__all__ = ["PutWaiter", "RamStore", "RamStoreClient", "RamTier", "Requests", "SnapshotStore",
+           "StoreLost", "in_process_tier"]

@@ -44,8 +44,7 @@ from elastic.coord.receipts import Receipt, TensorSpec
 from elastic.errors import describe
 from elastic.faults import FaultInjector
 from elastic.format.records import ChunkRecord, shard_filename
-from elastic.store.ram_store import RamTier
-from elastic.store.snapshot_store import SnapshotStore
+from elastic.store import RamTier, SnapshotStore
 from elastic.write.capture import Captured
 
 log = logging.getLogger("baton.elastic")

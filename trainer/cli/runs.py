@@ -25,7 +25,7 @@ import sys
 import time
 from typing import Any
 
-from elastic.store.snapshot_store import SnapshotStore
+from elastic.store import SnapshotStore
 from trainer.run.session_log import SESSIONS_NAME, read_sessions
 
 _RUN_MARKERS = ("run.json", "snapshots", SESSIONS_NAME)

@@ -47,7 +47,7 @@ from elastic.storage import (
     replaced_file,
     storage_errors,
 )
-from elastic.store.snapshot_store import SnapshotStore
+from elastic.store import SnapshotStore
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:

@@ -205,7 +205,7 @@ class RunFeed:
 
     def _optimizer_warm(self, step: int) -> bool | None:
         """Whether committed snapshot `step` holds optimizer moments (None: unreadable)."""
-        from elastic.store.snapshot_store import SnapshotStore
+        from elastic.store import SnapshotStore
 
         try:
             manifest = SnapshotStore(self.cfg.snapshots.run_uri).load_manifest(step)

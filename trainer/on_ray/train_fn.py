@@ -40,7 +40,7 @@ from ray.train.v2._internal.execution.train_fn_utils import (
 from ray.train.v2.api.context import DistributedTrainContext
 
 from elastic import collectives
-from elastic.store.snapshot_store import SnapshotStore
+from elastic.store import SnapshotStore
 
 log = logging.getLogger("baton.session")
 

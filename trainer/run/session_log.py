@@ -33,7 +33,7 @@ from collections import deque
 from collections.abc import Callable
 from typing import Any
 
-from elastic.store.snapshot_store import SnapshotStore
+from elastic.store import SnapshotStore
 from trainer.config import FitConfig
 from trainer.train.continuation import SESSIONS_NAME, bounded_number, read_sessions, schedule_of
 

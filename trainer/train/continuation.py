@@ -33,7 +33,7 @@ import logging
 from typing import Any
 
 from elastic.storage import INT64, finite_number
-from elastic.store.snapshot_store import SnapshotStore
+from elastic.store import SnapshotStore
 from trainer.config import SCHEDULES, ConfigError, FitConfig, hf_source_field, raw_hf_config
 from trainer.train.optim import optimizer_change
 

@@ -46,7 +46,7 @@ from trainer.config import (
 )
 
 if TYPE_CHECKING:
-    from elastic.store.snapshot_store import SnapshotStore
+    from elastic.store import SnapshotStore
 
 def source_field(model_cfg: ModelConfig) -> tuple[str, str]:
     """(`model.hf_config` or `model.init_from`, its path) of an HF recipe."""

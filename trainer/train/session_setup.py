@@ -45,8 +45,7 @@ from elastic.faults import FaultInjector
 from elastic.preemption import PreemptionWatcher
 from elastic.snapshot_ref import checkpoint_uri, split_snapshot_dir
 from elastic.state.registry import StateRegistry
-from elastic.store.ram_store import RamTier
-from elastic.store.snapshot_store import SnapshotStore
+from elastic.store import RamTier, SnapshotStore
 from trainer.config import RecoveryConfig, SnapshotConfig
 from trainer.train.parallel import parallelism_of
 from trainer.train.story import register_story
