@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from elastic.format.records import DEFAULT_BLOCK_BYTES, LAYOUTS
-from elastic.state.layout import DEFAULT_SPLIT_MIN_BYTES
+from elastic.state import DEFAULT_SPLIT_MIN_BYTES
 
 
 @dataclass(frozen=True)

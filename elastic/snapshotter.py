@@ -50,7 +50,7 @@ from elastic.read.restore import collector_paused
 from elastic.replicas import agree as agree_replicas
 from elastic.replicas import divergence_message, fingerprints
 from elastic.settings import SnapshotSettings
-from elastic.state.registry import StateRegistry
+from elastic.state import StateRegistry
 from elastic.store import RamTier, SnapshotStore, in_process_tier
 from elastic.version import code_version
 from elastic.write.capture import CaptureHandle, Capturer

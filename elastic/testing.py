@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from elastic.state.registry import StateRegistry, encode_tree
+from elastic.state import StateRegistry, encode_tree
 
 
 class TinyNet(nn.Module):

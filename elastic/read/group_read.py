@@ -53,7 +53,7 @@ from elastic.read.read_batches import (
 )
 from elastic.read.restore import allocate, check_coverage, plan_reads
 from elastic.read.verdict import Verdict
-from elastic.state.layout import Target
+from elastic.state import Target
 
 # Shared spans are cut into pieces of at most this many bytes (whole checksum blocks), the unit
 # of balancing the reads between ranks.

@@ -38,7 +38,7 @@ from elastic.format.chunk_checks import verify_blocks
 from elastic.format.finite import finite_check
 from elastic.format.records import ChunkRecord, Manifest
 from elastic.read.byte_source import ByteSource
-from elastic.state.layout import Target
+from elastic.state import Target
 
 # Reads are issued in batches of about this many bytes: it bounds each staging buffer (partial
 # checksum blocks, whole chunks a resharded target needs a part of) and what one call to the

@@ -56,8 +56,15 @@ from elastic.read.byte_source import ByteSource
 from elastic.read.device_stage import read_to
 from elastic.read.prefault import prefault
 from elastic.read.read_batches import Placed, ReadOp, place
-from elastic.state.layout import Piece, Target, storage_owners, target_piece, with_fill
-from elastic.state.registry import SnapshotMismatchError, StateRegistry
+from elastic.state import (
+    Piece,
+    SnapshotMismatchError,
+    StateRegistry,
+    Target,
+    storage_owners,
+    target_piece,
+    with_fill,
+)
 
 __all__ = ["SnapshotMismatchError", "allocate", "check_compatible", "check_coverage",
            "check_headers", "check_rules", "collector_paused", "plan_reads", "plan_targets",

@@ -55,8 +55,7 @@ from elastic.recovery.member import (
     RecoveryFailedError,
 )
 from elastic.recovery.transfer import receive_state, send_state
-from elastic.state.module_state import ModelState, OptimizerState
-from elastic.state.registry import StateRegistry
+from elastic.state import ModelState, OptimizerState, StateRegistry
 
 log = logging.getLogger("baton.recovery")
 

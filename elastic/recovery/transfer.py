@@ -31,7 +31,7 @@ from typing import Any
 import torch
 
 from elastic.recovery.group import ElasticGroup
-from elastic.state.registry import StateRegistry
+from elastic.state import StateRegistry
 
 PIECE_BYTES = 64 * 2**20
 _LENGTH_TAG, _HEADER_TAG, _FIRST_PIECE_TAG = 1, 2, 3

@@ -12,7 +12,25 @@ Imports ``elastic.format`` and below; never the rooms that write, read or commit
 
 from __future__ import annotations
 
-from elastic.state.layout import Piece, Target
-from elastic.state.registry import SnapshotMismatchError, Stateful, StateRegistry
+from elastic.state.layout import (
+    DEFAULT_SPLIT_MIN_BYTES,
+    OwnedPiece,
+    Piece,
+    Target,
+    owned_pieces,
+    storage_owners,
+    target_piece,
+    with_fill,
+)
+from elastic.state.module_state import ModelState, OptimizerState
+from elastic.state.registry import (
+    FlatState,
+    SnapshotMismatchError,
+    Stateful,
+    StateRegistry,
+    encode_tree,
+)
 
-__all__ = ["Piece", "SnapshotMismatchError", "StateRegistry", "Stateful", "Target"]
+__all__ = ["DEFAULT_SPLIT_MIN_BYTES", "FlatState", "ModelState", "OptimizerState", "OwnedPiece",
+           "Piece", "SnapshotMismatchError", "StateRegistry", "Stateful", "Target", "encode_tree",
+           "owned_pieces", "storage_owners", "target_piece", "with_fill"]

@@ -44,8 +44,14 @@ from elastic.format.records import (
     crc32_blocks,
     dtype_to_str,
 )
-from elastic.state.layout import DEFAULT_SPLIT_MIN_BYTES, OwnedPiece, Piece, owned_pieces
-from elastic.state.registry import FlatState, StateRegistry
+from elastic.state import (
+    DEFAULT_SPLIT_MIN_BYTES,
+    FlatState,
+    OwnedPiece,
+    Piece,
+    StateRegistry,
+    owned_pieces,
+)
 from elastic.write.replica_sums import replica_checksums
 
 

@@ -47,7 +47,7 @@ from elastic.errors import FatalRunError, SnapshotIntegrityError
 from elastic.preemption import PreemptionNotice
 from elastic.recovery import LeftBehindError
 from elastic.snapshotter import Snapshotter
-from elastic.state.registry import SnapshotMismatchError
+from elastic.state import SnapshotMismatchError
 from trainer.config import SnapshotConfig
 from trainer.train import session_recovery as recovering
 from trainer.train import session_setup as setup

@@ -44,7 +44,7 @@ from elastic.errors import FatalRunError
 from elastic.faults import FaultInjector
 from elastic.preemption import PreemptionWatcher
 from elastic.snapshot_ref import checkpoint_uri, split_snapshot_dir
-from elastic.state.registry import StateRegistry
+from elastic.state import StateRegistry
 from elastic.store import RamTier, SnapshotStore
 from trainer.config import RecoveryConfig, SnapshotConfig
 from trainer.train.parallel import parallelism_of

@@ -39,7 +39,7 @@ import torch
 
 from data_state.cursor import LAST_EPOCH, DataCursor
 from elastic.format.records import TENSOR_TAG
-from elastic.state.registry import StateRegistry
+from elastic.state import StateRegistry
 from trainer.train.optim import LrSchedule
 
 ORIGIN_KEY = "data_origin"
