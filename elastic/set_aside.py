@@ -1,21 +1,17 @@
 """Rewinding a run to an older snapshot, and bringing set-aside snapshots back.
 
-Contract
---------
 A restore never moves a newer committed snapshot aside because it does not fit the running
 code (``elastic.snapshotter``: it refuses in one line, naming the newest snapshot, what does
 not fit and the newest one that does). Going back is a person's decision, made here:
 
-* ``rewind(store, to_step)`` (the caller holds the run lease, ``elastic.lease.run_lease``) first
-  reads and verifies every chunk of committed snapshot ``to_step`` (``elastic.catalog.verify``),
-  then moves every committed snapshot newer than it to ``RUN/quarantine/`` (one rename each, never a
-  delete), each with a ``reason.json`` recording the step rewound to and the first generation that
-  may not be part of their history (the run's ``generation.json`` + 1: the next session's). Returns
-  ``[(step, where)]`` of what was set aside. Refuses in one ``ValueError`` line a step that is not
-  committed, or the newest one (nothing to set aside).
-* ``restore_quarantined(store, step=None)`` (the caller holds the run lease) moves
-  quarantined snapshots (all, or those of ``step``) back into ``snapshots/``, oldest first,
-  each only when
+* ``rewind(store, to_step)`` first reads and verifies every chunk of committed snapshot
+  ``to_step`` (``elastic.catalog.verify``), then moves every committed snapshot newer than it to
+  ``RUN/quarantine/`` (one rename each, never a delete), each with a ``reason.json`` recording
+  the step rewound to and the first generation that may not be part of their history (the
+  run's ``generation.json`` + 1: the next session's). Returns ``[(step, where)]`` of what was
+  set aside. Refuses in one ``ValueError`` line a step that is not committed, or the newest one.
+* ``restore_quarantined(store, step=None)`` moves quarantined snapshots (all, or those of
+  ``step``) back into ``snapshots/``, oldest first, each only when
   - its ``reason.json`` records the generation it was set aside at (a quarantine by an older
     Baton, or by hand, stays: the message gives the ``mv`` to do if you are sure);
   - its step is not committed now;
@@ -27,10 +23,10 @@ not fit and the newest one that does). Going back is a person's decision, made h
   The manifest arrives last (``SnapshotStore.unquarantine``). Returns ``(restored steps,
   [(step, why it stayed)])``; each reason is one line.
 * The caller holds the run lease through ``elastic.lease.held_lease`` (``baton snapshots
-  rewind`` / ``restore-quarantined``: renewed while the command lasts, since verifying a
-  large snapshot may outlast its ttl), so neither ever runs beside a live driver
-  (``LeaseHeldError``, one line, names it). Given that ``lease``, both functions check it is
-  still held before each move (``LeaseLostError`` otherwise: nothing more is moved).
+  rewind`` / ``restore-quarantined``: renewed while the command lasts, since verifying a large
+  snapshot may outlast its ttl), so neither runs beside a live driver (``LeaseHeldError``
+  names it). Given that ``lease``, both check it is still held before each move
+  (``LeaseLostError`` otherwise: nothing more is moved).
 """
 
 from __future__ import annotations

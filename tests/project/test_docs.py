@@ -1,6 +1,9 @@
 """The documents stay a user's guide, and the cheap commands they show keep working.
 
-- README.md stays short (at most 250 lines): everything else lives in docs/.
+- README.md stays short (at most 250 lines): everything else lives in docs/. Its documentation
+  table lists every page of docs/.
+- Every module of the four source packages opens with a docstring of at most 30 lines: its
+  contract. Longer reasons go to docs/design.md, measurements to benchmarks/reports/.
 - No README, docs/ or benchmarks/reports/ line speaks of work sessions ("the eighth session",
   "this session"): a page says what is true now, a report when it was measured.
 - The commands the docs show that run in seconds without Ray are run here, in-process, as the

@@ -1,46 +1,33 @@
 """Forks: a new run that starts from a committed snapshot of another, optimizer warm.
 
-Contract:
 - `parse_source("RUN@STEP")` splits `baton fit --from`'s value: a run URI and an optional
   committed step (`RUN` alone: its newest committed snapshot; a snapshot's directory
   `RUN/snapshots/000000200`, a `ray.train.Checkpoint`'s, names both).
-- `plan_fork(cfg, source, step, data_cursor)` makes every check that needs no writing, before
-  the lease and before Ray; each failure is one `RunDirError` (a `ValueError`) line naming the
-  field or flag and the fix:
-  * the source run exists and `step` is one of its committed snapshots (its manifest is
-    parsed and validated as untrusted input, `elastic.format.manifest_check`);
+- `plan_fork(cfg, source, step, data_cursor)` makes every check that needs no writing, before the
+  lease and Ray, each failure one `RunDirError` (`ValueError`) line naming field or flag and fix:
+  * the source run exists and `step` is one of its committed snapshots (its manifest validated
+    as untrusted input, `elastic.format.manifest_check`);
   * the new run directory (`cfg.snapshots.run_uri`) holds no run (no `run.json`, snapshots,
-    session log or `generation.json`; a prepared `data/` or a released lease may be there),
-    or only what a fork killed before its commit left (`interrupted_fork`: a `run.json` with
-    a parent, no committed snapshot, no session log), and neither directory
+    session log or `generation.json`; a prepared `data/` or a released lease may be there) or
+    only what a fork killed before its commit left (`interrupted_fork`), and neither directory
     lies inside the other: a fork never writes into its parent;
-  * nothing that fixes a tensor shape changes: the fields of
-    `trainer.train.continuation.TENSOR_SHAPE_FIELDS` against the parent's `run.json`, then every
-    model tensor (name and shape, from the recipe's model built on the meta device) against the
-    snapshot's, so a custom `model_factory` is covered too;
-  * the optimizer is the parent's (`trainer.train.optim.optimizer_change`: `optim.name`, a
-    custom `optimizer_factory` or not): the fork restores its state;
-  * `steps` is past the fork step (a fork's step count continues the parent's);
-  * `data_cursor`: `keep` needs the same seed (the cursor carries it) and, when `data.uri`
-    is set, the same dataset fingerprint; `auto` keeps the cursor when both are the same and
-    resets it otherwise; `reset` starts the new run's data at epoch 0.
+  * nothing that fixes a tensor shape changes (`TENSOR_SHAPE_FIELDS` against the parent's
+    `run.json`, then every model tensor, built on the meta device, against the snapshot's, so a
+    custom `model_factory` too); the optimizer is the parent's (`optimizer_change`); `steps`
+    is past the fork step (a fork's step count continues the parent's);
+  * `data_cursor`: `keep` needs the same seed and (with `data.uri`) dataset fingerprint; `auto`
+    keeps the cursor when both match, else resets it; `reset` starts the data at epoch 0.
   Everything else may change: lr and schedule (and the optimizer's hyper-parameters), steps,
   global batch, world size, parallelism, sketch settings, the data.
-- `make_fork(plan, cfg)` (the caller holds the new run's lease) prepares the default corpus
-  when `data.uri` is empty, decides the cursor, then copies the snapshot into the new run as
-  its first committed snapshot: `run.json` (the recipe as the workers record it, `data.uri`
-  and `model.vocab_size` resolved, and the lineage: `parent` = uri, step, loss at that step,
-  dataset fingerprint, whether the data cursor was kept); each shard file, read whole from
-  the parent, checked against the manifest (the file, its safetensors header, every crc32
-  block) and written create-only (`elastic.catalog.copy_shard`); `generation.json` (the
-  new run's worker groups start above the parent's generation, so no shard name is ever
-  reused) and, last, the manifest (the
-  commit; with a reset data cursor when asked, and its data origin, `trainer.train.story`,
-  moved to the fork step). On any failure what it wrote is removed and
-  the new run holds no snapshot; a fork killed before its commit removes nothing, and the
-  next fork into that directory removes those leftovers first (under the lease, so never
-  while that fork runs; logged). The normal restore then resumes from it, warm.
-  Memory: one shard file at a time is held in RAM while it is copied.
+- `make_fork(plan, cfg)` (the caller holds the new run's lease) prepares the default corpus when
+  `data.uri` is empty, decides the cursor, then copies the snapshot in as the new run's first
+  commit: `run.json` (the recipe as the workers record it, `data.uri` and `model.vocab_size`
+  resolved; the lineage: parent uri, step, loss, dataset fingerprint, cursor kept or not); each
+  shard file, checked and written create-only (`elastic.catalog.copy_shard`, one file in RAM at
+  a time); `generation.json` (above the parent's: no shard name is reused); last the manifest
+  (the commit; the cursor reset when asked, its data origin, `trainer.train.story`, moved to the
+  fork step). On any failure what it wrote is removed; a fork killed before its commit leaves
+  files the next fork into that directory removes first (under the lease, logged).
 """
 
 from __future__ import annotations
