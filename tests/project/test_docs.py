@@ -16,6 +16,7 @@
 
 from __future__ import annotations
 
+import ast
 import re
 from pathlib import Path
 
@@ -27,6 +28,8 @@ from trainer.cli import main
 
 ROOT = Path(__file__).resolve().parents[2]
 README_MAX_LINES = 250
+SOURCE_PACKAGES = ("trainer", "elastic", "sketch_ops", "data_state")
+DOCSTRING_MAX_LINES = 30
 SESSION_WORDS = re.compile(
     r"\b(first|second|third|fourth|fifth|sixth|seventh|eighth|ninth|tenth|\d+(st|nd|rd|th)|"
     r"this|previous|earlier)\s+(GPU\s+)?session\b", re.IGNORECASE)
@@ -49,6 +52,44 @@ def test_the_readme_is_a_short_guide() -> None:
         "make demo   # creates .venv, installs Baton, runs the elastic demo on a local 3-node "
         "Ray cluster (~2 min)",
         "make test   # same set-up, then the whole test suite (what CI runs)"]
+
+
+def test_the_readme_lists_every_page_of_docs() -> None:
+    readme = (ROOT / "README.md").read_text()
+    table = readme.split("\n## Documentation\n", 1)[1].split("\n## ", 1)[0]
+    listed = set(re.findall(r"^\| \[[^\]]+\]\(docs/([\w.-]+\.md)\)", table, re.MULTILINE))
+    pages = {page.name for page in (ROOT / "docs").glob("*.md")}
+    assert not pages - listed, f"docs/ pages missing from README's table: {sorted(pages - listed)}"
+    assert not listed - pages, f"README's table names pages docs/ lacks: {sorted(listed - pages)}"
+
+
+def long_module_docstrings(root: Path, packages: tuple[str, ...] = SOURCE_PACKAGES,
+                           limit: int = DOCSTRING_MAX_LINES) -> list[str]:
+    """`path: N lines` for every module under `packages` whose docstring runs past `limit`."""
+    found = []
+    for package in packages:
+        for path in sorted((root / package).rglob("*.py")):
+            doc = ast.get_docstring(ast.parse(path.read_text()), clean=False)
+            if doc is not None and len(doc.splitlines()) > limit:
+                found.append(f"{path.relative_to(root)}: {len(doc.splitlines())} lines")
+    return found
+
+
+def test_the_docstring_check_finds_a_long_one(tmp_path: Path) -> None:
+    (tmp_path / "pkg" / "sub").mkdir(parents=True)
+    lines = [f"line {i}" for i in range(DOCSTRING_MAX_LINES + 1)]
+    (tmp_path / "pkg" / "fits.py").write_text('"""' + "\n".join(lines[:-1]) + '\n"""\n')
+    (tmp_path / "pkg" / "sub" / "long.py").write_text('"""' + "\n".join(lines) + '\n"""\nX = 1\n')
+    (tmp_path / "pkg" / "none.py").write_text("X = 1\n")
+    assert long_module_docstrings(tmp_path, ("pkg",)) == [
+        f"pkg/sub/long.py: {DOCSTRING_MAX_LINES + 1} lines"]
+
+
+def test_module_docstrings_state_their_contract_briefly() -> None:
+    found = long_module_docstrings(ROOT)
+    assert not found, (
+        f"module docstrings over {DOCSTRING_MAX_LINES} lines (state the contract; reasons go to "
+        "docs/design.md, measurements to benchmarks/reports/):\n" + "\n".join(found))
 
 
 def test_no_page_speaks_of_work_sessions() -> None:
