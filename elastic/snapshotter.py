@@ -53,8 +53,7 @@ from elastic.settings import SnapshotSettings
 from elastic.state import StateRegistry
 from elastic.store import RamTier, SnapshotStore, in_process_tier
 from elastic.version import code_version
-from elastic.write.capture import CaptureHandle, Capturer
-from elastic.write.persist import Persister
+from elastic.write import CaptureHandle, Capturer, Persister
 
 log = logging.getLogger("baton.elastic")
 

@@ -226,16 +226,11 @@ class SnapshotWorker:
     def __init__(self, run_uri: str, rank: int, world_size: int, coordinator_name: str,
                  namespace: str, seed: int = 5, generation: int | None = None,
                  ballast: int = 0) -> None:
-        import elastic.write.persist
         from elastic.coord.ray_actors import RayCoordinatorClient, find_coordinator, ray_ram_tier
         from elastic.settings import SnapshotSettings
         from elastic.snapshotter import Snapshotter
 
         torch.set_num_threads(1)
-        # Wait for RAM copies as long as a loaded CI machine may take: these tests assert
-        # where the copies are, and a put slower than the default grace leaves a shard
-        # storage-only (by design, in a real run).
-        elastic.write.persist.RAM_GRACE_MIN_S = 20.0
         self.ts = build(seed=seed)
         if ballast:  # state of ``ballast`` more float32s, the same in every rank and seed
             self.ts.registry.register("ballast", nn.Linear(ballast, 1, bias=False))
@@ -244,6 +239,10 @@ class SnapshotWorker:
         self.snap = Snapshotter(run_uri, self.ts.registry, rank, world_size, settings,
                                 coordinator=client, generation=generation,
                                 ram_tier=ray_ram_tier(run_uri, cap_bytes=None))
+        # Wait for RAM copies as long as a loaded CI machine may take: these tests assert
+        # where the copies are, and a put slower than the default grace leaves a shard
+        # storage-only (by design, in a real run).
+        self.snap.persister.ram_grace_min_s = 20.0
         self.node = self.snap.ram_tier.node if self.snap.ram_tier else None
 
     def train(self, first: int, last: int) -> list[int]:

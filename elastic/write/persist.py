@@ -63,6 +63,7 @@ class Persister:
         self.durable = durable
         self.faults = faults or FaultInjector()
         self.versions = dict(versions or {})
+        self.ram_grace_min_s = RAM_GRACE_MIN_S  # the least wait for the RAM copies
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="baton-persist",
                                         initializer=_lower_priority)
         self._crc_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="baton-crc",
@@ -125,7 +126,7 @@ class Persister:
             # The RAM copies may take as long again as the durable write, no longer: they
             # speed up a restore, they must not hold up the commit.
             ram_holders = [] if ram_put is None else _ram_holders(
-                ram_put, max(RAM_GRACE_MIN_S, time.monotonic() - started), cap.step)
+                ram_put, max(self.ram_grace_min_s, time.monotonic() - started), cap.step)
             self.faults.hit(cap.rank, cap.step, "persist_end")
             self.coordinator.report_shard(Receipt(
                 step=cap.step, rank=cap.rank, world_size=cap.world_size,
