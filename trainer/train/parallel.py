@@ -33,7 +33,7 @@ from torch.distributed.fsdp import FSDPModule, fully_shard
 from torch.nn.parallel import DistributedDataParallel
 
 from elastic import collectives
-from elastic.recovery.default_group import shard_mesh
+from elastic.recovery import shard_mesh
 from trainer.train.precision import fsdp_policy, fsdp_root_policy
 
 

@@ -39,8 +39,7 @@ import torch
 from torch import nn
 
 from elastic.coord.protocol import CoordinatorClient
-from elastic.recovery import InProcessRecovery, MemberSettings, Recovered
-from elastic.recovery.group import GroupUnavailableError
+from elastic.recovery import GroupUnavailableError, InProcessRecovery, MemberSettings, Recovered
 from trainer.train.session_setup import UsageError, WorkerContext, WorldSizeFree, layout_of
 
 log = logging.getLogger("baton.session")

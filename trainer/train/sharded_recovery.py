@@ -36,9 +36,13 @@ from typing import Any, Protocol, TypeVar
 
 import torch.distributed as dist
 
-from elastic.recovery import MemberSettings, RecoveryFailedError
-from elastic.recovery.default_group import form_default_group, peer_lost
-from elastic.recovery.member import Member
+from elastic.recovery import (
+    Member,
+    MemberSettings,
+    RecoveryFailedError,
+    form_default_group,
+    peer_lost,
+)
 from trainer.config import FitConfig
 from trainer.train.session_setup import WorkerContext, worker_context
 
