@@ -45,8 +45,7 @@ from elastic.coord.store_coordinator import StoreCoordinator
 from elastic.errors import ReplicasDivergedError
 from elastic.faults import FaultInjector
 from elastic.format.records import FORMAT_VERSION
-from elastic.read.newest import restore_newest
-from elastic.read.restore import collector_paused
+from elastic.read import collector_paused, restore_newest
 from elastic.replicas import agree as agree_replicas
 from elastic.replicas import divergence_message, fingerprints
 from elastic.settings import SnapshotSettings

@@ -22,7 +22,8 @@ from __future__ import annotations
 
 from elastic.read.byte_source import ByteSource
 from elastic.read.group_read import group_read_tensors
-from elastic.read.restore import check_compatible, plan_targets, read_tensors
+from elastic.read.newest import restore_newest
+from elastic.read.restore import check_compatible, collector_paused, plan_targets, read_tensors
 
-__all__ = ["ByteSource", "check_compatible", "group_read_tensors", "plan_targets",
-           "read_tensors"]
+__all__ = ["ByteSource", "check_compatible", "collector_paused", "group_read_tensors",
+           "plan_targets", "read_tensors", "restore_newest"]
