@@ -21,8 +21,8 @@ overwritten whole and renamed into a step directory by the atomic write:
 
 Why: a new file's pages and disk blocks are allocated as it is written; a retired shard has
 both, so its overwrite is a copy into cached pages (RocksDB's ``recycle_log_file_num`` and
-PostgreSQL's WAL recycling do the same). The timings, and why new files were slow on the test
-VM: benchmarks/reports/2026-12-05-snapshot-scale.md, "Spares, and why new files were slow".
+PostgreSQL's WAL recycling do the same). The timings: "Spares, and why new files were slow on
+this VM" in benchmarks/reports/2026-12-05-snapshot-scale.md.
 
 For readers: a process that opened a shard before its snapshot was retired (only snapshots older
 than the newest ``keep_last`` are) may see its bytes replaced; every read is checked against the
