@@ -34,7 +34,7 @@ from __future__ import annotations
 from typing import Any
 
 from elastic.catalog import verify
-from elastic.coord.generation import read_generation
+from elastic.coord import read_generation
 from elastic.format.records import parse_shard_name
 from elastic.lease import LeaseLostError, RunLease
 from elastic.store import SnapshotStore

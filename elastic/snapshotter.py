@@ -39,9 +39,7 @@ import torch
 
 from elastic import collectives
 from elastic.collectives import broadcast_int, grouped
-from elastic.coord.local_coordinator import LocalCoordinator
-from elastic.coord.protocol import CoordinatorClient
-from elastic.coord.store_coordinator import StoreCoordinator
+from elastic.coord import CoordinatorClient, LocalCoordinator, StoreCoordinator
 from elastic.errors import ReplicasDivergedError
 from elastic.faults import FaultInjector
 from elastic.format.records import FORMAT_VERSION

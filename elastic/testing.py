@@ -226,7 +226,7 @@ class SnapshotWorker:
     def __init__(self, run_uri: str, rank: int, world_size: int, coordinator_name: str,
                  namespace: str, seed: int = 5, generation: int | None = None,
                  ballast: int = 0) -> None:
-        from elastic.coord.ray_actors import RayCoordinatorClient, find_coordinator, ray_ram_tier
+        from elastic.coord import RayCoordinatorClient, find_coordinator, ray_ram_tier
         from elastic.settings import SnapshotSettings
         from elastic.snapshotter import Snapshotter
 

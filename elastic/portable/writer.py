@@ -34,9 +34,16 @@ from typing import Any
 
 import numpy as np
 
-from elastic.coord.collect import delete_generation_files, remove_failed_manifest
-from elastic.coord.generation import fencing_reason, read_generation, write_generation
-from elastic.coord.receipts import Receipt, TensorSpec, manifest_from_receipts
+from elastic.coord import (
+    Receipt,
+    TensorSpec,
+    delete_generation_files,
+    fencing_reason,
+    manifest_from_receipts,
+    read_generation,
+    remove_failed_manifest,
+    write_generation,
+)
 from elastic.errors import FencedError
 from elastic.format.records import (
     DEFAULT_BLOCK_BYTES,

@@ -43,7 +43,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from elastic import collectives
-from elastic.coord.protocol import CoordinatorClient
+from elastic.coord import CoordinatorClient
 from elastic.faults import FaultInjector
 from elastic.recovery.grad_sync import GradientSync
 from elastic.recovery.group import ElasticGroup

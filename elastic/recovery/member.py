@@ -33,8 +33,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from elastic.coord.membership import FALLBACK, FINISHED, OFF, REFORMING
-from elastic.coord.protocol import CoordinatorClient
+from elastic.coord import FALLBACK, FINISHED, OFF, REFORMING, CoordinatorClient
 
 log = logging.getLogger("baton.recovery")
 

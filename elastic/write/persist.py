@@ -39,8 +39,7 @@ from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from typing import Any
 
-from elastic.coord.protocol import CoordinatorClient
-from elastic.coord.receipts import Receipt, TensorSpec
+from elastic.coord import CoordinatorClient, Receipt, TensorSpec
 from elastic.errors import describe
 from elastic.faults import FaultInjector
 from elastic.format.records import ChunkRecord, shard_filename

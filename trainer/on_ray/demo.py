@@ -103,7 +103,7 @@ def fresh_demo_dir(run_dir: Path) -> None:
 def run_demo(recipe: str, run_dir: str) -> int:
     import ray
 
-    from elastic.coord.ray_actors import NAMESPACE
+    from elastic.coord import NAMESPACE
     from trainer.on_ray.local_cluster import LocalCluster
     from trainer.on_ray.monitor import RunFeed
     from trainer.on_ray.ray_fit import fit

@@ -174,7 +174,7 @@ class ElasticTorchTrainer(BatonTorchTrainer):
         return result
 
     def _fit_leased(self, lease: RunLease) -> Any:
-        from elastic.coord.ray_actors import get_or_create_coordinator, release_ram_stores
+        from elastic.coord import get_or_create_coordinator, release_ram_stores
 
         if not ray.is_initialized():
             ray.init()
@@ -228,7 +228,7 @@ class ElasticTorchTrainer(BatonTorchTrainer):
         lease_token = self._lease_token
 
         def train_func_in_session_context() -> Any:
-            from elastic.coord.ray_actors import (
+            from elastic.coord import (
                 RayCoordinatorClient,
                 get_or_create_coordinator,
                 ray_ram_tier,

@@ -38,7 +38,7 @@ from typing import Any
 
 import ray
 
-from elastic.coord.ray_actors import NAMESPACE
+from elastic.coord import NAMESPACE
 from trainer.config import FitConfig, LoggingConfig
 from trainer.run.metrics import MetricsWriter
 from trainer.run.sinks import SinkSet, open_sinks

@@ -45,7 +45,7 @@ import ray.train
 from ray.train.torch import TorchConfig
 from ray.train.v2.api.config import FailureConfig, RunConfig, ScalingConfig
 
-from elastic.coord.ray_actors import HEAD_NODE_RESOURCES, NAMESPACE
+from elastic.coord import HEAD_NODE_RESOURCES, NAMESPACE
 from elastic.lease import RunLease, held_lease
 from trainer.config import FitConfig
 from trainer.on_ray.elastic_trainer import ElasticTorchTrainer

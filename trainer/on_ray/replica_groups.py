@@ -53,7 +53,7 @@ from ray.train.v2._internal.execution.scaling_policy import (
 from ray.train.v2._internal.execution.worker_group import ReplicaGroup
 from ray.train.v2._internal.execution.worker_group.poll import WorkerGroupPollStatus
 
-from elastic.coord.ray_actors import NAMESPACE, coordinator_name
+from elastic.coord import NAMESPACE, coordinator_name
 
 logger = logging.getLogger("ray.train.baton_replicas")
 

@@ -21,7 +21,7 @@ import ray
 from ray.train.v2._internal.execution.callback import ControllerCallback
 from ray.train.v2._internal.execution.controller.state import ResizingState, RunningState
 
-from elastic.coord.ray_actors import NAMESPACE, coordinator_name
+from elastic.coord import NAMESPACE, coordinator_name
 
 
 class SnapshotBeforeResize(ControllerCallback):

@@ -23,7 +23,7 @@ from __future__ import annotations
 import logging
 import uuid
 
-from elastic.coord.generation import GENERATION_NAME
+from elastic.coord import GENERATION_NAME
 from elastic.store.snapshot_store import SnapshotStore
 from trainer.config import FitConfig
 from trainer.run.preflight import (

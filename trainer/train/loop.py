@@ -43,7 +43,7 @@ from torch import nn
 from data_state import Microbatch, ResumableLoader, TokenDataset
 from data_state.cursor import CursorRangeError
 from data_state.manifest import DatasetError
-from elastic.coord.protocol import CoordinatorClient
+from elastic.coord import CoordinatorClient
 from elastic.errors import FatalRunError
 from sketch_ops import sketch_seed
 from trainer.config import ConfigError, FitConfig

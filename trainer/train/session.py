@@ -42,7 +42,7 @@ import torch
 from torch import nn
 
 from data_state import ResumableLoader
-from elastic.coord.protocol import CoordinatorClient
+from elastic.coord import CoordinatorClient
 from elastic.errors import FatalRunError, SnapshotIntegrityError
 from elastic.preemption import PreemptionNotice
 from elastic.recovery import LeftBehindError

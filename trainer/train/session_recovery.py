@@ -38,7 +38,7 @@ from typing import Any, Protocol
 import torch
 from torch import nn
 
-from elastic.coord.protocol import CoordinatorClient
+from elastic.coord import CoordinatorClient
 from elastic.recovery import GroupUnavailableError, InProcessRecovery, MemberSettings, Recovered
 from trainer.train.session_setup import UsageError, WorkerContext, WorldSizeFree, layout_of
 

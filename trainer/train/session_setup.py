@@ -39,7 +39,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from elastic import collectives
-from elastic.coord.protocol import CoordinatorClient
+from elastic.coord import CoordinatorClient
 from elastic.errors import FatalRunError
 from elastic.faults import FaultInjector
 from elastic.preemption import PreemptionWatcher
