@@ -29,11 +29,10 @@ rewinds the coordinator to the returned step after recording it.
 
 from __future__ import annotations
 
-import functools
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import Any, Generic, TypeVar
 
 import torch
 
@@ -65,8 +64,57 @@ from elastic.store.snapshot_store import SnapshotStore
 log = logging.getLogger("baton.elastic")
 T = TypeVar("T")
 
-# What a snapshot read needs: its manifest, this rank's targets, where the bytes come from.
-Prepared = tuple[Manifest, dict[str, Target], ByteSource]
+
+@dataclass(frozen=True)
+class Prepared:
+    """What a snapshot read needs: its manifest, this rank's targets, where the bytes come
+    from."""
+
+    manifest: Manifest
+    targets: dict[str, Target]
+    source: ByteSource
+
+    def read_alone(self) -> dict[str, torch.Tensor]:
+        """The targets' tensors, read by this rank for itself (``read_tensors``)."""
+        return read_tensors(self.manifest, self.targets, self.source)
+
+    def read_together(self) -> dict[str, torch.Tensor]:
+        """The targets' tensors, read with the whole group: every rank calls it
+        (``group_read_tensors``)."""
+        return group_read_tensors(self.manifest, self.targets, self.source)
+
+
+@dataclass(frozen=True)
+class Attempt(Generic[T]):
+    """One try at a read: what it gave (None unless ``OK``), this rank's verdict, and why."""
+
+    value: T | None
+    verdict: Verdict
+    reason: str = ""
+
+
+@dataclass(frozen=True)
+class SnapshotRead:
+    """One snapshot read and verified: what was prepared and the tensors (None where that
+    step failed), the verdict every rank agreed on, and this rank's reason."""
+
+    prepared: Prepared | None
+    tensors: dict[str, torch.Tensor] | None
+    verdict: Verdict
+    reason: str
+
+
+@dataclass(frozen=True)
+class RamReads:
+    """Reads of snapshot ``step`` from the RAM stores that hold its files (``locations``,
+    the coordinator's), as a ``ReadMany``."""
+
+    tier: RamTier
+    step: int
+    locations: dict[str, list[str]]
+
+    def __call__(self, requests: list[tuple[str, int, int]]) -> list[Any] | None:
+        return self.tier.read(self.step, self.locations, requests)
 
 
 @dataclass(frozen=True)
@@ -79,23 +127,23 @@ class Restored:
     state: dict[str, Any]  # its JSON state per component
 
 
-def attempt(read: Callable[[], T]) -> tuple[T | None, Verdict, str]:
+def attempt(read: Callable[[], T]) -> Attempt[T]:
     """``read()`` and this rank's verdict on it with its reason (module docstring); a
     snapshot of another model is raised as is."""
     try:
-        return read(), Verdict.OK, ""
+        return Attempt(read(), Verdict.OK)
     except SnapshotMismatchError:
         raise
     except RestoreMemoryError as err:
-        return None, Verdict.NO_MEMORY, str(err)
+        return Attempt(None, Verdict.NO_MEMORY, str(err))
     except SnapshotMisfitError as err:
-        return None, Verdict.MISFIT, str(err)
+        return Attempt(None, Verdict.MISFIT, str(err))
     except FileNotFoundError as err:  # the store answered: the file is not there
-        return None, Verdict.CORRUPT, f"missing file: {err}"
+        return Attempt(None, Verdict.CORRUPT, f"missing file: {err}")
     except (SnapshotIntegrityError, ValueError) as err:
-        return None, Verdict.CORRUPT, str(err)
+        return Attempt(None, Verdict.CORRUPT, str(err))
     except (StorageUnavailableError, OSError) as err:
-        return None, Verdict.UNREACHABLE, str(err)
+        return Attempt(None, Verdict.UNREACHABLE, str(err))
 
 
 def agree(verdict: Verdict) -> Verdict:
@@ -125,14 +173,15 @@ class _Fallback:
         run = self.store.run_uri
         misfit = ""
         for step in steps:
-            prepared, tensors, verdict, reason = self._read(step, ram=True)
-            ram_used = prepared is not None and prepared[2].used_ram
-            if verdict == Verdict.CORRUPT and agree_max(int(ram_used)):
+            read = self._read(step, ram=True)
+            ram_used = read.prepared is not None and read.prepared.source.used_ram
+            if read.verdict == Verdict.CORRUPT and agree_max(int(ram_used)):
                 # A RAM copy is not the snapshot: a bad one (a store's fault) is no verdict
                 # on the files. Read them from storage before judging the snapshot.
                 log.warning("snapshot %d: the RAM copy failed its checks (%s); reading "
-                            "storage", step, reason or "on another rank")
-                prepared, tensors, verdict, reason = self._read(step, ram=False)
+                            "storage", step, read.reason or "on another rank")
+                read = self._read(step, ram=False)
+            verdict, reason = read.verdict, read.reason
             if verdict == Verdict.NO_MEMORY:
                 raise RestoreMemoryError(
                     f"snapshot {step} of {run} could not be restored: "
@@ -156,11 +205,11 @@ class _Fallback:
                 log.warning("%s; quarantined, trying the previous committed snapshot", msg)
                 self.coordinator.reject(step, msg)
                 continue
-            assert prepared is not None and tensors is not None
-            manifest, _, source = prepared
+            assert read.prepared is not None and read.tensors is not None
+            manifest, source = read.prepared.manifest, read.prepared.source
             tier = agree_max(2 if source.used_storage else 1 if source.used_ram else 0)
             # _prepare checked the state against the registry, which nothing has changed.
-            self.registry.load(tensors, manifest.state, checked=True)
+            self.registry.load(read.tensors, manifest.state, checked=True)
             return Restored(step, "ram" if tier == 1 else "storage", manifest.world_size,
                             dict(manifest.state))
         if misfit:
@@ -179,9 +228,9 @@ class _Fallback:
         newest older one that fits (its state and the registry's rules: only the scalars the
         rules need are read); return when none does."""
         for step in (s for s in steps if s < newest):
-            _, verdict, reason = attempt(functools.partial(self._prepare, step, False))
-            if agree(verdict) != Verdict.OK:
-                self.errors.append(f"snapshot {step}: {reason or 'on another rank'}")
+            tried = self._try_prepare(step, ram=False)
+            if agree(tried.verdict) != Verdict.OK:
+                self.errors.append(f"snapshot {step}: {tried.reason or 'on another rank'}")
                 continue
             run, newer = self.store.run_uri, sorted(s for s in steps if step < s <= newest)
             raise SnapshotMismatchError(
@@ -190,20 +239,24 @@ class _Fallback:
                 f"rewind {run} --to {step} sets {newer} aside (baton snapshots "
                 f"restore-quarantined {run} brings them back)")
 
-    def _read(self, step: int, *, ram: bool
-              ) -> tuple[Prepared | None, dict[str, torch.Tensor] | None, Verdict, str]:
-        """Read and verify ``step`` (with the group when ``group``): what was prepared, the
-        tensors, and the verdict agreed by every rank with this rank's reason."""
-        prepared, verdict, reason = attempt(functools.partial(self._prepare, step, ram))
-        tensors: dict[str, torch.Tensor] | None = None
+    def _read(self, step: int, *, ram: bool) -> SnapshotRead:
+        """Read and verify ``step`` (with the group when ``group``)."""
+        prepare = self._try_prepare(step, ram=ram)
+        prepared = prepare.value
+        tensors: Attempt[dict[str, torch.Tensor]] = Attempt(None, prepare.verdict,
+                                                            prepare.reason)
         if self.group:
-            if agree(verdict) == Verdict.OK:
+            # The group read is a collective: every rank reads, or none does.
+            if agree(prepare.verdict) == Verdict.OK:
                 assert prepared is not None
-                tensors, verdict, reason = attempt(
-                    functools.partial(group_read_tensors, *prepared))
+                tensors = attempt(prepared.read_together)
         elif prepared is not None:
-            tensors, verdict, reason = attempt(functools.partial(read_tensors, *prepared))
-        return prepared, tensors, agree(verdict), reason
+            tensors = attempt(prepared.read_alone)
+        return SnapshotRead(prepared, tensors.value, agree(tensors.verdict), tensors.reason)
+
+    def _try_prepare(self, step: int, *, ram: bool) -> Attempt[Prepared]:
+        """``_prepare`` as a try: what it prepared, or this rank's verdict and why not."""
+        return attempt(lambda: self._prepare(step, ram))
 
     def _prepare(self, step: int, ram: bool = True) -> Prepared:
         """Snapshot ``step``'s manifest, checked against the registry and its rules, and
@@ -221,8 +274,8 @@ class _Fallback:
                 raise
             # A RAM copy is not the snapshot (as in run()): judge its scalars by storage.
             check_rules(self.registry, manifest, ByteSource(self.store, step))
-        return manifest, plan_targets(manifest, live.tensors,  # in place (module doc)
-                                      in_place=self.registry.model_keys()), source
+        return Prepared(manifest, plan_targets(manifest, live.tensors,  # in place (module doc)
+                                               in_place=self.registry.model_keys()), source)
 
     def _ram_reader(self, step: int) -> ReadMany | None:
         """Reads of ``step`` from the RAM stores the coordinator says hold its files."""
@@ -231,7 +284,7 @@ class _Fallback:
         locations = self.coordinator.ram_locations(step)
         if not locations:
             return None
-        return functools.partial(self.ram_tier.read, step, locations)
+        return RamReads(self.ram_tier, step, locations)
 
     def _manifest(self, step: int) -> Manifest:
         data = self.coordinator.read_manifest(step)

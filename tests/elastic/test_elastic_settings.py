@@ -11,7 +11,7 @@ import pytest
 
 import elastic
 from elastic.read.group_read import _failure_code
-from elastic.read.newest import attempt
+from elastic.read.newest import Attempt, attempt
 from elastic.read.verdict import Verdict
 from elastic.settings import SnapshotSettings
 from elastic.snapshotter import Snapshotter
@@ -52,9 +52,9 @@ def test_verdicts_are_ordered_by_precedence() -> None:
     assert [int(v) for v in Verdict] == list(range(len(Verdict)))
     assert (Verdict.OK < Verdict.MISFIT < Verdict.CORRUPT < Verdict.UNREACHABLE
             < Verdict.NO_MEMORY < Verdict.OTHER)
-    assert attempt(lambda: 1) == (1, Verdict.OK, "")
-    assert attempt(_raise(FileNotFoundError("x")))[1] is Verdict.CORRUPT
-    assert attempt(_raise(ConnectionResetError("x")))[1] is Verdict.UNREACHABLE
+    assert attempt(lambda: 1) == Attempt(1, Verdict.OK, "")
+    assert attempt(_raise(FileNotFoundError("x"))).verdict is Verdict.CORRUPT
+    assert attempt(_raise(ConnectionResetError("x"))).verdict is Verdict.UNREACHABLE
     with pytest.raises(SnapshotMismatchError):
         attempt(_raise(SnapshotMismatchError("another model")))
     assert _failure_code(KeyError("x")) is Verdict.OTHER
