@@ -10,7 +10,12 @@ Public API:
 - `ResumableLoader(dataset, global_batch=, microbatch_size=, seed=, rank=, world_size=)`
   with `next_step()` / `advance()` / `state_dict()` / `load_state_dict()` / `reshard()`
 
-The names above are loaded on first use (PEP 562 ``__getattr__``), never at ``import
+What `trainer` uses besides: the cursor's arithmetic (`share`, `CursorRangeError`,
+`LAST_EPOCH`), a Session's `ShareLoader`, `numpy_loader` (JAX), a dataset's manifest and
+tokenizer (`read_manifest`, `load_stored_tokenizer`) and its location (`resolve_uri`,
+`join_uri`, `write_atomic`).
+
+The names of this face are loaded on first use (PEP 562 ``__getattr__``), never at ``import
 data_state``: a `--workers N` process imports `data_state.parallel`, and that must not
 pay for torch (seconds per process; only `dataset.py` and `loader.py` need it).
 """
@@ -22,42 +27,77 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from data_state.corpus import prepare_corpus
-    from data_state.cursor import DataCursor, assign_microbatches
-    from data_state.dataset import TokenDataset
+    from data_state.cursor import (
+        LAST_EPOCH,
+        CursorRangeError,
+        DataCursor,
+        assign_microbatches,
+        share,
+    )
+    from data_state.dataset import TokenDataset, load_stored_tokenizer, read_manifest
     from data_state.loader import Microbatch, ResumableLoader
     from data_state.manifest import DatasetError, DatasetManifest
+    from data_state.numpy_source import numpy_loader
     from data_state.order import Permutation
+    from data_state.share_loader import ShareLoader, StepShare
+    from data_state.storage import join as join_uri
+    from data_state.storage import resolve as resolve_uri
+    from data_state.storage import write_atomic
 
+# Public name -> the module that defines it ("module:name" where the face renames it).
 _LAZY = {
+    "CursorRangeError": "data_state.cursor",
     "DataCursor": "data_state.cursor",
     "DatasetError": "data_state.manifest",
     "DatasetManifest": "data_state.manifest",
+    "LAST_EPOCH": "data_state.cursor",
     "Microbatch": "data_state.loader",
     "Permutation": "data_state.order",
     "ResumableLoader": "data_state.loader",
+    "ShareLoader": "data_state.share_loader",
+    "StepShare": "data_state.share_loader",
     "TokenDataset": "data_state.dataset",
     "assign_microbatches": "data_state.cursor",
+    "join_uri": "data_state.storage:join",
+    "load_stored_tokenizer": "data_state.dataset",
+    "numpy_loader": "data_state.numpy_source",
     "prepare_corpus": "data_state.corpus",
+    "read_manifest": "data_state.dataset",
+    "resolve_uri": "data_state.storage:resolve",
+    "share": "data_state.cursor",
+    "write_atomic": "data_state.storage",
 }
 
 __all__ = [
+    "LAST_EPOCH",
+    "CursorRangeError",
     "DataCursor",
     "DatasetError",
     "DatasetManifest",
     "Microbatch",
     "Permutation",
     "ResumableLoader",
+    "ShareLoader",
+    "StepShare",
     "TokenDataset",
     "assign_microbatches",
+    "join_uri",
+    "load_stored_tokenizer",
+    "numpy_loader",
     "prepare_corpus",
+    "read_manifest",
+    "resolve_uri",
+    "share",
+    "write_atomic",
 ]
 
 
 def __getattr__(name: str) -> Any:
-    module = _LAZY.get(name)
-    if module is None:
+    target = _LAZY.get(name)
+    if target is None:
         raise AttributeError(f"module 'data_state' has no attribute {name!r}")
-    value = getattr(importlib.import_module(module), name)
+    module, _, attr = target.partition(":")
+    value = getattr(importlib.import_module(module), attr or name)
     globals()[name] = value  # later look-ups skip this function
     return value
 

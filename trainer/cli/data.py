@@ -28,10 +28,15 @@ import time
 import uuid
 from typing import Any
 
-from data_state import storage
-from data_state.corpus import prepare_corpus
-from data_state.dataset import TokenDataset, read_manifest
-from data_state.manifest import DatasetManifest
+from data_state import (
+    DatasetManifest,
+    TokenDataset,
+    join_uri,
+    prepare_corpus,
+    read_manifest,
+    resolve_uri,
+    write_atomic,
+)
 from elastic.storage import (
     DATASET_MARKER,
     RUN_MARKERS,
@@ -149,7 +154,7 @@ def _check_writable(out: str) -> None:
     """Raise `OSError`/`ValueError` unless a file can be created under `out`: write and
     delete a probe there, before minutes of reading sources. A local directory created
     just for the probe is removed again. Buckets are never created."""
-    fs, root = storage.resolve(out)
+    fs, root = resolve_uri(out)
     if fs.isfile(root):
         raise NotADirectoryError(f"{out} is a file, not a directory")
     created: list[str] = []  # local directories the probe makes, deepest first
@@ -157,8 +162,8 @@ def _check_writable(out: str) -> None:
     while fs.is_local and not os.path.exists(path):
         created.append(path)
         path = os.path.dirname(path)
-    probe = storage.join(root, f".baton-probe-{uuid.uuid4().hex[:8]}")
-    storage.write_atomic(fs, probe, b"ok")
+    probe = join_uri(root, f".baton-probe-{uuid.uuid4().hex[:8]}")
+    write_atomic(fs, probe, b"ok")
     fs.remove(probe)
     for directory in created:
         os.rmdir(directory)
@@ -176,7 +181,7 @@ def _out_problem(out: str, sources: list[str]) -> str | None:
                  for s in sources if "://" not in s or s.startswith("file://")]
         problem = output_problem(out, [b for b in bases if b], what="the source")
         return problem or dataset_output_problem(out)
-    fs, root = storage.resolve(out)
+    fs, root = resolve_uri(out)
     parts = root.split("/")
     # From the deepest ancestor up to the bucket: a run directory above `out` (unless `out`
     # is in its data/), a dataset directory strictly above it.
@@ -184,10 +189,10 @@ def _out_problem(out: str, sources: list[str]) -> str | None:
         ancestor = "/".join(parts[:depth])
         below = parts[depth: depth + 1]
         shown = f"{out.split('://', 1)[0]}://{ancestor}"
-        if below and fs.isfile(storage.join(ancestor, DATASET_MARKER)):
+        if below and fs.isfile(join_uri(ancestor, DATASET_MARKER)):
             return (f"{out} is inside the dataset directory {shown}; write the new dataset "
                     "elsewhere, outside every run and dataset directory")
-        if below != ["data"] and any(fs.isfile(storage.join(ancestor, marker))
+        if below != ["data"] and any(fs.isfile(join_uri(ancestor, marker))
                                      for marker in RUN_MARKERS):
             return (f"{out} is inside the run directory {shown}, which holds only what Baton "
                     "writes there (a run's own dataset goes in its data/); write it elsewhere")
@@ -253,7 +258,7 @@ def _prepare(args: argparse.Namespace) -> int:
 
 def _inspect(args: argparse.Namespace) -> int:
     try:
-        fs, root = storage.resolve(args.uri)
+        fs, root = resolve_uri(args.uri)
         if fs.isfile(root):
             return _fail("inspect", f"{args.uri} is a file, not a prepared dataset (pass the "
                                     "directory that holds dataset.json)")

@@ -39,7 +39,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from data_state.numpy_source import numpy_loader
+from data_state import numpy_loader
 from trainer.on_jax.optim import AdamWSettings, counts
 from trainer.train.story import ORIGIN_KEY, StoryRule
 

@@ -43,7 +43,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from data_state.loader import ResumableLoader
+from data_state import ResumableLoader
 from elastic.errors import SnapshotMisfitError
 from elastic.format.records import TENSOR_TAG, Manifest
 from elastic.portable import PortableRun, write_snapshot
@@ -107,8 +107,7 @@ class JaxTrainState:
                ) -> ResumableLoader:
         """The run's data loader over numpy arrays at ``data`` (``dataset``: default the
         recipe's ``data.uri`` train split), ``global_batch`` sequences a step."""
-        from data_state.dataset import TokenDataset
-        from data_state.numpy_source import numpy_loader
+        from data_state import TokenDataset, numpy_loader
 
         source = dataset if dataset is not None else TokenDataset(self.config["data"]["uri"],
                                                                   "train")
@@ -121,7 +120,7 @@ class JaxTrainState:
         """The dataset to check the cursor on, and whether it was opened here (to close)."""
         if self._dataset is not None:
             return self._dataset, False
-        from data_state.dataset import TokenDataset
+        from data_state import TokenDataset
 
         uri = self.config["data"]["uri"]
         try:

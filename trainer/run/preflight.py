@@ -38,7 +38,7 @@ def dataset_fingerprint(uri: str) -> str | None:
     (a missing or bad dataset is reported by its own check, not as a mismatch)."""
     if not uri:
         return None
-    from data_state.dataset import read_manifest
+    from data_state import read_manifest
 
     try:
         return read_manifest(uri).fingerprint("train")
@@ -53,7 +53,7 @@ def check_dataset(cfg: FitConfig) -> None:
     uri = cfg.data.uri
     if not uri:
         return
-    from data_state.dataset import read_manifest
+    from data_state import read_manifest
 
     fix = "prepare one with `baton data prepare --out URI`, or leave data.uri empty for the " \
           "default corpus"
@@ -93,7 +93,7 @@ def with_dataset_vocab(cfg: FitConfig, uri: str) -> FitConfig:
     a dataset that cannot be read (its own check reports that)."""
     if cfg.model.vocab_size or cfg.model_factory is not None or not uri:
         return cfg
-    from data_state.dataset import read_manifest
+    from data_state import read_manifest
 
     try:
         vocab = read_manifest(uri).vocab_size

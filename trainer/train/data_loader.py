@@ -40,7 +40,7 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_leaves
 
-from data_state.share_loader import ShareLoader, StepShare
+from data_state import ShareLoader, StepShare
 from elastic.errors import FatalRunError
 from trainer.train import step_checks
 from trainer.train.parallel import grad_sync, parallelism_of, unwrapped

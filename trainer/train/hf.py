@@ -111,7 +111,7 @@ def dataset_vocab_size(uri: str) -> int | None:
     dataset's own checks report that)."""
     if not uri:
         return None
-    from data_state.dataset import read_manifest
+    from data_state import read_manifest
 
     try:
         return read_manifest(uri).vocab_size
@@ -155,11 +155,10 @@ def byte_tokenizer_json() -> tuple[bytes, str]:
 
 def _write_tokenizer(data_uri: str, out: Path) -> tuple[str, int]:
     """Write the dataset's tokenizer into `out`; returns its name and end-of-document id."""
-    from data_state import storage
-    from data_state.dataset import load_stored_tokenizer, read_manifest
+    from data_state import load_stored_tokenizer, read_manifest, resolve_uri
 
     manifest = read_manifest(data_uri)
-    fs, root = storage.resolve(data_uri)
+    fs, root = resolve_uri(data_uri)
     tokenizer = load_stored_tokenizer(fs, root, manifest)
     if tokenizer.file_bytes is None:  # the byte tokenizer
         file_bytes, eos = byte_tokenizer_json()

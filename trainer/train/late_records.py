@@ -16,8 +16,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any, Protocol
 
-from data_state import ResumableLoader
-from data_state.cursor import DataCursor
+from data_state import DataCursor, ResumableLoader
 
 
 class RecoveringLoop(Protocol):

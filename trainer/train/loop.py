@@ -40,9 +40,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from data_state import Microbatch, ResumableLoader, TokenDataset
-from data_state.cursor import CursorRangeError
-from data_state.manifest import DatasetError
+from data_state import CursorRangeError, DatasetError, Microbatch, ResumableLoader, TokenDataset
 from elastic.coord import CoordinatorClient
 from elastic.errors import FatalRunError
 from sketch_ops import sketch_seed

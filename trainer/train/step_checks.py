@@ -40,7 +40,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from data_state.cursor import share
+from data_state import share
 from elastic import collectives
 from trainer.train.session_setup import UsageError
 

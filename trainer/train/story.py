@@ -37,7 +37,7 @@ from typing import Any
 
 import torch
 
-from data_state.cursor import LAST_EPOCH, DataCursor
+from data_state import LAST_EPOCH, DataCursor
 from elastic.format.records import TENSOR_TAG
 from elastic.state import StateRegistry
 from trainer.train.optim import LrSchedule
