@@ -20,6 +20,10 @@ Public API:
 - `rms_norm(x, weight, eps)`: Llama's RMSNorm keeping only x and one number per row
   (`rms_norm.py`); `fuse_rms_norms(model) -> list[str]` patches every such norm of any model.
 
+What `trainer` uses besides (the sketch plan and its report): `auto_plan`, `selector`,
+`ESTIMATORS`, the cost model (`cost.py`: `device_rates`, `step_time_s`, ...),
+`LaunchCounter`, `saved_bytes` and `gpu_blocks`.
+
 The maths is in docs/design.md §4; `reference.py` is its executable specification, and
 `fused_kernels.py` (a sketched layer's step in 5 launches and its share of the microbatch's
 plans, `plan_cache.py`; no host sync) and `kernels.py` the CUDA (Triton) implementation, chosen
@@ -27,25 +31,35 @@ by `dispatch.py`. `cost.py` and `speed_plan.py` are what
 `include="auto"` decides with beyond memory (`max_quality_cost`).
 """
 
-from .function import sketched_linear
-from .fused import gelu_mlp
-from .layer import SketchedLinear
-from .model import sketch_model
-from .norm_linear import norm_linear
-from .rms_norm import fuse_rms_norms, rms_norm
-from .seeds import sketch_seed
-from .swiglu import swiglu_mlp
-from .swiglu_find import fuse_swiglu_mlps
+from __future__ import annotations
 
-__all__ = [
-    "SketchedLinear",
-    "fuse_rms_norms",
-    "fuse_swiglu_mlps",
-    "gelu_mlp",
-    "norm_linear",
-    "rms_norm",
-    "sketch_model",
-    "sketch_seed",
-    "sketched_linear",
-    "swiglu_mlp",
-]
+from sketch_ops.blocked import gpu_blocks
+from sketch_ops.cost import (
+    FUSED_PLAN_LAUNCHES,
+    FUSED_SKETCH_LAUNCHES,
+    activation_traffic,
+    count_flops,
+    device_rates,
+    sketch_overhead_s,
+    step_time_s,
+    target_rates,
+)
+from sketch_ops.function import ESTIMATORS, sketched_linear
+from sketch_ops.fused import gelu_mlp
+from sketch_ops.launch_count import SKETCH_SCOPES, LaunchCounter
+from sketch_ops.layer import SketchedLinear
+from sketch_ops.memory import saved_bytes
+from sketch_ops.model import auto_plan, sketch_model
+from sketch_ops.norm_linear import norm_linear
+from sketch_ops.policy import selector
+from sketch_ops.rms_norm import fuse_rms_norms, rms_norm
+from sketch_ops.seeds import sketch_seed
+from sketch_ops.swiglu import swiglu_mlp
+from sketch_ops.swiglu_find import fuse_swiglu_mlps
+
+__all__ = ["ESTIMATORS", "FUSED_PLAN_LAUNCHES", "FUSED_SKETCH_LAUNCHES", "LaunchCounter",
+           "SKETCH_SCOPES", "SketchedLinear", "activation_traffic", "auto_plan", "count_flops",
+           "device_rates", "fuse_rms_norms", "fuse_swiglu_mlps", "gelu_mlp", "gpu_blocks",
+           "norm_linear", "rms_norm", "saved_bytes", "selector", "sketch_model",
+           "sketch_overhead_s", "sketch_seed", "sketched_linear", "step_time_s", "swiglu_mlp",
+           "target_rates"]

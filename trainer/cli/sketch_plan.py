@@ -114,7 +114,7 @@ def _rank(cfg: FitConfig, flag: int | None) -> int | None:
 
 def _rates(cfg: FitConfig, target: str | None) -> Any:
     """The rates the step time is predicted with: --target's modelled, else this CPU's."""
-    from sketch_ops.cost import device_rates, target_rates
+    from sketch_ops import device_rates, target_rates
 
     dtype = train_dtype(cfg)
     if target is not None:
@@ -163,7 +163,7 @@ def print_report(report: PlanReport) -> None:
 
 def print_times(report: PlanReport) -> None:
     """Predicted step time and activation bytes of exact, exact recompute and the plan."""
-    from sketch_ops.cost import (
+    from sketch_ops import (
         FUSED_PLAN_LAUNCHES,
         FUSED_SKETCH_LAUNCHES,
         activation_traffic,

@@ -189,7 +189,7 @@ class SketchConfig:
 
     def __post_init__(self) -> None:
         check_types(self, "sketch")
-        from sketch_ops.function import ESTIMATORS
+        from sketch_ops import ESTIMATORS
 
         require(self.rank >= 0, "sketch.rank", "must be >= 0 (0 turns sketching off)")
         require(self.memory_budget_mib >= 0, "sketch.memory_budget_mib", "must be >= 0")

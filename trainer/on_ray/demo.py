@@ -63,8 +63,7 @@ def activation_bytes(cfg: FitConfig) -> tuple[int, int]:
 
     import torch
 
-    from sketch_ops import sketch_seed
-    from sketch_ops.memory import saved_bytes
+    from sketch_ops import saved_bytes, sketch_seed
     from trainer.train.model_build import build_model, next_token_loss
 
     vocab = cfg.model.vocab_size or 256  # 0: the dataset's; the demo's corpus is bytes

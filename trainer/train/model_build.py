@@ -102,7 +102,7 @@ def speed_args(cfg: FitConfig, model: nn.Module, shape: torch.Size) -> dict[str,
     """auto's speed rule (`sketch.max_quality_cost`): the device's rates, modelled (never timed:
     every rank and restart decides alike) for the run's dtype, and random token ids (seeded by
     the run's seed) to measure gradient errors on, all-zero tokens being degenerate there."""
-    from sketch_ops.cost import device_rates
+    from sketch_ops import device_rates
 
     device = next(model.parameters()).device
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(cfg.precision.dtype,

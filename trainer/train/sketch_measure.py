@@ -62,9 +62,7 @@ def plan_and_measure(cfg: FitConfig, batch: torch.Tensor, rank: int | None,
     """Build the recipe's model, measure exact backprop (and exact recompute), apply "auto",
     measure again; `rates` (`sketch_ops.cost.Rates`) predict the step times and are auto's
     speed rule's when the recipe sets `sketch.max_quality_cost`."""
-    from sketch_ops import SketchedLinear, sketch_model, sketch_seed
-    from sketch_ops.model import auto_plan
-    from sketch_ops.policy import selector
+    from sketch_ops import SketchedLinear, auto_plan, selector, sketch_model, sketch_seed
     from trainer.train.model import SKETCH_LAYERS
     from trainer.train.model_build import build_model, loss_function, speed_args
 
@@ -140,10 +138,7 @@ def measure_step(model: nn.Module, step: Any, gpu: torch.dtype | None = None) ->
     fused MLPs walk a GPU's row blocks for data of that dtype, so the launches are a GPU's)."""
     import contextlib
 
-    from sketch_ops.blocked import gpu_blocks
-    from sketch_ops.cost import count_flops
-    from sketch_ops.launch_count import SKETCH_SCOPES, LaunchCounter
-    from sketch_ops.memory import saved_bytes
+    from sketch_ops import SKETCH_SCOPES, LaunchCounter, count_flops, gpu_blocks, saved_bytes
 
     for param in model.parameters():
         param.grad = None  # every step alike: no accumulation into an earlier step's grads
