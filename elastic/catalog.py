@@ -28,13 +28,16 @@ from safetensors.torch import save_file
 
 from elastic.errors import SnapshotIntegrityError
 from elastic.format import (
+    MANIFEST_NAME,
+    Manifest,
     SafetensorsHeader,
     check_headers,
     check_shard_file,
+    itemsize,
     snapshot_label,
+    str_to_dtype,
     verify_blocks,
 )
-from elastic.format.records import MANIFEST_NAME, Manifest, itemsize, str_to_dtype
 from elastic.read.byte_source import ByteSource
 from elastic.read.restore import read_tensors
 from elastic.state.layout import Piece, Target

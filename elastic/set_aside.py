@@ -35,7 +35,7 @@ from typing import Any
 
 from elastic.catalog import verify
 from elastic.coord import read_generation
-from elastic.format.records import parse_shard_name
+from elastic.format import parse_shard_name
 from elastic.lease import LeaseLostError, RunLease
 from elastic.store import SnapshotStore
 

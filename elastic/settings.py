@@ -14,7 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from elastic.format.records import DEFAULT_BLOCK_BYTES, LAYOUTS
+from elastic.format import DEFAULT_BLOCK_BYTES, LAYOUTS
 from elastic.state import DEFAULT_SPLIT_MIN_BYTES
 
 

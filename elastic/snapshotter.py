@@ -42,7 +42,7 @@ from elastic.collectives import broadcast_int, grouped
 from elastic.coord import CoordinatorClient, LocalCoordinator, StoreCoordinator
 from elastic.errors import ReplicasDivergedError
 from elastic.faults import FaultInjector
-from elastic.format.records import FORMAT_VERSION
+from elastic.format import FORMAT_VERSION
 from elastic.read import collector_paused, restore_newest
 from elastic.replicas import agree as agree_replicas
 from elastic.replicas import divergence_message, fingerprints

@@ -34,9 +34,9 @@ import logging
 from collections.abc import Callable
 
 from elastic.errors import describe
-from elastic.format.manifest_check import MAX_MANIFEST_BYTES
-from elastic.format.records import (
+from elastic.format import (
     MANIFEST_NAME,
+    MAX_MANIFEST_BYTES,
     RECEIPT_SUFFIX,
     generation_tag,
     parse_shard_name,

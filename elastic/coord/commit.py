@@ -46,7 +46,7 @@ from elastic.coord.generation import commit_manifest, read_generation, write_gen
 from elastic.coord.receipts import Receipt, manifest_from_receipts
 from elastic.errors import FencedError
 from elastic.faults import FaultInjector
-from elastic.format.records import Manifest
+from elastic.format import Manifest
 from elastic.store import SnapshotStore
 
 log = logging.getLogger("baton.elastic")

@@ -36,7 +36,7 @@ import time
 from collections.abc import Callable
 
 from elastic.errors import describe
-from elastic.format.records import (
+from elastic.format import (
     MAX_GENERATION,
     Manifest,
     short_repr,

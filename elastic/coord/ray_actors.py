@@ -45,7 +45,7 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 from elastic.coord.local_coordinator import LocalCoordinator
 from elastic.coord.protocol import PROTOCOL_METHODS
 from elastic.coord.receipts import Receipt, json_size
-from elastic.format.records import DEFAULT_BLOCK_BYTES
+from elastic.format import DEFAULT_BLOCK_BYTES
 from elastic.store import (
     PutWaiter,
     RamStore,

@@ -39,11 +39,11 @@ from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 from elastic.errors import ManifestError, divergence_message
-from elastic.format.manifest_check import check_manifest
-from elastic.format.records import (
+from elastic.format import (
     ChunkRecord,
     Manifest,
     TensorRecord,
+    check_manifest,
     json_kind,
     shard_filename,
     short_repr,

@@ -24,8 +24,7 @@ from elastic.coord.local_coordinator import LocalCoordinator
 from elastic.coord.membership import off_view
 from elastic.coord.receipts import Receipt, json_size
 from elastic.faults import FaultInjector
-from elastic.format.manifest_check import MAX_MANIFEST_BYTES
-from elastic.format.records import RECEIPT_SUFFIX, shard_filename
+from elastic.format import MAX_MANIFEST_BYTES, RECEIPT_SUFFIX, shard_filename
 from elastic.store import SnapshotStore
 
 

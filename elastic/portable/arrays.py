@@ -25,7 +25,7 @@ from typing import Any
 import numpy as np
 
 from elastic.errors import ManifestError
-from elastic.format.records import ITEMS_TAG, TENSOR_TAG, TUPLE_TAG
+from elastic.format import ITEMS_TAG, TENSOR_TAG, TUPLE_TAG
 
 # Explicit little-endian: safetensors stores every element little-endian.
 _NUMPY: dict[str, str] = {"F64": "<f8", "F32": "<f4", "F16": "<f2", "I64": "<i8", "I32": "<i4",

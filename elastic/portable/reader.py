@@ -40,15 +40,17 @@ from typing import Any
 import numpy as np
 
 from elastic.errors import SnapshotIntegrityError
-from elastic.format.chunk_checks import (
+from elastic.format import (
+    ChunkRecord,
+    Manifest,
+    SafetensorsHeader,
     check_headers,
     check_shard_file,
+    check_state_shapes,
+    finite_check,
     snapshot_label,
     verify_blocks,
 )
-from elastic.format.finite import finite_check
-from elastic.format.records import ChunkRecord, Manifest, SafetensorsHeader
-from elastic.format.state_shapes import check_state_shapes
 from elastic.portable.arrays import decode_state, numpy_dtype
 from elastic.store import SnapshotStore
 

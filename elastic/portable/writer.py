@@ -45,7 +45,7 @@ from elastic.coord import (
     write_generation,
 )
 from elastic.errors import FencedError
-from elastic.format.records import (
+from elastic.format import (
     DEFAULT_BLOCK_BYTES,
     FORMAT_VERSION,
     ChunkRecord,

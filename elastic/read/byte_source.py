@@ -30,8 +30,7 @@ from typing import Any
 
 import torch
 
-from elastic.format.chunk_checks import check_shard_file, snapshot_label
-from elastic.format.records import SafetensorsHeader
+from elastic.format import SafetensorsHeader, check_shard_file, snapshot_label
 from elastic.storage import SnapshotIntegrityError
 from elastic.store import SnapshotStore
 

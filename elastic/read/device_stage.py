@@ -36,7 +36,7 @@ from typing import Protocol
 
 import torch
 
-from elastic.format.records import Manifest
+from elastic.format import Manifest
 from elastic.read.byte_source import ByteSource
 from elastic.read.read_batches import (
     VERIFY_THREADS,

@@ -39,8 +39,7 @@ import torch
 from elastic import collectives
 from elastic.collectives import agree_max, all_gather_ints, group_device
 from elastic.errors import RestoreMemoryError, SnapshotIntegrityError, StorageUnavailableError
-from elastic.format.chunk_checks import check_headers, snapshot_label
-from elastic.format.records import ChunkRecord, Manifest
+from elastic.format import ChunkRecord, Manifest, check_headers, snapshot_label
 from elastic.read.byte_source import ByteSource
 from elastic.read.device_stage import read_to
 from elastic.read.read_batches import (

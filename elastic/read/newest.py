@@ -44,8 +44,7 @@ from elastic.errors import (
     SnapshotMisfitError,
     StorageUnavailableError,
 )
-from elastic.format.manifest_check import parse_manifest
-from elastic.format.records import Manifest
+from elastic.format import Manifest, parse_manifest
 from elastic.read.byte_source import ByteSource, ReadMany
 from elastic.read.group_read import group_read_tensors
 from elastic.read.restore import (

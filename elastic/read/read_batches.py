@@ -34,9 +34,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from elastic.format.chunk_checks import verify_blocks
-from elastic.format.finite import finite_check
-from elastic.format.records import ChunkRecord, Manifest
+from elastic.format import ChunkRecord, Manifest, finite_check, verify_blocks
 from elastic.read.byte_source import ByteSource
 from elastic.state import Target
 

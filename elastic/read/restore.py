@@ -46,12 +46,12 @@ from elastic.errors import (
     RestoreMemoryError,
     SnapshotMisfitError,
 )
-from elastic.format.chunk_checks import check_headers
-from elastic.format.chunk_checks import snapshot_label as _snap
-from elastic.format.records import (
+from elastic.format import (
     Manifest,
+    check_headers,
     str_to_dtype,
 )
+from elastic.format import snapshot_label as _snap
 from elastic.read.byte_source import ByteSource
 from elastic.read.device_stage import read_to
 from elastic.read.prefault import prefault

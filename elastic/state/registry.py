@@ -40,7 +40,7 @@ import torch
 from torch import nn
 
 from elastic.errors import ManifestError, SnapshotMisfitError
-from elastic.format.records import ITEMS_TAG, TENSOR_TAG, TUPLE_TAG, short_repr
+from elastic.format import ITEMS_TAG, TENSOR_TAG, TUPLE_TAG, short_repr
 from elastic.state.module_state import ModelState, OptimizerState
 from elastic.state.skeleton_check import SkeletonCheck
 

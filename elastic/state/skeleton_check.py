@@ -12,8 +12,14 @@ from collections.abc import Mapping
 from typing import Any, NoReturn
 
 from elastic.errors import SnapshotMisfitError
-from elastic.format.records import ITEMS_TAG, TENSOR_TAG, TUPLE_TAG, json_kind, short_repr
-from elastic.format.state_shapes import check_state_shapes
+from elastic.format import (
+    ITEMS_TAG,
+    TENSOR_TAG,
+    TUPLE_TAG,
+    check_state_shapes,
+    json_kind,
+    short_repr,
+)
 
 
 class SkeletonCheck:

@@ -40,8 +40,14 @@ from collections.abc import Callable
 from typing import Any
 
 from elastic.errors import ManifestError, StorageUnavailableError
-from elastic.format.manifest_check import MAX_MANIFEST_BYTES, parse_manifest
-from elastic.format.records import MANIFEST_NAME, Manifest, is_shard_name, step_dirname
+from elastic.format import (
+    MANIFEST_NAME,
+    MAX_MANIFEST_BYTES,
+    Manifest,
+    is_shard_name,
+    parse_manifest,
+    step_dirname,
+)
 from elastic.storage import (
     SPARE_DIR,
     RefusedEntryError,

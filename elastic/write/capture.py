@@ -36,7 +36,7 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from elastic.faults import FaultInjector
-from elastic.format.records import (
+from elastic.format import (
     ChunkRecord,
     HeaderEntry,
     build_header,

@@ -42,7 +42,7 @@ from typing import Any
 from elastic.coord import CoordinatorClient, Receipt, TensorSpec
 from elastic.errors import describe
 from elastic.faults import FaultInjector
-from elastic.format.records import ChunkRecord, shard_filename
+from elastic.format import ChunkRecord, shard_filename
 from elastic.store import RamTier, SnapshotStore
 from elastic.write.capture import Captured
 

@@ -45,7 +45,7 @@ import optax
 
 from data_state import ResumableLoader
 from elastic.errors import SnapshotMisfitError
-from elastic.format.records import TENSOR_TAG, Manifest
+from elastic.format import TENSOR_TAG, Manifest
 from elastic.portable import PortableRun, write_snapshot
 from trainer.on_jax.layout_map import LayoutMap
 from trainer.on_jax.load_checks import (

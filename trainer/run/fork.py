@@ -330,7 +330,7 @@ def make_fork(plan: ForkPlan, cfg: FitConfig) -> ForkResult:
 
 
 def _run_info(versions: dict[str, str]) -> dict[str, Any]:
-    from elastic.format.records import FORMAT_VERSION
+    from elastic.format import FORMAT_VERSION
 
     return {"format_version": FORMAT_VERSION, **versions}
 

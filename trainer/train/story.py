@@ -38,7 +38,7 @@ from typing import Any
 import torch
 
 from data_state import LAST_EPOCH, DataCursor
-from elastic.format.records import TENSOR_TAG
+from elastic.format import TENSOR_TAG
 from elastic.state import StateRegistry
 from trainer.train.optim import LrSchedule
 
