@@ -38,10 +38,9 @@ from elastic.format import (
     str_to_dtype,
     verify_blocks,
 )
-from elastic.read.byte_source import ByteSource
-from elastic.read.restore import read_tensors
-from elastic.state.layout import Piece, Target
-from elastic.store.snapshot_store import SnapshotStore
+from elastic.read import ByteSource, read_tensors
+from elastic.state import Piece, Target
+from elastic.store import SnapshotStore
 
 
 def snapshot_rows(store: SnapshotStore) -> list[dict[str, Any]]:

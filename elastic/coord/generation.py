@@ -41,7 +41,7 @@ from elastic.format import (
     Manifest,
     short_repr,
 )
-from elastic.lease.run_lease import lease_holds
+from elastic.lease import lease_holds
 from elastic.storage import is_int64
 from elastic.store import SnapshotStore
 

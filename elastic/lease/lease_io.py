@@ -39,7 +39,7 @@ from collections.abc import Iterator
 from typing import Any, Protocol
 
 from elastic.storage import RefusedEntryError
-from elastic.store.snapshot_store import SnapshotStore
+from elastic.store import SnapshotStore
 
 LEASE_NAME = "lease.json"
 _LOCK_NAME = ".lease.lock"

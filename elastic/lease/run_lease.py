@@ -46,7 +46,7 @@ from typing import Any
 
 from elastic.lease.lease_io import LEASE_NAME, LeaseConflict, lease_backend
 from elastic.storage import finite_number, is_int64, loads_json
-from elastic.store.snapshot_store import SnapshotStore
+from elastic.store import SnapshotStore
 
 _ATTEMPTS = 5  # read-then-conditional-write rounds before giving up on a contended lease
 RENEW_MARGIN_S = 5.0  # a renew's storage calls end this long before the lease would expire

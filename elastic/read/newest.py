@@ -37,7 +37,7 @@ from typing import Any, Generic, TypeVar
 import torch
 
 from elastic.collectives import agree_max
-from elastic.coord.protocol import CoordinatorClient
+from elastic.coord import CoordinatorClient
 from elastic.errors import (
     RestoreMemoryError,
     SnapshotIntegrityError,
@@ -55,10 +55,8 @@ from elastic.read.restore import (
     read_tensors,
 )
 from elastic.read.verdict import Verdict
-from elastic.state.layout import Target
-from elastic.state.registry import StateRegistry
-from elastic.store.ram_store import RamTier
-from elastic.store.snapshot_store import SnapshotStore
+from elastic.state import StateRegistry, Target
+from elastic.store import RamTier, SnapshotStore
 
 log = logging.getLogger("baton.elastic")
 T = TypeVar("T")

@@ -176,7 +176,7 @@ def _cmd_fit(args: argparse.Namespace) -> int:
         console.print(f"[red]error:[/red] {escape(one_line(err))}")
         return 2
     from elastic.lease import LeaseHeldError, LeaseLostError, held_lease
-    from elastic.store.snapshot_store import SnapshotStore
+    from elastic.store import SnapshotStore
 
     # One driver per run directory: take the lease before Ray starts (and before importing
     # it), so a second driver fails in a second instead of after a cluster start-up.

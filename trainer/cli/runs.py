@@ -126,7 +126,7 @@ def _last_loss(run_uri: str) -> float | None:
 
 def _lease(run: SnapshotStore, now: float) -> str:
     """"live", "dead" (left behind by a driver that is gone or stopped renewing) or "none"."""
-    from elastic.lease.run_lease import RunLease, holder_is_dead
+    from elastic.lease import RunLease, holder_is_dead
 
     try:
         record = RunLease(run).read()

@@ -38,7 +38,7 @@ from collections.abc import Callable
 from safetensors import SafetensorError
 
 from elastic.catalog import describe, export_model, resolve_step, snapshot_rows, verify
-from elastic.lease.run_lease import LeaseHeldError, LeaseLostError
+from elastic.lease import LeaseHeldError, LeaseLostError
 from elastic.snapshot_ref import split_snapshot_dir
 from elastic.storage import (
     directory_output_problem,

@@ -41,7 +41,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from elastic.portable import Snapshot
-from trainer.config.training import OptimConfig
+from trainer.config import OptimConfig
 from trainer.on_jax.optim import AdamWSettings
 from trainer.train.optim import lr_at
 from trainer.train.story import ORIGIN_KEY

@@ -41,10 +41,10 @@ from dataclasses import dataclass
 from typing import Any
 
 from elastic.catalog import copy_shard
-from elastic.coord.generation import GENERATION_NAME
+from elastic.coord import GENERATION_NAME
 from elastic.format import Manifest
 from elastic.snapshot_ref import split_snapshot_dir
-from elastic.store.snapshot_store import SnapshotStore
+from elastic.store import SnapshotStore
 from trainer.config import FitConfig
 from trainer.run.preflight import dataset_fingerprint, with_dataset_vocab
 from trainer.run.run_dir import clear_interrupted_fork, held_run_parts, interrupted_fork

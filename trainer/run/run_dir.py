@@ -24,7 +24,7 @@ import logging
 import uuid
 
 from elastic.coord import GENERATION_NAME
-from elastic.store.snapshot_store import SnapshotStore
+from elastic.store import SnapshotStore
 from trainer.config import FitConfig
 from trainer.run.preflight import (
     check_dataset,
