@@ -20,9 +20,8 @@ Public API:
 - `rms_norm(x, weight, eps)`: Llama's RMSNorm keeping only x and one number per row
   (`rms_norm.py`); `fuse_rms_norms(model) -> list[str]` patches every such norm of any model.
 
-What `trainer` uses besides (the sketch plan and its report): `auto_plan`, `selector`,
-`ESTIMATORS`, the cost model (`cost.py`: `device_rates`, `step_time_s`, ...),
-`LaunchCounter`, `saved_bytes` and `gpu_blocks`.
+What `trainer` uses besides: `auto_plan`, `selector`, `ESTIMATORS`, `LaunchCounter`,
+`saved_bytes`, `gpu_blocks` and the cost model (`cost.py`: `device_rates`, `step_time_s`, ...).
 
 The maths is in docs/design.md §4; `reference.py` is its executable specification, and
 `fused_kernels.py` (a sketched layer's step in 5 launches and its share of the microbatch's
