@@ -1,18 +1,17 @@
 """What every benchmark does the same way: one way of timing, alternating, reading memory,
-writing results and starting fresh processes.
+writing results, reading its command line and starting fresh processes.
 
 Contract:
-- Paths: `ROOT` (the repository), `RESULTS` (`benchmarks/results/`, not kept in git).
+- Paths and files: `ROOT` (the repository), `RESULTS` (`benchmarks/results/`, not kept in git),
+  `write_json(path, obj)` (creates the folder), `read_json(path)` ({} if absent).
 - Timing: `timed(fn)` is one call's wall seconds; `spread(values)` and `ratios(num, den)` give
   median, min and max (of values; of per-round ratios num[i] / den[i], both sides measured in
   the same round); `mean_std` over seeds, `versus` a difference of means against the noise.
-- Alternation, so that no side always runs first or after the same other side:
-  `alternating(seq, r)` reverses every other round, `rotated(seq, r)` starts round r at its
-  r-th item, `in_every_order(fns, r)` runs round r in the r-th of all n! orders.
-- Memory (Linux): `status_bytes("VmRSS" | "VmHWM")` reads /proc/self/status, `reset_peak_rss()`
-  resets VmHWM to the current resident set, `malloc_env(...)` is the glibc setting under which
-  the resident set follows live memory.
-- Results: `write_json(path, obj)` creates the folder; `read_json(path)` is {} if absent.
+- Alternation, so no side always runs first or after the same other: `alternating(seq, r)` (ABBA),
+  `rotated(seq, r)` (round r starts at item r), `in_every_order(fns, r)` (the r-th of n! orders).
+- Memory (Linux): `status_bytes("VmRSS" | "VmHWM")`, `reset_peak_rss()` (VmHWM to the resident
+  set now), `malloc_env(...)`: the glibc setting under which the resident set follows live memory.
+- Command line: `arg_parser(__doc__, __spec__)`, whose usage line names `python -m <script>`.
 - Fresh processes: `start_worker("sketch_memory.worker", ...)` runs `python -m
   benchmarks.sketch_memory.worker ...` from the repository root; `worker_result` is the JSON of
   its last stdout line; `worker_main(handlers)` is the worker's side (`MODE JSON`).
@@ -25,6 +24,7 @@ workers import the benchmark that imports this module again and must not pay for
 
 from __future__ import annotations
 
+import argparse
 import fcntl
 import itertools
 import json
@@ -37,6 +37,7 @@ import sys
 import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
+from importlib.machinery import ModuleSpec
 from pathlib import Path
 from typing import IO, Any, TypeVar
 
@@ -124,9 +125,8 @@ def reset_peak_rss() -> None:
         with open("/proc/self/clear_refs", "w") as refs:
             refs.write("5")
     except OSError as err:
-        raise RuntimeError(
-            "cannot reset the peak RSS (/proc/self/clear_refs, Linux >= 4.0)"
-        ) from err
+        raise RuntimeError("cannot reset the peak RSS (/proc/self/clear_refs, "
+                           "Linux >= 4.0)") from err
 
 
 def malloc_env(mmap_threshold: int, *, trim: bool = False) -> dict[str, str]:
@@ -135,13 +135,11 @@ def malloc_env(mmap_threshold: int, *, trim: bool = False) -> dict[str, str]:
     `trim`, freed heap is given back at once). Otherwise a freed block may stay in the heap
     and the resident set measures the allocator's history. It makes each large allocation
     fault in fresh pages, so only memory measurements run under it, never timings."""
-    env = {"MALLOC_MMAP_THRESHOLD_": str(mmap_threshold)}
-    if trim:
-        env["MALLOC_TRIM_THRESHOLD_"] = "0"
-    return env
+    trim_env = {"MALLOC_TRIM_THRESHOLD_": "0"} if trim else {}
+    return {"MALLOC_MMAP_THRESHOLD_": str(mmap_threshold), **trim_env}
 
 
-# --------------------------------------------------------------------------- result files
+# --------------------------------------------------------------------------- results, arguments
 
 
 def write_json(path: Path | str, obj: Any, indent: int = 1) -> Path:
@@ -160,6 +158,11 @@ def read_json(path: Path | str) -> Any:
 
 def utc_now() -> str:
     return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+
+
+def arg_parser(doc: str | None, spec: ModuleSpec | None) -> argparse.ArgumentParser:
+    prog = f"python -m {spec.name}" if spec else None  # None: run as a file, its name
+    return argparse.ArgumentParser(prog=prog, description=(doc or "").split("\n\n")[0])
 
 
 # --------------------------------------------------------------------------- fresh processes
@@ -248,11 +251,9 @@ def moto_s3(bucket: str | None = None, *, own_process: bool = False) -> Iterator
         yield url
     finally:
         stop()
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
+        os.environ.update({k: v for k, v in saved.items() if v is not None})
+        for k in [k for k, v in saved.items() if v is None]:
+            os.environ.pop(k, None)
 
 
 def _start_moto(port: int, own_process: bool) -> Callable[[], object]:
@@ -288,7 +289,6 @@ class CpuLock:
     such benchmarks on one machine take turns instead of slowing each other down."""
 
     _file: IO[str]
-
     def __enter__(self) -> CpuLock:
         self._file = open(CPU_LOCK, "w")  # noqa: SIM115 - released in __exit__
         fcntl.flock(self._file, fcntl.LOCK_EX)

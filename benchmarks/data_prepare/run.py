@@ -27,13 +27,11 @@ The machine is small and shared: absolute numbers move between runs, ratios much
 
     python -m benchmarks.data_prepare.run            # writes benchmarks/results/data_prepare.json
     python -m benchmarks.data_prepare.run --quick    # smaller text, fewer rounds (smoke run)
-    python -m benchmarks.data_prepare.run --scaling-only   # only the scaling part, merged into
-                                                       # the JSON file's "scaling" entry
+    python -m benchmarks.data_prepare.run --scaling-only   # only scaling, merged into "scaling"
 """
 
 from __future__ import annotations
 
-import argparse
 import os
 import platform
 import tempfile
@@ -44,7 +42,7 @@ from typing import Any
 # Not `from data_state import TokenDataset` here: that loads torch, and the spawned workers of
 # `workers=2` import this module again, so each would pay a torch import inside the timed runs.
 # `benchmarks.common` imports only the standard library.
-from benchmarks.common import RESULTS, moto_s3, read_json, spread, write_json
+from benchmarks.common import RESULTS, arg_parser, moto_s3, read_json, spread, write_json
 from benchmarks.data_prepare.scaling import SEQ_LEN, print_scaling, worker_scaling
 from data_state.corpus import default_corpus_files, prepare_corpus
 from data_state.discover import cap
@@ -157,7 +155,7 @@ def measure_loader(paths: list[str], tokenizer_file: str, tmp: str,
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = arg_parser(__doc__, __spec__)
     parser.add_argument("--quick", action="store_true", help="smaller text, fewer rounds")
     parser.add_argument("--max-bytes", type=int, default=None, help="text to tokenize")
     parser.add_argument("--rounds", type=int, default=None)

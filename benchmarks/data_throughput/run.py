@@ -22,7 +22,6 @@ and shared: absolute numbers vary by tens of percent between runs, ratios much l
 
 from __future__ import annotations
 
-import argparse
 import os
 import platform
 import tempfile
@@ -32,7 +31,7 @@ from typing import Any
 
 import torch
 
-from benchmarks.common import RESULTS, moto_s3, write_json
+from benchmarks.common import RESULTS, arg_parser, moto_s3, write_json
 from benchmarks.common_training import training_tokens_per_s
 from data_state import ResumableLoader, TokenDataset, prepare_corpus
 from trainer.config import ModelConfig
@@ -127,7 +126,7 @@ def measure(tmp: str, train_steps: int, loader_steps: int) -> dict[str, Any]:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = arg_parser(__doc__, __spec__)
     parser.add_argument("--quick", action="store_true", help="fewer steps (smoke run)")
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT)
     args = parser.parse_args()

@@ -9,11 +9,10 @@ Three parts (`--parts`, default all), each printing its targets as ratios:
    Baton, `torch.save`/`torch.load` and DCP `async_save` (pinned stager) / `save` / `load`.
    Targets: stall ≤ DCP async_save's (until its staging is done), persist ≥ 0.8× the
    throughput of `torch.save` + fsync (time ≤ 1.25×), restore ≤ 1.0× `torch.load` +
-   `load_state_dict`; host peak RSS per side. With `--large` (a separate run: ~5 min more)
-   the same again for `--config-large` (default `benchmarks/gpu_scale/llama_3b.json`: d 3072, 28
-   layers, 3.0B parameters, 36 GB), one round, where the GPU has at least 3.5× and the disk
-   and host RAM at least 3.2× that state free (a 139 GB H200 with a large disk; otherwise
-   it says why not).
+   `load_state_dict`; host peak RSS per side. `--large` (a separate run, ~5 min more): the same
+   for `--config-large` (default `benchmarks/gpu_scale/llama_3b.json`: d 3072, 28 layers, 3.0B
+   parameters, 36 GB), one round, where the GPU has at least 3.5× and the disk and host RAM at
+   least 3.2× that state free (a 139 GB H200 with a large disk; otherwise it says why not).
 2. `basis` (`basis.py`): the built-in GPT at d 2048 (4 blocks) and 4096 (2 blocks),
    2 × 4096-token sequences, bf16 autocast: step time, peak memory and saved activation
    bytes of exact, exact with the MLP recomputed, block checkpointing and BASIS's default
@@ -22,12 +21,6 @@ Three parts (`--parts`, default all), each printing its targets as ratios:
 3. `quality`: exact against the default on the embedded corpus (Python's standard library,
    bytes), 64 × 256 = 16 384 tokens per microbatch, 3 seeds; target: the default's mean
    final validation loss within 2 % of exact's.
-
-Expected time on one H100 (≤ 8 minutes in all, `gpu_check.sh --only gpu_scale` gives it 480
-s): building the 1.1B model ~20 s, snapshot part ~3–4 min at 1–2 GB/s of disk (each round
-writes the state four times; rounds stop early within `--snapshot-budget-s`), basis ~1 min
-(Triton's compilation included), quality ~1.5 min (300 steps × 6 runs), plus preparing the
-corpus once (~20 s).
 
     python -m benchmarks.gpu_scale.run --out benchmarks/results/gpu_scale.json      # a GPU
     python -m benchmarks.gpu_scale.run --parts snapshot --large --out /tmp/gpu_scale_3b.json
@@ -51,7 +44,7 @@ from typing import Any
 
 import torch
 
-from benchmarks.common import ROOT, ratios, utc_now, write_json
+from benchmarks.common import ROOT, arg_parser, ratios, utc_now, write_json
 from benchmarks.common_training import QUALITY_CORPUS, QUALITY_SEQ, ensure_quality_corpus
 from benchmarks.gpu_scale.basis import measure_quality, measure_steps
 from benchmarks.gpu_scale.snapshot import measure_snapshots
@@ -177,7 +170,7 @@ def run_quality(args: argparse.Namespace, device: torch.device, workdir: str
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = arg_parser(__doc__, __spec__)
     parser.add_argument("--parts", default="snapshot,basis,quality")
     parser.add_argument("--config", type=Path, default=LLAMA_1B)
     parser.add_argument("--large", action="store_true",

@@ -20,7 +20,6 @@ step 15, and the wall time of the JAX load, 5 JAX steps (jit included) and the s
 
 from __future__ import annotations
 
-import argparse
 import tempfile
 import time
 from pathlib import Path
@@ -28,7 +27,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from benchmarks.common import ROOT
+from benchmarks.common import ROOT, arg_parser
 from data_state import prepare_corpus
 from elastic.portable import PortableRun
 from trainer.config import load_recipe
@@ -61,7 +60,7 @@ def relative(ref: dict[str, np.ndarray], got: dict[str, np.ndarray], pick: str) 
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = arg_parser(__doc__, __spec__)
     parser.add_argument("--workdir", default=None, help="where runs go (default: a temp dir)")
     args = parser.parse_args()
     torch.set_num_threads(1)

@@ -1,35 +1,30 @@
 """Recovery after a node loss: Baton against Ray Train's standard checkpoint recipe (issue 5).
 
-One run of this script, on a local multi-node Ray cluster (`trainer.on_ray.local_cluster`: a head
-with no CPUs and 2 worker nodes of 1 logical CPU), trains the same model, data order,
-optimizer and schedule with both tools on 2 workers (`num_workers=(1, 2)`), kills a worker
-node ungracefully once step LOSE_AT is reached, and lets each run finish on 1 worker (no node
-comes back). Per tool it measures, from time-stamped per-step records:
-
-- recovery_s: from `remove_worker()` to the first step completed after the restart
-  (split into restart_s, until the new worker group has restored its state, and the rest);
+One run, on a local multi-node Ray cluster (`trainer.on_ray.local_cluster`: a head with no CPUs and
+2 worker nodes of 1 logical CPU), trains the same model, data order, optimizer and schedule with
+both tools on 2 workers (`num_workers=(1, 2)`), kills a worker node ungracefully once step LOSE_AT
+is reached, and lets each run finish on 1 worker (no node comes back). Per tool, from
+time-stamped per-step records:
+- recovery_s: from `remove_worker()` to the first step completed after the restart (split into
+  restart_s, until the new worker group has restored its state, and the rest);
 - steps_redone: last step reached before the loss minus the step restored;
-- warm: whether the optimizer resumed with its moments (Baton: the AdamW step counters of
-  the final snapshot equal the total steps; standard: the restored AdamW step counter
-  equals the restored step) and the learning rate at the first step after the restart;
+- warm: whether AdamW resumed with its moments (Baton: the final snapshot's step counters equal the
+  total steps; standard: the restored counter equals the restored step), and the LR after restart;
 - the loss curve around the failure (PNG).
 
-The standard recipe (`benchmarks/recovery/standard.py`) is what a typical Ray Train user
-writes: `prepare_model` (DDP), every k = snapshot_every steps rank 0 `torch.save`s {model,
-optimizer, step} and reports it as a checkpoint; on start it restores those three. It does NOT
-save the LR schedule nor the data position, as most user loops do not. Its "model only" variant
-(`standard-model`) saves just the model: after a restart AdamW starts cold, which shows as a
-bump in the loss curve. For a like-for-like step, they use Baton's model builder (BASIS layers
-and their per-microbatch seeds), optimizer, schedule function and loader order; only what is
-saved and restored differs.
+The standard recipe (`benchmarks/recovery/standard.py`) is what a typical Ray Train user writes:
+`prepare_model` (DDP), rank 0 `torch.save`s {model, optimizer, step} as a checkpoint every k =
+snapshot_every steps and restores them on start, without the LR schedule or the data position. Its
+`standard-model` variant saves just the model (AdamW restarts cold). Both use Baton's model builder,
+optimizer, schedule and loader order: only what is saved and restored differs.
 
-Ray's failure detection dominates recovery, so two settings are measured, each tool in each in
-its own process (`benchmarks/recovery/worker.py`: fresh cluster and environment): "fast"
+Ray's failure detection dominates recovery, so two settings are measured, each (setting, tool) in a
+fresh process, cluster and environment (`benchmarks/recovery/worker.py`): "fast"
 (`LocalCluster(fast_failure_detection=True)`, Baton's default: GCS health checks 1 s x 3,
-worker-group start timeout 15 s) and "ray-defaults" (Ray's own). The table reports each tool
-with its own defaults (Baton fast, standard on Ray defaults) and under identical settings (all
-fast; the model-only variant runs only there). Baton runs on `trainer.fit` as a user gets it
-(its `LiveNodesElasticPolicy` included); the standard recipes on a plain `TorchTrainer`.
+worker-group start timeout 15 s) and "ray-defaults" (Ray's own; Baton there only with
+`--baton-ray-defaults`). The table gives each tool on its own defaults and both under identical
+settings (the model-only variant runs only there). Baton runs on `trainer.fit` as a user gets it,
+the standard recipes on a plain `TorchTrainer`.
 
     python -m benchmarks.recovery.run           # writes benchmarks/results/recovery.{json,png}
     python -m benchmarks.recovery.run --quick   # fewer steps (a few minutes)
@@ -37,7 +32,6 @@ fast; the model-only variant runs only there). Baton runs on `trainer.fit` as a 
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import json
 import tempfile
@@ -45,7 +39,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from benchmarks.common import RESULTS, start_worker, write_json
+from benchmarks.common import RESULTS, arg_parser, start_worker, write_json
 from benchmarks.recovery.worker import PLANS, RECIPE, Plan
 
 
@@ -152,7 +146,7 @@ def plot(results: dict[str, Any], plan: Plan, path: Path) -> None:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser = arg_parser(__doc__, __spec__)
     parser.add_argument("--quick", action="store_true", help="fewer steps (smoke run)")
     parser.add_argument("--baton-ray-defaults", action="store_true",
                         help="also run Baton under Ray's default failure detection")

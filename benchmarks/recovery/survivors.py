@@ -27,7 +27,6 @@ tensors). The table prints medians [min, max] over the rounds and the targets of
 
 from __future__ import annotations
 
-import argparse
 import json
 import shutil
 import statistics
@@ -35,7 +34,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from benchmarks.common import RESULTS, spread, start_worker, write_json
+from benchmarks.common import RESULTS, arg_parser, spread, start_worker, write_json
 
 MODES = ("in-process", "restart", "torchft")
 PACE_S = 0.15
@@ -179,7 +178,7 @@ def recompute() -> int:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser = arg_parser(__doc__, __spec__)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--recompute", action="store_true",
                         help="recompute the figures from the kept logs of the last run")

@@ -21,7 +21,6 @@ batch 8, fp32), in one process:
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import json
 import re
@@ -36,7 +35,7 @@ import torch
 import sketch_ops.blocked as blocked
 import sketch_ops.function as function
 import sketch_ops.seeds as seeds
-from benchmarks.common import ratios, write_json
+from benchmarks.common import arg_parser, ratios, write_json
 from benchmarks.common_training import Trainee
 
 
@@ -255,7 +254,7 @@ def profiles(runners: list[Timed], dev: torch.device) -> dict[str, Any]:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser()
+    parser = arg_parser(__doc__, __spec__)
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--rounds", type=int, default=6)
     parser.add_argument("--device", default="cuda")

@@ -38,6 +38,7 @@ from typing import Any
 
 import torch
 
+from benchmarks.common import arg_parser
 from sketch_ops import sketch_model, sketch_seed
 from sketch_ops.launch_count import LaunchCounter
 from trainer.config import ModelConfig
@@ -139,7 +140,7 @@ def measure(args: argparse.Namespace, d_model: int) -> list[dict[str, Any]]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = arg_parser(__doc__, __spec__)
     parser.add_argument("--d-models", type=int, nargs="+", default=[1024, 2048])
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--seq", type=int, default=1024)

@@ -1,45 +1,28 @@
 """BASIS on a Hugging Face Llama: activation memory, step time and validation loss (issue 16).
 
-The model is `transformers`' `LlamaForCausalLM` built from recipes/llama-tiny/config.json
-scaled to d_model 256, 4 layers, 4 query / 2 key-value heads (head_dim 64), intermediate
-688 (Llama's 8/3·d, rounded to a multiple of 16), random init, fp32, with the vocabulary of
-the prepared corpus (the byte-level embedded corpus `benchmarks/sketch_quality/run.py` trains on,
-`common_training.ensure_quality_corpus`: 12 MB of Python's standard library, sequences of 256
-predicted tokens). Its loss is the model's own causal-LM loss (`trainer.train.hf.causal_lm_loss`).
+The model: `transformers`' `LlamaForCausalLM` from recipes/llama-tiny/config.json scaled to d_model
+256, 4 layers, 4 query / 2 key-value heads (head_dim 64), intermediate 688 (Llama's 8/3·d rounded to
+a multiple of 16), random init, fp32, on the byte-level corpus `benchmarks/sketch_quality/run.py`
+trains on (`common_training.ensure_quality_corpus`), with its own causal-LM loss
+(`trainer.train.hf.causal_lm_loss`).
 
 Variants (`VARIANTS` in `benchmarks/sketch_llama/variants.py`), BASIS ones at R = n/16: exact
-backprop (the model as `transformers` builds it); exact with the SwiGLU MLP recomputed and the
-RMSNorms fused (exact gradients: the selective-recompute baseline at BASIS's memory);
-`include="auto"` (fusions, then the probe's choice, with its defaults: `min_saving`, and the
-fused MLP keeping gate's output); the same with the fused MLP keeping only its input
-(`keep_gate=False`); the fusions with only the down-projections sketched, chosen by name (what
-"auto" should pick here); "auto" with `min_saving=0` (q/k/v and the LM head sketched too);
-down_proj only without fusions; every `nn.Linear` without fusions (the old default).
-Trained: exact, auto, auto with min_saving=0; the others are probed only (memory, time).
-Variants whose library pieces are missing (the fusions, the auto probe) are skipped with a
-note.
+backprop; exact with the SwiGLU MLP recomputed and the RMSNorms fused (the selective-recompute
+baseline at BASIS's memory); `include="auto"` with its defaults, with `keep_gate=False` and with
+`min_saving=0`; the fusions with only the down-projections sketched, chosen by name; down_proj only
+without fusions; every `nn.Linear` without fusions (the old default). Trained: exact, auto, auto
+with min_saving=0; the rest probed only; a variant missing library pieces is skipped with a note.
 
-Measured the same way as `benchmarks/sketch_memory/run.py` and `benchmarks/sketch_quality/run.py`
-(with the pieces they share, `benchmarks/common_training.py`), in fresh processes
-(`benchmarks/sketch_llama/worker.py`):
-- memory, one microbatch of 16 × 256 = 4 096 predicted tokens (n = 4 112 rows with the
-  last position, R = n/16 = 257), each variant in a fresh single-thread process with glibc
-  returning freed memory at once: bytes autograd saves for backward
-  (`sketch_ops.memory.saved_bytes`, parameters excluded) and the step's peak resident set
-  (VmHWM after resetting it) above the resting process, both as ratios to exact backprop;
-- step time: every variant built in one single-thread process, one step of each per round in
-  rotating order, CPU time of the compute thread; the ratio to exact in the same round, median
-  and range over the rounds;
-- quality: equal steps, 3 seeds (model init, data order and sketches follow the seed), final
-  validation loss over a fixed held-out set, mean ± std, difference to exact. On this 2-core
-  machine a 4 096-token step takes ~1.3 s of CPU on one thread, so the training runs use
-  microbatches of 4 × 256 = 1 024 tokens (n = 1 028, R = n/16 = 64) unless
-  `--train-microbatch 16` asks for the probes' 4 096 (~4x the time); memory and time stay
-  at 4 096.
+Measured as `benchmarks/sketch_memory/run.py` and `benchmarks/sketch_quality/run.py` measure, with
+their shared pieces (`benchmarks/common_training.py`), in fresh processes
+(`benchmarks/sketch_llama/worker.py`): memory (saved-for-backward bytes, the step's peak resident
+set; one single-thread process per variant) and step time (every variant in one process, rotating
+order, ratio to exact per round) at one microbatch of 16 × 256 tokens; quality at equal steps over 3
+seeds, on microbatches of 4 × 256 tokens unless `--train-microbatch 16` (~4x the time). How, and the
+results: benchmarks/reports/2026-12-05-sketch-llama.md.
 
-Resumable: probes and each (variant, seed) run are JSON files under
-benchmarks/results/sketch_llama/ and are not redone; runs hold `/tmp/baton_cpu.lock`
-(flock), one training run at a time on one thread.
+Resumable: probes and (variant, seed) runs are JSON files under benchmarks/results/sketch_llama/,
+not redone; runs hold `/tmp/baton_cpu.lock` (flock), one training run at a time on one thread.
 
     python -m benchmarks.sketch_llama.run                 # everything (~45 min on 2 cores)
     python -m benchmarks.sketch_llama.run --only exact,auto --seeds 0
@@ -63,6 +46,7 @@ from benchmarks.common import (
     RESULTS,
     CpuLock,
     WorkerFailed,
+    arg_parser,
     malloc_env,
     read_json,
     run_worker,
@@ -183,7 +167,7 @@ def full_plan(args: argparse.Namespace, runs: Path) -> Plan:
 
 
 def parse(argv: list[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = arg_parser(__doc__, __spec__)
     parser.add_argument("--only", default="", help="comma-separated variant names")
     parser.add_argument("--seeds", default="", help="comma-separated; default 0,1,2")
     parser.add_argument("--report", action="store_true", help="only aggregate saved runs")

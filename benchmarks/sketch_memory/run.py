@@ -1,39 +1,28 @@
 """Memory and speed of BASIS sketched layers against exact backprop and activation checkpointing.
 
-One training step (forward, backward, AdamW update) of the built-in GPT (d_model 256, 4 layers,
-4 heads, vocab 256, microbatch of 8 sequences, fp32, CPU) at several sequence lengths, for:
-exact backprop (the built-in GPT, norms fused into the linear layers they feed); the same with
-plain modules (no fusion); full per-block checkpointing; exact backprop with the MLP recomputed;
-BASIS with the default policy (`trainer.train.model.SKETCH_LAYERS`) at each rank; BASIS in every
-linear layer (docs/design.md §4 as written); the speed mode (every block linear sketched, nothing
+One training step (forward, backward, AdamW update) of the built-in GPT (d_model 256, 4 layers, 4
+heads, vocab 256, microbatch of 8 sequences, fp32, CPU) at several sequence lengths, for: exact
+backprop (the built-in GPT, norms fused into the linear layers they feed); the same with plain
+modules (no fusion); full per-block checkpointing; exact backprop with the MLP recomputed; BASIS
+with the default policy (`trainer.train.model.SKETCH_LAYERS`) at each rank; BASIS in every linear
+layer (docs/design.md §4 as written); the speed mode (every block linear sketched, nothing
 recomputed); BASIS with checkpointing.
 
-Memory: each configuration runs in a fresh process (`benchmarks/sketch_memory/worker.py`; on
-CUDA, all in one), which reports
-- saved bytes: distinct storages packed for backward during one forward
-  (`torch.autograd.graph.saved_tensors_hooks`), parameters excluded;
-- peak memory: the process's peak resident set (VmHWM) during one step minus its resident set
-  just before it, after a warm-up step (so model, optimizer state, data, thread pools and other
-  one-time allocations already exist). The peak is reset there by writing 5 to
-  /proc/self/clear_refs (Linux >= 4.0). The process runs with a fixed `MALLOC_MMAP_THRESHOLD_`
-  (`common.malloc_env`), so glibc maps every large tensor on its own and unmaps it when freed;
-  otherwise a freed block may stay in the heap and the resident set would measure the
-  allocator's history rather than live tensors.
+Memory, each configuration in a fresh process (`benchmarks/sketch_memory/worker.py`; on CUDA, all in
+one): saved bytes (distinct storages packed for backward during one forward, parameters excluded)
+and peak memory (the step's peak resident set, VmHWM reset through /proc/self/clear_refs, minus the
+resident set just before it, after a warm-up step), under a fixed `MALLOC_MMAP_THRESHOLD_`
+(`common.malloc_env`) so that the resident set follows live tensors.
 
 Time: one more fresh process per sequence length builds every configuration and times them in
-round-robin (one step of each per round, after a warm-up round). The reported ratio is the
-median over rounds of (configuration step time / exact step time in the same round): the
-machine is shared, and pairing steps taken seconds apart cancels most of the load from other
-processes. Expect ±10–20 % noise between runs anyway. The timing child runs with glibc's
-default allocator settings (the memory processes' would make every large allocation fault in
-fresh pages and slow the memory-heavy configurations). When the machine is heavily loaded,
-`--clock cpu` times single-threaded steps by process CPU time instead, which measures the
-work of a step and hardly depends on the load.
+round-robin (after a warm-up round), under glibc's default settings; the ratio is the median over
+rounds of (step time / exact's in the same round). Expect ±10–20 % noise between runs anyway.
+`--clock cpu` times single-threaded steps by process CPU time instead, for a heavily loaded machine.
 
-`--device cuda` runs the same configurations on the GPU (the Triton kernels on the sketched
-layers): peak memory is then `torch.cuda.max_memory_allocated()` during the step minus the
-memory allocated just before it (after the warm-up step), and steps are timed between
-`torch.cuda.synchronize()` calls. `benchmarks/gpu_check.sh` runs it so.
+`--device cuda` runs the same on the GPU (the Triton kernels on the sketched layers): peak memory is
+`torch.cuda.max_memory_allocated()` during the step minus the memory allocated just before it, steps
+timed between `torch.cuda.synchronize()` calls; `benchmarks/gpu_check.sh` runs it so. Why it
+measures so: benchmarks/reports/2026-12-03-sketch-memory-cpu.md.
 
     python -m benchmarks.sketch_memory.run            # full run, writes benchmarks/results/...
     python -m benchmarks.sketch_memory.run --quick    # smoke run (seq 128, one rank, 1 round)
@@ -50,7 +39,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from benchmarks.common import RESULTS, malloc_env, run_worker, utc_now, write_json
+from benchmarks.common import RESULTS, arg_parser, malloc_env, run_worker, utc_now, write_json
 
 DEFAULT_OUT = RESULTS / "sketch_memory.json"
 MMAP_THRESHOLD = 1 << 20  # 1 MiB: every activation of this model is mapped on its own
@@ -153,7 +142,7 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = arg_parser(__doc__, __spec__)
     parser.add_argument("--seq-lens", type=int, nargs="+", default=[512, 1024, 2048])
     parser.add_argument("--ranks", type=int, nargs="+", default=[16, 64, 256])
     parser.add_argument("--combined-ranks", type=int, nargs="*", default=[64],

@@ -1,50 +1,37 @@
 """BASIS quality on real text: what sketching costs in validation loss, and what it buys (issue 6).
 
-The built-in GPT (d_model 256, 4 layers, 4 heads, seq_len 256) is trained on the embedded
-corpus (Python's standard library, prepared by `data_state.prepare_corpus`) through the
-project's own loader, with the project's AdamW and warmup-cosine schedule. A microbatch of 8
-sequences of 256 predicted tokens gives n = 2048 rows per linear layer. Every configuration
-runs with several seeds (model init, data order and sketches all follow the seed) and is
-reported as mean ± std of the final validation loss over a fixed held-out set.
+The built-in GPT (d_model 256, 4 layers, 4 heads, seq_len 256) trains on the embedded corpus
+(Python's standard library, `data_state.prepare_corpus`) through the project's loader, AdamW and
+warmup-cosine schedule; a microbatch of 8 × 256 predicted tokens gives n = 2048 rows per linear
+layer. Every configuration runs with several seeds (model init, data order and sketches follow the
+seed): mean ± std of the final validation loss over a fixed held-out set.
 
 Configurations (`VARIANTS` in `benchmarks/sketch_quality/variants.py`): exact backprop, full
-activation checkpointing, exact backprop with the MLP recomputed (the exact baseline at BASIS's
-memory), BASIS as docs/design.md §4 writes it at several R, the ways of closing the gap — which
-layers are sketched, per-layer R from a memory budget, the mean-centred estimator, the learning
-rate — and a speed mode (every block linear sketched, nothing recomputed). Comparisons:
+checkpointing, exact with the MLP recomputed, BASIS as docs/design.md §4 writes it at several R, the
+ways of closing the gap (which layers, per-layer R from a memory budget, the mean-centred estimator,
+the learning rate) and a speed mode (every block linear sketched, nothing recomputed). Compared at
+equal steps and batch, and at equal peak memory and exact's wall time (`derived_variants`: the
+default on a larger microbatch, the speed mode on more steps, exact given those steps).
 
-1. equal steps and batch: every variant trains STEPS steps of one microbatch of 8;
-2. equal peak memory (at most exact backprop's step peak), at exact backprop's wall time:
-   the BASIS default spends the memory it saves on a larger microbatch (the largest whose
-   measured step peak fits; also run for exact's number of tokens), and the speed mode spends
-   the time it saves on more steps (steps = STEPS / its step-time ratio); exact backprop given
-   those extra steps is the reference (`derived_variants`).
-
-Phases, each resumable (a finished run is a JSON file and is not redone):
-- probe: per variant, in fresh processes (`benchmarks/sketch_quality/worker.py`) on one
-  thread: the step's peak memory above the resting process (`VmHWM` after resetting it, with
-  glibc returning freed memory at once) and the bytes autograd saves for backward; then its
-  step time and exact backprop's, alternating steps in one process (CPU time), whose ratio
-  sizes the equal-wall-time runs;
-- train: (variant, seed) runs, two at a time on one thread each (their measured training time
-  is reported too, as a check on "equal wall time"); then the gradient error of each
-  estimator (`benchmarks/sketch_quality/grad.py`);
-- report (`benchmarks/sketch_quality/report.py`): `benchmarks/results/sketch_quality.json`,
-  `sketch_quality.png` (validation-loss curves with ±std bands; memory vs quality) and
-  Markdown tables on stdout.
+Phases, each resumable (a finished run is a JSON file and is not redone): probe (per variant, fresh
+single-thread processes of `benchmarks/sketch_quality/worker.py`: step peak memory, saved bytes,
+step time against exact's), train ((variant, seed) runs, two at a time on one thread each; then the
+gradient error of each estimator, `benchmarks/sketch_quality/grad.py`), report
+(`benchmarks/sketch_quality/report.py`: `benchmarks/results/sketch_quality.json`,
+`sketch_quality.png` and Markdown tables on stdout). How each phase measures, and the results:
+benchmarks/reports/2026-12-03-sketch-quality.md.
 
     python -m benchmarks.sketch_quality.run              # everything (~3 h on 2 cores)
     python -m benchmarks.sketch_quality.run --only exact,basis-r128 --seeds 0
     python -m benchmarks.sketch_quality.run --only speed-r128-time   # a derived run, once probed
     python -m benchmarks.sketch_quality.run --report     # re-print from the saved runs
 
-Runs hold `/tmp/baton_cpu.lock` (flock) a batch at a time, so other timing-sensitive
-benchmarks on the same machine do not overlap them.
+Runs hold `/tmp/baton_cpu.lock` (flock) a batch at a time, so other timing-sensitive benchmarks on
+the same machine do not overlap them.
 """
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import json
 from typing import Any
@@ -52,6 +39,7 @@ from typing import Any
 from benchmarks.common import (
     CpuLock,
     WorkerFailed,
+    arg_parser,
     read_json,
     start_worker,
     worker_result,
@@ -162,7 +150,7 @@ def run_all(chosen: list[Variant], seeds: tuple[int, ...] | None, only: bool) ->
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = arg_parser(__doc__, __spec__)
     parser.add_argument("--only", default="", help="comma-separated variant names")
     parser.add_argument("--seeds", default="", help="comma-separated; default: each variant's")
     parser.add_argument("--report", action="store_true", help="only aggregate saved runs")

@@ -1,48 +1,24 @@
 """What a snapshot costs at real sizes: Baton against torch.save / torch.load / DCP, side by side.
 
-For GPT + AdamW states of about 0.37, 1.4 and 3.4 GB (``--sizes 0.3,1.2,3``), one process
-per size measures, in ``--rounds`` rounds that cycle through every order of the sides (use a
-multiple of 6 for the three writers; see ``common.in_every_order``):
+For GPT + AdamW states of about 0.37, 1.4 and 3.4 GB (``--sizes 0.3,1.2,3``), one process per size
+measures, in ``--rounds`` rounds cycling through every order of the sides (a multiple of 6 for the
+three writers; see ``common.in_every_order``):
+- blocking capture (``Snapshotter.after_step``: the floor of the pipelined form) against
+  ``torch.save`` + ``fsync`` and the time ``dcp.async_save`` takes to return;
+- background persist (from the capture's end until the persist thread is done: RAM copy, crc32,
+  write + fsync, receipt, commit) against the same, ``dcp.async_save`` until its future is done;
+- restore from local disk and from the RAM tier (Snapshotter.restore's data path) against
+  ``torch.load`` + ``load_state_dict``, all from the page cache;
+- S3 (``s3.py``: a moto server in a subprocess, ``--s3-max`` GB and below): Baton's persist and
+  restore against ``torch.save`` + boto3's managed upload and its download + ``torch.load``;
+- the bytes the coordinator handles per snapshot (receipts and manifest; RAM copies never go to it).
 
-- blocking capture: ``Snapshotter.after_step`` (the copy into the reused capture image; with
-  the pipelined form it overlaps forward/backward, this is its floor), against ``torch.save``
-  + ``fsync`` of the same state dicts and against the time ``dcp.async_save`` takes to return;
-- background persist: from the end of the capture until the persist thread is done (the RAM
-  copy into the in-process RAM tier's store, crc32 of every block, write + fsync, receipt,
-  commit), against ``torch.save`` + ``fsync`` and against ``dcp.async_save`` until its future
-  is done (DCP's file writer fsyncs too);
-- restore from local disk and from the RAM tier (``read_tensors`` + ``StateRegistry.load``:
-  Snapshotter.restore's data path), against ``torch.load`` + ``load_state_dict`` of the file
-  torch.save wrote. Files were just written, so every side reads from the page cache.
-- S3 (``s3.py``: a moto server in a subprocess on this machine, ``--s3-max``
-  GB and below): persist (multipart upload) and restore of a Baton snapshot against
-  ``torch.save`` into memory + boto3's managed upload (multipart, 10 threads) and its
-  download + ``torch.load``.
-- the bytes the coordinator handles per snapshot: the receipts it is sent (JSON) and the
-  manifest it writes. RAM copies go to the RAM tier's stores (peers on a cluster), never to
-  the coordinator.
-
-Every side keeps two snapshots, as it does for real: torch.save and DCP write a new file (or
-directory) per snapshot, Baton overwrites the files of the snapshot its retention retired
-(``elastic/storage/spares.py``; from the fourth snapshot on). Three warm-up snapshots come first
-(Baton's capture image and RAM-tier buffers are allocated by the first two and reused after,
-the third's commit leaves the first's files as spares). Each ratio is Baton's time over the
-baseline's in the same round: the median and range over the rounds are printed. Peak memory
-of a restore is measured in fresh processes (one per case, ``worker.py``),
-which build the model and optimizer, materialise the optimizer's state with one training step
-(a process that holds its training state, no gradients), then restore: ``growth`` is the peak
-RSS above the RSS before the restore, ``peak`` the peak RSS, both divided by the state's size.
-The restore's time in such fresh processes (``--fresh-rounds`` per side, alternating) is
-the restarted worker's case; in the long-lived process above, freed memory is partly recycled
-by the allocator. ``--fresh-only`` measures that case alone (``fresh.py``),
-with ``--optimizer fresh`` (the restoring process has no optimizer state yet: a restarted
-worker's) and ``--busy`` (a second process writes and fsyncs files meanwhile).
-
-From the measured rates of the largest size, ``project`` (``report.py``)
-estimates 7B and 70B models (AdamW fp32: 16 bytes per parameter) on 16 and 128 workers (8 per
-node, FSDP-sharded state): the head's bytes and RAM per snapshot (metadata only), time per
-snapshot, and the restore after one node loss (the lost node's RAM-tier copies come from
-storage, the rest from peers).
+Every side keeps two snapshots, as for real, after three warm-ups; a ratio is Baton's time over the
+baseline's in one round (median and range printed). A restore's peak memory and time in fresh
+processes (``worker.py``, ``--fresh-rounds`` per side) is a restarted worker's case;
+``--fresh-only`` (``fresh.py``) measures it alone, with ``--optimizer fresh`` (no optimizer state
+yet) or ``--busy`` (a process writing and fsyncing beside it). ``project`` (``report.py``): the
+largest size's rates at 7B and 70B on 16 and 128 workers.
 
     python -m benchmarks.snapshot_scale.run                         # 0.3 and 1.2 GB, 6 rounds
     python -m benchmarks.snapshot_scale.run --sizes 3 --s3-max 0    # 3.4 GB (needs ~18 GB RAM)
@@ -50,13 +26,12 @@ storage, the rest from peers).
     python -m benchmarks.snapshot_scale.run --sizes 0.3,1.2,3 --fresh-only --fresh-rounds 8 --busy
     # into benchmarks/results/snapshot_scale_fresh.json
 
-The machine is small and shared: absolute times move by tens of percent between runs; the
-ratios, measured back to back, much less.
+Absolute times on the small shared machine move by tens of percent between runs; the ratios,
+measured back to back, much less. Method: benchmarks/reports/2026-12-05-snapshot-scale.md.
 """
 
 from __future__ import annotations
 
-import argparse
 import functools
 import json
 import os
@@ -69,6 +44,7 @@ from typing import Any
 
 from benchmarks.common import (
     RESULTS,
+    arg_parser,
     in_every_order,
     read_json,
     timed,
@@ -203,7 +179,7 @@ def _coordinator_meta(store: SnapshotStore, step: int, receipts: list[int]) -> d
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser = arg_parser(__doc__, __spec__)
     parser.add_argument("--sizes", default="0.3,1.2", help="state sizes in GB: 0.3, 1.2, 3")
     parser.add_argument("--rounds", type=int, default=6,
                         help="rounds per size; a multiple of 6 balances the writers' orders")

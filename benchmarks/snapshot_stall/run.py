@@ -4,27 +4,26 @@ Measured in one run, on this machine, with the built-in GPT at about 25M paramet
 (d_model 512, 6 layers, 8 heads, vocab 6144, batch 4 x 128 tokens, fp32, AdamW):
 
 (a) stall per snapshot: the time the training loop spends inside snapshot calls.
-    - Baton, pipelined: ``begin_capture_if_due`` after ``optimizer.step`` and
-      ``wait_capture`` before the next one; the copy runs on a side thread during the next
-      forward/backward (CheckFreq-style).
+    - Baton, pipelined: ``begin_capture_if_due`` after ``optimizer.step`` and ``wait_capture``
+      before the next one; the copy runs on a side thread during the next forward/backward
+      (CheckFreq-style).
     - Baton, blocking: ``after_step`` (copy, then return): the copy floor.
     - ``torch.save`` of the same model+optimizer state, then ``fsync`` (durable).
     - ``torch.distributed.checkpoint.async_save``: time until control returns.
-(b) throughput: blocks of 10 steps alternately without snapshots and with Baton
-    snapshotting every 10 steps (pipelined, persist in background), median step time ratio.
+(b) throughput: blocks of 10 steps alternately without snapshots and with Baton snapshotting
+    every 10 steps (pipelined, persist in background), median step time ratio.
 (c) restore time of the whole state: from the coordinator's RAM copy, from local disk
     (page cache warm: an optimistic "storage"), and from an S3 API on 127.0.0.1 (moto).
 (d) the replica check a snapshot adds at world size > 1 (fingerprints of every replicated
     tensor, ``elastic.replicas``), against the pipelined stall and the step.
-(e) the full replica checksums a rank of a group takes (crc32 of every replicated tensor,
-    whole, ``elastic.write.replica_sums``): the pipelined stall and the blocking capture of
-    rank 0 of 2 with them (B) and without (A), alternated in one run
-    (``benchmarks.snapshot_stall.replicas``).
+(e) the full replica checksums a rank of a group takes (crc32 of every replicated tensor, whole,
+    ``elastic.write.replica_sums``): the pipelined stall and the blocking capture of rank 0 of 2
+    with them (B) and without (A), alternated in one run (``benchmarks.snapshot_stall.replicas``).
 
 Targets: Baton's pipelined stall <= 1/20 of torch.save+fsync and below DCP's async stall;
 throughput overhead <= 3 % with a snapshot every 10 steps; restore from RAM <= 1/3 of restore
 from storage. The machine is small and shared: absolute times vary by tens of percent between
-runs, ratios much less; every figure below is compared with its baseline from the same run.
+runs, ratios much less; each figure is compared with its baseline from the same run.
 
     python -m benchmarks.snapshot_stall.run          # writes benchmarks/results/snapshot_stall.json
     python -m benchmarks.snapshot_stall.run --quick  # fewer steps, no S3 (smoke run)
@@ -33,7 +32,6 @@ runs, ratios much less; every figure below is compared with its baseline from th
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import json
 import os
@@ -43,7 +41,7 @@ import time
 
 import torch
 
-from benchmarks.common import RESULTS, moto_s3, timed, write_json
+from benchmarks.common import RESULTS, arg_parser, moto_s3, timed, write_json
 from benchmarks.snapshot_stall.replicas import replica_checksum_cost
 from elastic.settings import SnapshotSettings
 from elastic.snapshotter import Snapshotter
@@ -210,7 +208,7 @@ def restore_times(root: str, reps: int, s3_uri: str | None) -> dict[str, float]:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser = arg_parser(__doc__, __spec__)
     parser.add_argument("--quick", action="store_true", help="fewer steps, no S3")
     parser.add_argument("--out", default=str(RESULTS / "snapshot_stall.json"))
     parser.add_argument("--only", choices=("all", "replica-checksums"), default="all",

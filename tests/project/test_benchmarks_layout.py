@@ -14,6 +14,8 @@
   has a `worker_main`.
 - A benchmark imports from `benchmarks` only its own family's modules and the shared `common` /
   `common_training`.
+- Every script builds its command line through `common.arg_parser`, so `--help` names the command
+  that runs it (`usage: python -m benchmarks.<family>.<script>`), not its file.
 - Every `python -m benchmarks.…` command the README, docs/, the reports, the tests, the
   benchmarks and `benchmarks/gpu_check.sh` show names a module that exists and runs as a
   script (it has a `__main__` guard), and every family's script is shown somewhere.
@@ -24,6 +26,8 @@ from __future__ import annotations
 import ast
 import importlib
 import re
+import subprocess
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -182,6 +186,21 @@ def test_benchmarks_import_only_their_own_family_and_the_shared_modules(path: Pa
         assert target in SHARED or target == _family(path), (
             f"{_id(path)} imports benchmarks.{target}: shared pieces go to common.py "
             "(imports are absolute: benchmarks.<family>.<module>)")
+
+
+def test_every_script_builds_its_command_line_through_common() -> None:
+    direct = [_id(path) for path in MODULES
+              if path.name != "common.py" and "ArgumentParser(" in path.read_text()]
+    assert not direct, f"use common.arg_parser(__doc__, __spec__) in: {direct}"
+
+
+@pytest.mark.parametrize("script", ["recovery.run", "data_prepare.run"])
+def test_a_script_s_usage_names_its_command(script: str) -> None:
+    shown = subprocess.run([sys.executable, "-m", f"benchmarks.{script}", "--help"], cwd=ROOT,
+                           capture_output=True, text=True, timeout=120, check=True).stdout
+    assert shown.startswith(f"usage: python -m benchmarks.{script} ["), shown
+    doc = ast.get_docstring(_tree(BENCHMARKS / (script.replace(".", "/") + ".py"))) or ""
+    assert shown.split("\n\n")[1].split()[:4] == doc.split()[:4], shown  # its description
 
 
 def test_every_worker_started_is_a_module_of_its_family_with_an_entry_point() -> None:

@@ -2,8 +2,9 @@
 
 - README.md stays short (at most 250 lines): everything else lives in docs/. Its documentation
   table lists every page of docs/.
-- Every module of the four source packages opens with a docstring of at most 30 lines: its
-  contract. Longer reasons go to docs/design.md, measurements to benchmarks/reports/.
+- Every module of the four source packages and of benchmarks/ opens with a docstring of at most
+  30 lines: its contract. Longer reasons go to docs/design.md (a benchmark's method to its
+  report), measurements to benchmarks/reports/.
 - No README, docs/ or benchmarks/reports/ line speaks of work sessions ("the eighth session",
   "this session"): a page says what is true now, a report when it was measured.
 - The commands the docs show that run in seconds without Ray are run here, in-process, as the
@@ -29,6 +30,7 @@ from trainer.cli import main
 ROOT = Path(__file__).resolve().parents[2]
 README_MAX_LINES = 250
 SOURCE_PACKAGES = ("trainer", "elastic", "sketch_ops", "data_state")
+DOCSTRING_CHECKED = (*SOURCE_PACKAGES, "benchmarks")
 DOCSTRING_MAX_LINES = 30
 SESSION_WORDS = re.compile(
     r"\b(first|second|third|fourth|fifth|sixth|seventh|eighth|ninth|tenth|\d+(st|nd|rd|th)|"
@@ -63,7 +65,7 @@ def test_the_readme_lists_every_page_of_docs() -> None:
     assert not listed - pages, f"README's table names pages docs/ lacks: {sorted(listed - pages)}"
 
 
-def long_module_docstrings(root: Path, packages: tuple[str, ...] = SOURCE_PACKAGES,
+def long_module_docstrings(root: Path, packages: tuple[str, ...] = DOCSTRING_CHECKED,
                            limit: int = DOCSTRING_MAX_LINES) -> list[str]:
     """`path: N lines` for every module under `packages` whose docstring runs past `limit`."""
     found = []
@@ -77,19 +79,25 @@ def long_module_docstrings(root: Path, packages: tuple[str, ...] = SOURCE_PACKAG
 
 def test_the_docstring_check_finds_a_long_one(tmp_path: Path) -> None:
     (tmp_path / "pkg" / "sub").mkdir(parents=True)
+    (tmp_path / "bench" / "family").mkdir(parents=True)
     lines = [f"line {i}" for i in range(DOCSTRING_MAX_LINES + 1)]
     (tmp_path / "pkg" / "fits.py").write_text('"""' + "\n".join(lines[:-1]) + '\n"""\n')
     (tmp_path / "pkg" / "sub" / "long.py").write_text('"""' + "\n".join(lines) + '\n"""\nX = 1\n')
     (tmp_path / "pkg" / "none.py").write_text("X = 1\n")
+    (tmp_path / "bench" / "family" / "run.py").write_text('"""' + "\n".join(lines) + '\n"""\n')
     assert long_module_docstrings(tmp_path, ("pkg",)) == [
         f"pkg/sub/long.py: {DOCSTRING_MAX_LINES + 1} lines"]
+    assert long_module_docstrings(tmp_path, ("pkg", "bench")) == [
+        f"pkg/sub/long.py: {DOCSTRING_MAX_LINES + 1} lines",
+        f"bench/family/run.py: {DOCSTRING_MAX_LINES + 1} lines"]
 
 
 def test_module_docstrings_state_their_contract_briefly() -> None:
     found = long_module_docstrings(ROOT)
     assert not found, (
         f"module docstrings over {DOCSTRING_MAX_LINES} lines (state the contract; reasons go to "
-        "docs/design.md, measurements to benchmarks/reports/):\n" + "\n".join(found))
+        "docs/design.md, a benchmark's method and measurements to benchmarks/reports/):\n"
+        + "\n".join(found))
 
 
 def test_no_page_speaks_of_work_sessions() -> None:
