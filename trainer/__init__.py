@@ -28,13 +28,11 @@ from trainer.config import (
 )
 
 if TYPE_CHECKING:
-    from trainer.on_ray.elastic_trainer import ElasticTorchTrainer
-    from trainer.on_ray.ray_fit import FitResult
-    from trainer.train.session import Session
+    from trainer.on_ray import ElasticTorchTrainer, FitResult
+    from trainer.train import Session
 
-# Public names loaded on first use: the module that holds each.
-_LAZY = {"Session": "trainer.train.session",
-         "ElasticTorchTrainer": "trainer.on_ray.elastic_trainer"}
+# Public names loaded on first use: the room whose face holds each.
+_LAZY = {"Session": "trainer.train", "ElasticTorchTrainer": "trainer.on_ray"}
 
 
 def __getattr__(name: str) -> Any:
@@ -47,7 +45,7 @@ def __getattr__(name: str) -> Any:
 
 def fit(config: FitConfig, **kwargs: Any) -> FitResult:
     """Train `config` on Ray (see `trainer.on_ray.ray_fit.fit`)."""
-    from trainer.on_ray.ray_fit import fit as _fit
+    from trainer.on_ray import fit as _fit
 
     return _fit(config, **kwargs)
 

@@ -44,8 +44,7 @@ from rich.markup import escape
 
 from trainer.cli.main import one_line
 from trainer.config import ConfigError, load_recipe
-from trainer.run.run_dir import RunDirError, check_run_dir
-from trainer.run.session_log import TimeBudget, parse_duration
+from trainer.run import RunDirError, TimeBudget, check_run_dir, parse_duration
 
 console = Console(stderr=True, soft_wrap=True)  # never wrap: logs are parsed
 
@@ -87,9 +86,8 @@ class _FitTerminal:
     Call it with each progress record; `close()` once the fit has ended."""
 
     def __init__(self, cfg: Any) -> None:
-        from trainer.on_ray.monitor import RunFeed
-        from trainer.on_ray.ray_messages import ray_log_path, ray_log_root, ray_messages_to
-        from trainer.run.terminal import ProgressDisplay
+        from trainer.on_ray import RunFeed, ray_log_path, ray_log_root, ray_messages_to
+        from trainer.run import ProgressDisplay
 
         self.feed = RunFeed(cfg, ProgressDisplay(cfg.steps, console))
         self._ray_messages = contextlib.ExitStack()
@@ -159,7 +157,7 @@ def _check_before_lease(args: argparse.Namespace) -> tuple[Any, _Session, int]:
     _parse_session(args, cfg, None)  # flag syntax first: no storage touched for a typo
     plan = None
     if args.fork_from:
-        from trainer.run.fork import parse_source, plan_fork
+        from trainer.run import parse_source, plan_fork
 
         plan = plan_fork(cfg, *parse_source(args.fork_from), args.data_cursor or "auto")
     resumed = check_run_dir(cfg, reschedule=args.reschedule)
@@ -190,9 +188,8 @@ def _cmd_fit(args: argparse.Namespace) -> int:
     except LeaseHeldError as err:
         console.print(f"[red]error:[/red] {escape(str(err))}")
         return 2
-    from trainer.on_ray.failures import RunFailedError
-    from trainer.run.commit_watch import FinalCommitError
-    from trainer.run.session_log import begin_session, end_session
+    from trainer.on_ray import RunFailedError
+    from trainer.run import FinalCommitError, begin_session, end_session
 
     outcome, step, began = "failed", None, False
     with held:  # released on leaving (only if still ours), after the session's end is recorded
@@ -242,11 +239,10 @@ def _cmd_fit(args: argparse.Namespace) -> int:
 def _start_session(args: argparse.Namespace, cfg: Any, store: Any, session: _Session,
                    resumed: int) -> int:
     """Under the lease: make the fork, say what this session starts from; returns the step."""
-    from trainer.train.continuation import saved_schedule, schedule_changes
-    from trainer.train.optim import describe_schedule
+    from trainer.train import describe_schedule, saved_schedule, schedule_changes
 
     if session.fork is not None:
-        from trainer.run.fork import make_fork
+        from trainer.run import make_fork
 
         fork = make_fork(session.fork, cfg)
         console.print(
@@ -289,8 +285,8 @@ def _fit_interruptibly(cfg: Any, args: argparse.Namespace, session: _Session,
     # The budget first: importing Ray takes seconds of the --time-limit too.
     budget = TimeBudget(session.time_limit_s) if session.time_limit_s is not None else None
     # Imports Ray: only once the input is known to be good.
-    from trainer.on_ray.ray_fit import connect_ray, fit
-    from trainer.run.preflight import ensure_dataset
+    from trainer.on_ray import connect_ray, fit
+    from trainer.run import ensure_dataset
 
     cfg = ensure_dataset(cfg)  # the default corpus, prepared once before Ray starts
     stop = threading.Event()
@@ -379,6 +375,6 @@ def _continue_command(args: argparse.Namespace) -> str:
 
 
 def _print_summary(summary: dict[str, Any]) -> None:
-    from trainer.run.terminal import print_summary
+    from trainer.run import print_summary
 
     print_summary(summary, Console(soft_wrap=True))

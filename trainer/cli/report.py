@@ -31,8 +31,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def _cmd_report(args: argparse.Namespace) -> int:
-    from trainer.run.report import write_report
-    from trainer.run.terminal import print_summary
+    from trainer.run import print_summary, write_report
 
     out = args.out or "report.png"
     try:
@@ -46,6 +45,6 @@ def _cmd_report(args: argparse.Namespace) -> int:
 
 
 def _cmd_demo(args: argparse.Namespace) -> int:
-    from trainer.on_ray.demo import run_demo
+    from trainer.on_ray import run_demo
 
     return run_demo(args.recipe, args.run_dir)

@@ -26,7 +26,7 @@ import time
 from typing import Any
 
 from elastic.store import SnapshotStore
-from trainer.run.session_log import SESSIONS_NAME, read_sessions
+from trainer.run import SESSIONS_NAME, read_sessions
 
 _RUN_MARKERS = ("run.json", "snapshots", SESSIONS_NAME)
 
@@ -115,7 +115,7 @@ def _run_json(run: SnapshotStore) -> dict[str, Any]:
 
 
 def _last_loss(run_uri: str) -> float | None:
-    from trainer.run.metrics import read_records
+    from trainer.run import read_records
 
     try:
         steps = [r for r in read_records(run_uri) if r["kind"] == "step"]

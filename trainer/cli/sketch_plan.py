@@ -34,7 +34,7 @@ import torch
 
 from trainer.cli.main import one_line
 from trainer.config import ConfigError, FitConfig, load_recipe
-from trainer.train.sketch_measure import MIB, PlanReport, plan_and_measure, train_dtype
+from trainer.train import MIB, PlanReport, plan_and_measure, train_dtype
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:

@@ -274,7 +274,7 @@ def _export(args: argparse.Namespace) -> int:
         if args.format in ("orbax", "npz"):
             return _export_jax(args, step)
         if args.format == "hf":
-            from trainer.train.hf import export_hf  # the trainer's model side (optional extra)
+            from trainer.train import export_hf  # the trainer's model side (optional extra)
 
             # Written beside --out, then moved in: no file of it is written through a link.
             with merged_directory(args.out) as scratch:
@@ -292,7 +292,7 @@ def _export(args: argparse.Namespace) -> int:
 
 def _export_jax(args: argparse.Namespace, step: int) -> int:
     """``--format npz`` (numpy only) or ``--format orbax`` (JAX's optional extra)."""
-    from trainer.on_jax.export import export_npz, export_orbax
+    from trainer.on_jax import export_npz, export_orbax
 
     if args.format == "npz":
         n = export_npz(args.run_uri, step, args.out)

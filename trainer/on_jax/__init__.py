@@ -26,7 +26,36 @@ re-implemented) — and DESIGN's import direction lets only ``trainer`` compose 
 
 from __future__ import annotations
 
-from trainer.on_jax.load_checks import SketchNotCarriedWarning
-from trainer.on_jax.state import JaxTrainState, load_train_state, save_train_state
+import importlib
+from typing import TYPE_CHECKING, Any
 
-__all__ = ["JaxTrainState", "SketchNotCarriedWarning", "load_train_state", "save_train_state"]
+if TYPE_CHECKING:
+    from trainer.on_jax.export import export_npz, export_orbax
+    from trainer.on_jax.load_checks import SketchNotCarriedWarning
+    from trainer.on_jax.state import JaxTrainState, load_train_state, save_train_state
+
+# Loaded on first use (PEP 562): the module that defines each name.
+_LAZY = {
+    "export_npz": "trainer.on_jax.export",
+    "export_orbax": "trainer.on_jax.export",
+    "SketchNotCarriedWarning": "trainer.on_jax.load_checks",
+    "JaxTrainState": "trainer.on_jax.state",
+    "load_train_state": "trainer.on_jax.state",
+    "save_train_state": "trainer.on_jax.state",
+}
+
+__all__ = ["JaxTrainState", "SketchNotCarriedWarning", "export_npz", "export_orbax",
+           "load_train_state", "save_train_state"]
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'trainer.on_jax' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value  # later look-ups skip this function
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted([*globals(), *_LAZY])

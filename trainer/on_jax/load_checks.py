@@ -43,8 +43,7 @@ import numpy as np
 from elastic.portable import Snapshot
 from trainer.config import OptimConfig
 from trainer.on_jax.optim import AdamWSettings
-from trainer.train.optim import lr_at
-from trainer.train.story import ORIGIN_KEY
+from trainer.train import ORIGIN_KEY, lr_at
 
 MOMENTS = ("exp_avg", "exp_avg_sq")
 

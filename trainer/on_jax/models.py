@@ -29,7 +29,7 @@ import jax
 from trainer.on_jax.gpt import FlaxGPT, next_token_loss
 from trainer.on_jax.layout_map import LayoutMap, gpt_map
 from trainer.on_jax.llama import FlaxLlama, llama_map_for
-from trainer.train.continuation import HF_MODEL_CONFIG_KEY
+from trainer.train import HF_MODEL_CONFIG_KEY
 
 _READY = ("the ready maps are the built-in GPT's and a Hugging Face Llama's (model_type "
           "'llama')")

@@ -41,7 +41,7 @@ import numpy as np
 
 from data_state import numpy_loader
 from trainer.on_jax.optim import AdamWSettings, counts
-from trainer.train.story import ORIGIN_KEY, StoryRule
+from trainer.train import ORIGIN_KEY, StoryRule
 
 _STORY_FIX = ("set state.data = loader.state_dict() after the loop and let state.step count "
               "the updates made (state.train_step adds one each; docs/jax.md)")

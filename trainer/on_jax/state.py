@@ -68,7 +68,7 @@ from trainer.on_jax.save_checks import (
     check_story,
     jax_origin,
 )
-from trainer.train.story import ORIGIN_KEY
+from trainer.train import ORIGIN_KEY
 
 _KNOWN = ("model", "optim", "sched", "data", "trainer")
 

@@ -64,7 +64,7 @@ def activation_bytes(cfg: FitConfig) -> tuple[int, int]:
     import torch
 
     from sketch_ops import saved_bytes, sketch_seed
-    from trainer.train.model_build import build_model, next_token_loss
+    from trainer.train import build_model, next_token_loss
 
     vocab = cfg.model.vocab_size or 256  # 0: the dataset's; the demo's corpus is bytes
     tokens = torch.randint(0, vocab, (cfg.data.microbatch_size, cfg.data.seq_len))
@@ -107,8 +107,7 @@ def run_demo(recipe: str, run_dir: str) -> int:
     from trainer.on_ray.monitor import RunFeed
     from trainer.on_ray.ray_fit import fit
     from trainer.on_ray.ray_messages import ray_log_path, ray_log_root, ray_messages_to
-    from trainer.run.report import write_report
-    from trainer.run.terminal import ProgressDisplay, fmt_mib, fmt_ratio, print_summary
+    from trainer.run import ProgressDisplay, fmt_mib, fmt_ratio, print_summary, write_report
 
     fresh_demo_dir(Path(run_dir))
     cfg = load_recipe(recipe, [f'snapshots.run_uri="{Path(run_dir).resolve()}"'])

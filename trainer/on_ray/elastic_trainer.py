@@ -52,7 +52,7 @@ from trainer.on_ray.resize import SnapshotBeforeResize
 from trainer.on_ray.scaling import BatonTorchTrainer
 from trainer.on_ray.train_fn import install as install_train_fn
 from trainer.on_ray.train_fn import snapshot_checkpoint
-from trainer.train.session import WorkerContext, open_session, run_directory, worker_context
+from trainer.train import WorkerContext, open_session, run_directory, worker_context
 
 # Set to 1 to let workers run other code than the driver: only for a checkout that is edited
 # while a local cluster trains from it (a worker started after the edit would be refused).

@@ -40,9 +40,14 @@ import ray
 
 from elastic.coord import NAMESPACE
 from trainer.config import FitConfig, LoggingConfig
-from trainer.run.metrics import MetricsWriter
-from trainer.run.sinks import SinkSet, open_sinks
-from trainer.run.terminal import ProgressDisplay, RestartTracker, snapshot_has_optimizer_state
+from trainer.run import (
+    MetricsWriter,
+    ProgressDisplay,
+    RestartTracker,
+    SinkSet,
+    open_sinks,
+    snapshot_has_optimizer_state,
+)
 
 log = logging.getLogger("baton.fit")
 

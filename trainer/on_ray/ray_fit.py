@@ -50,11 +50,18 @@ from elastic.lease import RunLease, held_lease
 from trainer.config import FitConfig
 from trainer.on_ray.elastic_trainer import ElasticTorchTrainer
 from trainer.on_ray.monitor import RunMonitor, get_monitor, monitor_name
-from trainer.run.commit_watch import CommitWatch, FinalCommitError, final_commit_error
-from trainer.run.metrics import RunSummary, read_records, summarize
-from trainer.run.preflight import check_worker_fits, ensure_dataset
-from trainer.run.run_dir import check_run_dir
-from trainer.train.loop import WorkerEnv, run_worker
+from trainer.run import (
+    CommitWatch,
+    FinalCommitError,
+    RunSummary,
+    check_run_dir,
+    check_worker_fits,
+    ensure_dataset,
+    final_commit_error,
+    read_records,
+    summarize,
+)
+from trainer.train import WorkerEnv, run_worker
 
 log = logging.getLogger("baton.fit")
 

@@ -48,13 +48,13 @@ from elastic.store import SnapshotStore
 from trainer.config import FitConfig
 from trainer.run.preflight import dataset_fingerprint, with_dataset_vocab
 from trainer.run.run_dir import clear_interrupted_fork, held_run_parts, interrupted_fork
-from trainer.train.continuation import (
+from trainer.train import (
     TENSOR_SHAPE_FIELDS,
     RunDirError,
     model_config_record,
+    optimizer_change,
     shape_value,
 )
-from trainer.train.optim import optimizer_change
 
 DATA_CURSOR_CHOICES = ("auto", "keep", "reset")
 _GENERATION_RE = re.compile(r"-g(\d{6})\.safetensors$")
@@ -220,7 +220,7 @@ def _model_shapes(cfg: FitConfig) -> dict[str, tuple[int, ...]] | None:
     """The recipe's model parameter and buffer shapes, built without memory (meta device)."""
     import torch
 
-    from trainer.train.model_build import build_model
+    from trainer.train import build_model
 
     try:
         with torch.device("meta"):
@@ -264,10 +264,10 @@ def _parent_loss(source_uri: str, step: int) -> float | None:
 
 def make_fork(plan: ForkPlan, cfg: FitConfig) -> ForkResult:
     """Write the fork's first committed snapshot and its lineage (module contract)."""
-    from data_state.cursor import DataCursor
+    from data_state import DataCursor
     from elastic.snapshotter import library_versions
     from trainer.run.preflight import ensure_dataset
-    from trainer.train.story import ORIGIN_KEY
+    from trainer.train import ORIGIN_KEY
 
     data_cfg = ensure_dataset(cfg)  # data.uri set, model.vocab_size resolved
     _refuse_shape_change(data_cfg, plan.source.run_uri, plan.parent_config, plan.manifest)

@@ -33,7 +33,7 @@ from trainer.run.preflight import (
     dataset_fingerprint,
     with_dataset_vocab,
 )
-from trainer.train.continuation import SESSIONS_NAME, RunDirError, check_continuation
+from trainer.train import SESSIONS_NAME, RunDirError, check_continuation
 
 
 def held_run_parts(store: SnapshotStore) -> list[str]:

@@ -35,7 +35,7 @@ from typing import Any
 
 from elastic.store import SnapshotStore
 from trainer.config import FitConfig
-from trainer.train.continuation import SESSIONS_NAME, bounded_number, read_sessions, schedule_of
+from trainer.train import SESSIONS_NAME, bounded_number, read_sessions, schedule_of
 
 SESSIONS_VERSION = 1
 OUTCOMES = ("finished", "stopped", "aborted", "failed")
@@ -95,7 +95,7 @@ def accept_schedule(cfg: FitConfig) -> str:
     from its newest committed step, so `trainer.fit(cfg)` continues with it; returns what the
     schedule does from there (one line)."""
     from elastic.lease import held_lease
-    from trainer.train.optim import describe_schedule
+    from trainer.train import describe_schedule
 
     store = SnapshotStore(cfg.snapshots.run_uri)
     # Under the run lease, as a driver writes the log: while one trains this raises

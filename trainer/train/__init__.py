@@ -34,21 +34,79 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
+    from trainer.train.continuation import (
+        HF_MODEL_CONFIG_KEY,
+        SESSIONS_NAME,
+        TENSOR_SHAPE_FIELDS,
+        RunDirError,
+        bounded_number,
+        check_continuation,
+        model_config_record,
+        read_sessions,
+        saved_schedule,
+        schedule_changes,
+        schedule_of,
+        shape_value,
+    )
+    from trainer.train.hf import export_hf
     from trainer.train.loop import WorkerEnv, WorkerResult, run_worker
-    from trainer.train.session import Session, UsageError, WorkerContext, worker_context
+    from trainer.train.model_build import build_model, next_token_loss
+    from trainer.train.optim import describe_schedule, lr_at, optimizer_change
+    from trainer.train.session import (
+        Session,
+        UsageError,
+        WorkerContext,
+        open_session,
+        run_directory,
+        worker_context,
+    )
+    from trainer.train.sketch_measure import MIB, PlanReport, plan_and_measure, train_dtype
+    from trainer.train.story import ORIGIN_KEY, StoryRule
 
+# Loaded on first use (PEP 562): the module that defines each name.
 _LAZY = {
-    "Session": "trainer.train.session",
-    "UsageError": "trainer.train.session",
-    "WorkerContext": "trainer.train.session",
+    "HF_MODEL_CONFIG_KEY": "trainer.train.continuation",
+    "RunDirError": "trainer.train.continuation",
+    "SESSIONS_NAME": "trainer.train.continuation",
+    "TENSOR_SHAPE_FIELDS": "trainer.train.continuation",
+    "bounded_number": "trainer.train.continuation",
+    "check_continuation": "trainer.train.continuation",
+    "model_config_record": "trainer.train.continuation",
+    "read_sessions": "trainer.train.continuation",
+    "saved_schedule": "trainer.train.continuation",
+    "schedule_changes": "trainer.train.continuation",
+    "schedule_of": "trainer.train.continuation",
+    "shape_value": "trainer.train.continuation",
+    "export_hf": "trainer.train.hf",
     "WorkerEnv": "trainer.train.loop",
     "WorkerResult": "trainer.train.loop",
     "run_worker": "trainer.train.loop",
+    "build_model": "trainer.train.model_build",
+    "next_token_loss": "trainer.train.model_build",
+    "describe_schedule": "trainer.train.optim",
+    "lr_at": "trainer.train.optim",
+    "optimizer_change": "trainer.train.optim",
+    "Session": "trainer.train.session",
+    "UsageError": "trainer.train.session",
+    "WorkerContext": "trainer.train.session",
+    "open_session": "trainer.train.session",
+    "run_directory": "trainer.train.session",
     "worker_context": "trainer.train.session",
+    "MIB": "trainer.train.sketch_measure",
+    "PlanReport": "trainer.train.sketch_measure",
+    "plan_and_measure": "trainer.train.sketch_measure",
+    "train_dtype": "trainer.train.sketch_measure",
+    "ORIGIN_KEY": "trainer.train.story",
+    "StoryRule": "trainer.train.story",
 }
 
-__all__ = ["Session", "UsageError", "WorkerContext", "WorkerEnv", "WorkerResult", "run_worker",
-           "worker_context"]
+__all__ = ["HF_MODEL_CONFIG_KEY", "MIB", "ORIGIN_KEY", "PlanReport", "RunDirError",
+           "SESSIONS_NAME", "Session", "StoryRule", "TENSOR_SHAPE_FIELDS", "UsageError",
+           "WorkerContext", "WorkerEnv", "WorkerResult", "bounded_number", "build_model",
+           "check_continuation", "describe_schedule", "export_hf", "lr_at", "model_config_record",
+           "next_token_loss", "open_session", "optimizer_change", "plan_and_measure",
+           "read_sessions", "run_directory", "run_worker", "saved_schedule", "schedule_changes",
+           "schedule_of", "shape_value", "train_dtype", "worker_context"]
 
 
 def __getattr__(name: str) -> Any:
@@ -56,5 +114,9 @@ def __getattr__(name: str) -> Any:
     if module is None:
         raise AttributeError(f"module 'trainer.train' has no attribute {name!r}")
     value = getattr(importlib.import_module(module), name)
-    globals()[name] = value
+    globals()[name] = value  # later look-ups skip this function
     return value
+
+
+def __dir__() -> list[str]:
+    return sorted([*globals(), *_LAZY])
