@@ -20,13 +20,13 @@ over ``lease/`` (one driver per run), ``store/`` (the run directory, the RAM tie
 ``state/`` (the registry, module state, layouts), ``format/`` (records and the checks every
 reader applies) and ``storage/`` (the storage layer, the project's leaf). ``portable/`` is the
 framework-neutral reader and writer of the format. Each room's ``__init__`` states its
-contract and its few public names; ``tests/project/test_imports.py`` keeps the import order
-(face > write, read, portable > coord > lease > store, state > format > errors and the
-shared pieces > storage).
+contract and the names other rooms import from it; ``tests/project/test_imports.py`` keeps
+the import order (face > write, read, portable > coord > lease > store, state > format >
+errors and the shared pieces > storage).
 
 The on-disk format is described in ``elastic/format/records.py`` and docs/snapshot-format.md.
 
-The names below are loaded on first use (PEP 562 ``__getattr__``), never at ``import elastic``:
+The names below, for users, load on first use (PEP 562), never at ``import elastic``:
 ``import elastic.storage`` (``data_state``'s one dependency) loads no torch and no Ray.
 """
 
@@ -46,7 +46,6 @@ if TYPE_CHECKING:
         SnapshotMisfitError,
         StorageUnavailableError,
     )
-    from elastic.faults import FaultInjector
     from elastic.lease import LeaseHeldError, LeaseLostError, RunLease
     from elastic.preemption import PreemptionWatcher
     from elastic.set_aside import restore_quarantined, rewind
@@ -54,12 +53,10 @@ if TYPE_CHECKING:
     from elastic.snapshotter import Snapshotter
     from elastic.state import SnapshotMismatchError, StateRegistry
     from elastic.store import SnapshotStore
-    from elastic.version import code_version
 
 # Public name -> the module that defines (or exposes) it.
 _LAZY = {
     "FatalRunError": "elastic.errors",
-    "FaultInjector": "elastic.faults",
     "FencedError": "elastic.errors",
     "LeaseHeldError": "elastic.lease",
     "LeaseLostError": "elastic.lease",
@@ -76,7 +73,6 @@ _LAZY = {
     "Snapshotter": "elastic.snapshotter",
     "StateRegistry": "elastic.state",
     "StorageUnavailableError": "elastic.errors",
-    "code_version": "elastic.version",
     "restore_quarantined": "elastic.set_aside",
     "rewind": "elastic.set_aside",
 }
@@ -84,7 +80,6 @@ _LAZY = {
 # Spelled out (not sorted(_LAZY)) so linters and IDEs see the names the stubs above import.
 __all__ = [
     "FatalRunError",
-    "FaultInjector",
     "FencedError",
     "LeaseHeldError",
     "LeaseLostError",
@@ -101,7 +96,6 @@ __all__ = [
     "Snapshotter",
     "StateRegistry",
     "StorageUnavailableError",
-    "code_version",
     "restore_quarantined",
     "rewind",
 ]
