@@ -13,6 +13,9 @@
   ``policy.py`` and the demo <-> the fit command were such circles, ``sketch_ops/dispatch.py``
   <-> ``seeds.py`` one under TYPE_CHECKING). Importing ``pkg.mod`` runs the package's
   ``__init__`` first; that implicit edge is not counted.
+* Faces are the doors: a module outside a room imports the room (``from elastic.store import
+  SnapshotStore``), never one of its modules; the room's ``__init__`` holds what other rooms
+  use, and every name it lists resolves. Tests may reach inside the room they test.
 """
 
 from __future__ import annotations
@@ -92,8 +95,26 @@ def _imports(module: str, path: Path, modules: dict[str, Path]) -> dict[str, int
                 anchor = package.split(".")[: len(package.split(".")) - node.level + 1]
                 base = ".".join(anchor + ([node.module] if node.module else []))
             for alias in node.names:
+                if base in modules and alias.name in _face_names(modules[base]):
+                    add(base, node.lineno)  # a name the package's face binds (a function
+                    continue  # may share its module's name: sketch_ops.norm_linear)
                 add(f"{base}.{alias.name}", node.lineno)  # a submodule, or a name in base
     return found
+
+
+def _face_names(path: Path) -> set[str]:
+    """The names an ``__init__`` binds by importing them, at top level or under
+    TYPE_CHECKING (a lazy face's names); empty for a plain module."""
+    if path.name != "__init__.py":
+        return set()
+    names: set[str] = set()
+    tree = ast.parse(path.read_text(), filename=str(path))
+    for node in tree.body:
+        body = node.body if isinstance(node, ast.If) else [node]
+        for statement in body:
+            if isinstance(statement, ast.ImportFrom):
+                names.update(alias.asname or alias.name for alias in statement.names)
+    return names
 
 
 def _import_graph() -> dict[str, dict[str, int]]:
@@ -158,6 +179,40 @@ def layer_violations(graph: dict[str, dict[str, int]], files: dict[str, Path], r
             problems.append(
                 f"{files[module].relative_to(root)}:{line}: {module} (layer {mine[1]}) "
                 f"imports {target} (layer {theirs[1]}), {where}")
+    return problems
+
+
+def _door(module: str, layers: Layers) -> tuple[str, str] | None:
+    """(room, door) of `module` under `layers`: its longest matching pattern, and the module
+    an import from outside that room must name (``pkg.room`` for ``pkg.room.*``; a single
+    module is its own door). None: no room."""
+    best: tuple[str, str] | None = None
+    for rooms in layers:
+        for room in rooms:
+            for pattern in room:
+                prefix = pattern.removesuffix(".*")
+                if module == prefix or (pattern.endswith(".*")
+                                        and module.startswith(prefix + ".")):
+                    if best is None or len(prefix) > len(best[1]):
+                        best = (room[0].removesuffix(".*"), prefix)
+    return best
+
+
+def face_violations(graph: dict[str, dict[str, int]], files: dict[str, Path], root: Path,
+                    layers: Layers) -> list[str]:
+    """One line per import that reaches past a room's face: a module imports a module inside
+    another room (`pkg.room.mod`) instead of the room itself (`from pkg.room import name`).
+    Inside its own room a module imports its neighbours directly."""
+    problems: list[str] = []
+    for module in sorted(graph):
+        mine = _door(module, layers)
+        for target, line in sorted(graph[module].items()):
+            theirs = _door(target, layers)
+            if theirs is None or target == theirs[1] or (mine is not None
+                                                        and mine[0] == theirs[0]):
+                continue  # outside every room, the room's door, or the module's own room
+            problems.append(f"{files[module].relative_to(root)}:{line}: {module} imports "
+                            f"{target}, inside {theirs[1]}: import it from {theirs[1]}")
     return problems
 
 
@@ -244,6 +299,44 @@ def test_imports_go_down_the_layers() -> None:
                           "or a lower layer):\n" + "\n".join(problems))
 
 
+def test_face_checker_reports_imports_past_a_face(tmp_path) -> None:
+    """The face check itself, on a tiny package: an import of a module inside another room
+    (at module level, inside a function, under TYPE_CHECKING) is reported with file and line;
+    one through the room's face, one of a single-module room and one between two modules of
+    the same room are not."""
+    modules = _write(tmp_path, {
+        "pkg": None,
+        "pkg.top": "from pkg.low.y import Y\nfrom pkg.low import Z\nfrom pkg import one\n",
+        "pkg.one": "def f():\n    import pkg.low.z\n",
+        "pkg.mid": None,
+        "pkg.mid.x": "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n"
+                     "    from pkg.low.y import Y\nfrom pkg.mid.w import W\n",
+        "pkg.mid.w": "from pkg.low import y\n",
+        "pkg.low": "from pkg.low.y import Y\nfrom pkg.low.z import Z\n",
+        "pkg.low.y": "from pkg.low.z import Z\nY = 1\n",
+        "pkg.low.z": "Z = 1\n",
+    })
+    layers: Layers = ((("pkg", "pkg.top", "pkg.one"),), (("pkg.mid.*",),), (("pkg.low.*",),))
+    graph = {m: _imports(m, p, modules) for m, p in modules.items()}
+    assert face_violations(graph, modules, tmp_path, layers) == [
+        "pkg/mid/w.py:1: pkg.mid.w imports pkg.low.y, inside pkg.low: import it from pkg.low",
+        "pkg/mid/x.py:3: pkg.mid.x imports pkg.low.y, inside pkg.low: import it from pkg.low",
+        "pkg/one.py:2: pkg.one imports pkg.low.z, inside pkg.low: import it from pkg.low",
+        "pkg/top.py:1: pkg.top imports pkg.low.y, inside pkg.low: import it from pkg.low",
+    ]
+
+
+def test_imports_from_outside_a_room_go_through_its_face() -> None:
+    """A module outside a room imports the room (its ``__init__``, the names other rooms use),
+    never one of its modules: `from elastic.format import Manifest`, not
+    `from elastic.format.records import Manifest`. The rooms are those of ``LAYERS`` and
+    ``ELASTIC_LAYERS``; a room of one module (``elastic.errors``) is its own face."""
+    graph, files = _import_graph(), _modules()
+    problems = face_violations(graph, files, ROOT, LAYERS + ELASTIC_LAYERS)
+    assert not problems, (f"{len(problems)} imports past a room's face:\n"
+                          + "\n".join(problems))
+
+
 def _passes_in_a_fresh_interpreter(code: str, *args: str) -> None:
     done = subprocess.run([sys.executable, "-c", code, *args], cwd=ROOT, capture_output=True,
                           text=True, timeout=600)
@@ -269,6 +362,34 @@ def test_the_command_line_needs_no_s3_stack() -> None:
             "from elastic.storage import storage_errors\n"
             "assert storage_errors() == (OSError,), storage_errors()\n")
     _passes_in_a_fresh_interpreter(code)
+
+
+def test_every_face_name_resolves() -> None:
+    """Each room's face (``__all__``) names objects that exist, the lazily loaded ones too
+    (an import through a face fails at the first use otherwise), and lists every name the
+    face binds."""
+    faces = sorted({pattern.removesuffix(".*") for rooms in LAYERS + ELASTIC_LAYERS
+                    for room in rooms for pattern in room if pattern.endswith(".*")}
+                   | {"elastic", "trainer"})
+    code = ("import importlib, sys\n"
+            "for name in sys.argv[1:]:\n"
+            "    face = importlib.import_module(name)\n"
+            "    missing = [n for n in face.__all__ if getattr(face, n, None) is None]\n"
+            "    assert not missing, (name, missing)\n")
+    _passes_in_a_fresh_interpreter(code, *faces)
+    modules = _modules()
+    for face in faces:
+        tree = ast.parse(modules[face].read_text())
+        bound = {alias.asname or alias.name for node in tree.body
+                 if isinstance(node, ast.ImportFrom) and node.module not in ("__future__",
+                                                                             "typing")
+                 for alias in node.names}
+        assigned = {target.id: node.value for node in tree.body if isinstance(node, ast.Assign)
+                    for target in node.targets if isinstance(target, ast.Name)}
+        if "_LAZY" in assigned:
+            bound |= set(ast.literal_eval(assigned["_LAZY"]))
+        listed = set(ast.literal_eval(assigned["__all__"]))
+        assert bound <= listed, (face, sorted(bound - listed))
 
 
 def test_the_elastic_face_names_resolve_without_loading_torch() -> None:
