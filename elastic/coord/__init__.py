@@ -24,7 +24,6 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 from elastic.coord.collect import delete_generation_files, remove_failed_manifest
-from elastic.coord.commit import CommitCore
 from elastic.coord.generation import (
     GENERATION_NAME,
     fencing_reason,
@@ -61,12 +60,12 @@ _LAZY = {
     "release_ram_stores": "elastic.coord.ray_actors",
 }
 
-__all__ = ["CommitCore", "CoordinatorClient", "FALLBACK", "FINISHED", "GENERATION_NAME",
-           "HEAD_NODE_RESOURCES", "LocalCoordinator", "NAMESPACE", "OFF", "REFORMING",
-           "RayCoordinatorClient", "Receipt", "StoreCoordinator", "TensorSpec", "coordinator_name",
-           "delete_generation_files", "fencing_reason", "find_coordinator",
-           "get_or_create_coordinator", "manifest_from_receipts", "ray_ram_tier",
-           "read_generation", "release_ram_stores", "remove_failed_manifest", "write_generation"]
+__all__ = ["CoordinatorClient", "FALLBACK", "FINISHED", "GENERATION_NAME", "HEAD_NODE_RESOURCES",
+           "LocalCoordinator", "NAMESPACE", "OFF", "REFORMING", "RayCoordinatorClient", "Receipt",
+           "StoreCoordinator", "TensorSpec", "coordinator_name", "delete_generation_files",
+           "fencing_reason", "find_coordinator", "get_or_create_coordinator",
+           "manifest_from_receipts", "ray_ram_tier", "read_generation", "release_ram_stores",
+           "remove_failed_manifest", "write_generation"]
 
 
 def __getattr__(name: str) -> Any:

@@ -21,9 +21,7 @@ committed, quarantining one); nothing of writing.
 from __future__ import annotations
 
 from elastic.read.byte_source import ByteSource
-from elastic.read.group_read import group_read_tensors
 from elastic.read.newest import restore_newest
-from elastic.read.restore import check_compatible, collector_paused, plan_targets, read_tensors
+from elastic.read.restore import collector_paused, read_tensors
 
-__all__ = ["ByteSource", "check_compatible", "collector_paused", "group_read_tensors",
-           "plan_targets", "read_tensors", "restore_newest"]
+__all__ = ["ByteSource", "collector_paused", "read_tensors", "restore_newest"]

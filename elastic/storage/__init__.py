@@ -37,12 +37,7 @@ from elastic.storage.byte_ranges import (
     READ_INTO_MAX_WASTE,
     merge_ranges,
 )
-from elastic.storage.errors import (
-    ShortReadError,
-    SnapshotIntegrityError,
-    StorageUnavailableError,
-    TruncatedError,
-)
+from elastic.storage.errors import SnapshotIntegrityError, StorageUnavailableError, TruncatedError
 from elastic.storage.json_bounds import (
     INT64,
     MAX_JSON_BYTES,
@@ -68,13 +63,13 @@ from elastic.storage.outputs import (
 from elastic.storage.plain_files import RefusedEntryError, check_below, open_append, output_problem
 from elastic.storage.retry import storage_errors
 from elastic.storage.spares import SPARE_DIR, retire
-from elastic.storage.storage_io import IOStats, Storage, absolute_uri
+from elastic.storage.storage_io import Storage, absolute_uri
 
-__all__ = ["DATASET_MARKER", "INT64", "IOStats", "JSONBoundsError", "MAX_JSON_BYTES",
-           "MAX_SPAN_BYTES", "MERGE_HOLE_BYTES", "READ_INTO_MAX_WASTE", "RUN_MARKERS",
-           "RefusedEntryError", "SPARE_DIR", "ShortReadError", "SnapshotIntegrityError", "Storage",
-           "StorageUnavailableError", "TruncatedError", "absolute_uri", "check_below",
-           "dataset_output_problem", "directory_output_problem", "file_output_problem",
-           "finite_number", "fsync_dir", "is_int64", "loads_json", "merge_ranges",
-           "merged_directory", "new_directory", "open_append", "output_location", "output_problem",
-           "replaced_file", "retire", "storage_errors"]
+__all__ = ["DATASET_MARKER", "INT64", "JSONBoundsError", "MAX_JSON_BYTES", "MAX_SPAN_BYTES",
+           "MERGE_HOLE_BYTES", "READ_INTO_MAX_WASTE", "RUN_MARKERS", "RefusedEntryError",
+           "SPARE_DIR", "SnapshotIntegrityError", "Storage", "StorageUnavailableError",
+           "TruncatedError", "absolute_uri", "check_below", "dataset_output_problem",
+           "directory_output_problem", "file_output_problem", "finite_number", "fsync_dir",
+           "is_int64", "loads_json", "merge_ranges", "merged_directory", "new_directory",
+           "open_append", "output_location", "output_problem", "replaced_file", "retire",
+           "storage_errors"]

@@ -19,6 +19,6 @@ command module imports Ray and the S3 stack only inside the command that needs t
 
 from __future__ import annotations
 
-from trainer.cli.main import build_parser, main, one_line
+from trainer.cli.main import build_parser, main
 
-__all__ = ["build_parser", "main", "one_line"]
+__all__ = ["build_parser", "main"]

@@ -25,20 +25,16 @@ from __future__ import annotations
 
 from trainer.config.checks import ConfigError
 from trainer.config.model import (
-    HF_INSTALL_HINT,
-    MLP_RECOMPUTE,
     ModelConfig,
     SketchConfig,
     check_local_source,
-    config_file,
     hf_source_field,
     raw_hf_config,
     require_transformers,
 )
-from trainer.config.recipe import FitConfig, apply_override, callable_name, from_dict, load_recipe
+from trainer.config.recipe import FitConfig, apply_override, from_dict, load_recipe
 from trainer.config.recovery import RecoveryConfig
 from trainer.config.training import (
-    OPTIMIZERS,
     PRECISIONS,
     SCHEDULES,
     DataConfig,
@@ -50,10 +46,8 @@ from trainer.config.training import (
     SnapshotConfig,
 )
 
-__all__ = [
-    "HF_INSTALL_HINT", "MLP_RECOMPUTE", "OPTIMIZERS", "PRECISIONS", "SCHEDULES", "ConfigError",
-    "DataConfig", "EvalConfig", "FitConfig", "LoggingConfig", "ModelConfig", "OptimConfig",
-    "PrecisionConfig", "RecoveryConfig", "ScalingSettings", "SketchConfig", "SnapshotConfig",
-    "apply_override", "callable_name", "check_local_source", "config_file", "from_dict",
-    "hf_source_field", "load_recipe", "raw_hf_config", "require_transformers",
-]
+__all__ = ["ConfigError", "DataConfig", "EvalConfig", "FitConfig", "LoggingConfig", "ModelConfig",
+           "OptimConfig", "PRECISIONS", "PrecisionConfig", "RecoveryConfig", "SCHEDULES",
+           "ScalingSettings", "SketchConfig", "SnapshotConfig", "apply_override",
+           "check_local_source", "from_dict", "hf_source_field", "load_recipe", "raw_hf_config",
+           "require_transformers"]

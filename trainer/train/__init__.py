@@ -49,7 +49,7 @@ if TYPE_CHECKING:
         shape_value,
     )
     from trainer.train.hf import export_hf
-    from trainer.train.loop import WorkerEnv, WorkerResult, run_worker
+    from trainer.train.loop import WorkerEnv, run_worker
     from trainer.train.model_build import build_model, next_token_loss
     from trainer.train.optim import describe_schedule, lr_at, optimizer_change
     from trainer.train.session import (
@@ -79,7 +79,6 @@ _LAZY = {
     "shape_value": "trainer.train.continuation",
     "export_hf": "trainer.train.hf",
     "WorkerEnv": "trainer.train.loop",
-    "WorkerResult": "trainer.train.loop",
     "run_worker": "trainer.train.loop",
     "build_model": "trainer.train.model_build",
     "next_token_loss": "trainer.train.model_build",
@@ -102,11 +101,11 @@ _LAZY = {
 
 __all__ = ["HF_MODEL_CONFIG_KEY", "MIB", "ORIGIN_KEY", "PlanReport", "RunDirError",
            "SESSIONS_NAME", "Session", "StoryRule", "TENSOR_SHAPE_FIELDS", "UsageError",
-           "WorkerContext", "WorkerEnv", "WorkerResult", "bounded_number", "build_model",
-           "check_continuation", "describe_schedule", "export_hf", "lr_at", "model_config_record",
-           "next_token_loss", "open_session", "optimizer_change", "plan_and_measure",
-           "read_sessions", "run_directory", "run_worker", "saved_schedule", "schedule_changes",
-           "schedule_of", "shape_value", "train_dtype", "worker_context"]
+           "WorkerContext", "WorkerEnv", "bounded_number", "build_model", "check_continuation",
+           "describe_schedule", "export_hf", "lr_at", "model_config_record", "next_token_loss",
+           "open_session", "optimizer_change", "plan_and_measure", "read_sessions",
+           "run_directory", "run_worker", "saved_schedule", "schedule_changes", "schedule_of",
+           "shape_value", "train_dtype", "worker_context"]
 
 
 def __getattr__(name: str) -> Any:
