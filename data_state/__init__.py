@@ -97,9 +97,8 @@ def __getattr__(name: str) -> Any:
     if target is None:
         raise AttributeError(f"module 'data_state' has no attribute {name!r}")
     module, _, attr = target.partition(":")
-    value = getattr(importlib.import_module(module), attr or name)
-    globals()[name] = value  # later look-ups skip this function
-    return value
+    # Looked up each time, not cached here: the name stays its module's (a patch is seen).
+    return getattr(importlib.import_module(module), attr or name)
 
 
 def __dir__() -> list[str]:

@@ -112,9 +112,8 @@ def __getattr__(name: str) -> Any:
     module = _LAZY.get(name)
     if module is None:
         raise AttributeError(f"module 'trainer.train' has no attribute {name!r}")
-    value = getattr(importlib.import_module(module), name)
-    globals()[name] = value  # later look-ups skip this function
-    return value
+    # Looked up each time, not cached here: the name stays its module's (a patch is seen).
+    return getattr(importlib.import_module(module), name)
 
 
 def __dir__() -> list[str]:
