@@ -31,6 +31,7 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from trainer.on_jax.export import export_npz, export_orbax
+    from trainer.on_jax.layout_map import LayoutMap, Rule
     from trainer.on_jax.load_checks import SketchNotCarriedWarning
     from trainer.on_jax.state import JaxTrainState, load_train_state, save_train_state
 
@@ -38,14 +39,16 @@ if TYPE_CHECKING:
 _LAZY = {
     "export_npz": "trainer.on_jax.export",
     "export_orbax": "trainer.on_jax.export",
+    "LayoutMap": "trainer.on_jax.layout_map",
+    "Rule": "trainer.on_jax.layout_map",
     "SketchNotCarriedWarning": "trainer.on_jax.load_checks",
     "JaxTrainState": "trainer.on_jax.state",
     "load_train_state": "trainer.on_jax.state",
     "save_train_state": "trainer.on_jax.state",
 }
 
-__all__ = ["JaxTrainState", "SketchNotCarriedWarning", "export_npz", "export_orbax",
-           "load_train_state", "save_train_state"]
+__all__ = ["JaxTrainState", "LayoutMap", "Rule", "SketchNotCarriedWarning", "export_npz",
+           "export_orbax", "load_train_state", "save_train_state"]
 
 
 def __getattr__(name: str) -> Any:

@@ -50,6 +50,7 @@ if TYPE_CHECKING:
     )
     from trainer.train.hf import export_hf
     from trainer.train.loop import WorkerEnv, run_worker
+    from trainer.train.model import GPT, SKETCH_LAYERS
     from trainer.train.model_build import build_model, next_token_loss
     from trainer.train.optim import describe_schedule, lr_at, optimizer_change
     from trainer.train.session import (
@@ -80,6 +81,8 @@ _LAZY = {
     "export_hf": "trainer.train.hf",
     "WorkerEnv": "trainer.train.loop",
     "run_worker": "trainer.train.loop",
+    "GPT": "trainer.train.model",
+    "SKETCH_LAYERS": "trainer.train.model",
     "build_model": "trainer.train.model_build",
     "next_token_loss": "trainer.train.model_build",
     "describe_schedule": "trainer.train.optim",
@@ -99,13 +102,13 @@ _LAZY = {
     "StoryRule": "trainer.train.story",
 }
 
-__all__ = ["HF_MODEL_CONFIG_KEY", "MIB", "ORIGIN_KEY", "PlanReport", "RunDirError",
-           "SESSIONS_NAME", "Session", "StoryRule", "TENSOR_SHAPE_FIELDS", "UsageError",
-           "WorkerContext", "WorkerEnv", "bounded_number", "build_model", "check_continuation",
-           "describe_schedule", "export_hf", "lr_at", "model_config_record", "next_token_loss",
-           "open_session", "optimizer_change", "plan_and_measure", "read_sessions",
-           "run_directory", "run_worker", "saved_schedule", "schedule_changes", "schedule_of",
-           "shape_value", "train_dtype", "worker_context"]
+__all__ = ["GPT", "HF_MODEL_CONFIG_KEY", "MIB", "ORIGIN_KEY", "PlanReport", "RunDirError",
+           "SESSIONS_NAME", "SKETCH_LAYERS", "Session", "StoryRule", "TENSOR_SHAPE_FIELDS",
+           "UsageError", "WorkerContext", "WorkerEnv", "bounded_number", "build_model",
+           "check_continuation", "describe_schedule", "export_hf", "lr_at", "model_config_record",
+           "next_token_loss", "open_session", "optimizer_change", "plan_and_measure",
+           "read_sessions", "run_directory", "run_worker", "saved_schedule", "schedule_changes",
+           "schedule_of", "shape_value", "train_dtype", "worker_context"]
 
 
 def __getattr__(name: str) -> Any:
