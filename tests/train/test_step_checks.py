@@ -10,10 +10,11 @@ A new user converting a Ray Train loop keeps some of its habits; each trained on
 3. the per-rank batch size (`global_batch // world_size`) kept changes the global batch when
    the world size changes: a continuation at another `batch_size` than the snapshot's is
    refused naming both (`allow_batch_change=True` continues, with a warning);
-4. the loop's own gradient accumulation at an uneven split all-reduces a different number of
-   times on each rank, which hung DDP: every rank fails in one line, with plain DDP (ranks in
-   one gloo group) and under in-process recovery (each worker a group of its own, the
-   gradients reduced by Baton's hook on the membership's group); the fix it names
+4. the loop's own gradient accumulation at an uneven split runs a different number of
+   collectives on each rank, which hung DDP and FSDP2: every rank fails in one line, with plain
+   DDP or FSDP2 (ranks in one gloo group) and, for DDP, under in-process recovery (each
+   worker a group of its own, the gradients reduced by Baton's hook on the membership's
+   group); the fix it names
    (`loader.microbatches`) trains on at the same split, and an agreement whose collective
    failed (a member lost: the step is redone) refuses nothing.
 """
@@ -31,6 +32,7 @@ import torch
 import torch.distributed as dist
 from recovery_harness import serve
 from torch import nn
+from torch.distributed.fsdp import fully_shard
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader, TensorDataset
 
@@ -209,11 +211,17 @@ def test_a_continuation_at_another_global_batch_is_refused_naming_both(
 
 
 def _accumulating(rank: int, world_size: int, run: str, out: str, batch_size: int,
-                  microbatch_size: int, piece: int) -> None:
-    """The docs' loop at `world_size` ranks (DDP), accumulating over pieces of `piece`
-    samples by itself (0: with `loader.microbatches`); writes how it ended."""
+                  microbatch_size: int, piece: int, layout: str = "ddp") -> None:
+    """The docs' loop at `world_size` ranks (DDP, or FSDP2: `layout="fsdp"`), accumulating
+    over pieces of `piece` samples by itself (0: with `loader.microbatches`); writes how it
+    ended."""
     model, optimizer, schedule = _parts()
-    model = DistributedDataParallel(model)
+    if layout == "fsdp":
+        fully_shard(model)  # in place; the optimizer's parameters become the shards
+        optimizer = torch.optim.AdamW(model.parameters(), lr=optimizer.defaults["lr"])
+        schedule = torch.optim.lr_scheduler.StepLR(optimizer, 3, gamma=0.8)
+    else:
+        model = DistributedDataParallel(model)
     session = Session(model, optimizer, schedule, run_uri=run, snapshot_every=2)
     loader = session.data_loader(_dataset(), batch_size=batch_size,
                                  microbatch_size=microbatch_size, seed=1)
@@ -238,36 +246,45 @@ def _outcomes(out: Path, world_size: int) -> list[dict[str, Any]]:
     return [json.loads((out / f"rank{r}.json").read_text()) for r in range(world_size)]
 
 
-def _assert_refused(outcomes: list[dict[str, Any]], passes: list[int]) -> None:
+def _assert_refused(outcomes: list[dict[str, Any]], passes: list[int],
+                    layout: str = "ddp") -> None:
+    would, done = (("would gather the sharded parameters", "gathered its sharded parameters")
+                   if layout == "fsdp" else ("would all-reduce", "all-reduced its gradients"))
     for rank, outcome in enumerate(outcomes):
         message = outcome["error"]
         assert message is not None and "\n" not in message, outcomes
         assert message.startswith("step 1: this rank holds"), message
-        assert "loader.microbatches([x, y])" in message and "DDP hangs" in message
+        assert "loader.microbatches([x, y])" in message
+        assert f"({'FSDP2' if layout == 'fsdp' else 'DDP'} hangs)" in message, message
         if passes[rank] == max(passes):
-            assert f"its forward pass {max(passes)} would all-reduce" in message, message
+            assert f"its forward pass {max(passes)} {would}" in message, message
         else:
-            assert f"all-reduced its gradients {passes[rank]} time(s), another rank " \
-                   f"{max(passes)}" in message, message
+            assert f"{done} {passes[rank]} time(s), another rank {max(passes)}" in message, \
+                message
 
 
 @pytest.mark.timeout(240)
+@pytest.mark.parametrize("layout", ["ddp", "fsdp"])
 def test_the_loops_own_accumulation_at_an_uneven_split_fails_in_one_line_on_every_rank(
-    tmp_path: Path,
+    tmp_path: Path, layout: str,
 ) -> None:
     # 8 samples in 4 microbatches of 2 on 3 ranks: 2, 2 and 4 samples; pieces of 2 make
-    # rank 2 all-reduce twice where the others do once (before: every rank hung).
+    # rank 2 run two passes where the others run one: DDP all-reduces, FSDP2 gathers the
+    # parameters, once more on rank 2 (before: every rank hung).
     out = tmp_path / "uneven"
     out.mkdir()
-    run_group(_accumulating, 3, str(tmp_path / "a"), str(out), 8, 2, 2, tmp_dir=str(tmp_path))
-    _assert_refused(_outcomes(out, 3), passes=[1, 1, 2])
+    run_group(_accumulating, 3, str(tmp_path / "a"), str(out), 8, 2, 2, layout,
+              tmp_dir=str(tmp_path))
+    _assert_refused(_outcomes(out, 3), passes=[1, 1, 2], layout=layout)
     assert SnapshotStore(str(tmp_path / "a")).committed_steps() == []
 
     # The fix it names trains on: `loader.microbatches` at the same split, where every rank
-    # all-reduces once per step (rank 2's first piece under no_sync()).
+    # runs the same collectives (DDP: rank 2's first piece under no_sync(); FSDP2: the
+    # others add a zero-weight pass).
     out = tmp_path / "fixed"
     out.mkdir()
-    run_group(_accumulating, 3, str(tmp_path / "b"), str(out), 8, 2, 0, tmp_dir=str(tmp_path))
+    run_group(_accumulating, 3, str(tmp_path / "b"), str(out), 8, 2, 0, layout,
+              tmp_dir=str(tmp_path))
     steps = ITEMS // 8
     assert [(o["error"], o["step"]) for o in _outcomes(out, 3)] == [(None, steps)] * 3
     assert SnapshotStore(str(tmp_path / "b")).committed_steps()[-1] == steps

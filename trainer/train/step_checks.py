@@ -21,13 +21,13 @@ line naming the mistake and the fix.
   batch than the snapshot's session trained at (`trainer.train.story.DataOrigin`) is refused
   naming both; `allow=True` continues with a warning; a snapshot without one is not checked.
 - `SyncPasses(model)`: at a step with an uneven split, the ranks of a DDP model agree on every
-  forward pass that will all-reduce gradients and, at the step's end, on how many there were
-  (one `MAX` all-reduce of `[n, -n]` through `elastic.collectives`), placed so that a rank with
-  one pass more meets the others' end-of-step agreement, not their next collective: every rank
-  fails in one line instead of hanging (where it runs and why: docs/design.md, "Step checks").
-  The fix it names is `loader.microbatches`. Even splits pay nothing; an agreement whose
-  collective failed (in-process recovery lost a member: the step is redone) refuses nothing. An
-  FSDP2 model is not watched.
+  forward pass that will all-reduce gradients (of an FSDP2 model, on every forward pass: each
+  gathers the sharded parameters) and, at the step's end, on how many there were (one `MAX`
+  all-reduce of `[n, -n]` through `elastic.collectives`), placed so that a rank with one pass
+  more meets the others' end-of-step agreement, not their next collective: every rank fails in
+  one line instead of hanging (docs/design.md, "Step checks"). The fix it names is
+  `loader.microbatches`. Even splits pay nothing; an agreement whose collective failed
+  (in-process recovery lost a member: the step is redone) refuses nothing.
 """
 
 from __future__ import annotations
@@ -38,6 +38,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.fsdp import FSDPModule
 from torch.nn.parallel import DistributedDataParallel
 
 from data_state import share
@@ -47,7 +48,7 @@ from trainer.train.session_setup import UsageError
 log = logging.getLogger("baton.session")
 
 _ACCUMULATE = ("split the batch with `for x_part, y_part in loader.microbatches([x, y]):` "
-               "instead, which all-reduces once per step on every rank")
+               "instead, which runs the same collectives on every rank")
 
 
 class OptimizerSteps:
@@ -121,10 +122,16 @@ class SyncPasses:
         self._passes = 0
         self._counted = False  # the wrapper's hook counted the forward now running
         self._where = ""  # the step and this rank's share, for the message
-        self._hooks = [
-            model.register_forward_pre_hook(self._before_wrapper, prepend=True),
-            model.module.register_forward_pre_hook(self._before_module, prepend=True),
-        ] if isinstance(model, DistributedDataParallel) else []
+        self._hooks: list[Any] = []
+        # What each pass does collectively, for the messages.
+        self._sharded = isinstance(model, FSDPModule)
+        if isinstance(model, DistributedDataParallel):
+            self._hooks = [
+                model.register_forward_pre_hook(self._before_wrapper, prepend=True),
+                model.module.register_forward_pre_hook(self._before_module, prepend=True),
+            ]
+        elif self._sharded:  # before FSDP2's own pre-forward hook and its all-gather
+            self._hooks = [model.register_forward_pre_hook(self._before_sharded, prepend=True)]
 
     def begin(self, step: int, armed: bool, samples: int, step_samples: int) -> None:
         """A batch was handed out: count its passes (`armed`: at an uneven split)."""
@@ -139,11 +146,11 @@ class SyncPasses:
         self._armed = False
         low, high = _agree(self._passes)
         if low != high:
+            done = ("gathered its sharded parameters" if self._sharded
+                    else "all-reduced its gradients")
             raise UsageError(
-                f"{self._where} and all-reduced its gradients {self._passes} time(s), another "
-                f"rank {high if high != self._passes else low}: a loop's own gradient "
-                f"accumulation at an uneven split all-reduces a different number of times on "
-                f"each rank (DDP hangs); {_ACCUMULATE}")
+                f"{self._where} and {done} {self._passes} time(s), another rank "
+                f"{high if high != self._passes else low}: {self._why()}")
 
     def close(self) -> None:
         for hook in self._hooks:
@@ -159,6 +166,10 @@ class SyncPasses:
             self._counted = True
             self._count()
 
+    def _before_sharded(self, module: nn.Module, args: Any) -> None:
+        if self._armed:  # with or without gradients, an FSDP2 forward all-gathers
+            self._count()
+
     def _before_module(self, module: nn.Module, args: Any) -> None:
         if self._counted:
             self._counted = False
@@ -170,11 +181,16 @@ class SyncPasses:
         low, high = _agree(self._passes)
         if low != high:
             self._armed, self._counted = False, False  # the step failed: nothing more to agree
+            would = ("would gather the sharded parameters" if self._sharded
+                     else "would all-reduce gradients")
             raise UsageError(
-                f"{self._where}; its forward pass {self._passes} would all-reduce gradients "
-                f"while another rank ended the step after {low}: a loop's own gradient "
-                f"accumulation at an uneven split all-reduces a different number of times on "
-                f"each rank (DDP hangs); {_ACCUMULATE}")
+                f"{self._where}; its forward pass {self._passes} {would} while another rank "
+                f"ended the step after {low}: {self._why()}")
+
+    def _why(self) -> str:
+        layout = "FSDP2" if self._sharded else "DDP"
+        return (f"a loop's own gradient accumulation at an uneven split runs a different "
+                f"number of collectives on each rank ({layout} hangs); {_ACCUMULATE}")
 
 
 def _agree(value: int) -> tuple[int, int]:
