@@ -163,17 +163,20 @@ def test_a_replacement_that_comes_after_the_last_commit_trains_nothing(
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("parallelism", ["ddp", "fsdp"])
 def test_a_worker_that_hangs_is_left_out_and_comes_back_as_a_joiner(
-        tmp_path: Path, tiny_dataset: str, uninterrupted: Path) -> None:
+        tmp_path: Path, tiny_dataset: str, uninterrupted: Path, parallelism: str) -> None:
     """A collective that hangs instead of failing: the others wait at most
     `recovery.collective_timeout_s`, re-form without the silent worker, and when it wakes up
-    it is fenced (its generation is over) and joins again, taking their state."""
+    it is fenced (its generation is over) and joins again, taking their state (FSDP2: all
+    restore the commit the members made to let it in). Never a fallback: the member left out
+    is the one that was silent."""
     run = tmp_path / "run"
     coordinator = _coordinator(run, 3)
     workers = [Worker("a", 0), Worker("b", 1),
                Worker("c", 2, Fault(stop_at=9, resume_after_s=3.0))]
-    records = run_workers(coordinator, workers, _overrides(run, tiny_dataset, timeout_s=2.0),
-                          tmp_path / "out", pace_s=0.5)
+    overrides = [*_overrides(run, tiny_dataset, timeout_s=2.0), f'parallelism="{parallelism}"']
+    records = run_workers(coordinator, workers, overrides, tmp_path / "out", pace_s=0.5)
 
     ends = _ends(records)
     for member in ("a", "b", "c"):

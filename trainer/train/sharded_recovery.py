@@ -20,7 +20,7 @@ Contract:
     since it (P6);
   * joiners wait (the members agreed at a step boundary, committed that step and ended their
     session: `WorkerResult.rejoin`): the members re-form with them and all restore that commit,
-    nothing redone.
+    nothing redone. A member the others left out (silent too long: fenced) joins again so.
   Each re-forming is handed to `on_recovery` (reason, world sizes, seconds, steps redone). A
   failure while re-forming, or a membership that cannot form, raises `RecoveryFailedError`
   after telling every member to fall back (Ray Train then restarts the whole group).
@@ -37,6 +37,8 @@ from typing import Any, Protocol, TypeVar
 import torch.distributed as dist
 
 from elastic.recovery import (
+    FencedError,
+    LeftBehindError,
     Member,
     MemberSettings,
     RecoveryFailedError,
@@ -132,6 +134,12 @@ class ShardedRecovery:
             dist.destroy_process_group()  # close its connections: peers still in it fail now
         try:
             view = self.member.reform(reason)
+        except FencedError as err:
+            # Left out (it did not answer in time): the others train on without it. Join
+            # again, as a replacement does: let in at their next step boundary (after they
+            # commit it), everyone restores that commit.
+            log.warning("%s; joining the training group again", err)
+            view = self._rejoin()
         except RecoveryFailedError as err:
             self.member.fall_back(str(err))
             raise
@@ -147,6 +155,17 @@ class ShardedRecovery:
         self.recoveries.append(record)
         if on_recovery is not None and record["rank"] == 0:
             on_recovery(dict(record))
+
+    def _rejoin(self) -> dict[str, Any]:
+        try:
+            view = self.member.join()
+        except RecoveryFailedError as err:
+            self.member.fall_back(str(err))
+            raise
+        if view is None:  # the others finished meanwhile: nothing left to train here
+            raise LeftBehindError("this worker was left out of the training group and the run "
+                                  "finished without it")
+        return view
 
     def _form(self, view: dict[str, Any], what: str) -> None:
         try:
