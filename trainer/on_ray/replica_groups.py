@@ -20,8 +20,8 @@ Contract:
     finished is done (a replacement still pending is given up);
   * a worker that died (its process or node) while others train on is not charged to
     `max_failures` (an error a worker raised is).
-  When every live replica group fails, the whole group restarts as before (the fallback of
-  in-process recovery), sized by `trainer.on_ray.scaling`.
+  When every live replica group fails, or in-process recovery fell back (`replace_alone`),
+  the whole group restarts as before, sized by `trainer.on_ray.scaling`.
 It subclasses Ray Train V2 internals (`TrainController`, `_TorchBackend`), hence the pinned
 Ray range; `tests/ray/test_trainer_elastic.py` runs it on a local multi-node cluster.
 """
@@ -29,9 +29,10 @@ Ray range; `tests/ray/test_trainer_elastic.py` runs it on a local multi-node clu
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
-from typing import Any
+from typing import Any, cast
 
 import ray
 from ray.exceptions import RayActorError
@@ -53,7 +54,7 @@ from ray.train.v2._internal.execution.scaling_policy import (
 from ray.train.v2._internal.execution.worker_group import ReplicaGroup
 from ray.train.v2._internal.execution.worker_group.poll import WorkerGroupPollStatus
 
-from elastic.coord import NAMESPACE, coordinator_name
+from elastic.coord import FALLBACK, NAMESPACE, coordinator_name
 
 logger = logging.getLogger("ray.train.baton_replicas")
 
@@ -99,6 +100,13 @@ class MembershipStart(ControllerCallback):
                                     namespace=NAMESPACE)
         ray.get(coordinator.membership_reset.remote(num_workers))
 
+    def fell_back(self) -> bool:
+        """In-process recovery gave up (every member is ending its worker)."""
+        coordinator = ray.get_actor(coordinator_name(self.run_uri, self.lease_token),
+                                    namespace=NAMESPACE)
+        health = cast(dict[str, Any], ray.get(coordinator.health.remote(), timeout=10))
+        return bool(health.get("membership", {}).get("phase") == FALLBACK)
+
 
 class ReplicaGroupController(TrainController):
     """See the module docstring."""
@@ -128,7 +136,7 @@ class ReplicaGroupController(TrainController):
         status = group.get_latest_poll_status() if group is not None else None
         failing = (status.failing_replica_group_indices - self._down) if status else set()
         live = (status.all_replica_group_indices - self._down) if status else set()
-        if group is not None and failing and failing != live:
+        if group is not None and replace_alone(failing, live, self._fell_back):
             for index in sorted(failing):
                 self._shut_down(index)
             logger.info("Baton: replica group(s) %s lost; the others train on, each is "
@@ -146,6 +154,13 @@ class ReplicaGroupController(TrainController):
         return TrainControllerLoopIterationResult(run_attempt_id=self._get_run_attempt_id(),
                                                   previous_state=self._state,
                                                   next_state=RunningState())
+
+    def _fell_back(self) -> bool:
+        try:
+            return self._membership is not None and self._membership.fell_back()
+        except Exception:  # noqa: BLE001 - no coordinator to ask: nothing to fall back from
+            logger.warning("Baton: could not read the membership's phase", exc_info=True)
+            return False
 
     # ------------------------------------------------------------------ down groups
 
@@ -201,6 +216,15 @@ class ReplicaGroupController(TrainController):
         if statuses and 0 not in statuses:  # Ray Train reads the return value at rank 0
             statuses[0] = statuses[min(statuses)]
         return replace(status, worker_statuses=statuses)
+
+
+def replace_alone(failing: set[int], live: set[int], fell_back: Callable[[], bool]) -> bool:
+    """Whether the failing replica groups are replaced alone while the others train on: some,
+    not all, of the live ones fail, and in-process recovery has not fallen back. After a
+    fallback every member ends its worker, but not within one poll: replacing the first ones
+    alone would let them join a membership that refuses them, again and again, and the run
+    would end at `max_failures`; the whole group restarts instead, with a fresh membership."""
+    return bool(failing) and failing != live and not fell_back()
 
 
 class _HoldSizeWhileDown:
