@@ -115,15 +115,17 @@ def broadcast(tensor: torch.Tensor, src: int) -> None:
         dist.broadcast(tensor, src=src)
 
 
-def all_gather(outputs: list[torch.Tensor], tensor: torch.Tensor) -> None:
-    """Every rank's ``tensor`` (all of one shape) into ``outputs``, by rank."""
+def all_gather(outputs: list[torch.Tensor], tensor: torch.Tensor) -> bool:
+    """Every rank's ``tensor`` (all of one shape) into ``outputs``, by rank. False when an
+    installed group's collective failed (a member lost): ``outputs`` are then not to be
+    trusted; torch.distributed's default group raises instead."""
     if not grouped():
         outputs[0].copy_(tensor)
-        return
+        return True
     if _installed is not None:
-        _installed.all_gather(outputs, tensor)
-    else:
-        dist.all_gather(outputs, tensor)
+        return _installed.all_gather(outputs, tensor) is not False
+    dist.all_gather(outputs, tensor)
+    return True
 
 
 def exchange(sends: list[tuple[torch.Tensor, int, int]],

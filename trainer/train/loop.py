@@ -40,7 +40,14 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from data_state import CursorRangeError, DatasetError, Microbatch, ResumableLoader, TokenDataset
+from data_state import (
+    CursorRangeError,
+    DataCursor,
+    DatasetError,
+    Microbatch,
+    ResumableLoader,
+    TokenDataset,
+)
 from elastic.coord import CoordinatorClient
 from elastic.errors import FatalRunError
 from sketch_ops import sketch_seed
@@ -253,13 +260,18 @@ def train_step(cfg: FitConfig, env: WorkerEnv, built: Built, step: int) -> tuple
 
 def record(cfg: FitConfig, env: WorkerEnv, built: Built, step: int, loss: float,
            samples: list[int], *, started: float, stall_s: float,
-           all_samples: bool = False) -> dict[str, Any]:
+           all_samples: bool = False, cursor: DataCursor | None = None) -> dict[str, Any]:
     """The metrics of completed step `step` (1-based), evaluated when due, handed to rank 0's
     `on_metrics` and, on snapshot steps, to every rank's `report`. `all_samples`: `samples`
-    are already the whole step's (not this rank's share)."""
+    are already the whole step's (not this rank's share). `cursor`: the data position at the
+    step's start, whose planned samples stand in when a member was lost during the gather
+    (the step itself counted: its all-reduces went through)."""
     if env.record_samples and not all_samples:  # every rank's samples, for the audit
         per_rank = -(-cfg.data.num_microbatches // env.world_size) * cfg.data.microbatch_size
-        samples = gather_samples(samples, per_rank, env.device)
+        gathered = gather_samples(samples, per_rank, env.device)
+        if gathered is None and cursor is not None:
+            gathered = built.loader.global_samples(cursor)
+        samples = gathered if gathered is not None else samples
     evaluated = bool(cfg.eval.every) and step % cfg.eval.every == 0
     val_loss = None
     if evaluated:
@@ -348,7 +360,7 @@ def _run_session(cfg: FitConfig, env: WorkerEnv, *, announce: bool,
                     late.failed(step, cursor, loss, started)
                     continue
                 metrics = record(cfg, env, built, step + 1, loss, samples, started=started,
-                                 stall_s=session.stall_s - stalled)
+                                 stall_s=session.stall_s - stalled, cursor=cursor)
                 if progress is not None:
                     progress.reached = step + 1
                 stalled = session.stall_s

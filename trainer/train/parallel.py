@@ -116,12 +116,15 @@ def all_reduce_sum(values: list[float], device: torch.device) -> list[float]:
     return tensor.tolist()
 
 
-def gather_samples(mine: list[int], max_per_rank: int, device: torch.device) -> list[int]:
-    """Every rank's sample indices of a step, on every rank, sorted (for the data audit)."""
+def gather_samples(mine: list[int], max_per_rank: int, device: torch.device) -> list[int] | None:
+    """Every rank's sample indices of a step, on every rank, sorted (for the data audit);
+    None when in-process recovery's group lost a member during the gather (what arrived is
+    partial)."""
     if not collectives.grouped():
         return sorted(mine)
     padded = torch.full((max_per_rank,), -1, dtype=torch.int64, device=device)
     padded[: len(mine)] = torch.tensor(mine, dtype=torch.int64)
     gathered = [torch.full_like(padded, -1) for _ in range(collectives.world_size())]
-    collectives.all_gather(gathered, padded)
+    if not collectives.all_gather(gathered, padded):
+        return None
     return sorted(int(i) for i in torch.cat(gathered).tolist() if i >= 0)
