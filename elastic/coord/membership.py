@@ -11,10 +11,13 @@ it, as plain data, so the protocol tests with a fake clock and no process group:
   *joiner* (a replacement) that waits to be let in at the members' next step boundary.
   Joiners are counted in every view (``joiners``), so the members see them.
 * ``beat(member, generation)``, every ``beat_s`` from each member and waiting joiner: it tells
-  gone from slow, and tells members of joiners, a reform in progress, a fallback.
+  gone from slow, and tells members of joiners, a reform in progress, a fallback. A member is
+  *gone* once silent for ``dead_after_s`` or, if longer, ``slow_margin`` times the longest gap
+  between its recent beats (capped at ``reform_wait_s``): on a loaded machine, where beats
+  come late, a live member is not mistaken for a lost one.
 * ``reform(member, generation, reason)``: a member whose process group failed, or that agreed
   with its peers to let joiners in, asks for the next membership. It forms once every member
-  has asked or is *gone* (no beat for ``dead_after_s``), or ``reform_wait_s`` after the first
+  has asked or is *gone* (silent too long, as above), or ``reform_wait_s`` after the first
   ask: the members that asked, in their old order, then the joiners still beating, in arrival
   order. Each formation is a new generation of the commit protocol (``new_generation``: an
   older generation's files and receipts are refused, P7).
@@ -34,6 +37,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -54,11 +58,16 @@ class MembershipSettings:
     beat_s: float = 0.1  # how often members beat (they read it from every view)
     dead_after_s: float = 0.6  # no beat for this long: gone, while a reform collects
     reform_wait_s: float = 10.0  # a reform forms without members that never asked by then
+    slow_margin: float = 3.0  # ...or for this many times its longest recent gap, if longer
+    recent_beats: int = 50  # how many of a member's gaps between beats count as recent
 
     def __post_init__(self) -> None:
         if not 0 < self.beat_s < self.dead_after_s:
             raise ValueError(f"beat_s ({self.beat_s}) must be > 0 and below dead_after_s "
                              f"({self.dead_after_s})")
+        if self.slow_margin < 1 or self.recent_beats < 1:
+            raise ValueError(f"slow_margin ({self.slow_margin}) must be >= 1 and recent_beats "
+                             f"({self.recent_beats}) >= 1")
         if self.reform_wait_s < self.dead_after_s:
             raise ValueError(f"reform_wait_s ({self.reform_wait_s}) must be at least "
                              f"dead_after_s ({self.dead_after_s})")
@@ -99,7 +108,9 @@ class Membership:
         self.members: list[str] = []
         self._candidates: dict[str, int] = {}  # forming: member -> order
         self._joiners: dict[str, float] = {}  # member -> when it asked to join
-        self._beats: dict[str, float] = {}
+        self._beats: dict[str, float] = {}  # member -> its last beat
+        self._gaps: dict[str, deque[float]] = {}  # member -> its recent gaps between beats
+        self._beating: set[str] = set()  # members whose last call was a beat
         self._reform: _Reform | None = None
         self._address = ""
         self.fallback_reason = ""
@@ -123,7 +134,7 @@ class Membership:
 
     def join(self, member: str, order: int) -> dict[str, Any]:
         with self._lock:
-            self._beats[member] = self._clock()
+            self._heard(member)
             if self.phase == FORMING:
                 self._candidates[member] = order
             elif self.phase in (RUNNING, REFORMING) and member not in self.members:
@@ -134,14 +145,14 @@ class Membership:
 
     def beat(self, member: str, generation: int) -> dict[str, Any]:
         with self._lock:
-            self._beats[member] = self._clock()
+            self._heard(member, beat=True)
         self._form_if_ready()
         with self._lock:
             return self._view(member, generation)
 
     def reform(self, member: str, generation: int, reason: str) -> dict[str, Any]:
         with self._lock:
-            self._beats[member] = self._clock()
+            self._heard(member)
             if (self.phase in (RUNNING, REFORMING) and generation == self.generation
                     and member in self.members):
                 if self._reform is None:
@@ -187,9 +198,8 @@ class Membership:
                     assert self._reform is not None
                     asked = self._reform.reasons
                     now = self._clock()
-                    joiners = sorted((m for m in self._joiners if m not in asked
-                                      and now - self._beats.get(m, -1e18)
-                                      < self.settings.dead_after_s),
+                    joiners = sorted((m for m in self._joiners
+                                      if m not in asked and not self._gone(m, now)),
                                      key=lambda m: (self._joiners[m], m))
                     chosen = [m for m in self.members if m in asked] + joiners
                     reason = "join" if set(asked.values()) == {"join"} else "failure"
@@ -218,8 +228,29 @@ class Membership:
         if now - self._reform.started >= self.settings.reform_wait_s:
             return True
         waiting = [m for m in self.members if m not in self._reform.reasons]
-        return all(now - self._beats.get(m, -1e18) >= self.settings.dead_after_s
-                   for m in waiting)
+        return all(self._gone(m, now) for m in waiting)
+
+    def _heard(self, member: str, beat: bool = False) -> None:
+        """Record a call from ``member``: every call says it lives; only the gap between two
+        beats says how late its beats come (a join or reform before a beat may be followed
+        by a restore, which is silent by design)."""
+        now = self._clock()
+        if beat and member in self._beating:
+            gaps = self._gaps.setdefault(member, deque(maxlen=self.settings.recent_beats))
+            gaps.append(now - self._beats[member])
+        self._beats[member] = now
+        if beat:
+            self._beating.add(member)
+        else:
+            self._beating.discard(member)
+
+    def _gone(self, member: str, now: float) -> bool:
+        """Silent for longer than its own recent beats make plausible (module docstring)."""
+        settings = self.settings
+        slowest = max(self._gaps.get(member) or [0.0])
+        limit = min(max(settings.dead_after_s, settings.slow_margin * slowest),
+                    settings.reform_wait_s)
+        return now - self._beats.get(member, -1e18) >= limit
 
     # ------------------------------------------------------------------ views
 

@@ -122,6 +122,33 @@ def test_a_reform_forms_without_a_member_that_beats_but_never_asks(
     assert view["generation"] == 2 and view["members"] == ["a"]
 
 
+def test_a_member_whose_beats_come_late_is_given_longer_before_it_counts_as_gone(
+        membership: Membership, clock: Clock) -> None:
+    """On a loaded machine b's beats come every 0.4 s (c's every 0.1 s): 0.6 s of silence is
+    normal for b, not for c. Each is gone after 3 times its longest recent gap, at least
+    dead_after_s (0.5 s here)."""
+    _started(membership, ["a", "b", "c"])
+    for tick in range(1, 13):
+        clock.now += 0.1
+        membership.beat("a", 1)
+        membership.beat("c", 1)
+        if tick % 4 == 0:
+            membership.beat("b", 1)  # b's last beat at tick 12
+    membership.reform("a", 1, "failure")
+    clock.now += 0.6  # c silent 0.6 s: gone; b silent 0.6 s: only late
+    assert membership.beat("a", 1)["generation"] == 1
+    clock.now += 0.5  # b silent 1.1 s: still within 3 x 0.4 s
+    assert membership.beat("a", 1)["generation"] == 1
+    view = membership.reform("b", 1, "failure")
+    assert view["generation"] == 2 and view["members"] == ["a", "b"]
+    assert membership.history[-1]["left"] == ["c"]
+    clock.now += 0.1
+    membership.beat("b", 2)  # the gap over a reform is no beat gap: b still counts 0.4 s
+    membership.reform("a", 2, "failure")
+    clock.now += 1.3
+    assert membership.beat("a", 2)["members"] == ["a"]  # b silent 1.3 s > 1.2 s: gone
+
+
 def test_fallback_and_finish_reach_every_member(membership: Membership) -> None:
     _started(membership, ["a", "b"])
     membership.fallback("b", "a second failure")
@@ -138,3 +165,5 @@ def test_settings_are_checked() -> None:
         MembershipSettings(beat_s=1.0, dead_after_s=0.5)
     with pytest.raises(ValueError, match="reform_wait_s"):
         MembershipSettings(dead_after_s=2.0, reform_wait_s=1.0)
+    with pytest.raises(ValueError, match="slow_margin"):
+        MembershipSettings(slow_margin=0.5)
