@@ -49,7 +49,6 @@ from elastic.recovery.grad_sync import GradientSync
 from elastic.recovery.group import ElasticGroup
 from elastic.recovery.member import (
     FencedError,
-    LeftBehindError,
     Member,
     MemberSettings,
     RecoveryFailedError,
@@ -205,7 +204,7 @@ class InProcessRecovery:
             # Left out (it did not answer in time): join again; the members let it in at
             # their next step boundary and it takes their state, as a replacement does.
             log.warning("%s; joining the training group again", err)
-            view = self._rejoin()
+            view = self.member.rejoin()
             done = -1
         except RecoveryFailedError as err:
             raise self.fall_back(str(err)) from err
@@ -227,16 +226,6 @@ class InProcessRecovery:
         log.warning("in-process recovery (%s): generation %d, %d -> %d members, %s, %.2f s",
                     reason, result.generation, before, result.world_size, what, result.seconds)
         return result
-
-    def _rejoin(self) -> dict[str, Any]:
-        try:
-            view = self.member.join()
-        except RecoveryFailedError as err:
-            raise self.fall_back(str(err)) from err
-        if view is None:  # the others finished meanwhile: nothing left to train here
-            raise LeftBehindError("this worker was left out of the training group and the run "
-                                  "finished without it")
-        return view
 
     def close(self, finished: bool) -> None:
         if finished and self.group.rank == 0:

@@ -20,6 +20,10 @@ Contract
   for ``settings.coordinator_s`` (its node lost), when the membership falls back, when
   this worker was left out (fenced: ``FencedError``, a subclass: it may join again), or
   when no membership forms within ``settings.reform_s``.
+- ``rejoin()``, for a member left out (``FencedError``): ``join()`` again, as a replacement
+  does (let in at the members' next step boundary, state from a live member). Raises
+  ``LeftBehindError`` if the run finished without it, or ``RecoveryFailedError`` after
+  telling every member to fall back when it cannot join.
 - ``fall_back(reason)`` tells every member to end its worker; ``finish()`` tells the
   coordinator the run's last step is committed. ``stop()`` ends the beats.
 """
@@ -100,6 +104,19 @@ class Member:
             view = self._call(lambda: self.coordinator.membership_beat(self.id, -1))
         self.started_fresh = bool(view["fresh"])
         return self._adopt(view)
+
+    def rejoin(self) -> dict[str, Any]:
+        """Join again after being left out (module docstring)."""
+        try:
+            view = self.join()
+        except RecoveryFailedError as err:
+            self.fall_back(str(err))
+            raise RecoveryFailedError(f"in-process recovery fell back to a group restart: "
+                                      f"{err}") from err
+        if view is None:  # the others finished meanwhile: nothing left to train here
+            raise LeftBehindError(f"worker {self.id} was left out of the training group and "
+                                  "the run finished without it")
+        return view
 
     # ------------------------------------------------------------------ beating
 

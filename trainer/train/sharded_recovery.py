@@ -38,7 +38,6 @@ import torch.distributed as dist
 
 from elastic.recovery import (
     FencedError,
-    LeftBehindError,
     Member,
     MemberSettings,
     RecoveryFailedError,
@@ -139,7 +138,7 @@ class ShardedRecovery:
             # again, as a replacement does: let in at their next step boundary (after they
             # commit it), everyone restores that commit.
             log.warning("%s; joining the training group again", err)
-            view = self._rejoin()
+            view = self.member.rejoin()
         except RecoveryFailedError as err:
             self.member.fall_back(str(err))
             raise
@@ -155,17 +154,6 @@ class ShardedRecovery:
         self.recoveries.append(record)
         if on_recovery is not None and record["rank"] == 0:
             on_recovery(dict(record))
-
-    def _rejoin(self) -> dict[str, Any]:
-        try:
-            view = self.member.join()
-        except RecoveryFailedError as err:
-            self.member.fall_back(str(err))
-            raise
-        if view is None:  # the others finished meanwhile: nothing left to train here
-            raise LeftBehindError("this worker was left out of the training group and the run "
-                                  "finished without it")
-        return view
 
     def _form(self, view: dict[str, Any], what: str) -> None:
         try:
