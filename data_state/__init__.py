@@ -13,7 +13,9 @@ Public API:
 What `trainer` uses besides: the cursor's arithmetic (`share`, `CursorRangeError`,
 `LAST_EPOCH`), a Session's `ShareLoader`, `numpy_loader` (JAX), a dataset's manifest and
 tokenizer (`read_manifest`, `load_stored_tokenizer`) and its location (`resolve_uri`,
-`join_uri`, `write_atomic`).
+`join_uri`, `write_atomic`); for a Ray Data pipeline, `StreamShareLoader` over a feeder
+(`create_feeder` and `FeederClient`: one actor for every rank; `local_feeder`: in this
+process) and `pipeline_units` (the pipeline checked and cut into units).
 
 The names of this face are loaded on first use (PEP 562 ``__getattr__``), never at ``import
 data_state``: a `--workers N` process imports `data_state.parallel`, and that must not
@@ -39,14 +41,24 @@ if TYPE_CHECKING:
     from data_state.manifest import DatasetError, DatasetManifest
     from data_state.numpy_source import numpy_loader
     from data_state.order import Permutation
+    from data_state.ray_feeder import FeederClient, create_feeder, local_feeder
+    from data_state.ray_units import pipeline_units
     from data_state.share_loader import ShareLoader, StepShare
     from data_state.storage import join as join_uri
     from data_state.storage import resolve as resolve_uri
     from data_state.storage import write_atomic
+    from data_state.stream_feeder import UnitReadError
+    from data_state.stream_loader import StreamShareLoader
 
 # Public name -> the module that defines it ("module:name" where the face renames it).
 _LAZY = {
     "CursorRangeError": "data_state.cursor",
+    "FeederClient": "data_state.ray_feeder",
+    "StreamShareLoader": "data_state.stream_loader",
+    "UnitReadError": "data_state.stream_feeder",
+    "create_feeder": "data_state.ray_feeder",
+    "local_feeder": "data_state.ray_feeder",
+    "pipeline_units": "data_state.ray_units",
     "DataCursor": "data_state.cursor",
     "DatasetError": "data_state.manifest",
     "DatasetManifest": "data_state.manifest",
@@ -74,16 +86,22 @@ __all__ = [
     "DataCursor",
     "DatasetError",
     "DatasetManifest",
+    "FeederClient",
     "Microbatch",
     "Permutation",
     "ResumableLoader",
     "ShareLoader",
     "StepShare",
+    "StreamShareLoader",
     "TokenDataset",
+    "UnitReadError",
     "assign_microbatches",
+    "create_feeder",
     "join_uri",
     "load_stored_tokenizer",
+    "local_feeder",
     "numpy_loader",
+    "pipeline_units",
     "prepare_corpus",
     "read_manifest",
     "resolve_uri",

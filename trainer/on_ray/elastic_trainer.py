@@ -9,6 +9,11 @@ one-line `RunFailedError`) with, around `fit()`:
   taken over meanwhile raises `LeaseLostError` (its commits were refused);
 - the run's coordinator actor (`elastic.coord.ray_actors.get_or_create_coordinator`), alive
   until `fit()` returns: `trainer.coordinator` its handle, `trainer.health` its final `health()`;
+- `datasets={"train": ds}` (Ray Data pipelines), as `TorchTrainer` takes them, but not split by
+  Ray Train: each gets a feeder actor on the head node (`data_state.create_feeder`) for the
+  fit, and the loop reads it with `session.data_loader("train", batch_size=...)`
+  (`trainer.train.stream_data`), exactly once per epoch at any world size; a pipeline Baton
+  cannot resume mid-epoch is refused by `fit()` in one line;
 - `trainer.on_ray.resize.SnapshotBeforeResize` in `run_config.callbacks` (a planned resize
   redoes nothing);
 - on every worker, around `train_func`: the code-version check (other Baton code is a
@@ -149,6 +154,8 @@ class ElasticTorchTrainer(BatonTorchTrainer):
         self.metrics: dict[str, Any] | None = None  # what the loop reported last
         self.stopped_at: int | None = None
         self._lease_token: str | None = None
+        self.datasets: dict[str, Any] = dict(torch_trainer_kwargs.pop("datasets", None) or {})
+        self._feeders: dict[str, str] = {}  # dataset name -> its feeder actor's name
         scaling = torch_trainer_kwargs.get("scaling_config")
         if scaling is not None:
             torch_trainer_kwargs["scaling_config"] = elastic_scaling(scaling)
@@ -189,6 +196,7 @@ class ElasticTorchTrainer(BatonTorchTrainer):
         )
         self._lease_token = self._resize.lease_token = lease.token
         self._membership.lease_token = lease.token
+        feeders = self._start_feeders(lease.token)
         done = threading.Event()
         forward = threading.Thread(target=self._forward_stop, args=(self.coordinator, done),
                                    name="baton-stop-forward", daemon=True)
@@ -201,9 +209,31 @@ class ElasticTorchTrainer(BatonTorchTrainer):
             done.set()
             forward.join(timeout=10)
             self.coordinator = None
+            for feeder in feeders:
+                ray.kill(feeder)
             release_ram_stores(snaps.run_uri, lease_token=lease.token)
         self.stopped_at = self.health.get("stopped_at")
         return result
+
+    def _start_feeders(self, lease_token: str | None) -> list[Any]:
+        """One feeder actor per dataset, on the head node (it outlives worker nodes)."""
+        from data_state import create_feeder
+        from elastic.coord import HEAD_NODE_RESOURCES, NAMESPACE, coordinator_name
+
+        handles = []
+        run = coordinator_name(self.snapshots.run_uri, lease_token).replace("coordinator",
+                                                                             "data", 1)
+        for key, ds in self.datasets.items():
+            name = f"{run}-{key}"
+            try:
+                handles.append(create_feeder(ds, name, options={
+                    "namespace": NAMESPACE, "resources": dict(HEAD_NODE_RESOURCES)}))
+            except ValueError as err:
+                for handle in handles:
+                    ray.kill(handle)
+                raise ValueError(f"ElasticTorchTrainer datasets[{key!r}]: {err}") from None
+            self._feeders[key] = name
+        return handles
 
     def _forward_stop(self, coordinator: Any, done: threading.Event) -> None:
         """Hand a stop (the event set by `request_stop`, Ctrl-C or a time limit) to the
@@ -226,6 +256,7 @@ class ElasticTorchTrainer(BatonTorchTrainer):
                                 recovery=recovery)
         driver_version = None if os.environ.get(SKIP_CODE_CHECK_ENV) == "1" else code_version()
         lease_token = self._lease_token
+        datasets = dict(self._feeders)
 
         def train_func_in_session_context() -> Any:
             from elastic.coord import (
@@ -245,7 +276,7 @@ class ElasticTorchTrainer(BatonTorchTrainer):
             install_train_fn(snaps.run_uri, coordinator, replica_groups=recovery is not None)
             with worker_context(dataclasses.replace(
                     context, coordinator=coordinator, ram_tier=ram_tier,
-                    preemption_notice=ray_preemption_notice,
+                    preemption_notice=ray_preemption_notice, datasets=datasets,
                     member=member_of_worker() if recovery is not None else None)):
                 result = inner()
                 session = open_session()

@@ -40,17 +40,19 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_leaves
 
-from data_state import ShareLoader, StepShare
+from data_state import ShareLoader, StepShare, StreamShareLoader
 from elastic.errors import FatalRunError
 from trainer.train import step_checks
 from trainer.train.parallel import grad_sync, parallelism_of, unwrapped
 from trainer.train.session_setup import UsageError
 from trainer.train.story import ORIGIN_KEY, DataOrigin
+from trainer.train.stream_data import is_stream, stream_shares
 
 
 def make_loader(session: LoaderOwner, dataset: Any, *, batch_size: int, microbatch_size: int,
                 shuffle: bool, seed: int, collate_fn: Any, drop_last: bool, num_workers: int,
-                fingerprint: str | None, allow_batch_change: bool) -> ElasticDataLoader:
+                fingerprint: str | None, allow_batch_change: bool, dtypes: Any = None,
+                on_error: str = "raise") -> ElasticDataLoader:
     """`Session.data_loader`'s loader, registered as the session's `data`: settings checked
     under the names the caller used, then the data position and global batch of the snapshot
     the session restored, if any; its `data_origin` records this session's global batch."""
@@ -59,15 +61,28 @@ def make_loader(session: LoaderOwner, dataset: Any, *, batch_size: int, microbat
                          "(data=... or an earlier data_loader call): make one")
     if session.step != session.start_step:
         raise UsageError("Session.data_loader: make the loader before the first step")
-    _check_settings(dataset, batch_size, microbatch_size, seed, num_workers, drop_last)
+    stream = is_stream(dataset)
+    _check_settings(None if stream else dataset, batch_size, microbatch_size, seed, num_workers,
+                    drop_last)
+    if not stream and (dtypes is not None or on_error != "raise"):
+        raise UsageError("session.data_loader: dtypes and on_error are for a Ray Dataset; a "
+                         "map-style dataset's collate_fn makes its tensors")
     restored = session.snapshotter.restored_state
     step_checks.check_global_batch(restored.get(ORIGIN_KEY), batch_size, allow_batch_change,
                                    session.start_step)
     saved = restored.get("data")
-    shares = ShareLoader(dataset, global_batch=batch_size, microbatch_size=microbatch_size,
-                         seed=seed, shuffle=shuffle, drop_last=drop_last,
-                         collate_fn=collate_fn, num_workers=num_workers, rank=session.rank,
-                         world_size=session.world_size, fingerprint=fingerprint)
+    shares: ShareLoader | StreamShareLoader
+    if stream:
+        shares = stream_shares(dataset, rank=session.rank, world_size=session.world_size,
+                               batch_size=batch_size, microbatch_size=microbatch_size,
+                               seed=seed, shuffle=shuffle, drop_last=drop_last,
+                               collate_fn=collate_fn, dtypes=dtypes, on_error=on_error,
+                               num_workers=num_workers, fingerprint=fingerprint)
+    else:
+        shares = ShareLoader(dataset, global_batch=batch_size, microbatch_size=microbatch_size,
+                             seed=seed, shuffle=shuffle, drop_last=drop_last,
+                             collate_fn=collate_fn, num_workers=num_workers, rank=session.rank,
+                             world_size=session.world_size, fingerprint=fingerprint)
     if saved is not None:
         try:
             shares.load_state_dict(saved)
@@ -83,6 +98,7 @@ def make_loader(session: LoaderOwner, dataset: Any, *, batch_size: int, microbat
 
 def _check_settings(dataset: Any, batch_size: Any, microbatch_size: Any, seed: Any,
                     num_workers: Any, drop_last: bool) -> None:
+    """Settings of any loader; a map-style `dataset`'s length (None: a Ray Dataset)."""
     def whole(name: str, value: Any, low: int) -> None:
         if isinstance(value, bool) or not isinstance(value, int) or value < low:
             raise UsageError(f"session.data_loader: {name} must be an integer >= {low}, got "
@@ -97,6 +113,8 @@ def _check_settings(dataset: Any, batch_size: Any, microbatch_size: Any, seed: A
     if batch_size % microbatch_size:
         raise UsageError(f"session.data_loader: batch_size ({batch_size}) must be a multiple "
                          f"of microbatch_size ({microbatch_size})")
+    if dataset is None:  # a Ray Dataset: checked as its units are read
+        return
     if not hasattr(dataset, "__len__"):
         raise UsageError("session.data_loader: the dataset has no len(): pass a map-style "
                          "Dataset (__len__, __getitem__) or a data_state.TokenDataset")
@@ -134,7 +152,8 @@ class LoaderOwner(StepCounter, Protocol):
 class ElasticDataLoader:
     """See the module docstring."""
 
-    def __init__(self, session: StepCounter, shares: ShareLoader, model: nn.Module) -> None:
+    def __init__(self, session: StepCounter, shares: ShareLoader | StreamShareLoader,
+                 model: nn.Module) -> None:
         self._session = session
         self.shares = shares
         self._model = model

@@ -193,17 +193,20 @@ class Session(recovering.RecoveringSessionMixin):
                     collate_fn: Callable[[list[Any]], Any] | None = None,
                     drop_last: bool = False, num_workers: int = 0,
                     fingerprint: str | None = None,
-                    allow_batch_change: bool = False) -> ElasticDataLoader:
+                    allow_batch_change: bool = False, dtypes: Any = None,
+                    on_error: str = "raise") -> ElasticDataLoader:
         """The elastic `DataLoader` of this session (`trainer.train.data_loader`): `batch_size` is
         the global batch (the snapshot's, unless `allow_batch_change`); the data position is
-        restored from the snapshot."""
+        restored from the snapshot. `dataset`: a map-style dataset, a `ray.data.Dataset` or the
+        name of one passed to the trainer (`datasets=`; `trainer.train.stream_data`, with
+        `dtypes` and `on_error`)."""
         from trainer.train.data_loader import make_loader
 
         self._loader = make_loader(
             self, dataset, batch_size=batch_size, microbatch_size=microbatch_size,
             shuffle=shuffle, seed=seed, collate_fn=collate_fn, drop_last=drop_last,
             num_workers=num_workers, fingerprint=fingerprint,
-            allow_batch_change=allow_batch_change)
+            allow_batch_change=allow_batch_change, dtypes=dtypes, on_error=on_error)
         return self._loader
 
     def steps(self, total: int) -> Iterator[int]:

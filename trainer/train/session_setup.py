@@ -83,6 +83,9 @@ class WorkerContext:
     # Joiners wait for the members' next step boundary (a sharded run's in-process recovery,
     # which starts the training state again with them: `trainer.train.sharded_recovery`).
     joiners: Callable[[], bool] | None = None
+    # Ray Data pipelines passed to the trainer: name -> its feeder actor's name
+    # (`trainer.train.stream_data`).
+    datasets: dict[str, str] = dataclasses.field(default_factory=dict)
 
 
 class OpenSession(Protocol):
