@@ -2,10 +2,12 @@
 
 Contract:
 - `pipeline_units(ds, units=None)` checks the pipeline and lists its units: the files of a
-  `read_parquet` (Ray Data's file reads, `ListFiles -> ReadFiles`), or the read tasks of any
+  `read_parquet` (Ray Data's file reads, `ListFiles -> ReadFiles`); the read tasks of any
   other datasource read (`read_csv`, `read_text`, `read_json`, `range`, a custom
   `Datasource`), asked for at a fixed parallelism (`units`, else the read's
-  `override_num_blocks`, else 64) so that the same data gives the same units on any cluster.
+  `override_num_blocks`, else 64) so that the same data gives the same units on any cluster;
+  the blocks of data held in memory (`from_items`, `from_pandas`, `materialize()`: how many
+  depends on how it was made, so pass `override_num_blocks` to keep them across clusters).
   Returns `PipelineUnits`: `count` units, each with a `label` (its files, or its read task's
   metadata) that names it in errors and in the data's `fingerprint`.
 - `PipelineUnits.dataset(k)` is the user's pipeline with only unit k as input: every
@@ -17,8 +19,7 @@ Contract:
 - Refused, in one `ValueError` line naming the operator and the fix: a pipeline whose rows
   depend on more than one unit or on chance (`random_shuffle`, `randomize_block_order`,
   `repartition`, `sort`, `groupby`, `limit`, `union`, `zip`, `join`, a file shuffle of the
-  read) and one built from memory (`from_items`, `from_pandas`, `materialize()`): Baton
-  orders the rows itself, by `(seed, epoch)` (`data_state.stream_order`).
+  read): Baton orders the rows itself, by `(seed, epoch)` (`data_state.stream_order`).
 It reaches into Ray Data's logical plan (`ray.data._internal.logical`), hence the pinned Ray
 range; tests/data/test_ray_units.py runs it on this Ray.
 """
@@ -36,7 +37,14 @@ import ray
 import ray.data
 from ray.data import Dataset
 from ray.data._internal.logical.interfaces import LogicalOperator, LogicalPlan
-from ray.data._internal.logical.operators import AbstractMap, ListFiles, Read, ReadFiles
+from ray.data._internal.logical.operators import (
+    AbstractFrom,
+    AbstractMap,
+    InputData,
+    ListFiles,
+    Read,
+    ReadFiles,
+)
 from ray.data.datasource import Datasource
 
 DEFAULT_UNITS = 64
@@ -66,10 +74,11 @@ class PipelineUnits:
 
     source: Dataset
     labels: tuple[str, ...]
-    kind: str  # "files" (ListFiles -> ReadFiles) or "read_tasks" (Read)
+    kind: str  # "files" (ListFiles -> ReadFiles), "read_tasks" (Read) or "blocks" (in memory)
     parallelism: int  # for "read_tasks": the parallelism the tasks were asked for
     paths: tuple[str, ...] = ()  # for "files": unit k reads paths[k]
     manifests: tuple[Any, ...] = ()  # for "files": unit k's row of the listing (pyarrow)
+    bundles: tuple[Any, ...] = ()  # for "blocks": unit k's blocks (a Ray Data RefBundle)
 
     @property
     def count(self) -> int:
@@ -94,6 +103,11 @@ class PipelineUnits:
 
             def one(op: LogicalOperator) -> LogicalOperator:
                 return listed if isinstance(op, ListFiles) else op
+        elif self.kind == "blocks":
+            held = InputData(input_data=[self.bundles[unit]])
+
+            def one(op: LogicalOperator) -> LogicalOperator:
+                return held if isinstance(op, (AbstractFrom, InputData)) else op
         else:
             source = _OneReadTask(_read_op(self.source).datasource, self.parallelism, unit)
 
@@ -127,10 +141,12 @@ def pipeline_units(ds: Any, units: int | None = None) -> PipelineUnits:
         tasks = source.datasource.get_read_tasks(parallelism)
         labels = tuple(_task_label(i, t.metadata) for i, t in enumerate(tasks))
         return PipelineUnits(ds, labels, "read_tasks", parallelism)
-    raise ValueError(
-        f"Ray Data pipeline: it starts from {source.name}, data held in memory (from_items, "
-        "from_pandas, materialize()); Baton resumes pipelines that read files or a "
-        "datasource: write the data first (ds.write_parquet(path)) and read it back")
+    if isinstance(source, (AbstractFrom, InputData)):
+        bundles = tuple(source.input_data)
+        labels = tuple(f"block {i} ({b.num_rows()} rows)" for i, b in enumerate(bundles))
+        return PipelineUnits(ds, labels, "blocks", 0, bundles=bundles)
+    raise ValueError(f"Ray Data pipeline: it starts from {source.name}, which Baton cannot "
+                     "read in units; read files or a datasource")
 
 
 def _chain(dag: LogicalOperator) -> list[LogicalOperator]:

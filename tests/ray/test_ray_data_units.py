@@ -147,12 +147,49 @@ def test_read_tasks_are_units_and_a_random_udf_is_refused_on_resume(tmp_path: Pa
     (lambda ds: ds.limit(5), "limit"),
     (lambda ds: ds.union(ds), "union"),
     (lambda ds: ds.repartition(3), "repartition"),
-    (lambda ds: ray.data.from_items([{"a": 1}]), "in memory"),
 ])
 def test_pipelines_that_are_not_per_unit_are_refused_in_one_line(make: Any, cause: str) -> None:
     with pytest.raises(ValueError, match=cause) as err:
         pipeline_units(make(ray.data.range(10)))
     assert "\n" not in str(err.value)
+
+
+def test_data_held_in_memory_is_read_block_by_block(feeders: Any) -> None:
+    """Ray's own quickstart: `from_items` through `map_batches`."""
+    items = ray.data.from_items([{"x": [x], "y": [2 * x]} for x in range(40)],
+                                override_num_blocks=3)
+    ds = items.map_batches(lambda batch: {"x": batch["x"], "y": batch["y"] + 1})
+    units = pipeline_units(ds)
+    assert units.kind == "blocks" and units.count == 3
+    whole, state = _steps_xy(feeders(ds), 2, 5)
+    assert sorted(whole) == [(x, 2 * x + 1) for x in range(40)]
+    head, state = _steps_xy(feeders(ds), 3, 2)
+    tail, _ = _steps_xy(feeders(ds), 1, 3, state=state)
+    assert head + tail == whole
+
+
+def _steps_xy(feeder: Any, world: int, steps: int, state: dict[str, Any] | None = None
+              ) -> tuple[list[tuple[int, int]], dict[str, Any]]:
+    loaders = [StreamShareLoader(feeder, units=feeder.units, fingerprint=feeder.fingerprint,
+                                 global_batch=8, seed=1, rank=r, world_size=world)
+               for r in range(world)]
+    if state is not None:
+        for loader in loaders:
+            loader.load_state_dict(state)
+    pairs = []
+    for _ in range(steps):
+        for loader in loaders:
+            share = loader.next_step()
+            if not share.idle:
+                pairs += [(int(x), int(y)) for x, y in zip(share.batch["x"].reshape(-1),
+                                                           share.batch["y"].reshape(-1),
+                                                           strict=True)]
+        for loader in loaders:
+            loader.advance()
+    state = loaders[0].state_dict()
+    for loader in loaders:
+        loader.close()
+    return pairs, state
 
 
 def test_a_feeder_actor_reads_each_unit_once_for_every_rank(tmp_path: Path,
