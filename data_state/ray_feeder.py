@@ -73,11 +73,14 @@ FeederActor = ray.remote(_Feeder)
 
 def create_feeder(ds: Any, name: str, *, units: int | None = None,
                   options: dict[str, Any] | None = None) -> Any:
-    """A feeder actor called `name` for `ds`; checks the pipeline first (a `ValueError`
-    naming what is refused, raised here in the caller)."""
+    """A feeder actor called `name` for `ds`, once it has listed the units (before trainers
+    take the CPUs the listing needs); checks the pipeline first (a `ValueError` naming what is
+    refused, raised here in the caller)."""
     pipeline_units(ds, units)
-    return FeederActor.options(name=name, num_cpus=0, max_concurrency=16,
-                               **(options or {})).remote(ds, units)
+    handle = FeederActor.options(name=name, num_cpus=0, max_concurrency=16,
+                                 **(options or {})).remote(ds, units)
+    ray.get(handle.info.remote())
+    return handle
 
 
 class FeederClient:
