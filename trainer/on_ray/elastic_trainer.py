@@ -154,7 +154,8 @@ class ElasticTorchTrainer(BatonTorchTrainer):
         self.metrics: dict[str, Any] | None = None  # what the loop reported last
         self.stopped_at: int | None = None
         self._lease_token: str | None = None
-        self.datasets: dict[str, Any] = dict(torch_trainer_kwargs.pop("datasets", None) or {})
+        # Not Ray Train's `datasets` (it would split them): Baton's feeders read them.
+        self._data_pipelines = dict(torch_trainer_kwargs.pop("datasets", None) or {})
         self._feeders: dict[str, str] = {}  # dataset name -> its feeder actor's name
         scaling = torch_trainer_kwargs.get("scaling_config")
         if scaling is not None:
@@ -223,7 +224,7 @@ class ElasticTorchTrainer(BatonTorchTrainer):
         handles = []
         run = coordinator_name(self.snapshots.run_uri, lease_token).replace("coordinator",
                                                                              "data", 1)
-        for key, ds in self.datasets.items():
+        for key, ds in self._data_pipelines.items():
             name = f"{run}-{key}"
             try:
                 handles.append(create_feeder(ds, name, options={
