@@ -79,7 +79,7 @@ def create_feeder(ds: Any, name: str, *, units: int | None = None,
     pipeline_units(ds, units)
     handle = FeederActor.options(name=name, num_cpus=0, max_concurrency=16,
                                  **(options or {})).remote(ds, units)
-    ray.get(handle.info.remote())
+    ray.get(handle.info.remote())  # type: ignore[attr-defined]
     return handle
 
 

@@ -34,17 +34,18 @@ from typing import Any
 
 import pyarrow as pa
 import ray
-import ray.data
 from ray.data import Dataset
 from ray.data._internal.logical.interfaces import LogicalOperator, LogicalPlan
 from ray.data._internal.logical.operators import (
     AbstractFrom,
     AbstractMap,
+    FromArrow,
     InputData,
     ListFiles,
     Read,
     ReadFiles,
 )
+from ray.data._internal.util import get_table_block_metadata_schema
 from ray.data.datasource import Datasource
 
 DEFAULT_UNITS = 64
@@ -98,8 +99,11 @@ class PipelineUnits:
             raise IndexError(f"unit {unit} of {self.count}")
         if self.kind == "files":
             # The listing's row for this file stands in for the listing: listing a file again
-            # costs a second Ray task (about a second) for each unit read.
-            listed = ray.data.from_arrow(self.manifests[unit])._logical_plan.dag
+            # costs a second Ray task (about a second) for each unit read. Its metadata is
+            # computed here, not in a task (`from_arrow` asks for a CPU the trainers may hold).
+            row = self.manifests[unit]
+            listed = FromArrow([ray.put(row)],  # type: ignore[list-item]
+                               [get_table_block_metadata_schema(row)])
 
             def one(op: LogicalOperator) -> LogicalOperator:
                 return listed if isinstance(op, ListFiles) else op

@@ -24,6 +24,7 @@ import ray.data
 
 from data_state.ray_feeder import FeederClient, create_feeder, local_feeder
 from data_state.ray_units import pipeline_units
+from data_state.stream_feeder import UnitReadError
 from data_state.stream_loader import StreamShareLoader
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
@@ -139,6 +140,44 @@ def test_read_tasks_are_units_and_a_random_udf_is_refused_on_resume(tmp_path: Pa
     found = pipeline_units(lines)
     assert found.kind == "read_tasks" and found.count == 3
     assert sum(found.dataset(k).count() for k in range(3)) == 5 + 6 + 7 - 3
+
+
+def test_a_resume_after_the_files_changed_is_refused(tmp_path: Path, feeders: Any) -> None:
+    data = _files(tmp_path / "data")
+    ds = ray.data.read_parquet(str(data)).map_batches(_double)
+    _, state = _steps(feeders(ds), 2, 3)
+    # A file added: another dataset (the snapshot's fingerprint names its files).
+    pq.write_table(pa.table({"id": np.arange(500, 505), "x": np.zeros(5, np.float32)}),
+                   data / "part-9.parquet")
+    grown = ray.data.read_parquet(str(data)).map_batches(_double)
+    with pytest.raises(ValueError, match="fingerprint"):
+        _steps(feeders(grown), 1, 1, state=state)
+    (data / "part-9.parquet").unlink()
+    # The same files, other values: refused by the sizes in the fingerprint, or, where the
+    # sizes did not change, by the digest of the unit the position stands in.
+    for path in sorted(data.glob("*.parquet")):
+        table = pq.read_table(path)
+        if table.num_rows:
+            x = table.column("x").to_numpy() + 1
+            pq.write_table(table.set_column(1, "x", pa.array(x)), path)
+    edited = ray.data.read_parquet(str(data)).map_batches(_double)
+    with pytest.raises(ValueError, match="fingerprint|not the ones the snapshot recorded"):
+        _steps(feeders(edited), 1, 1, state=state)
+
+
+def test_a_file_the_pipeline_fails_on_stops_the_read_or_is_skipped(tmp_path: Path,
+                                                                    feeders: Any) -> None:
+    def strict(batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        if (batch["id"] == 31).any():  # a bad record in part-1 (ids 30..32)
+            raise ValueError("cannot decode record 31")
+        return batch
+
+    ds = ray.data.read_parquet(str(_files(tmp_path / "data"))).map_batches(strict)
+    with pytest.raises(UnitReadError, match=r"part-1\.parquet .*cannot decode record 31"):
+        _steps(feeders(ds), 1, 14, shuffle=False)
+    skipped, _ = _steps(feeders(ds), 2, 13, shuffle=False, on_error="skip")  # 97 rows
+    trained = [i for step in skipped for i in step]
+    assert sorted(trained) == [i for i in range(sum(FILE_ROWS)) if not 30 <= i < 33]
 
 
 @pytest.mark.parametrize("make, cause", [
