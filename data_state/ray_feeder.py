@@ -7,7 +7,9 @@ Contract:
   starts one, named, in the current namespace) holds a `data_state.stream_feeder.UnitFeeder`
   over `ds`'s units; the ranks of a run share it, so each unit goes through the pipeline once
   for all of them and each rank receives only its rows. `FeederClient(handle)` is its client
-  (`count`, `digest`, `rows`, `read_ahead`, `labels`, `fingerprint`, `units`), blocking.
+  (`count`, `digest`, `rows`, `read_ahead`, `labels`, `fingerprint`, `units`), blocking; a
+  call that waits longer than `WAIT_WARN_S` says so every `WAIT_WARN_S` (a pipeline whose tasks
+  wait for CPUs the trainers hold waits without end: never in silence).
 - `local_feeder(ds, units=)` is the same feeder in this process, for a `Session`
   outside Ray Train (every rank that makes one reads every unit itself).
 The actor serves several ranks at once (threads); reads run on the feeder's own threads.
@@ -15,16 +17,22 @@ The actor serves several ranks at once (threads); reads run on the feeder's own 
 
 from __future__ import annotations
 
+import logging
+import time
 from typing import Any
 
 import pyarrow as pa
 import ray
+from ray.exceptions import GetTimeoutError
 
 from data_state.ray_units import PipelineUnits, pipeline_units
 from data_state.stream_feeder import UnitFeeder
 
 KEEP_UNITS = 4
 READ_AHEAD = 2
+WAIT_WARN_S = 60.0
+
+log = logging.getLogger("baton.data")
 
 
 def unit_reader(units: PipelineUnits) -> Any:
@@ -93,15 +101,25 @@ class FeederClient:
         self.labels = tuple(info["labels"])
 
     def count(self, unit: int, on_error: str = "raise") -> int:
-        return int(ray.get(self.handle.count.remote(unit, on_error)))
+        return int(self._get(self.handle.count.remote(unit, on_error), unit))
 
     def digest(self, unit: int, on_error: str = "raise") -> str:
-        return str(ray.get(self.handle.digest.remote(unit, on_error)))
+        return str(self._get(self.handle.digest.remote(unit, on_error), unit))
 
     def rows(self, unit: int, indices: Any, on_error: str = "raise") -> pa.Table:
-        table: pa.Table = ray.get(self.handle.rows.remote(unit, [int(i) for i in indices],
-                                                          on_error))
+        table: pa.Table = self._get(self.handle.rows.remote(unit, [int(i) for i in indices],
+                                                            on_error), unit)
         return table
+
+    def _get(self, ref: Any, unit: int) -> Any:
+        started = time.monotonic()
+        while True:
+            try:
+                return ray.get(ref, timeout=WAIT_WARN_S)
+            except GetTimeoutError:
+                log.warning("waiting %.0f s for %s to go through the Ray Data pipeline: are its "
+                            "tasks waiting for CPUs the trainers hold? (docs/ray-data.md)",
+                            time.monotonic() - started, self.labels[unit])
 
     def read_ahead(self, units: list[int]) -> None:
         self.handle.read_ahead.remote(list(units))  # no wait: a hint

@@ -157,3 +157,26 @@ def test_an_epoch_without_a_step_is_an_error() -> None:
     start, pieces, after = plan_step(StreamCursor(), units=3, global_batch=8, drop_last=False,
                                      seed=0, shuffle=False, count=count)
     assert sum(p.rows for p in pieces) == 5 and after.epoch == 1 and start.epoch == 0
+
+
+def test_session_data_loader_names_what_a_ray_dataset_does_not_take(tmp_path: Any) -> None:
+    """A name no trainer passed, and settings of map-style datasets, are one-line refusals
+    before any data is read."""
+    import torch
+    from torch import nn
+
+    from trainer.train.session import Session
+    from trainer.train.session_setup import UsageError
+
+    model = nn.Linear(2, 1)
+    session = Session(model, torch.optim.SGD(model.parameters(), lr=0.1),
+                      run_uri=str(tmp_path / "run"))
+    with pytest.raises(UsageError, match=r"no dataset of that name .* here: none"):
+        session.data_loader("train", batch_size=8)
+    with pytest.raises(UsageError, match="num_workers is for map-style datasets"):
+        session.data_loader("train", batch_size=8, num_workers=2)
+    with pytest.raises(UsageError, match="on_error must be 'raise' or 'skip'"):
+        session.data_loader("train", batch_size=8, on_error="ignore")
+    with pytest.raises(UsageError, match="dtypes and on_error are for a Ray Dataset"):
+        session.data_loader([1, 2, 3], batch_size=1, dtypes=torch.float32)
+    session.close(commit=False)
