@@ -21,7 +21,7 @@ Contract:
   `repartition`, `sort`, `groupby`, `limit`, `union`, `zip`, `join`, a file shuffle of the
   read): Baton orders the rows itself, by `(seed, epoch)` (`data_state.stream_order`).
 It reaches into Ray Data's logical plan (`ray.data._internal.logical`), hence the pinned Ray
-range; tests/data/test_ray_units.py runs it on this Ray.
+range; tests/ray/test_ray_data_units.py runs it on this Ray.
 """
 
 from __future__ import annotations

@@ -31,7 +31,7 @@ from elastic.coord.generation import (
     write_generation,
 )
 from elastic.coord.local_coordinator import LocalCoordinator
-from elastic.coord.membership import FALLBACK, FINISHED, OFF, REFORMING
+from elastic.coord.membership import FALLBACK, FINISHED, OFF, REFORMING, MembershipSettings
 from elastic.coord.protocol import CoordinatorClient
 from elastic.coord.receipts import Receipt, TensorSpec, manifest_from_receipts
 from elastic.coord.store_coordinator import StoreCoordinator
@@ -61,7 +61,8 @@ _LAZY = {
 }
 
 __all__ = ["CoordinatorClient", "FALLBACK", "FINISHED", "GENERATION_NAME", "HEAD_NODE_RESOURCES",
-           "LocalCoordinator", "NAMESPACE", "OFF", "REFORMING", "RayCoordinatorClient", "Receipt",
+           "LocalCoordinator", "MembershipSettings", "NAMESPACE", "OFF", "REFORMING",
+           "RayCoordinatorClient", "Receipt",
            "StoreCoordinator", "TensorSpec", "coordinator_name", "delete_generation_files",
            "fencing_reason", "find_coordinator", "get_or_create_coordinator",
            "manifest_from_receipts", "ray_ram_tier", "read_generation", "release_ram_stores",

@@ -1,8 +1,7 @@
 """Who trains together: the coordinator's side of in-process recovery.
 
-A *membership* is the ordered list of workers (members, by id) that train together in one
-worker-group generation; a member's rank is its index. ``Membership`` decides every change of
-it, as plain data, so the protocol tests with a fake clock and no process group:
+A *membership* is the ordered list of workers (members, by id) training together in one
+generation; a member's rank is its index. ``Membership`` decides every change, as plain data:
 
 * ``reset(expected)`` (the driver, before Ray Train starts a whole worker group): a new
   membership forms once ``expected`` members have joined, ordered by the ``order`` each gave
@@ -10,11 +9,10 @@ it, as plain data, so the protocol tests with a fake clock and no process group:
 * ``join(member, order)``: a member of the forming group, or, while a membership runs, a
   *joiner* (a replacement) that waits to be let in at the members' next step boundary.
   Joiners are counted in every view (``joiners``), so the members see them.
-* ``beat(member, generation)``, every ``beat_s`` from each member and waiting joiner: it tells
-  gone from slow, and tells members of joiners, a reform in progress, a fallback. A member is
-  *gone* once silent for ``dead_after_s`` or, if longer, ``slow_margin`` times the longest gap
-  between its recent beats (capped at ``reform_wait_s``): on a loaded machine, where beats
-  come late, a live member is not mistaken for a lost one.
+* ``beat(member, generation)``, every ``beat_s`` from each member and waiting joiner, tells
+  members of joiners, a reform, a fallback. A member is *gone* once silent for
+  ``dead_after_s`` or, if longer, ``slow_margin`` times its longest recent beat gap (capped at
+  ``reform_wait_s``): where beats come late (a loaded machine) a live member is not lost.
 * ``reform(member, generation, reason)``: a member whose process group failed, or that agreed
   with its peers to let joiners in, asks for the next membership. It forms once every member
   has asked or is *gone* (silent too long, as above), or ``reform_wait_s`` after the first
@@ -28,9 +26,8 @@ it, as plain data, so the protocol tests with a fake clock and no process group:
   its worker, so the group restarts whole. ``finish(generation)``: the run's last step is
   committed; later joiners restore it instead of joining.
 
-Every method returns a ``View`` as a plain dict (it crosses Ray) and is safe to repeat; its
-``rendezvous`` is where a generation's process group meets (``<store address>/<new prefix>``).
-Thread-safe.
+Every method returns a ``View`` as a plain dict (it crosses Ray), safe to repeat; its
+``rendezvous`` is where a generation's group meets (``<store address>/<prefix>``). Thread-safe.
 """
 
 from __future__ import annotations

@@ -43,6 +43,7 @@ import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from elastic.coord.local_coordinator import LocalCoordinator
+from elastic.coord.membership import MembershipSettings
 from elastic.coord.protocol import PROTOCOL_METHODS
 from elastic.coord.receipts import Receipt, json_size
 from elastic.format import DEFAULT_BLOCK_BYTES
@@ -120,10 +121,11 @@ def get_or_create_coordinator(run_uri: str, *, keep_last: int = 2,
                               pending_timeout_s: float = 600.0,
                               storage_timeout_s: float | None = None,
                               storage_retry_s: float | None = None,
+                              membership: MembershipSettings | None = None,
                               on_head: bool = True, detached: bool = False
                               ) -> ray.actor.ActorHandle:
     """The run's coordinator; created on first call, found by name afterwards (then the
-    settings of the first call hold)."""
+    settings of the first call hold). `membership`: how it tells gone from slow."""
     options: dict[str, Any] = {
         "num_cpus": 0,
         # Threaded: a commit writing its manifest to a slow store must not hold up a
@@ -145,7 +147,7 @@ def get_or_create_coordinator(run_uri: str, *, keep_last: int = 2,
     handle = CoordinatorActor.options(**options).remote(
         run_uri, storage_options=storage_options, storage_timeout_s=storage_timeout_s,
         storage_retry_s=storage_retry_s, keep_last=keep_last, block_bytes=block_bytes,
-        lease_token=lease_token,
+        lease_token=lease_token, membership=membership,
         pending_timeout_s=pending_timeout_s)
     assert isinstance(handle, ray.actor.ActorHandle)  # Ray types it as handle-or-class
     return handle

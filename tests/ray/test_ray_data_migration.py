@@ -38,9 +38,9 @@ from snapshot_compare import assert_same_state, final_state
 
 ROOT = Path(__file__).resolve().parents[2]
 FILE_ROWS = [50, 14, 36, 7, 53]  # 160 rows in parquet files of uneven sizes
-ROWS, BATCH, EPOCHS, SNAPSHOT_EVERY = sum(FILE_ROWS), 16, 2, 4
+ROWS, BATCH, EPOCHS, SNAPSHOT_EVERY = sum(FILE_ROWS), 16, 1, 4
 STEPS = EPOCHS * (ROWS // BATCH)  # 10 steps an epoch
-LOSE_AT = 6
+LOSE_AT = 4
 
 
 def _code(module: Any) -> list[str]:

@@ -115,6 +115,27 @@ def test_parquet_files_are_units_and_a_resume_at_another_world_size_continues_ex
     assert resumed.reads < units.count + 2  # never the whole epoch again (+ epoch 1's start)
 
 
+def test_files_on_s3_are_read_as_on_local_disk(tmp_path: Path, feeders: Any,
+                                              s3_endpoint: Any, s3_bucket: str) -> None:
+    """The same files on an S3 API (moto, 127.0.0.1) and on disk: the same units, the same
+    steps, and a resume reads on from the position."""
+    import boto3
+    from pyarrow import fs
+
+    local = _files(tmp_path / "data")
+    client = boto3.client("s3", endpoint_url=s3_endpoint.url)
+    for path in sorted(local.glob("*.parquet")):
+        client.upload_file(str(path), s3_bucket, f"data/{path.name}")
+    s3 = fs.S3FileSystem(access_key="testing", secret_key="testing", region="us-east-1",
+                         endpoint_override=s3_endpoint.url, scheme="http")
+    remote = ray.data.read_parquet(f"{s3_bucket}/data", filesystem=s3).map_batches(_double)
+    assert pipeline_units(remote).count == len(FILE_ROWS)
+    on_disk, _ = _steps(feeders(ray.data.read_parquet(str(local)).map_batches(_double)), 2, 8)
+    head, state = _steps(feeders(remote), 2, 5)
+    tail, _ = _steps(feeders(remote), 3, 3, state=state)
+    assert head + tail == on_disk
+
+
 def test_read_tasks_are_units_and_a_random_udf_is_refused_on_resume(tmp_path: Path,
                                                                    feeders: Any) -> None:
     ds = ray.data.range(60, override_num_blocks=7).map(lambda r: {"id": r["id"]})

@@ -4,24 +4,21 @@
 run_config=...).fit()` (docs/ray-train-loop.md) is `trainer.on_ray.scaling.BatonTorchTrainer`
 (restarts sized to the live nodes, a `FatalRunError` fails the run once, `fit()` raises a
 one-line `RunFailedError`) with, around `fit()`:
-- the run lease (`elastic.lease.run_lease.RunLease`): acquired (`force_takeover` takes it from a
-  live driver) and released when not passed in, renewed during the fit either way; a lease
-  taken over meanwhile raises `LeaseLostError` (its commits were refused);
-- the run's coordinator actor (`elastic.coord.ray_actors.get_or_create_coordinator`), alive
-  until `fit()` returns: `trainer.coordinator` its handle, `trainer.health` its final `health()`;
-- `datasets={"train": ds}` (Ray Data pipelines), as `TorchTrainer` takes them, but not split by
-  Ray Train: each gets a feeder actor on the head node (`data_state.create_feeder`) for the
-  fit, and the loop reads it with `session.data_loader("train", batch_size=...)`
-  (`trainer.train.stream_data`), exactly once per epoch at any world size; a pipeline Baton
-  cannot resume mid-epoch is refused by `fit()` in one line;
-- `trainer.on_ray.resize.SnapshotBeforeResize` in `run_config.callbacks` (a planned resize
-  redoes nothing);
+- the run lease (`elastic.lease.RunLease`): acquired (`force_takeover` takes it from a live
+  driver) and released when not passed in, renewed either way; one taken over meanwhile
+  raises `LeaseLostError` (its commits were refused);
+- the run's coordinator actor (`get_or_create_coordinator`), alive until `fit()` returns:
+  `trainer.coordinator` its handle, `trainer.health` its final `health()`;
+- `datasets={"train": ds}` (Ray Data pipelines), not split by Ray Train: a feeder actor each
+  on the head node (`data_state.create_feeder`), read in the loop with
+  `session.data_loader("train", ...)` (`trainer.train.stream_data`); a pipeline Baton cannot
+  resume mid-epoch is refused by `fit()` in one line;
+- `trainer.on_ray.resize.SnapshotBeforeResize` in the callbacks (a resize redoes nothing);
 - on every worker, around `train_func`: the code-version check (other Baton code is a
-  `FatalRunError`; `BATON_SKIP_CODE_CHECK=1` turns it off) and the worker context a
-  `trainer.train.session.Session` starts from (run directory, snapshot settings, coordinator,
-  preemption notice, `until`). When the function returns, the session it left open is closed,
-  committing its last step: code after the loop runs before that commit, and if it fails the
-  group restarts from an earlier snapshot and runs the loop again.
+  `FatalRunError`; `BATON_SKIP_CODE_CHECK=1` turns it off) and the worker context of a
+  `Session` (run directory, snapshot settings, coordinator, preemption notice, `until`). When
+  the function returns, the open session is closed, committing its last step (code after the
+  loop runs first; if it fails the group restarts from an earlier snapshot).
 Ray Train's conventions: `fit()` returns a `Result` whose `checkpoint` is a `ray.train.Checkpoint`
 of the newest committed snapshot's directory (None when nothing was committed), which `Session`,
 `baton fit --from` and `baton snapshots` accept; `run_uri` may be such a checkpoint. A fixed
@@ -29,9 +26,8 @@ of the newest committed snapshot's directory (None when nothing was committed), 
 size waits for a group the cluster can no longer hold); `(N, N)` keeps it fixed: a start then
 waits without bound for room, the controller log saying so every minute.
 Stops: `until` ends the workers (committing) after that step; `request_stop()` or the `stop`
-event passed in asks the coordinator, the workers commit the step they are at, and
-`trainer.stopped_at` is that step (else None). With a `stop` event Ray Train's Ctrl-C handler
-is not installed: the caller owns SIGINT. Ray is imported here (the Ray side of `trainer`).
+event asks the coordinator, the workers commit the step they are at: `trainer.stopped_at`
+(else None). With a `stop` event the caller owns SIGINT (Ray Train's handler is not installed).
 """
 
 from __future__ import annotations
@@ -62,6 +58,7 @@ from trainer.train import WorkerContext, open_session, run_directory, worker_con
 # Set to 1 to let workers run other code than the driver: only for a checkout that is edited
 # while a local cluster trains from it (a worker started after the edit would be refused).
 SKIP_CODE_CHECK_ENV = "BATON_SKIP_CODE_CHECK"
+REFORM_MARGIN_S = 5.0
 
 
 def check_code_version(driver_version: str | None) -> None:
@@ -190,7 +187,7 @@ class ElasticTorchTrainer(BatonTorchTrainer):
         # Keep this handle until the fit ends: a (non-detached) actor lives as long as its
         # creator holds a reference, and the workers must all talk to this one instance.
         self.coordinator = get_or_create_coordinator(
-            snaps.run_uri, keep_last=snaps.keep_last,
+            snaps.run_uri, keep_last=snaps.keep_last, membership=self._membership_settings(),
             lease_token=lease.token,  # fencing: no manifest once another driver took the run
             pending_timeout_s=snaps.pending_timeout_s, storage_timeout_s=snaps.storage_timeout_s,
             storage_retry_s=snaps.storage_retry_s,
@@ -215,6 +212,14 @@ class ElasticTorchTrainer(BatonTorchTrainer):
             release_ram_stores(snaps.run_uri, lease_token=lease.token)
         self.stopped_at = self.health.get("stopped_at")
         return result
+
+    def _membership_settings(self) -> Any:
+        """A re-forming group waits for a survivor still beating until its collective with
+        the lost worker times out (gloo's ends only by its timeout), and a little more."""
+        from elastic.coord import MembershipSettings
+
+        return MembershipSettings(
+            reform_wait_s=self.recovery.collective_timeout_s + REFORM_MARGIN_S)
 
     def _start_feeders(self, lease_token: str | None) -> list[Any]:
         """One feeder actor per dataset, on the head node (it outlives worker nodes)."""
