@@ -15,9 +15,10 @@ tanh): what a tabular or embedding pipeline does, on a local Ray (2 CPUs). One c
   restores the state saved there (a fresh feeder: it lists the files and reads the unit the
   position stands in) against reaching the same batch by skipping the batches before it in
   a fresh `iter_torch_batches` (what a Ray loop does by hand). Goal: independent of how far.
-- Memory: the peak resident set of this process while each side reads an epoch (the feeder
-  keeps at most 4 units of preprocessed rows; Ray's iterator its prefetch buffer), from the
-  resident set at its start.
+- Memory: the peak resident set of this process while each side reads an epoch, from the
+  resident set at its start: Baton with its feeder in this process (it keeps at most 4 units
+  of preprocessed rows), Baton as a Ray Train worker reads (the feeder an actor of its own:
+  this process holds its step shares only), Ray's iterator (its blocks in the object store).
 
     python -m benchmarks.ray_data.run          # writes benchmarks/results/ray_data.json
     python -m benchmarks.ray_data.run --quick  # fewer files and rounds (smoke run)
@@ -74,12 +75,13 @@ def _pipeline(root: Path) -> Any:
     return ray.data.read_parquet(str(root)).map_batches(_preprocess)
 
 
-def _baton_loader(root: Path, state: dict[str, Any] | None = None) -> Any:
+def _baton_loader(root: Path, state: dict[str, Any] | None = None, feeder: Any = None) -> Any:
     from data_state import StreamShareLoader, local_feeder
 
-    feeder = local_feeder(_pipeline(root))
+    owned = feeder is None
+    feeder = local_feeder(_pipeline(root)) if owned else feeder
     loader = StreamShareLoader(feeder, units=feeder.units, fingerprint=feeder.fingerprint,
-                               global_batch=BATCH, seed=0, owns_feeder=True)
+                               global_batch=BATCH, seed=0, owns_feeder=owned)
     if state is not None:
         loader.load_state_dict(state)
     return loader
@@ -99,6 +101,22 @@ def _baton_epoch(root: Path, steps: int, starts: list[float] | None = None
             rows += len(loader.next_step().sample_indices)
             loader.advance()
         return time.perf_counter() - start, rows
+
+
+def _worker_epoch(root: Path, steps: int) -> None:
+    """One epoch as a Ray Train worker reads it: through a feeder actor."""
+    import ray
+
+    from data_state import FeederClient, create_feeder
+
+    actor = create_feeder(_pipeline(root), "baton-bench-feeder")
+    try:
+        with _baton_loader(root, feeder=FeederClient(actor)) as loader:
+            for _ in range(steps):
+                loader.next_step()
+                loader.advance()
+    finally:
+        ray.kill(actor)
 
 
 def _ray_epoch(root: Path) -> tuple[float, int]:
@@ -195,6 +213,8 @@ def main() -> None:
         result["first_batch_after_resume"] = resume
         result["peak_rss_growth_mib"] = {
             "baton": _peak_rss(lambda: _baton_epoch(root, steps)) / 2**20,
+            "baton_worker_with_feeder_actor": _peak_rss(lambda: _worker_epoch(root, steps))
+            / 2**20,
             "ray": _peak_rss(lambda: _ray_epoch(root)) / 2**20,
             "one_unit_mib": rows_per_file * (FEATURES + 2) * 4 / 2**20,
         }
