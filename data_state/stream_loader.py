@@ -129,9 +129,10 @@ class StreamShareLoader:
 
     def check_state(self, state: Any) -> StreamCursor:
         """The cursor of `state`, or a one-line `ValueError` naming what does not fit."""
-        if not isinstance(state, dict) or state.get("format") != FORMAT:
-            raise ValueError(f"data state format is {state.get('format') if isinstance(state, dict) else state!r}, "  # noqa: E501
-                             f"not {FORMAT}: this snapshot was taken with another loader")
+        found = state.get("format") if isinstance(state, dict) else type(state).__name__
+        if found != FORMAT:
+            raise ValueError(f"data state format is {found!r}, not {FORMAT}: this snapshot "
+                             "was taken with another loader")
         for name, mine in (("fingerprint", self.fingerprint), ("seed", self.seed),
                            ("shuffle", self.shuffle)):
             if state.get(name) != mine:
