@@ -5,8 +5,8 @@ Contract:
   returns unit k's output (`data_state.ray_units`) as a `pyarrow.Table`; `labels[k]` names it.
   `count(k)`, `digest(k)` and `rows(k, indices)` (unit k's rows at `indices`, in that order)
   read the unit if need be. A unit read is kept while among the `keep` used last; the counts
-  and digests of every unit read stay (a few bytes each), so planning steps over units already
-  passed never reads them again.
+  of every unit read stay (a few bytes each), so planning steps over units already passed
+  never reads them again; a digest is computed when asked (a snapshot's unit) and kept.
 - `read_ahead(units)` reads those units in the background, `read_ahead` at a time (the loader
   names the next units of its epoch), so a step rarely waits for a read.
 - A unit whose read fails raises `UnitReadError` naming the unit and the error from every call
@@ -74,7 +74,10 @@ class UnitFeeder:
         with self._lock:
             if unit in self._digests:
                 return self._digests[unit]
-        return table_digest(self._table(unit, on_error))
+        digest = table_digest(self._table(unit, on_error))
+        with self._lock:
+            self._digests[unit] = digest
+        return digest
 
     def rows(self, unit: int, indices: Sequence[int] | np.ndarray,
              on_error: str = "raise") -> pa.Table:
@@ -129,7 +132,6 @@ class UnitFeeder:
             self._skipped.add(unit)
             log.warning("skipping %s: %s", self.labels[unit], self._failed[unit])
         self._counts[unit] = 0
-        self._digests[unit] = table_digest(_EMPTY)
         return _EMPTY
 
     def _read(self, unit: int) -> pa.Table:
@@ -143,11 +145,10 @@ class UnitFeeder:
             raise UnitReadError(f"reading {self.labels[unit]} through the pipeline failed: "
                                 f"{reason} (data_loader(on_error='skip') skips such units "
                                 "and counts them)") from err
-        digest = table_digest(table)
         with self._lock:
             self.reads += 1
             self._failed.pop(unit, None)
-            self._counts[unit], self._digests[unit] = table.num_rows, digest
+            self._counts[unit] = table.num_rows
             self._kept[unit] = table
             self._kept.move_to_end(unit)
             while len(self._kept) > self.keep:
