@@ -17,6 +17,7 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 import pytest
+from stream_steps import walk
 
 from data_state.stream_feeder import UnitFeeder, UnitReadError
 from data_state.stream_loader import StreamShareLoader
@@ -24,6 +25,8 @@ from data_state.stream_order import StreamCursor, StreamEmptyError, plan_step
 
 COUNTS = [7, 0, 13, 5, 1, 9, 0, 11]  # uneven units, two empty (a filter kept nothing)
 ROWS = sum(COUNTS)  # 46
+SETTINGS = {"units": len(COUNTS), "fingerprint": "test-data", "global_batch": 8, "seed": 3,
+            "microbatch_size": 2, "collate_fn": lambda batch: batch["x"].tolist()}
 
 
 def _reader(counts: list[int], salt: int = 0, fail: set[int] | None = None) -> Any:
@@ -45,37 +48,15 @@ def _feeder(counts: list[int] = COUNTS, **kwargs: Any) -> UnitFeeder:
                       **kwargs)
 
 
-def _loader(feeder: UnitFeeder, rank: int = 0, world: int = 1, **kwargs: Any
-            ) -> StreamShareLoader:
-    settings = dict(units=len(feeder.labels), fingerprint="test-data", global_batch=8, seed=3,
-                    microbatch_size=2, collate_fn=lambda batch: batch["x"].tolist())
-    settings.update(kwargs)
-    return StreamShareLoader(feeder, rank=rank, world_size=world, **settings)  # type: ignore[arg-type]
+def _loader(feeder: UnitFeeder, **kwargs: Any) -> StreamShareLoader:
+    return StreamShareLoader(feeder, **{**SETTINGS, **kwargs})  # type: ignore[arg-type]
 
 
 def _steps(world: int, steps: int, feeder: UnitFeeder | None = None,
            state: dict[str, Any] | None = None, **kwargs: Any
            ) -> tuple[list[list[int]], dict[str, Any]]:
     """The rows of each step over all ranks (rank order), and the state after them."""
-    feeder = feeder or _feeder()
-    loaders = [_loader(feeder, r, world, **kwargs) for r in range(world)]
-    if state is not None:
-        for loader in loaders:
-            loader.load_state_dict(json.loads(json.dumps(state)))
-    out = []
-    for _ in range(steps):
-        shares = [loader.next_step() for loader in loaders]
-        rows = [x for s in shares if not s.idle for x in s.batch]
-        assert len(rows) == shares[0].step_samples
-        # The ranks' loss weights average their mean losses into the step's mean.
-        assert sum(s.weight for s in shares) == pytest.approx(world)
-        out.append(rows)
-        for loader in loaders:
-            loader.advance()
-    state = loaders[0].state_dict()
-    for loader in loaders:
-        loader.close()
-    return out, state
+    return walk(feeder or _feeder(), world, steps, list, state, **{**SETTINGS, **kwargs})
 
 
 def test_an_epoch_trains_every_row_once_in_the_same_steps_at_any_world_size() -> None:

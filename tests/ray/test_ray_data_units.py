@@ -10,7 +10,6 @@ depend on other units or on chance are refused in one line; a feeder actor serve
 
 from __future__ import annotations
 
-import json
 import sys
 from pathlib import Path
 from typing import Any
@@ -21,11 +20,11 @@ import pyarrow.parquet as pq
 import pytest
 import ray
 import ray.data
+from stream_steps import walk
 
 from data_state.ray_feeder import FeederClient, create_feeder, local_feeder
 from data_state.ray_units import pipeline_units
 from data_state.stream_feeder import UnitReadError
-from data_state.stream_loader import StreamShareLoader
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 FILE_ROWS = [30, 3, 17, 0, 41, 9]  # uneven parquet files, one empty
@@ -75,22 +74,8 @@ def _double(batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
 def _steps(feeder: Any, world: int, steps: int, state: dict[str, Any] | None = None,
            **kwargs: Any) -> tuple[list[list[int]], dict[str, Any]]:
     """The ids each step trains over all ranks, and the state after them."""
-    loaders = [StreamShareLoader(feeder, units=feeder.units, fingerprint=feeder.fingerprint,
-                                 global_batch=8, microbatch_size=2, seed=5, rank=r,
-                                 world_size=world, **kwargs) for r in range(world)]
-    if state is not None:
-        for loader in loaders:
-            loader.load_state_dict(json.loads(json.dumps(state)))
-    out = []
-    for _ in range(steps):
-        shares = [loader.next_step() for loader in loaders]
-        out.append([int(i) for s in shares if not s.idle for i in s.batch["id"]])
-        for loader in loaders:
-            loader.advance()
-    state = loaders[0].state_dict()
-    for loader in loaders:
-        loader.close()
-    return out, state
+    return walk(feeder, world, steps, lambda batch: [int(i) for i in batch["id"]], state,
+                **{"global_batch": 8, "microbatch_size": 2, "seed": 5, **kwargs})
 
 
 def test_parquet_files_are_units_and_a_resume_at_another_world_size_continues_exactly(
@@ -221,35 +206,15 @@ def test_data_held_in_memory_is_read_block_by_block(feeders: Any) -> None:
     ds = items.map_batches(lambda batch: {"x": batch["x"], "y": batch["y"] + 1})
     units = pipeline_units(ds)
     assert units.kind == "blocks" and units.count == 3
-    whole, state = _steps_xy(feeders(ds), 2, 5)
-    assert sorted(whole) == [(x, 2 * x + 1) for x in range(40)]
-    head, state = _steps_xy(feeders(ds), 3, 2)
-    tail, _ = _steps_xy(feeders(ds), 1, 3, state=state)
+    def pairs(batch: dict[str, Any]) -> list[tuple[int, int]]:
+        return [(int(x), int(y)) for x, y in zip(batch["x"].reshape(-1), batch["y"].reshape(-1),
+                                                 strict=True)]
+
+    whole, _ = walk(feeders(ds), 2, 5, pairs, global_batch=8, seed=1)
+    assert sorted(p for step in whole for p in step) == [(x, 2 * x + 1) for x in range(40)]
+    head, state = walk(feeders(ds), 3, 2, pairs, global_batch=8, seed=1)
+    tail, _ = walk(feeders(ds), 1, 3, pairs, state, global_batch=8, seed=1)
     assert head + tail == whole
-
-
-def _steps_xy(feeder: Any, world: int, steps: int, state: dict[str, Any] | None = None
-              ) -> tuple[list[tuple[int, int]], dict[str, Any]]:
-    loaders = [StreamShareLoader(feeder, units=feeder.units, fingerprint=feeder.fingerprint,
-                                 global_batch=8, seed=1, rank=r, world_size=world)
-               for r in range(world)]
-    if state is not None:
-        for loader in loaders:
-            loader.load_state_dict(state)
-    pairs = []
-    for _ in range(steps):
-        for loader in loaders:
-            share = loader.next_step()
-            if not share.idle:
-                pairs += [(int(x), int(y)) for x, y in zip(share.batch["x"].reshape(-1),
-                                                           share.batch["y"].reshape(-1),
-                                                           strict=True)]
-        for loader in loaders:
-            loader.advance()
-    state = loaders[0].state_dict()
-    for loader in loaders:
-        loader.close()
-    return pairs, state
 
 
 def test_a_feeder_actor_reads_each_unit_once_for_every_rank(tmp_path: Path,
