@@ -21,8 +21,6 @@ its conversion.
 
 from __future__ import annotations
 
-import difflib
-import json
 import threading
 import time
 from pathlib import Path
@@ -34,7 +32,15 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
-from snapshot_compare import assert_same_state, final_state
+from migration_checks import (
+    assert_docs_show_the_diff,
+    assert_ends_where_uninterrupted,
+    assert_every_sample_once_per_epoch,
+    one_rank_ray_train,
+    read_records,
+    steps_as_last_trained,
+    wait,
+)
 
 ROOT = Path(__file__).resolve().parents[2]
 FILE_ROWS = [50, 14, 36, 7, 53]  # 160 rows in parquet files of uneven sizes
@@ -43,28 +49,9 @@ STEPS = EPOCHS * (ROWS // BATCH)  # 10 steps an epoch
 LOSE_AT = 4
 
 
-def _code(module: Any) -> list[str]:
-    text = Path(module.__file__).read_text()
-    return text[text.index('"""', 3) + 3:].lstrip("\n").splitlines(keepends=True)
-
-
-def _migration_diff() -> str:
-    return "".join(difflib.unified_diff(
-        _code(migration_data_standard), _code(migration_data_baton),
-        "migration_data_standard.py", "migration_data_baton.py", n=2))
-
-
 def test_the_docs_show_the_real_diff_and_it_is_small() -> None:
-    diff = _migration_diff()
-    page = (ROOT / "docs" / "ray-data.md").read_text()
-
-    def bare(text: str) -> str:
-        return "\n".join(line.rstrip() for line in text.splitlines())
-
-    assert bare(diff) in bare(page), "docs/ray-data.md's diff is out of date:\n" + diff
-    added = [line for line in diff.splitlines()
-             if line.startswith("+") and not line.startswith("+++")]
-    assert 0 < len(added) <= 12, added
+    assert_docs_show_the_diff(migration_data_standard, migration_data_baton,
+                              ROOT / "docs" / "ray-data.md")
 
 
 def _write_data(root: Path) -> str:
@@ -85,41 +72,23 @@ def _config(tmp: Path, **changes: Any) -> dict[str, Any]:
             **changes}
 
 
-def _records(log: Path) -> list[dict[str, Any]]:
-    if not log.exists():
-        return []
-    return [json.loads(line) for line in log.read_text().splitlines() if line.strip()]
-
-
 def _reference(tmp: Path, data: str, monkeypatch: pytest.MonkeyPatch) -> Path:
     """The converted loop, uninterrupted, in this process (one rank, no Ray Train), reading
     the pipeline through a feeder actor as the trainer's workers do."""
     import ray
     import ray.data
-    import ray.train
-    import ray.train.torch
 
     from data_state import create_feeder
     from elastic.coord import NAMESPACE
     from trainer.config import SnapshotConfig
     from trainer.train.session import WorkerContext, open_session, worker_context
 
-    class OneRank:
-        def get_world_rank(self) -> int:
-            return 0
-
-        def get_world_size(self) -> int:
-            return 1
-
     run = tmp / "reference"
     ds = ray.data.read_parquet(data, num_cpus=0.5).map_batches(
         migration_data_baton.preprocess, num_cpus=0.5)
     feeder = create_feeder(ds, "baton-test-reference-data", options={"namespace": NAMESPACE})
     try:
-        with monkeypatch.context() as patch:
-            patch.setattr(ray.train, "get_context", OneRank)
-            patch.setattr(ray.train.torch, "prepare_model", lambda model: model)
-            patch.setattr(ray.train, "report", lambda metrics: None)
+        with one_rank_ray_train(monkeypatch):
             context = WorkerContext(snapshots=SnapshotConfig(run_uri=str(run)),
                                     datasets={"train": "baton-test-reference-data"})
             with worker_context(context):
@@ -130,13 +99,6 @@ def _reference(tmp: Path, data: str, monkeypatch: pytest.MonkeyPatch) -> Path:
     finally:
         ray.kill(feeder)
     return run
-
-
-def _wait(predicate: Any, timeout: float, what: str) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.2)
 
 
 @pytest.mark.slow
@@ -174,8 +136,8 @@ def test_the_converted_loop_trains_every_row_once_through_a_node_loss(
                                                     run_config("fit"))
         thread = threading.Thread(target=lambda: out.update(result=trainer.fit()))
         thread.start()
-        _wait(lambda: any(r["step"] >= LOSE_AT and r["world_size"] == 3
-                          for r in _records(log)) or not thread.is_alive(), 300,
+        wait(lambda: any(r["step"] >= LOSE_AT and r["world_size"] == 3
+                          for r in read_records(log)) or not thread.is_alive(), 300,
               f"step {LOSE_AT} at 3 workers")
         cluster.remove_worker()
         thread.join(timeout=400)
@@ -185,7 +147,7 @@ def test_the_converted_loop_trains_every_row_once_through_a_node_loss(
         ray.cloudpickle.unregister_pickle_by_value(migration_data_baton)
     assert "result" in out, "the fit did not finish"
 
-    records = _records(log)
+    records = read_records(log)
     worlds = [r["world_size"] for r in sorted(records, key=lambda r: r["time"])]
     assert worlds[0] == 3 and worlds[-1] == 2, sorted(set(worlds))
     # The node loss: the survivors are processes that trained at 3 (in-process recovery, no
@@ -199,23 +161,5 @@ def test_the_converted_loop_trains_every_row_once_through_a_node_loss(
 
     # Each step's rows as the last attempt that trained it trained them: every row of the
     # files exactly once per epoch.
-    latest: dict[tuple[int, int], dict[str, Any]] = {}  # (step, rank) -> newest record
-    for r in records:
-        if r["time"] >= latest.get((r["step"], r["rank"]), {"time": 0})["time"]:
-            latest[(r["step"], r["rank"])] = r
-    by_step: dict[int, list[int]] = {}
-    for step in sorted({s for s, _ in latest}):
-        world = max((r for (s, _), r in latest.items() if s == step),
-                    key=lambda r: r["time"])["world_size"]
-        by_step[step] = [i for rank in range(world) for i in latest[(step, rank)]["ids"]]
-    assert sorted(by_step) == list(range(1, STEPS + 1))
-    per_epoch = STEPS // EPOCHS
-    for epoch in range(EPOCHS):
-        ids = [i for s in range(epoch * per_epoch + 1, (epoch + 1) * per_epoch + 1)
-               for i in by_step[s]]
-        assert sorted(ids) == list(range(ROWS)), f"epoch {epoch}"
-
-    state = final_state(run, tmp_path, STEPS)
-    assert_same_state(final_state(reference, tmp_path, STEPS), state)
-    counters = {v.item() for k, v in state.items() if k.endswith(".step")}
-    assert counters == {float(STEPS)}, f"AdamW step counters {counters}: a cold start"
+    assert_every_sample_once_per_epoch(steps_as_last_trained(records), STEPS, EPOCHS, ROWS)
+    assert_ends_where_uninterrupted(run, reference, tmp_path, STEPS)

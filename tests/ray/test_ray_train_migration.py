@@ -24,8 +24,6 @@ warmup-cosine, `prepare_model`, rank 0 `torch.save` into `ray.train.report(check
 
 from __future__ import annotations
 
-import difflib
-import json
 import math
 import threading
 import time
@@ -35,7 +33,15 @@ from typing import Any
 import migration_baton
 import migration_standard
 import pytest
-from snapshot_compare import assert_same_state, final_state
+from migration_checks import (
+    assert_docs_show_the_diff,
+    assert_ends_where_uninterrupted,
+    assert_every_sample_once_per_epoch,
+    one_rank_ray_train,
+    read_records,
+    steps_as_last_trained,
+    wait,
+)
 
 ROOT = Path(__file__).resolve().parents[2]
 ITEMS, BATCH, EPOCHS, SNAPSHOT_EVERY = 250, 24, 5, 4
@@ -43,29 +49,9 @@ STEPS = EPOCHS * math.ceil(ITEMS / BATCH)  # 11 steps an epoch, the last of 10 s
 UNTIL, LOSE_AT = 17, 30
 
 
-def _code(module: Any) -> list[str]:
-    """A loop file's lines after its module docstring."""
-    text = Path(module.__file__).read_text()
-    return text[text.index('"""', 3) + 3:].lstrip("\n").splitlines(keepends=True)
-
-
-def _migration_diff() -> str:
-    return "".join(difflib.unified_diff(
-        _code(migration_standard), _code(migration_baton),
-        "migration_standard.py", "migration_baton.py", n=2))
-
-
 def test_the_docs_show_the_real_diff_and_it_is_small() -> None:
-    diff = _migration_diff()
-    page = (ROOT / "docs" / "ray-train-loop.md").read_text()
-
-    def bare(text: str) -> str:  # a diff's blank context lines are " ": editors trim them
-        return "\n".join(line.rstrip() for line in text.splitlines())
-
-    assert bare(diff) in bare(page), "docs/ray-train-loop.md's diff is out of date:\n" + diff
-    added = [line for line in diff.splitlines()
-             if line.startswith("+") and not line.startswith("+++")]
-    assert 0 < len(added) <= 12, added
+    assert_docs_show_the_diff(migration_standard, migration_baton,
+                              ROOT / "docs" / "ray-train-loop.md")
 
 
 def _config(tmp: Path, **changes: Any) -> dict[str, Any]:
@@ -74,45 +60,19 @@ def _config(tmp: Path, **changes: Any) -> dict[str, Any]:
             "pace_s": 0.0, "marker": str(tmp / "failed-once"), **changes}
 
 
-def _records(log: Path) -> list[dict[str, Any]]:
-    if not log.exists():
-        return []
-    return [json.loads(line) for line in log.read_text().splitlines() if line.strip()]
-
-
 def _reference(tmp: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     """The converted loop, uninterrupted, in this process (world size 1, no Ray)."""
-    import ray.train
-    import ray.train.torch
-
     from trainer.config import SnapshotConfig
     from trainer.train.session import WorkerContext, open_session, worker_context
 
-    class OneRank:
-        def get_world_rank(self) -> int:
-            return 0
-
-        def get_world_size(self) -> int:
-            return 1
-
     run = tmp / "reference"
-    with monkeypatch.context() as patch:
-        patch.setattr(ray.train, "get_context", OneRank)
-        patch.setattr(ray.train.torch, "prepare_model", lambda model: model)
-        patch.setattr(ray.train, "report", lambda metrics: None)
+    with one_rank_ray_train(monkeypatch):
         with worker_context(WorkerContext(snapshots=SnapshotConfig(run_uri=str(run)))):
             migration_baton.train_func(_config(tmp))
             session = open_session()
             assert session is not None
             session.close()
     return run
-
-
-def _wait(predicate: Any, timeout: float, what: str) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.2)
 
 
 def _attempts(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -173,7 +133,7 @@ def test_the_converted_docs_loop_survives_a_stop_a_smaller_group_a_node_loss_and
         first.fit()
         assert first.stopped_at == UNTIL
         cluster.remove_worker()
-        _wait(lambda: sum(n["Alive"] for n in ray.nodes()) == 3, 60, "a node to be gone")
+        wait(lambda: sum(n["Alive"] for n in ray.nodes()) == 3, 60, "a node to be gone")
 
         second = migration_baton.make_trainer(
             {**config, "fail_after_loop": True}, str(run),
@@ -181,8 +141,8 @@ def test_the_converted_docs_loop_survives_a_stop_a_smaller_group_a_node_loss_and
             run_config("second"))
         thread = threading.Thread(target=lambda: out.update(result=second.fit()))
         thread.start()
-        _wait(lambda: any(r["step"] >= LOSE_AT and r["world_size"] == 2
-                          for r in _records(log)) or not thread.is_alive(), 300,
+        wait(lambda: any(r["step"] >= LOSE_AT and r["world_size"] == 2
+                          for r in read_records(log)) or not thread.is_alive(), 300,
               f"step {LOSE_AT} at 2 workers")
         cluster.remove_worker()
         thread.join(timeout=400)
@@ -192,7 +152,7 @@ def test_the_converted_docs_loop_survives_a_stop_a_smaller_group_a_node_loss_and
         ray.cloudpickle.unregister_pickle_by_value(migration_baton)
     assert "result" in out, "the second fit did not finish"
 
-    records = _records(log)
+    records = read_records(log)
     attempts = _attempts(records)
     assert [a["world_size"] for a in attempts] == [3, 2, 1], attempts
     firsts = [min(a["steps"]) for a in attempts]
@@ -216,26 +176,8 @@ def test_the_converted_docs_loop_survives_a_stop_a_smaller_group_a_node_loss_and
 
     # Each step's samples as the last attempt that trained it trained them (a redone step
     # replaces what it redoes): every sample exactly once per epoch.
-    latest: dict[tuple[int, int], dict[str, Any]] = {}  # (step, rank) -> newest record
-    for r in records:
-        if r["ids"] and r["time"] >= latest.get((r["step"], r["rank"]), {"time": 0})["time"]:
-            latest[(r["step"], r["rank"])] = r
-    by_step: dict[int, list[int]] = {}
-    for step in sorted({s for s, _ in latest}):
-        world = max((r for (s, _), r in latest.items() if s == step),
-                    key=lambda r: r["time"])["world_size"]
-        by_step[step] = [i for rank in range(world) for i in latest[(step, rank)]["ids"]]
-    assert sorted(by_step) == list(range(1, STEPS + 1))
-    per_epoch = STEPS // EPOCHS
-    for epoch in range(EPOCHS):
-        ids = [i for s in range(epoch * per_epoch + 1, (epoch + 1) * per_epoch + 1)
-               for i in by_step[s]]
-        assert sorted(ids) == list(range(ITEMS)), f"epoch {epoch}"
-
-    state = final_state(run, tmp_path, STEPS)
-    assert_same_state(final_state(reference, tmp_path, STEPS), state)
-    counters = {v.item() for k, v in state.items() if k.endswith(".step")}
-    assert counters == {float(STEPS)}, f"AdamW step counters {counters}: a cold start"
+    assert_every_sample_once_per_epoch(steps_as_last_trained(records), STEPS, EPOCHS, ITEMS)
+    assert_ends_where_uninterrupted(run, reference, tmp_path, STEPS)
     # Result.metrics: the last ray.train.report of the group's first worker (the last epoch's).
     assert out["result"].metrics == {"epoch": EPOCHS - 1, "loss": ends[-1]["loss"]}
     checkpoint = out["result"].checkpoint

@@ -1,0 +1,115 @@
+"""What the migration tests check the same way (tests/ray/test_ray_train_migration.py,
+tests/ray/test_ray_data_migration.py): a converted loop against the loop Ray's guide writes.
+
+- `assert_docs_show_the_diff(standard, baton, page)`: `page` holds exactly `diff -u` of the two
+  loop files (code after their docstrings; a diff's blank context lines are " ", editors trim
+  them), which adds or changes 1 to 12 lines.
+- `one_rank_ray_train(monkeypatch)`: Ray Train's per-worker calls as one worker alone sees
+  them (rank 0 of 1, `prepare_model` as is, `report` ignored), for an uninterrupted reference
+  run of the converted loop in the test's process.
+- `read_records(log)`, `wait(predicate, timeout, what)`: the loop's JSON lines; a bounded wait.
+- `steps_as_last_trained(records)`: each step's sample ids over all ranks, as the last attempt
+  that trained the step trained them (a redone step replaces what it redoes).
+- `assert_every_sample_once_per_epoch(by_step, steps, epochs, samples)` and
+  `assert_ends_where_uninterrupted(run, reference, tmp, steps)`: P5, then P1/P2 on the final
+  snapshots (parameters and AdamW moments, step counters `steps`: never a cold start).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import difflib
+import json
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from snapshot_compare import assert_same_state, final_state
+
+
+def _code(module: Any) -> list[str]:
+    text = Path(module.__file__).read_text()
+    return text[text.index('"""', 3) + 3:].lstrip("\n").splitlines(keepends=True)
+
+
+def migration_diff(standard: Any, baton: Any) -> str:
+    return "".join(difflib.unified_diff(
+        _code(standard), _code(baton), f"{Path(standard.__file__).name}",
+        f"{Path(baton.__file__).name}", n=2))
+
+
+def assert_docs_show_the_diff(standard: Any, baton: Any, page: Path) -> None:
+    diff = migration_diff(standard, baton)
+
+    def bare(text: str) -> str:
+        return "\n".join(line.rstrip() for line in text.splitlines())
+
+    assert bare(diff) in bare(page.read_text()), f"{page.name}'s diff is out of date:\n" + diff
+    added = [line for line in diff.splitlines()
+             if line.startswith("+") and not line.startswith("+++")]
+    assert 0 < len(added) <= 12, added
+
+
+@contextlib.contextmanager
+def one_rank_ray_train(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    import ray.train
+    import ray.train.torch
+
+    class OneRank:
+        def get_world_rank(self) -> int:
+            return 0
+
+        def get_world_size(self) -> int:
+            return 1
+
+    with monkeypatch.context() as patch:
+        patch.setattr(ray.train, "get_context", OneRank)
+        patch.setattr(ray.train.torch, "prepare_model", lambda model: model)
+        patch.setattr(ray.train, "report", lambda metrics: None)
+        yield
+
+
+def read_records(log: Path) -> list[dict[str, Any]]:
+    if not log.exists():
+        return []
+    return [json.loads(line) for line in log.read_text().splitlines() if line.strip()]
+
+
+def wait(predicate: Any, timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.2)
+
+
+def steps_as_last_trained(records: list[dict[str, Any]]) -> dict[int, list[int]]:
+    latest: dict[tuple[int, int], dict[str, Any]] = {}  # (step, rank) -> newest record
+    for r in records:
+        if r["ids"] and r["time"] >= latest.get((r["step"], r["rank"]), {"time": 0})["time"]:
+            latest[(r["step"], r["rank"])] = r
+    by_step: dict[int, list[int]] = {}
+    for step in sorted({s for s, _ in latest}):
+        world = max((r for (s, _), r in latest.items() if s == step),
+                    key=lambda r: r["time"])["world_size"]
+        by_step[step] = [i for rank in range(world) for i in latest[(step, rank)]["ids"]]
+    return by_step
+
+
+def assert_every_sample_once_per_epoch(by_step: dict[int, list[int]], steps: int, epochs: int,
+                                       samples: int) -> None:
+    assert sorted(by_step) == list(range(1, steps + 1))
+    per_epoch = steps // epochs
+    for epoch in range(epochs):
+        ids = [i for s in range(epoch * per_epoch + 1, (epoch + 1) * per_epoch + 1)
+               for i in by_step[s]]
+        assert sorted(ids) == list(range(samples)), f"epoch {epoch}"
+
+
+def assert_ends_where_uninterrupted(run: Path, reference: Path, tmp: Path,
+                                    steps: int) -> None:
+    state = final_state(run, tmp, steps)
+    assert_same_state(final_state(reference, tmp, steps), state)
+    counters = {v.item() for k, v in state.items() if k.endswith(".step")}
+    assert counters == {float(steps)}, f"AdamW step counters {counters}: a cold start"
