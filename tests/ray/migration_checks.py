@@ -8,8 +8,10 @@ tests/ray/test_ray_data_migration.py): a converted loop against the loop Ray's g
   them (rank 0 of 1, `prepare_model` as is, `report` ignored), for an uninterrupted reference
   run of the converted loop in the test's process.
 - `read_records(log)`, `wait(predicate, timeout, what)`: the loop's JSON lines; a bounded wait.
-- `steps_as_last_trained(records)`: each step's sample ids over all ranks, as the last attempt
-  that trained the step trained them (a redone step replaces what it redoes).
+- `steps_as_last_trained(records, planned)`: each step's sample ids over all ranks, as the last
+  attempt that trained the step trained them (a redone step replaces what it redoes);
+  `planned_steps(records)`: the uninterrupted run's ids of each step.
+- `assert_each_step_trains_the_planned_rows(by_step, planned)`: P1 on the data, step by step.
 - `assert_every_sample_once_per_epoch(by_step, steps, epochs, samples)` and
   `assert_ends_where_uninterrupted(run, reference, tmp, steps)`: P5, then P1/P2 on the final
   snapshots (parameters and AdamW moments, step counters `steps`: never a cold start).
@@ -84,17 +86,59 @@ def wait(predicate: Any, timeout: float, what: str) -> None:
         time.sleep(0.2)
 
 
-def steps_as_last_trained(records: list[dict[str, Any]]) -> dict[int, list[int]]:
+def steps_as_last_trained(records: list[dict[str, Any]],
+                          planned: dict[int, list[int]]) -> dict[int, list[int]]:
+    """Each step's sample ids over all ranks of the world that last trained it. A rank of that
+    world may have left no record of a step that counted (its node was lost after the step's
+    all-reduce, before the loop's record line): its ids are then the step's `planned` ids (the
+    uninterrupted run's) less its peers', and only if its process never recorded again (it
+    is the lost one)."""
     latest: dict[tuple[int, int], dict[str, Any]] = {}  # (step, rank) -> newest record
     for r in records:
         if r["ids"] and r["time"] >= latest.get((r["step"], r["rank"]), {"time": 0})["time"]:
             latest[(r["step"], r["rank"])] = r
+    last_seen: dict[int, float] = {}
+    for r in records:
+        last_seen[r["pid"]] = max(last_seen.get(r["pid"], 0.0), r["time"])
     by_step: dict[int, list[int]] = {}
     for step in sorted({s for s, _ in latest}):
-        world = max((r for (s, _), r in latest.items() if s == step),
-                    key=lambda r: r["time"])["world_size"]
-        by_step[step] = [i for rank in range(world) for i in latest[(step, rank)]["ids"]]
+        newest = max((r for (s, _), r in latest.items() if s == step), key=lambda r: r["time"])
+        world = newest["world_size"]
+        ids = [i for rank in range(world) if (step, rank) in latest
+               for i in latest[(step, rank)]["ids"]]
+        missing = [rank for rank in range(world) if (step, rank) not in latest]
+        if missing:
+            assert len(missing) == 1, f"step {step}: no record of ranks {missing}"
+            before = latest.get((step - 1, missing[0]))
+            assert before is not None and before["world_size"] == world, (
+                f"step {step}: no record of rank {missing[0]} and none of its step before")
+            assert last_seen[before["pid"]] < newest["time"], (
+                f"step {step}: rank {missing[0]} (pid {before['pid']}) recorded later, "
+                "not this step")
+            rest = list(planned[step])
+            for i in ids:
+                if i in rest:
+                    rest.remove(i)
+            ids += rest
+        by_step[step] = ids
     return by_step
+
+
+def planned_steps(records: list[dict[str, Any]]) -> dict[int, list[int]]:
+    """The uninterrupted one-rank run's ids of each step (its records)."""
+    return {r["step"]: r["ids"] for r in records if r["ids"]}
+
+
+def assert_each_step_trains_the_planned_rows(by_step: dict[int, list[int]],
+                                             planned: dict[int, list[int]]) -> None:
+    """Each step trained exactly the rows the uninterrupted run trained at that step (P1: the
+    global batch is a function of the seed and the step, never of the world size)."""
+    assert sorted(by_step) == sorted(planned), (sorted(by_step), sorted(planned))
+    wrong = {step: {"missing": sorted(set(planned[step]) - set(ids)),
+                    "extra": sorted(set(ids) - set(planned[step])),
+                    "repeated": sorted({i for i in ids if ids.count(i) > 1})}
+             for step, ids in by_step.items() if sorted(ids) != sorted(planned[step])}
+    assert not wrong, f"steps that trained other rows than planned: {wrong}"
 
 
 def assert_every_sample_once_per_epoch(by_step: dict[int, list[int]], steps: int, epochs: int,
@@ -104,7 +148,9 @@ def assert_every_sample_once_per_epoch(by_step: dict[int, list[int]], steps: int
     for epoch in range(epochs):
         ids = [i for s in range(epoch * per_epoch + 1, (epoch + 1) * per_epoch + 1)
                for i in by_step[s]]
-        assert sorted(ids) == list(range(samples)), f"epoch {epoch}"
+        assert sorted(ids) == list(range(samples)), (
+            f"epoch {epoch}: missing {sorted(set(range(samples)) - set(ids))}, "
+            f"repeated {sorted({i for i in ids if ids.count(i) > 1})}")
 
 
 def assert_ends_where_uninterrupted(run: Path, reference: Path, tmp: Path,

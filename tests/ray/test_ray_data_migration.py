@@ -34,9 +34,11 @@ import pyarrow.parquet as pq
 import pytest
 from migration_checks import (
     assert_docs_show_the_diff,
+    assert_each_step_trains_the_planned_rows,
     assert_ends_where_uninterrupted,
     assert_every_sample_once_per_epoch,
     one_rank_ray_train,
+    planned_steps,
     read_records,
     steps_as_last_trained,
     wait,
@@ -159,7 +161,10 @@ def test_the_converted_loop_trains_every_row_once_through_a_node_loss(
         {r["step"] for r in records if r["world_size"] == 2}
     assert len(redone) <= 1, redone
 
-    # Each step's rows as the last attempt that trained it trained them: every row of the
-    # files exactly once per epoch.
-    assert_every_sample_once_per_epoch(steps_as_last_trained(records), STEPS, EPOCHS, ROWS)
+    # Each step's ids as the last attempt that trained it trained them (a redone step replaces
+    # what it redoes) are the uninterrupted run's ids of that step, which hold every sample
+    # once per epoch.
+    planned = planned_steps(read_records(tmp_path / "ref" / "steps.jsonl"))
+    assert_every_sample_once_per_epoch(planned, STEPS, EPOCHS, ROWS)
+    assert_each_step_trains_the_planned_rows(steps_as_last_trained(records, planned), planned)
     assert_ends_where_uninterrupted(run, reference, tmp_path, STEPS)

@@ -35,9 +35,11 @@ import migration_standard
 import pytest
 from migration_checks import (
     assert_docs_show_the_diff,
+    assert_each_step_trains_the_planned_rows,
     assert_ends_where_uninterrupted,
     assert_every_sample_once_per_epoch,
     one_rank_ray_train,
+    planned_steps,
     read_records,
     steps_as_last_trained,
     wait,
@@ -174,9 +176,12 @@ def test_the_converted_docs_loop_survives_a_stop_a_smaller_group_a_node_loss_and
     assert sorted(r["step"] for r in ends) == [UNTIL] * 3 + [STEPS], ends
     assert ends[-1]["pid"] in attempts[2]["pids"] and ends[-1]["epoch"] == EPOCHS - 1, ends
 
-    # Each step's samples as the last attempt that trained it trained them (a redone step
-    # replaces what it redoes): every sample exactly once per epoch.
-    assert_every_sample_once_per_epoch(steps_as_last_trained(records), STEPS, EPOCHS, ITEMS)
+    # Each step's ids as the last attempt that trained it trained them (a redone step replaces
+    # what it redoes) are the uninterrupted run's ids of that step, which hold every sample
+    # once per epoch.
+    planned = planned_steps(read_records(tmp_path / "ref" / "steps.jsonl"))
+    assert_every_sample_once_per_epoch(planned, STEPS, EPOCHS, ITEMS)
+    assert_each_step_trains_the_planned_rows(steps_as_last_trained(records, planned), planned)
     assert_ends_where_uninterrupted(run, reference, tmp_path, STEPS)
     # Result.metrics: the last ray.train.report of the group's first worker (the last epoch's).
     assert out["result"].metrics == {"epoch": EPOCHS - 1, "loss": ends[-1]["loss"]}
