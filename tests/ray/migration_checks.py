@@ -9,7 +9,8 @@ tests/ray/test_ray_data_migration.py): a converted loop against the loop Ray's g
   run of the converted loop in the test's process.
 - `read_records(log)`, `wait(predicate, timeout, what)`: the loop's JSON lines; a bounded wait.
 - `steps_as_last_trained(records, planned)`: each step's sample ids over all ranks, as the last
-  attempt that trained the step trained them (a redone step replaces what it redoes);
+  attempt that trained the step trained them (a redone step replaces what it redoes; the
+  iteration a lost peer interrupted, which applied nothing, is left out: `applied_steps`);
   `planned_steps(records)`: the uninterrupted run's ids of each step.
 - `assert_each_step_trains_the_planned_rows(by_step, planned)`: P1 on the data, step by step.
 - `assert_every_sample_once_per_epoch(by_step, steps, epochs, samples)` and
@@ -86,6 +87,21 @@ def wait(predicate: Any, timeout: float, what: str) -> None:
         time.sleep(0.2)
 
 
+def applied_steps(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The records of iterations whose optimizer step applied an update. The iteration a lost
+    peer interrupts runs to its end with an `optimizer.step()` that changes nothing, and the
+    loader hands its batch out again (docs/ray-train-loop.md, "When a worker is lost"): its
+    record repeats the process's previous step count, at the same world size, with the
+    interrupted step's ids. A redo after a rollback (FSDP2) is at another world size: kept."""
+    kept: list[dict[str, Any]] = []
+    previous: dict[int, tuple[int, int]] = {}  # pid -> (step, world size) of its last record
+    for r in sorted(records, key=lambda r: r["time"]):
+        if previous.get(r["pid"]) != (r["step"], r["world_size"]):
+            kept.append(r)
+        previous[r["pid"]] = (r["step"], r["world_size"])
+    return kept
+
+
 def steps_as_last_trained(records: list[dict[str, Any]],
                           planned: dict[int, list[int]]) -> dict[int, list[int]]:
     """Each step's sample ids over all ranks of the world that last trained it. A rank of that
@@ -94,7 +110,7 @@ def steps_as_last_trained(records: list[dict[str, Any]],
     uninterrupted run's) less its peers', and only if its process never recorded again (it
     is the lost one)."""
     latest: dict[tuple[int, int], dict[str, Any]] = {}  # (step, rank) -> newest record
-    for r in records:
+    for r in applied_steps(records):
         if r["ids"] and r["time"] >= latest.get((r["step"], r["rank"]), {"time": 0})["time"]:
             latest[(r["step"], r["rank"])] = r
     last_seen: dict[int, float] = {}

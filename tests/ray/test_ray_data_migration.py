@@ -56,6 +56,35 @@ def test_the_docs_show_the_real_diff_and_it_is_small() -> None:
                               ROOT / "docs" / "ray-data.md")
 
 
+def test_the_audit_leaves_out_what_applied_nothing_and_fills_in_only_the_lost_rank() -> None:
+    """The audit's two allowances (tests/ray/migration_checks.py): a rank lost after a step's
+    all-reduce, before its record line, leaves no record of that step; the iteration the loss
+    interrupted records the step before it again, with the batch it then trains again."""
+    planned = {1: [0, 1, 2], 2: [3, 4, 5], 3: [6, 7, 8]}
+
+    def rec(step: int, rank: int, world: int, pid: int, ids: list[int], t: float) -> dict:
+        return {"step": step, "rank": rank, "world_size": world, "pid": pid, "ids": ids,
+                "time": t}
+
+    records = [rec(1, 0, 3, 10, [0], 1), rec(1, 1, 3, 11, [1], 1), rec(1, 2, 3, 12, [2], 1),
+               rec(2, 0, 3, 10, [3], 2), rec(2, 2, 3, 12, [5], 2),  # pid 11 lost
+               # The interrupted iteration: its optimizer step applied nothing (the count
+               # stays 2), its batch is handed out again at 2 workers.
+               rec(2, 0, 3, 10, [6], 2.5), rec(2, 2, 3, 12, [8], 2.5),
+               rec(3, 0, 2, 10, [6, 7], 3), rec(3, 1, 2, 12, [8], 3)]
+    by_step = steps_as_last_trained(records, planned)
+    assert sorted(by_step[2]) == [3, 4, 5]
+    assert_each_step_trains_the_planned_rows(by_step, planned)
+    # A step that trained another row is caught, the plan or not.
+    wrong = records[:-1] + [rec(3, 1, 2, 12, [5], 3)]
+    with pytest.raises(AssertionError, match="other rows than planned"):
+        assert_each_step_trains_the_planned_rows(steps_as_last_trained(wrong, planned), planned)
+    # A rank whose process recorded again was not lost: its missing record is not filled.
+    alive = records + [rec(3, 2, 3, 11, [9], 4)]
+    with pytest.raises(AssertionError, match="recorded later"):
+        steps_as_last_trained(alive, planned)
+
+
 def _write_data(root: Path) -> str:
     root.mkdir()
     rng = np.random.default_rng(0)
