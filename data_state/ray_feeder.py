@@ -6,10 +6,12 @@ Contract:
 - `FeederActor` (a Ray actor class; `create_feeder(ds, name, units=, options=)`
   starts one, named, in the current namespace) holds a `data_state.stream_feeder.UnitFeeder`
   over `ds`'s units; the ranks of a run share it, so each unit goes through the pipeline once
-  for all of them and each rank receives only its rows. `FeederClient(handle)` is its client
-  (`count`, `digest`, `rows`, `read_ahead`, `labels`, `fingerprint`, `units`), blocking; a
-  call that waits longer than `WAIT_WARN_S` says so every `WAIT_WARN_S` (a pipeline whose tasks
-  wait for CPUs the trainers hold waits without end: never in silence).
+  for all of them and each rank receives only its rows. If its process dies, Ray starts it
+  again (up to `FEEDER_RESTARTS` times) and repeats the calls it was serving.
+  `FeederClient(handle)` is its client (`count`, `digest`, `rows`, `read_ahead`, `labels`,
+  `fingerprint`, `units`), blocking; a call that waits longer than `WAIT_WARN_S` says so every
+  `WAIT_WARN_S` (a pipeline whose tasks wait for CPUs the trainers hold waits without end:
+  never in silence).
 - `local_feeder(ds, units=)` is the same feeder in this process, for a `Session`
   outside Ray Train (every rank that makes one reads every unit itself).
 The actor serves several ranks at once (threads); reads run on the feeder's own threads.
@@ -31,6 +33,10 @@ from data_state.stream_feeder import UnitFeeder
 KEEP_UNITS = 4
 READ_AHEAD = 2
 WAIT_WARN_S = 60.0
+# A feeder whose process dies (killed, out of memory) is started again by Ray, and the calls
+# it was serving are sent again: every call only reads, so a repeat is harmless. Bounded: a
+# feeder that dies on every start ends the run with Ray's error instead of retrying forever.
+FEEDER_RESTARTS = 3
 
 log = logging.getLogger("baton.data")
 
@@ -86,6 +92,8 @@ def create_feeder(ds: Any, name: str, *, units: int | None = None,
     refused, raised here in the caller)."""
     pipeline_units(ds, units)
     handle = FeederActor.options(name=name, num_cpus=0, max_concurrency=16,
+                                 max_restarts=FEEDER_RESTARTS,
+                                 max_task_retries=FEEDER_RESTARTS,
                                  **(options or {})).remote(ds, units)
     ray.get(handle.info.remote())  # type: ignore[attr-defined]
     return handle

@@ -217,7 +217,7 @@ def test_data_held_in_memory_is_read_block_by_block(feeders: Any) -> None:
     assert head + tail == whole
 
 
-def test_a_feeder_actor_reads_each_unit_once_for_every_rank(tmp_path: Path,
+def test_a_feeder_actor_reads_each_unit_once_for_every_rank_and_survives_its_process(tmp_path: Path,
                                                             feeders: Any) -> None:
     ds = ray.data.read_parquet(str(_files(tmp_path / "data"))).map_batches(_double)
     actor = create_feeder(ds, "baton-test-feeder")
@@ -230,5 +230,12 @@ def test_a_feeder_actor_reads_each_unit_once_for_every_rank(tmp_path: Path,
         assert shared == alone
         reads = ray.get(actor.reads.remote())
         assert reads <= len(FILE_ROWS)  # once for all three ranks
+
+        # Its process killed mid-epoch (out of memory, say): Ray starts it again and the
+        # ranks read on from their position, the same rows.
+        head, state = _steps(client, 3, 2)
+        ray.kill(actor, no_restart=False)
+        tail, _ = _steps(client, 3, 4, state=state)
+        assert head + tail == alone
     finally:
         ray.kill(actor)
