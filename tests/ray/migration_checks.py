@@ -105,12 +105,17 @@ def applied_steps(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
 def steps_as_last_trained(records: list[dict[str, Any]],
                           planned: dict[int, list[int]]) -> dict[int, list[int]]:
     """Each step's sample ids over all ranks of the world that last trained it. A rank of that
-    world may have left no record of a step that counted (its node was lost after the step's
-    all-reduce, before the loop's record line): its ids are then the step's `planned` ids (the
-    uninterrupted run's) less its peers', and only if its process never recorded again (it
-    is the lost one)."""
+    world may have left no record of a step that counted: its node was lost after the step's
+    all-reduce, before the loop's record line (its process never recorded again), or its own
+    all-reduce failed where a peer's went through, so its iteration applied nothing (it then
+    receives the peer's state: docs/design.md, in-process recovery). Such ranks' ids are the
+    step's `planned` ids (the uninterrupted run's) less their peers'."""
+    kept = applied_steps(records)
+    kept_ids = {id(r) for r in kept}
+    applied_nothing = {(r["pid"], r["step"], r["world_size"]) for r in records
+                       if id(r) not in kept_ids}
     latest: dict[tuple[int, int], dict[str, Any]] = {}  # (step, rank) -> newest record
-    for r in applied_steps(records):
+    for r in kept:
         if r["ids"] and r["time"] >= latest.get((r["step"], r["rank"]), {"time": 0})["time"]:
             latest[(r["step"], r["rank"])] = r
     last_seen: dict[int, float] = {}
@@ -122,15 +127,15 @@ def steps_as_last_trained(records: list[dict[str, Any]],
         world = newest["world_size"]
         ids = [i for rank in range(world) if (step, rank) in latest
                for i in latest[(step, rank)]["ids"]]
-        missing = [rank for rank in range(world) if (step, rank) not in latest]
-        if missing:
-            assert len(missing) == 1, f"step {step}: no record of ranks {missing}"
-            before = latest.get((step - 1, missing[0]))
+        for rank in (rank for rank in range(world) if (step, rank) not in latest):
+            before = latest.get((step - 1, rank))
             assert before is not None and before["world_size"] == world, (
-                f"step {step}: no record of rank {missing[0]} and none of its step before")
-            assert last_seen[before["pid"]] < newest["time"], (
-                f"step {step}: rank {missing[0]} (pid {before['pid']}) recorded later, "
+                f"step {step}: no record of rank {rank} and none of its step before")
+            lost = last_seen[before["pid"]] < newest["time"]
+            assert lost or (before["pid"], step - 1, world) in applied_nothing, (
+                f"step {step}: rank {rank} (pid {before['pid']}) recorded later, "
                 "not this step")
+        if len(ids) < len(planned[step]):
             rest = list(planned[step])
             for i in ids:
                 if i in rest:

@@ -57,9 +57,10 @@ def test_the_docs_show_the_real_diff_and_it_is_small() -> None:
 
 
 def test_the_audit_leaves_out_what_applied_nothing_and_fills_in_only_the_lost_rank() -> None:
-    """The audit's two allowances (tests/ray/migration_checks.py): a rank lost after a step's
-    all-reduce, before its record line, leaves no record of that step; the iteration the loss
-    interrupted records the step before it again, with the batch it then trains again."""
+    """The audit's allowances (tests/ray/migration_checks.py): the iteration the loss
+    interrupted records the step before it again, with the batch it then trains again; a rank
+    lost after a step's all-reduce, before its record line, or whose all-reduce failed where
+    a peer's went through, leaves no record of a step that counted."""
     planned = {1: [0, 1, 2], 2: [3, 4, 5], 3: [6, 7, 8]}
 
     def rec(step: int, rank: int, world: int, pid: int, ids: list[int], t: float) -> dict:
@@ -83,6 +84,11 @@ def test_the_audit_leaves_out_what_applied_nothing_and_fills_in_only_the_lost_ra
     alive = records + [rec(3, 2, 3, 11, [9], 4)]
     with pytest.raises(AssertionError, match="recorded later"):
         steps_as_last_trained(alive, planned)
+    # Unless its iteration of the step applied nothing where a peer's all-reduce went through
+    # (pid 12: it received pid 10's state, then trained on).
+    half = [*records[:3], rec(2, 0, 3, 10, [3], 2), rec(1, 2, 3, 12, [5], 2),
+            rec(3, 0, 2, 10, [6, 7], 3), rec(3, 1, 2, 12, [8], 3)]
+    assert_each_step_trains_the_planned_rows(steps_as_last_trained(half, planned), planned)
 
 
 def _write_data(root: Path) -> str:
