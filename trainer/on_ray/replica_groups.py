@@ -10,7 +10,8 @@ Contract:
 - `ReplicaGroupController` is Ray Train's controller with four changes for those groups:
   * a whole worker group that starts first tells the run's coordinator how many workers
     start (`MembershipStart.reset`), so that they form one membership;
-  * when some, not all, of the live replica groups fail, only those are shut down; each is
+  * when some, not all, of the live replica groups fail because their workers died (their
+    process or node: not an error a worker raised), only those are shut down; each is
     replaced as soon as its placement-group bundle is placed (Ray re-places the bundles of a
     lost node on a node with room: at once, or when one joins). Meanwhile the others train on
     at W-1. Ray's own path replaces only when the size it decides equals the current one and
@@ -136,7 +137,8 @@ class ReplicaGroupController(TrainController):
         status = group.get_latest_poll_status() if group is not None else None
         failing = (status.failing_replica_group_indices - self._down) if status else set()
         live = (status.all_replica_group_indices - self._down) if status else set()
-        if group is not None and replace_alone(failing, live, self._fell_back):
+        if group is not None and status is not None and replace_alone(
+                failing, live, _errors_of(status, failing), self._fell_back):
             for index in sorted(failing):
                 self._shut_down(index)
             logger.info("Baton: replica group(s) %s lost; the others train on, each is "
@@ -218,13 +220,24 @@ class ReplicaGroupController(TrainController):
         return replace(status, worker_statuses=statuses)
 
 
-def replace_alone(failing: set[int], live: set[int], fell_back: Callable[[], bool]) -> bool:
+def replace_alone(failing: set[int], live: set[int], errors: list[BaseException],
+                  fell_back: Callable[[], bool]) -> bool:
     """Whether the failing replica groups are replaced alone while the others train on: some,
-    not all, of the live ones fail, and in-process recovery has not fallen back. After a
-    fallback every member ends its worker, but not within one poll: replacing the first ones
-    alone would let them join a membership that refuses them, again and again, and the run
-    would end at `max_failures`; the whole group restarts instead, with a fresh membership."""
-    return bool(failing) and failing != live and not fell_back()
+    not all, of the live ones fail, their workers died (`errors`: the failing workers'; an
+    error a worker raised — a preemption notice, every worker's way out of a planned restart,
+    or a bug — restarts the whole group, whichever workers a poll saw end first), and
+    in-process recovery has not fallen back. After a fallback every member ends its worker,
+    but not within one poll: replacing the first ones alone would let them join a membership
+    that refuses them, again and again, and the run would end at `max_failures`; the whole
+    group restarts instead, with a fresh membership."""
+    return (bool(failing) and failing != live and all(_died(e) for e in errors)
+            and not fell_back())
+
+
+def _errors_of(status: WorkerGroupPollStatus, groups: set[int]) -> list[BaseException]:
+    """The errors of the workers of replica groups `groups` in a poll."""
+    ranks = status.worker_rank_to_replica_group_rank or {}
+    return [error for rank, error in status.errors.items() if ranks.get(rank) in groups]
 
 
 class _HoldSizeWhileDown:
