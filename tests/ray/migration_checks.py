@@ -8,6 +8,9 @@ tests/ray/test_ray_data_migration.py): a converted loop against the loop Ray's g
   them (rank 0 of 1, `prepare_model` as is, `report` ignored), for an uninterrupted reference
   run of the converted loop in the test's process.
 - `read_records(log)`, `wait(predicate, timeout, what)`: the loop's JSON lines; a bounded wait.
+- `fit_losing_a_node(fit, cluster, log, at_step=, world_size=)`: `fit` in a thread, a worker
+  node removed once the loop recorded `at_step` at `world_size` workers; `{"result": ...}` if
+  the fit finished.
 - `steps_as_last_trained(records, planned)`: each step's sample ids over all ranks, as the last
   attempt that trained the step trained them (a redone step replaces what it redoes; the
   iteration a lost peer interrupted, which applied nothing, is left out: `applied_steps`);
@@ -23,8 +26,9 @@ from __future__ import annotations
 import contextlib
 import difflib
 import json
+import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -85,6 +89,19 @@ def wait(predicate: Any, timeout: float, what: str) -> None:
     while not predicate():
         assert time.monotonic() < deadline, f"timed out waiting for {what}"
         time.sleep(0.2)
+
+
+def fit_losing_a_node(fit: Callable[[], Any], cluster: Any, log: Path, *, at_step: int,
+                      world_size: int) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    thread = threading.Thread(target=lambda: out.update(result=fit()))
+    thread.start()
+    wait(lambda: any(r["step"] >= at_step and r["world_size"] == world_size
+                     for r in read_records(log)) or not thread.is_alive(), 300,
+         f"step {at_step} at {world_size} workers")
+    cluster.remove_worker()
+    thread.join(timeout=400)
+    return out
 
 
 def applied_steps(records: list[dict[str, Any]]) -> list[dict[str, Any]]:

@@ -21,7 +21,6 @@ its conversion.
 
 from __future__ import annotations
 
-import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -37,11 +36,11 @@ from migration_checks import (
     assert_each_step_trains_the_planned_rows,
     assert_ends_where_uninterrupted,
     assert_every_sample_once_per_epoch,
+    fit_losing_a_node,
     one_rank_ray_train,
     planned_steps,
     read_records,
     steps_as_last_trained,
-    wait,
 )
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -171,13 +170,7 @@ def test_the_converted_loop_trains_every_row_once_through_a_node_loss(
         reference = _reference(tmp_path / "ref", data, monkeypatch)
         trainer = migration_data_baton.make_trainer(config, data, str(run), scaling,
                                                     run_config("fit"))
-        thread = threading.Thread(target=lambda: out.update(result=trainer.fit()))
-        thread.start()
-        wait(lambda: any(r["step"] >= LOSE_AT and r["world_size"] == 3
-                          for r in read_records(log)) or not thread.is_alive(), 300,
-              f"step {LOSE_AT} at 3 workers")
-        cluster.remove_worker()
-        thread.join(timeout=400)
+        out = fit_losing_a_node(trainer.fit, cluster, log, at_step=LOSE_AT, world_size=3)
     finally:
         ray.shutdown()
         cluster.shutdown()

@@ -25,7 +25,6 @@ warmup-cosine, `prepare_model`, rank 0 `torch.save` into `ray.train.report(check
 from __future__ import annotations
 
 import math
-import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -38,6 +37,7 @@ from migration_checks import (
     assert_each_step_trains_the_planned_rows,
     assert_ends_where_uninterrupted,
     assert_every_sample_once_per_epoch,
+    fit_losing_a_node,
     one_rank_ray_train,
     planned_steps,
     read_records,
@@ -141,13 +141,7 @@ def test_the_converted_docs_loop_survives_a_stop_a_smaller_group_a_node_loss_and
             {**config, "fail_after_loop": True}, str(run),
             ScalingConfig(num_workers=(1, 3), resources_per_worker={"CPU": 1}),
             run_config("second"))
-        thread = threading.Thread(target=lambda: out.update(result=second.fit()))
-        thread.start()
-        wait(lambda: any(r["step"] >= LOSE_AT and r["world_size"] == 2
-                          for r in read_records(log)) or not thread.is_alive(), 300,
-              f"step {LOSE_AT} at 2 workers")
-        cluster.remove_worker()
-        thread.join(timeout=400)
+        out = fit_losing_a_node(second.fit, cluster, log, at_step=LOSE_AT, world_size=2)
     finally:
         ray.shutdown()
         cluster.shutdown()
