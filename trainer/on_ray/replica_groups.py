@@ -30,7 +30,7 @@ Ray range; `tests/ray/test_trainer_elastic.py` runs it on a local multi-node clu
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 from typing import Any, cast
@@ -134,11 +134,8 @@ class ReplicaGroupController(TrainController):
     def _execute_resize_decision(self, decision: ResizeDecision
                                  ) -> TrainControllerLoopIterationResult:
         group = self._worker_group
-        status = group.get_latest_poll_status() if group is not None else None
-        failing = (status.failing_replica_group_indices - self._down) if status else set()
-        live = (status.all_replica_group_indices - self._down) if status else set()
-        if group is not None and status is not None and replace_alone(
-                failing, live, _errors_of(status, failing), self._fell_back):
+        failing, live, errors = self._latest_failures()
+        if group is not None and replace_alone(failing, live, errors, self._fell_back):
             for index in sorted(failing):
                 self._shut_down(index)
             logger.info("Baton: replica group(s) %s lost; the others train on, each is "
@@ -179,12 +176,21 @@ class ReplicaGroupController(TrainController):
 
     def some_groups_live_on(self) -> bool:
         """The last poll saw failures in some, not all, live replica groups."""
+        failing, live, _ = self._latest_failures()
+        return bool(failing) and failing != live
+
+    def _latest_failures(self) -> tuple[set[int], set[int], list[Exception]]:
+        """The last poll's failing and live replica groups (those down left out) and the
+        failing workers' errors."""
         group = self._worker_group
         status = group.get_latest_poll_status() if group is not None else None
         if status is None:
-            return False
+            return set(), set(), []
         failing = status.failing_replica_group_indices - self._down
-        return bool(failing) and failing != status.all_replica_group_indices - self._down
+        live = status.all_replica_group_indices - self._down
+        ranks = status.worker_rank_to_replica_group_rank or {}
+        errors = [error for rank, error in status.errors.items() if ranks.get(rank) in failing]
+        return failing, live, errors
 
     def _replace_placed(self) -> None:
         """Replace each down replica group whose placement-group bundle is placed again."""
@@ -220,7 +226,7 @@ class ReplicaGroupController(TrainController):
         return replace(status, worker_statuses=statuses)
 
 
-def replace_alone(failing: set[int], live: set[int], errors: list[BaseException],
+def replace_alone(failing: set[int], live: set[int], errors: Sequence[BaseException],
                   fell_back: Callable[[], bool]) -> bool:
     """Whether the failing replica groups are replaced alone while the others train on: some,
     not all, of the live ones fail, their workers died (`errors`: the failing workers'; an
@@ -232,12 +238,6 @@ def replace_alone(failing: set[int], live: set[int], errors: list[BaseException]
     group restarts instead, with a fresh membership."""
     return (bool(failing) and failing != live and all(_died(e) for e in errors)
             and not fell_back())
-
-
-def _errors_of(status: WorkerGroupPollStatus, groups: set[int]) -> list[BaseException]:
-    """The errors of the workers of replica groups `groups` in a poll."""
-    ranks = status.worker_rank_to_replica_group_rank or {}
-    return [error for rank, error in status.errors.items() if ranks.get(rank) in groups]
 
 
 class _HoldSizeWhileDown:
