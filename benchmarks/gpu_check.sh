@@ -78,10 +78,12 @@ if [ -n "$ONLY" ]; then  # --only: the named steps, after cuda (which gates the 
     for entry in "${ALL_STEPS[@]:1}"; do
         if [[ ",$ONLY," == *",${entry%% *},"* ]]; then selected+=("$entry"); fi
     done
+    known=" ${ALL_STEPS[*]%% *} "  # the step names, space-separated (no pipe: under
+    # pipefail, `printf | grep -q` fails at random when grep's early exit cuts printf off)
     for name in ${ONLY//,/ }; do
-        printf '%s\n' "${ALL_STEPS[@]}" | grep -q "^$name " || {
+        [[ "$known" == *" $name "* ]] || {
             echo "gpu_check.sh: --only: no step named $name (steps:" \
-                "$(printf '%s\n' "${ALL_STEPS[@]}" | cut -d' ' -f1 | paste -sd' '))" >&2
+                "${ALL_STEPS[*]%% *})" >&2
             exit 2; }
     done
     STEPS=("${selected[@]}")
