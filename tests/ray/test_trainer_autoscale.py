@@ -4,8 +4,10 @@ The cluster is Ray's fake multi-node provider driven by a config derived from cl
 the same worker node type (`gpu_spot_worker`) and head resources, the worker's GPU replaced
 by one logical CPU (this machine has none) and the counts scaled down to min 1 / max 2.
 The provider launches the minimum at start; Ray Train's elastic policy asks the autoscaler
-for max_workers, the autoscaler launches the second node, and Ray Train restarts the group
-at 2 workers, which must resume from the committed snapshot and finish the run.
+for max_workers, the autoscaler launches the second node, and the running group grows to 2
+in place (`trainer.on_ray.grow_in_place`): the first worker keeps its process and never
+stops, the new one joins at a step boundary with its state, nothing is redone, and every
+sample is trained once.
 
 Capacity arrives late, as spot capacity does: the config starts with the worker type
 capped at 1 node and is raised to 2 once the group has started (the autoscaler re-reads
@@ -44,9 +46,9 @@ FAKE_HEAD_TYPE = "ray.head.default"  # ray.autoscaler._private.fake_multi_node's
 MIN_WORKERS, MAX_WORKERS = 1, 2
 STEPS = 200
 SNAPSHOT_EVERY = 10
-# >= 20 s of training at 1 worker: time for the autoscaler to add a node (~2 s here) and for
+# >= 40 s of training at 1 worker: time for the autoscaler to add a node (~2 s here) and for
 # Ray Train to notice it (resize_interval_s) before the run would end at its first size.
-PACE_S = 0.1
+PACE_S = 0.2
 FIT_TIMEOUT_S = 420
 
 # Keys the autoscaler indexes even when a provider does not use them.
@@ -134,8 +136,9 @@ import json, sys
 from trainer.config import load_recipe
 from trainer.on_ray.ray_fit import fit
 cfg = load_recipe("recipes/tiny.toml", json.loads(sys.argv[1]))
-result = fit(cfg, pace_s=float(sys.argv[2]))
+result = fit(cfg, pace_s=float(sys.argv[2]), record_samples=True)
 print("SUMMARY " + json.dumps(result.summary.to_dict()))
+print("MEMBERSHIP " + json.dumps(result.membership))
 """
 
 
@@ -188,21 +191,28 @@ def test_fit_grows_from_min_to_max_workers_as_the_autoscaler_adds_a_node(
     assert non_loopback_listeners(head.pids()) == []
 
     records = read_records(str(run))
-    starts = [r for r in records if r["kind"] == "start"]
-    sizes = [r["world_size"] for r in starts]
-    # The group grew once the autoscaler had added the second node, and finished at 2.
-    assert sizes[0] == MIN_WORKERS and MAX_WORKERS in sizes[1:], (starts, output)
-    grown = starts[sizes.index(MAX_WORKERS, 1)]
-    # It resumed from the snapshot taken on demand just before the resize (any step).
-    assert grown["step"] > 0, grown
-    steps_at_max = [r["step"] for r in records
-                    if r["kind"] == "step" and r["world_size"] == MAX_WORKERS]
-    assert steps_at_max and min(steps_at_max) == grown["step"] + 1, (grown, steps_at_max[:3])
-    assert max(steps_at_max) == STEPS
-
     summary = summarize(records)
+    # The group grew in place: one start, then the new worker joined the running one, whose
+    # process is the member that started (a member id holds its node and process id).
+    assert summary.restarts == 0 and summary.world_sizes == [MIN_WORKERS, MAX_WORKERS], (
+        summary, output)
+    assert summary.replacements_joined == 1 and summary.steps_redone == 0, summary
+    membership = json.loads(next(line for line in output.splitlines()
+                                 if line.startswith("MEMBERSHIP "))[len("MEMBERSHIP "):])
+    history = membership["history"]
+    assert [h["reason"] for h in history] == ["start", "join"], history
+    first, grown = (h["members"] for h in history)
+    assert len(first) == MIN_WORKERS and grown[:MIN_WORKERS] == first, history
+    assert len(grown) == MAX_WORKERS, history
+    assert max(r["step"] for r in records if r["kind"] == "step"
+               and r["world_size"] == MIN_WORKERS) < STEPS  # it grew before the end
     assert summary.steps == STEPS
-    # A planned resize loses nothing (P6): the group snapshots on demand before Ray Train
-    # tears it down (trainer/on_ray/resize.py), and the bigger group resumes from exactly there.
-    assert summary.steps_redone == 0, summary
     assert max(SnapshotStore(str(run)).committed_steps()) == STEPS
+    # Every sample of the run trained exactly once, across the growth (P5).
+    samples: dict[int, list[int]] = {}
+    for record in records:
+        if record["kind"] == "step":
+            samples[record["step"]] = record["samples"]
+    assert sorted(samples) == list(range(1, STEPS + 1))
+    trained = [i for ids in samples.values() for i in ids]
+    assert len(trained) == len(set(trained)), "a sample trained twice"

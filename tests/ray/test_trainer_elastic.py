@@ -1,7 +1,8 @@
 """Elastic fit on a local multi-node Ray cluster: lose a node, gain one back.
 
 Run A trains STEPS steps on 2 workers without interruption. Run B starts on 3 workers and loses
-a worker node after step LOSE_AT, then gets a node back:
+a worker node after step LOSE_AT, then gets a node back (with DDP it first starts on 2 and
+grows to 3 in place when a node is added, and the node it loses is the one that grew it):
 - DDP (in-process recovery, `elastic.recovery`): the two survivors keep their processes, re-form
   their group and train on at 2, redoing at most the interrupted step; Ray Train replaces only
   the lost worker's replica group once the new node is there, and it joins at a step boundary
@@ -84,13 +85,19 @@ def _wait(predicate: Any, timeout: float, what: str) -> None:
         time.sleep(0.2)
 
 
-def _fit_with_faults(cluster: LocalCluster, cfg: Any) -> tuple[FitResult, float]:
+def _fit_with_faults(cluster: LocalCluster, cfg: Any,
+                     grow_first: bool = False) -> tuple[FitResult, float]:
     """Run fit in a thread; lose a node after LOSE_AT, add one back once at 2 workers;
-    returns the result and when the node was lost. (Cluster changes must happen on the main
+    returns the result and when the node was lost. `grow_first`: start with a node fewer (2
+    workers), add it back and wait for the group to grow to 3 before the loss (the newest
+    node, so the grown worker's, is the one lost). (Cluster changes must happen on the main
     thread: Ray installs signal handlers.)"""
     out: dict[str, Any] = {}
-    thread = threading.Thread(
-        target=lambda: out.update(result=fit(cfg, pace_s=0.25, record_samples=True))
+    if grow_first:
+        cluster.remove_worker()
+    thread = threading.Thread(  # slower steps when growing first: both changes fit the run
+        target=lambda: out.update(result=fit(cfg, pace_s=0.5 if grow_first else 0.25,
+                                             record_samples=True))
     )
     thread.start()
     monitor = None
@@ -104,6 +111,11 @@ def _fit_with_faults(cluster: LocalCluster, cfg: Any) -> tuple[FitResult, float]
             return False
 
     _wait(monitor_ready, 120, "the run monitor")
+    if grow_first:
+        _wait(lambda: _latest(monitor).get("step", 0) >= 1, 180, "step 1")
+        assert _latest(monitor).get("world_size") == 2
+        cluster.add_worker()
+        _wait(lambda: _latest(monitor).get("world_size") == 3, 180, "growing to 3 workers")
     _wait(lambda: _latest(monitor).get("step", 0) >= LOSE_AT, 180, f"step {LOSE_AT}")
     lost_at = time.time()
     cluster.remove_worker()
@@ -140,13 +152,15 @@ def test_node_loss_and_gain_end_where_an_uninterrupted_run_ends(
 ) -> None:
     a = uninterrupted
     b = tmp_path / "b"
+    grow_first = parallelism == "ddp"
     result, _ = _fit_with_faults(
-        cluster, _config(b, tiny_dataset, parallelism, min_workers=1)
+        cluster, _config(b, tiny_dataset, parallelism, min_workers=1), grow_first=grow_first
     )
 
     summary = result.summary
     assert summary.steps == STEPS
-    _assert_survivors_never_stopped(result, redone=1 if parallelism == "ddp" else SNAPSHOT_EVERY)
+    _assert_survivors_never_stopped(result, redone=1 if parallelism == "ddp" else SNAPSHOT_EVERY,
+                                    grew_first=grow_first)
 
     state_a, state_b = final_state(a, tmp_path, STEPS), final_state(b, tmp_path, STEPS)
     assert_same_state(state_a, state_b)
@@ -159,21 +173,29 @@ def test_node_loss_and_gain_end_where_an_uninterrupted_run_ends(
     assert len(trained) == len(set(trained)) == STEPS * 8  # global_batch 8, one epoch
 
 
-def _assert_survivors_never_stopped(result: FitResult, redone: int) -> None:
+def _assert_survivors_never_stopped(result: FitResult, redone: int,
+                                    grew_first: bool = False) -> None:
     """No worker group started again: the survivors are the processes that started (a member
     id is its node, process id and a nonce) and they are still members once the replacement
     joined; DDP redoes at most the interrupted step, FSDP2 the steps since the newest commit
-    (it restarts its state in-process from it)."""
+    (it restarts its state in-process from it). `grew_first`: the group started at 2 and grew
+    to 3 in place; the worker lost is the one it grew by."""
     summary = result.summary
     assert summary.restarts == 0, summary
-    assert summary.world_sizes == [3, 2, 3], summary.world_sizes
-    assert summary.recovered_in_process == 1 and summary.replacements_joined == 1, summary
+    grown = [2] if grew_first else []
+    assert summary.world_sizes == [*grown, 3, 2, 3], summary.world_sizes
+    assert summary.recovered_in_process == 1, summary
+    assert summary.replacements_joined == 1 + len(grown), summary
     assert summary.steps_redone <= redone, summary
     history = result.membership["history"]
-    assert [h["reason"] for h in history] == ["start", "failure", "join"], history
-    first, survivors, regrown = (set(h["members"]) for h in history)
+    reasons = ["join"] * len(grown) + ["failure", "join"]
+    assert [h["reason"] for h in history] == ["start", *reasons], history
+    started = set(history[0]["members"])
+    first, survivors, regrown = (set(h["members"]) for h in history[-3:])
     assert len(survivors) == 2 and survivors < first and survivors < regrown, history
     assert len(regrown - first) == 1  # the replacement
+    if grew_first:
+        assert survivors == started, history  # the processes that started never stopped
 
 
 def test_preemption_notice_loses_no_steps(

@@ -7,7 +7,7 @@ Contract:
   Lighthouse): each worker's torch.distributed default group is the worker alone, so a DDP
   wrapper made there never waits on another worker; the group that trains together is
   Baton's membership (`elastic.recovery`), which a worker joins in its `Session`.
-- `ReplicaGroupController` is Ray Train's controller with four changes for those groups:
+- `ReplicaGroupController` is Ray Train's controller with five changes for those groups:
   * a whole worker group that starts first tells the run's coordinator how many workers
     start (`MembershipStart.reset`), so that they form one membership;
   * when some, not all, of the live replica groups fail because their workers died (their
@@ -20,7 +20,10 @@ Contract:
   * its polls leave out the replica groups that are down, so a run whose live workers all
     finished is done (a replacement still pending is given up);
   * a worker that died (its process or node) while others train on is not charged to
-    `max_failures` (an error a worker raised is).
+    `max_failures` (an error a worker raised is);
+  * when the scaling policy finds room for more workers, the running group grows in place
+    (`trainer.on_ray.grow_in_place`): each new worker is a replica group added to it, which
+    joins the others at their next step boundary; nobody restarts, nothing is redone.
   When every live replica group fails, or in-process recovery fell back (`replace_alone`),
   the whole group restarts as before, sized by `trainer.on_ray.scaling`.
 It subclasses Ray Train V2 internals (`TrainController`, `_TorchBackend`), hence the pinned
@@ -56,6 +59,7 @@ from ray.train.v2._internal.execution.worker_group import ReplicaGroup
 from ray.train.v2._internal.execution.worker_group.poll import WorkerGroupPollStatus
 
 from elastic.coord import FALLBACK, NAMESPACE, coordinator_name
+from trainer.on_ray.grow_in_place import InPlaceGrowth
 
 logger = logging.getLogger("ray.train.baton_replicas")
 
@@ -116,10 +120,11 @@ class ReplicaGroupController(TrainController):
         callbacks = kwargs.get("callbacks") or []
         self._membership = next((c for c in callbacks if isinstance(c, MembershipStart)), None)
         self._down: set[int] = set()  # replica groups shut down, waiting for their bundle
+        self._growth = InPlaceGrowth()
         super().__init__(*args, **kwargs)
         # Wrappers that delegate all else (Ray Train calls the policies by duck typing).
-        self._scaling_policy = _HoldSizeWhileDown(self._scaling_policy,  # type: ignore[assignment]
-                                                  self._down)
+        self._scaling_policy = _ResizeInPlace(self._scaling_policy,  # type: ignore[assignment]
+                                              self)
         self._failure_policy = _LostWorkersAreFree(self._failure_policy,  # type: ignore[assignment]
                                                    self)
 
@@ -154,6 +159,30 @@ class ReplicaGroupController(TrainController):
                                                   previous_state=self._state,
                                                   next_state=RunningState())
 
+    def _shutdown_worker_group(self) -> None:
+        super()._shutdown_worker_group()
+        self._growth.release()
+
+    async def abort(self) -> None:
+        self._growth.release()
+        await super().abort()
+
+    # ------------------------------------------------------------------ growing
+
+    def grow_in_place(self, num_workers: int, current: int) -> bool:
+        """Ask for workers up to `num_workers` (from `current`, those asked for before
+        counted) as added replica groups; False where the group cannot grow so (Ray Train's
+        restart at the new size then runs)."""
+        group = self._worker_group
+        if group is None or not InPlaceGrowth.supported(group.get_worker_group_context()):
+            return False
+        more = num_workers - current - self._growth.pending
+        if more > 0:
+            logger.info("Baton: room for %d more worker(s); they join the running group "
+                        "(no restart)", more)
+            self._growth.request(more, group.get_resources_per_worker())
+        return True
+
     def _fell_back(self) -> bool:
         try:
             return self._membership is not None and self._membership.fell_back()
@@ -173,6 +202,10 @@ class ReplicaGroupController(TrainController):
                 group._world_rank_to_ongoing_poll.pop(worker.distributed_context.world_rank,
                                                       None)
         self._down.add(index)
+
+    @property
+    def has_down_groups(self) -> bool:
+        return bool(self._down)
 
     def some_groups_live_on(self) -> bool:
         """The last poll saw failures in some, not all, live replica groups."""
@@ -202,10 +235,14 @@ class ReplicaGroupController(TrainController):
         for index in sorted(self._down):
             bundles = {w.placement_group_bundle_index
                        for w in _replica_groups(group)[index].get_workers()}
-            if not bundles <= placed:
+            if not (self._growth.placed(index) if self._growth.owns(index)
+                    else bundles <= placed):
                 continue
             try:
-                group.replace_replica_group(index)
+                if self._growth.owns(index):
+                    self._growth.replace(group, index)
+                else:
+                    group.replace_replica_group(index)
             except Exception:  # noqa: BLE001 - it stays down; the next poll tries again
                 logger.warning("Baton: replacing replica group %d failed", index, exc_info=True)
                 continue
@@ -215,6 +252,8 @@ class ReplicaGroupController(TrainController):
 
     async def _poll_workers(self) -> WorkerGroupPollStatus:
         self._replace_placed()
+        if self._worker_group is not None and self._growth.pending:
+            self._growth.add_placed(self._worker_group)
         status = await super()._poll_workers()
         if not self._down or status.worker_rank_to_replica_group_rank is None:
             return status
@@ -240,21 +279,28 @@ def replace_alone(failing: set[int], live: set[int], errors: Sequence[BaseExcept
             and not fell_back())
 
 
-class _HoldSizeWhileDown:
-    """The scaling policy, except that while replica groups are down a running group is not
-    resized to the size it has or less: the down groups are replaced in place instead (a
-    resize would snapshot and restart every survivor)."""
+class _ResizeInPlace:
+    """The scaling policy, except for a running group of replica groups: a decision to grow
+    adds workers to it in place (`ReplicaGroupController.grow_in_place`: no snapshot, no
+    restart, the new ones join at a step boundary), and while replica groups are down a
+    decision to the size it has or less is not taken (they are replaced in place instead).
+    Any other decision is Ray Train's resize (snapshot on demand, restart)."""
 
-    def __init__(self, inner: Any, down: set[int]) -> None:
+    def __init__(self, inner: Any, controller: ReplicaGroupController) -> None:
         self._inner = inner
-        self._down = down
+        self._controller = controller
 
     def make_decision_for_running_worker_group(self, worker_group_state: Any,
                                                worker_group_status: Any) -> ScalingDecision:
         decision = self._inner.make_decision_for_running_worker_group(worker_group_state,
                                                                       worker_group_status)
-        if (self._down and isinstance(decision, ResizeDecision)
-                and decision.num_workers <= len(worker_group_state.workers)):
+        if not isinstance(decision, ResizeDecision):
+            return decision
+        current = len(worker_group_state.workers)
+        if decision.num_workers > current and self._controller.grow_in_place(
+                decision.num_workers, current):
+            return NoopDecision()
+        if self._controller.has_down_groups and decision.num_workers <= current:
             return NoopDecision()
         return decision
 
