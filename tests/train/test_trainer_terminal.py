@@ -116,8 +116,8 @@ def test_in_process_recoveries_are_events_of_their_own() -> None:
     tracker.nodes_changed(added=["10.0.0.9"])
     joined = tracker.feed([{"kind": "recovery", "reason": "join", "step": 30, "world_size": 3,
                             "before": 2, "seconds": 0.06, "counted": False}])
-    assert joined == ["replacement joined at step 30 (node 10.0.0.9 joined) → 3 workers, state "
-                      "from a live peer in 0.06 s, survivors continued in-process"]
+    assert joined == ["worker joined at step 30 (node 10.0.0.9 joined) → 3 workers, state "
+                      "from a live peer in 0.06 s, the others continued in-process"]
 
 
 def test_optimizer_state_is_read_from_the_manifest_state() -> None:

@@ -158,7 +158,8 @@ class RunSummary:
     snapshot_stall_ms_max: float | None  # longest time one step waited for a snapshot
     snapshot_stall_ms_mean: float | None  # that time averaged over all steps
     # In-process recovery (`elastic.recovery`): lost workers the survivors trained on past,
-    # replacements that joined a running group, the longest such re-forming (seconds).
+    # workers that joined a running group (replacements, or workers it grew by), the longest
+    # such re-forming (seconds).
     recovered_in_process: int = 0
     replacements_joined: int = 0
     recovery_s_max: float | None = None

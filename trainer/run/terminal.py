@@ -211,8 +211,9 @@ class RestartTracker:
         if record.get("reason") == "join":
             joined = f" ({_nodes(tuple(self._added))} joined)" if self._added else ""
             self._added.clear()
-            return (f"replacement joined {at}{joined} → {_plural(world_size, 'worker')}, state "
-                    f"from a live peer in {took}, survivors continued in-process")
+            # A replacement of a lost worker, or a worker the group grew by: both join alike.
+            return (f"worker joined {at}{joined} → {_plural(world_size, 'worker')}, state "
+                    f"from a live peer in {took}, the others continued in-process")
         lost = f"{_nodes(tuple(self._lost))} lost" if self._lost else "worker lost"
         self._lost.clear()
         redone = _plural(int(record.get("redone", record.get("counted") is False)), "step")
