@@ -369,6 +369,7 @@ _SUMMARY_LABELS = {
     "wall_time_s": "wall time",
     "world_sizes": "workers over the run",
     "recovered_in_process": "lost workers survived in-process",
+    "replacements_joined": "workers joined a running group",
     "recovery_s_max": "in-process recovery (max)",
     "recovery_fallbacks": "group restarts instead, why",
 }
