@@ -4,6 +4,9 @@
   `ElasticTorchTrainer` (lease, coordinator, restart policy, snapshot-before-resize);
 - `scaling` (restart policies), `resize` (snapshot before a planned resize), `monitor` (the run's
   progress actor), `ray_messages` (Ray's driver-side messages to a log file);
+- `replica_groups` (one Ray Train replica group per worker: a lost one is replaced alone) and
+  `grow_in_place` (workers added to the running group), `train_fn` (Ray Train's calls inside a
+  worker), `failures` (which errors restart);
 - `local_cluster` and `demo`: the local multi-node cluster and the elastic demo.
 
 Every Baton actor and driver lives in one Ray namespace, `elastic.coord.ray_actors.NAMESPACE`
