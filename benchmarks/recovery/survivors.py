@@ -40,9 +40,11 @@ MODES = ("in-process", "restart", "torchft")
 PACE_S = 0.15
 
 
-def run(mode: str, kill: bool, work: Path) -> dict[str, Any]:
+def run(mode: str, kill: bool, work: Path, grow: bool = False) -> dict[str, Any]:
+    """One run in a fresh process (`survivors_worker`): `kill` loses a node, `grow` adds one."""
     out = work.with_suffix(".json")
-    payload = {"mode": mode, "kill": kill, "work": str(work), "out": str(out), "pace_s": PACE_S}
+    payload = {"mode": mode, "kill": kill, "grow": grow, "work": str(work), "out": str(out),
+               "pace_s": PACE_S}
     started = time.monotonic()
     proc = start_worker("recovery.survivors_worker", "run", json.dumps(payload),
                         capture_stdout=False, drop_env=("RAY_TRAIN_",))
@@ -51,7 +53,8 @@ def run(mode: str, kill: bool, work: Path) -> dict[str, Any]:
     result["wall_s"] = time.monotonic() - started
     result["final"] = str(work / "final.safetensors")
     result["log"] = str(work / "steps.jsonl")
-    print(f"{mode}{' (node lost)' if kill else ''}: {result['wall_s']:.0f} s", flush=True)
+    event = " (node lost)" if kill else " (node added)" if grow else ""
+    print(f"{mode}{event}: {result['wall_s']:.0f} s", flush=True)
     return result
 
 

@@ -2,6 +2,7 @@
 
     python -m benchmarks.recovery.survivors_worker run '{"mode": "in-process"|"restart"|
         "torchft", "kill": true|false, "work": DIR, "out": RESULT.json, "pace_s": 0.1}'
+    ... '{"mode": "in-process"|"restart", "grow": true, ...}'   # benchmarks/recovery/growth.py
 
 A head with no CPUs and 3 worker nodes of 1 logical CPU (`trainer.on_ray.local_cluster`, fast
 failure detection: GCS health checks 1 s x 3, `RAY_TRAIN_HEALTH_CHECK_INTERVAL_S` 0.5). Three
@@ -9,6 +10,8 @@ workers train `benchmarks.recovery.survivors_loops`: "in-process" and "restart" 
 loop on `ElasticTorchTrainer` with in-process recovery on and off, "torchft" the same model on
 torchft under Ray's `TorchftConfig`. With `kill`, once a worker logs step KILL_AT the node of a
 worker is removed ungracefully (`Cluster.remove_node`) and ADD_AFTER_S later a node is added.
+With `grow` the cluster starts with 2 worker nodes (the run at 2 workers, at most 3, a resize
+check every second) and once a worker logs step GROW_AT a third node is added (`analyse_growth`).
 The per-step logs are turned into the figures of `analyse`; the final state is the run's
 `final.safetensors`.
 """
@@ -25,6 +28,7 @@ from benchmarks.common import worker_main
 
 KILL_AT = 25
 ADD_AFTER_S = 2.0
+GROW_AT = 10
 
 
 def _records(log: Path) -> list[dict[str, Any]]:
@@ -34,13 +38,15 @@ def _records(log: Path) -> list[dict[str, Any]]:
                   key=lambda r: r["time"])
 
 
-def _trainer(mode: str, config: dict[str, Any], work: Path) -> Any:
+def _trainer(mode: str, config: dict[str, Any], work: Path, grow: bool = False) -> Any:
     from ray.train import FailureConfig, RunConfig, ScalingConfig
 
     from benchmarks.recovery import survivors_loops as loops
 
+    # Growing: a resize check every second, so the node added is used at once in both modes.
+    checks = {"elastic_resize_monitor_interval_s": 1.0} if grow else {}
     scaling = ScalingConfig(num_workers=3 if mode == "torchft" else (1, 3),
-                            resources_per_worker={"CPU": 1})
+                            resources_per_worker={"CPU": 1}, **checks)
     run_config = RunConfig(name=f"{mode}-{int(time.time())}", storage_path=str(work / "ray"),
                            failure_config=FailureConfig(max_failures=10))
     if mode == "torchft":
@@ -130,6 +136,37 @@ def analyse(records: list[dict[str, Any]], killed: float | None) -> dict[str, An
     return out
 
 
+def analyse_growth(records: list[dict[str, Any]], added: float) -> dict[str, Any]:
+    """What a node added cost the running workers (times in seconds after the node was added):
+    - longest_gap: the longest time between two steps of a process that trained before the
+      node came and until the end, after it came; with none (a restart), from the old group's
+      last step to the new group's first;
+    - joined_first: the first step of a process that started after the node came;
+    - at_three: the first step trained by 3 workers;
+    - steps_redone, samples: as in `analyse`."""
+    before = {r["pid"] for r in records if r["time"] < added}
+    last_step = max(r["step"] for r in records)
+    kept = {r["pid"] for r in records if r["step"] >= last_step} & before
+    new = [r for r in records if r["pid"] not in before]
+    gaps = []
+    for pid in kept:
+        times = [r["time"] for r in records if r["pid"] == pid]
+        gaps += [b - a for a, b in zip(times, times[1:], strict=False) if b > added]
+    old_last = max(r["time"] for r in records if r["pid"] in before)
+    first_new = min((r["time"] for r in new), default=float("nan"))
+    redone = [len(steps) - len(set(steps)) for steps in (
+        [r["step"] for r in records if r["pid"] == pid] for pid in kept)]
+    return {"steps": last_step, "added_at": added,
+            "longest_gap": max(gaps) if gaps else first_new - old_last,
+            "joined_first": first_new - added,
+            "at_three": min((r["time"] for r in records if r["world"] == 3),
+                            default=float("nan")) - added,
+            "steps_redone": max(redone) if redone else max(
+                0, max(r["step"] for r in records if r["pid"] in before)
+                - min((r["step"] for r in new), default=last_step) + 1),
+            "kept_processes": len(kept), "samples": _samples(records)}
+
+
 def _samples(records: list[dict[str, Any]]) -> dict[str, int]:
     from benchmarks.recovery.survivors_loops import ITEMS
 
@@ -162,13 +199,15 @@ def run_one(payload: dict[str, Any]) -> dict[str, str]:
     log = work / "steps.jsonl"
     config = {"log": str(log), "final": str(work / "final.safetensors"),
               "pace_s": payload["pace_s"], "snapshot_every": 10}
-    cluster = LocalCluster(worker_nodes=3)
+    grow = bool(payload.get("grow"))
+    cluster = LocalCluster(worker_nodes=2 if grow else 3)
     killed: float | None = None
+    added: float | None = None
     result: dict[str, Any]
     try:
         ray.init(address=cluster.address, namespace=NAMESPACE, log_to_driver=False)
         ray.cloudpickle.register_pickle_by_value(loops)  # the workers cannot import benchmarks/
-        trainer = _trainer(payload["mode"], config, work)
+        trainer = _trainer(payload["mode"], config, work, grow)
         errors: list[BaseException] = []
         thread = threading.Thread(target=lambda: _fit(trainer, errors), daemon=True)
         thread.start()
@@ -182,11 +221,20 @@ def run_one(payload: dict[str, Any]) -> dict[str, str]:
             cluster.remove_worker()
             time.sleep(ADD_AFTER_S)
             cluster.add_worker()
+        if grow:
+            deadline = time.monotonic() + 300
+            while max((r["step"] for r in _records(log)), default=0) < GROW_AT:
+                if time.monotonic() > deadline or not thread.is_alive():
+                    raise RuntimeError(f"step {GROW_AT} never came")
+                time.sleep(0.05)
+            added = time.time()
+            cluster.add_worker()
         thread.join(timeout=900)
         if errors:
             raise errors[0]
-        result = {"mode": payload["mode"], "kill": payload["kill"],
-                  **analyse(_records(log), killed)}
+        figures = analyse_growth(_records(log), added) if added is not None \
+            else analyse(_records(log), killed)
+        result = {"mode": payload["mode"], "kill": payload["kill"], "grow": grow, **figures}
     except Exception as err:  # noqa: BLE001 - reported in the table, the other runs go on
         result = {"mode": payload["mode"], "error": f"{type(err).__name__}: {err}"}
     finally:
