@@ -7,9 +7,7 @@ The provider launches the minimum at start; Ray Train's elastic policy asks the 
 for max_workers, the autoscaler launches the second node, and the running group grows to 2
 in place (`trainer.on_ray.grow_in_place`): the first worker keeps its process and never
 stops, the new one joins at a step boundary with its state, nothing is redone, and every
-sample is trained once. With `recovery.in_process = false` it grows the way Ray Train resizes:
-a snapshot on demand (`trainer.on_ray.resize`), then the group restarts at 2 from exactly that
-step, redoing nothing.
+sample is trained once.
 
 Capacity arrives late, as spot capacity does: the config starts with the worker type
 capped at 1 node and is raised to 2 once the group has started (the autoscaler re-reads
@@ -158,9 +156,8 @@ def _wait_for_first_start(run: Path, fit: subprocess.Popen, log_path: Path,
 
 @pytest.mark.slow
 @pytest.mark.timeout(600)
-@pytest.mark.parametrize("in_process", [True, False], ids=["in-place", "restart"])
 def test_fit_grows_from_min_to_max_workers_as_the_autoscaler_adds_a_node(
-    autoscaling_cluster: AutoscalingCluster, tmp_path: Path, in_process: bool
+    autoscaling_cluster: AutoscalingCluster, tmp_path: Path
 ) -> None:
     head = autoscaling_cluster.head
     run = tmp_path / "run"
@@ -172,7 +169,6 @@ def test_fit_grows_from_min_to_max_workers_as_the_autoscaler_adds_a_node(
         "scaling.resize_interval_s=1.0",
         f"snapshots.snapshot_every={SNAPSHOT_EVERY}",
         "eval.every=100",
-        f"recovery.in_process={json.dumps(in_process)}",
     ]
     log_path = tmp_path / "fit.log"
     with open(log_path, "wb") as log:  # a file, not a pipe: nobody reads while it runs
@@ -196,23 +192,6 @@ def test_fit_grows_from_min_to_max_workers_as_the_autoscaler_adds_a_node(
 
     records = read_records(str(run))
     summary = summarize(records)
-    assert summary.steps == STEPS and summary.steps_redone == 0, summary  # P6
-    assert max(SnapshotStore(str(run)).committed_steps()) == STEPS
-    if in_process:
-        _assert_grew_in_place(records, summary, output)
-    else:
-        _assert_grew_by_a_restart(records)
-    # Every sample of the run trained exactly once, across the growth (P5).
-    samples: dict[int, list[int]] = {}
-    for record in records:
-        if record["kind"] == "step":
-            samples[record["step"]] = record["samples"]
-    assert sorted(samples) == list(range(1, STEPS + 1))
-    trained = [i for ids in samples.values() for i in ids]
-    assert len(trained) == len(set(trained)), "a sample trained twice"
-
-
-def _assert_grew_in_place(records: list[dict[str, Any]], summary: Any, output: str) -> None:
     # The group grew in place: one start, then the new worker joined the running one, whose
     # process is the member that started (a member id holds its node and process id).
     assert summary.restarts == 0 and summary.world_sizes == [MIN_WORKERS, MAX_WORKERS], (
@@ -227,17 +206,13 @@ def _assert_grew_in_place(records: list[dict[str, Any]], summary: Any, output: s
     assert len(grown) == MAX_WORKERS, history
     assert max(r["step"] for r in records if r["kind"] == "step"
                and r["world_size"] == MIN_WORKERS) < STEPS  # it grew before the end
-
-
-def _assert_grew_by_a_restart(records: list[dict[str, Any]]) -> None:
-    starts = [r for r in records if r["kind"] == "start"]
-    sizes = [r["world_size"] for r in starts]
-    # The group restarted at 2 once the autoscaler had added the second node.
-    assert sizes[0] == MIN_WORKERS and MAX_WORKERS in sizes[1:], starts
-    grown = starts[sizes.index(MAX_WORKERS, 1)]
-    # It resumed from the snapshot taken on demand just before the resize (any step): the
-    # group snapshots before Ray Train tears it down (trainer/on_ray/resize.py).
-    assert grown["step"] > 0, grown
-    steps_at_max = [r["step"] for r in records
-                    if r["kind"] == "step" and r["world_size"] == MAX_WORKERS]
-    assert steps_at_max and min(steps_at_max) == grown["step"] + 1, (grown, steps_at_max[:3])
+    assert summary.steps == STEPS
+    assert max(SnapshotStore(str(run)).committed_steps()) == STEPS
+    # Every sample of the run trained exactly once, across the growth (P5).
+    samples: dict[int, list[int]] = {}
+    for record in records:
+        if record["kind"] == "step":
+            samples[record["step"]] = record["samples"]
+    assert sorted(samples) == list(range(1, STEPS + 1))
+    trained = [i for ids in samples.values() for i in ids]
+    assert len(trained) == len(set(trained)), "a sample trained twice"
