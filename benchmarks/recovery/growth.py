@@ -29,7 +29,14 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.common import RESULTS, arg_parser, write_json
-from benchmarks.recovery.survivors import PACE_S, _cell, run, state_difference, step_time
+from benchmarks.recovery.survivors import (
+    PACE_S,
+    _cell,
+    run,
+    state_cell,
+    state_difference,
+    step_time,
+)
 
 MODES = ("in-process", "restart")
 
@@ -45,9 +52,7 @@ def report(results: dict[str, Any]) -> str:
             errors = "; ".join(r["error"] for r in results["runs"][mode])
             lines.append(f"| {mode} | failed: {errors} | | | | | | |")
             continue
-        diffs = [r["difference"] for r in runs if "difference" in r]
-        state = " / ".join(f"{max(d[k] for d in diffs):.1e}"
-                           for k in ("params", "exp_avg", "exp_avg_sq")) if diffs else "-"
+        state = state_cell(runs)
         lines.append(
             f"| {mode} | {_cell([r['longest_gap'] for r in runs])} | "
             f"{_cell([r['joined_first'] for r in runs])} | "

@@ -91,6 +91,13 @@ def _cell(values: list[float | None], fmt: str = "{:.2f}") -> str:
     return text if len(present) == 1 else f"{text} [{fmt.format(s['min'])}, {fmt.format(s['max'])}]"
 
 
+def state_cell(runs: list[dict[str, Any]]) -> str:
+    """The worst final parameters / m / v difference over `runs`, as a table cell."""
+    diffs = [r["difference"] for r in runs if "difference" in r]
+    return " / ".join(f"{max(d[k] for d in diffs):.1e}"
+                      for k in ("params", "exp_avg", "exp_avg_sq")) if diffs else "-"
+
+
 def report(results: dict[str, Any]) -> str:
     lines = ["| mode | survivor's next step s | longest survivor gap s | replacement's first "
              "step s | steps redone | samples never / twice | final params / m / v vs "
@@ -101,9 +108,7 @@ def report(results: dict[str, Any]) -> str:
         if not runs:
             lines.append(f"| {mode} | failed: {'; '.join(errors)} | | | | | |")
             continue
-        diffs = [r["difference"] for r in runs if "difference" in r]
-        state = " / ".join(f"{max(d[k] for d in diffs):.1e}"
-                           for k in ("params", "exp_avg", "exp_avg_sq")) if diffs else "-"
+        state = state_cell(runs)
         lines.append(
             f"| {mode} | {_cell([r['survivor_first'] for r in runs])} | "
             f"{_cell([r['longest_gap'] for r in runs])} | "

@@ -212,21 +212,13 @@ def run_one(payload: dict[str, Any]) -> dict[str, str]:
         thread = threading.Thread(target=lambda: _fit(trainer, errors), daemon=True)
         thread.start()
         if payload["kill"]:
-            deadline = time.monotonic() + 300
-            while max((r["step"] for r in _records(log)), default=0) < KILL_AT:
-                if time.monotonic() > deadline or not thread.is_alive():
-                    raise RuntimeError(f"step {KILL_AT} never came")
-                time.sleep(0.05)
+            _wait_for_step(log, KILL_AT, thread)
             killed = time.time()
             cluster.remove_worker()
             time.sleep(ADD_AFTER_S)
             cluster.add_worker()
         if grow:
-            deadline = time.monotonic() + 300
-            while max((r["step"] for r in _records(log)), default=0) < GROW_AT:
-                if time.monotonic() > deadline or not thread.is_alive():
-                    raise RuntimeError(f"step {GROW_AT} never came")
-                time.sleep(0.05)
+            _wait_for_step(log, GROW_AT, thread)
             added = time.time()
             cluster.add_worker()
         thread.join(timeout=900)
@@ -243,6 +235,15 @@ def run_one(payload: dict[str, Any]) -> dict[str, str]:
     print(f"[{payload['mode']}{' kill' if payload['kill'] else ''}] {result}", flush=True)
     Path(payload["out"]).write_text(json.dumps(result))
     return {"out": payload["out"]}
+
+
+def _wait_for_step(log: Path, step: int, fit: threading.Thread) -> None:
+    """Until a worker logged `step` (at most 300 s, and while the fit runs)."""
+    deadline = time.monotonic() + 300
+    while max((r["step"] for r in _records(log)), default=0) < step:
+        if time.monotonic() > deadline or not fit.is_alive():
+            raise RuntimeError(f"step {step} never came")
+        time.sleep(0.05)
 
 
 def _fit(trainer: Any, errors: list[BaseException]) -> None:

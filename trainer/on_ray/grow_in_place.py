@@ -63,12 +63,12 @@ class InPlaceGrowth:
             self._pending.append((placement_group([dict(resources_per_worker)],
                                                   strategy="PACK"), self._clock()))
 
-    def add_placed(self, worker_group: Any) -> list[int]:
-        """Append a replica group for each placed reservation; the indices added."""
-        added, waiting = [], []
+    def add_placed(self, worker_group: Any) -> None:
+        """Append a replica group for each placed reservation."""
+        waiting = []
         for reservation, asked_at in self._pending:
             if _is_placed(reservation):
-                added.append(self._add(worker_group, reservation))
+                self._add(worker_group, reservation)
             elif self._clock() - asked_at > PLACEMENT_TIMEOUT_S:
                 logger.info("Baton: a worker asked for to grow the group was not placed in "
                             "%.0f s; given up", PLACEMENT_TIMEOUT_S)
@@ -76,7 +76,6 @@ class InPlaceGrowth:
             else:
                 waiting.append((reservation, asked_at))
         self._pending = waiting
-        return [index for index in added if index >= 0]
 
     def owns(self, index: int) -> bool:
         return index in self._added
@@ -102,14 +101,14 @@ class InPlaceGrowth:
                 logger.debug("Baton: removing a placement group failed", exc_info=True)
         self._pending, self._added = [], {}
 
-    def _add(self, worker_group: Any, reservation: PlacementGroup) -> int:
+    def _add(self, worker_group: Any, reservation: PlacementGroup) -> None:
         index = len(worker_group.get_replica_groups())
         try:
             workers = _start_workers(worker_group, reservation, index)
         except Exception:  # noqa: BLE001 - the group trains on at its size; a later check asks
             logger.warning("Baton: starting a worker to grow the group failed", exc_info=True)
             remove_placement_group(reservation)
-            return -1
+            return
         state = worker_group._worker_group_state
         worker_group._worker_group_state = dataclasses.replace(
             state, workers=[*state.workers, *workers])
@@ -121,7 +120,6 @@ class InPlaceGrowth:
             logger.warning("Baton: starting training on an added worker failed", exc_info=True)
         logger.info("Baton: the group grows to %d workers; the new one joins the others at "
                     "their next step boundary", index + 1)
-        return index
 
 
 def _is_placed(reservation: PlacementGroup) -> bool:
