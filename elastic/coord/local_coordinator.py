@@ -7,12 +7,13 @@ or as the Ray actor (``elastic.coord.ray_actors`` makes this very class remote).
 * The RAM tier's index, metadata only: which node's store (``elastic.store.ram_store``) holds
   which shard file of which step, as the receipts say (``receipt.ram``). ``ram_locations(step)``
   answers restores; when a snapshot commits or is aborted the stores concerned are told what
-  to keep (``RamStore.keep``: the newest commit plus the steps in flight). It never receives
+  to keep (``RamStore.keep``: the newest commit plus the steps in flight, each notice numbered
+  so a store applies them in the order they were decided). It never receives
   shard bytes: what it handles per snapshot (``health()["handled_bytes"]``: receipts in,
   manifests out) is O(number of chunks), whatever the state's size. A restarted coordinator
   has lost the receipts: ``recover_ram_index(holdings)`` rebuilds its newest commit's index
   from what the live stores hold (``RamStore.holdings()``; a store that is gone is absent, its
-  files are read from storage).
+  files are read from storage) and tells those stores what to keep.
 * On-demand snapshots before a planned resize: ``request_snapshot`` / ``snapshot_requested`` /
   ``answer_request`` / ``request_met`` / ``cancel_request``.
 * Stop requests (Ctrl-C or a time limit on the driver): ``request_stop`` (driver) /
@@ -69,6 +70,10 @@ class LocalCoordinator:
         self.ram_stores = ram_stores
         self.ram_index: dict[int, dict[str, list[str]]] = {}
         self._ram_told: tuple[int | None, tuple[int, ...]] | None = None
+        # Each notice's place in the order they were decided: this coordinator's start (a
+        # restarted one's notices come after its predecessor's), then a count.
+        self._started_ns = time.time_ns()
+        self._notices = 0
         self.handled_bytes = 0  # receipts received and manifests served (O(chunks))
         # On-demand snapshots (before a planned resize): whether one is asked for, and the
         # step the workers took it at (they answer once they have persisted it).
@@ -223,6 +228,10 @@ class LocalCoordinator:
         if added:
             log.info("RAM index recovered: %d copies of step %d's files on %d store(s)",
                      added, newest, len(holdings))
+        # Whatever notice the predecessor died before sending: tell the stores now.
+        with self.lock:
+            self._ram_told = None
+        self._trim_ram()
         return added
 
     def read_manifest(self, step: int) -> bytes | None:
@@ -284,8 +293,10 @@ class LocalCoordinator:
             if self.ram_stores is None or not nodes or (not dropped and told == self._ram_told):
                 return
             self._ram_told = told
+            self._notices += 1
+            order = (self._started_ns, self._notices)
         for node in sorted(nodes):
             try:
-                self.ram_stores(node).keep(newest, list(in_flight))
+                self.ram_stores(node).keep(newest, list(in_flight), order)
             except StoreLost:
                 continue  # its node is gone, and its copies with it

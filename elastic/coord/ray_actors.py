@@ -314,8 +314,9 @@ class RayRamStoreClient:
         got = self._get(self.handle.read.remote(step, requests))
         return None if got is None else [np.asarray(x) for x in got]
 
-    def keep(self, committed: int | None, in_flight: list[int]) -> None:
-        self.handle.keep.remote(committed, in_flight)  # a notice: nothing to wait for
+    def keep(self, committed: int | None, in_flight: list[int],
+             order: tuple[int, int] | None = None) -> None:
+        self.handle.keep.remote(committed, in_flight, order)  # a notice: nothing to wait for
 
     def holdings(self) -> dict[str, Any]:
         return dict(self._get(self.handle.holdings.remote()))

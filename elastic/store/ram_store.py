@@ -8,12 +8,16 @@
   (False): a generation older than one seen, a step at or before the newest commit (unless
   from a newer generation: a group restarted from an older commit), an in-flight step older
   than the one held, or more than ``cap_bytes`` in all (``snapshots.ram_copy_mib``: that shard
-  is then storage-only). It holds the newest commit plus at most one step in flight (a newer
-  put drops other uncommitted steps; before any commit notice, the two newest steps). A late
-  commit notice costs a copy, never a byte: the dropped commit is then read from storage.
-* ``keep(committed, in_flight)`` (the coordinator, at a commit or abort) drops all other steps
-  but newer ones; ``read(step, requests)``: the ranges ``(file, start, end)``, or None unless
-  every file is held (the reader then goes to storage).
+  is then storage-only). It holds at most two steps, the put's and the newest other: the
+  newest commit while one step is in flight, or, when a put overtakes the notice of its
+  predecessor's commit, that predecessor (it has most likely committed) rather than the older
+  commit. A dropped copy costs a read from storage, never a byte.
+* ``keep(committed, in_flight, order)`` (the coordinator, at a commit or abort) drops all other
+  steps but newer ones. ``order`` (the coordinator's start time, a count) puts notices in the
+  order they were decided: the store runs calls on several threads and the coordinator sends
+  them from several, so a notice older than one applied is ignored. ``read(step, requests)``:
+  the ranges ``(file, start, end)``, or None unless every file is held (the reader then goes
+  to storage).
 * ``holdings()``: metadata only, ``{"committed": step or None, "steps": {step: {"generation":
   g, "files": {file: nbytes}}}}``, from which a restarted coordinator rebuilds its index.
 
@@ -63,7 +67,8 @@ class RamStoreClient(Protocol):
 
     def read(self, step: int, requests: Requests) -> list[Any] | None: ...
 
-    def keep(self, committed: int | None, in_flight: list[int]) -> None: ...
+    def keep(self, committed: int | None, in_flight: list[int],
+             order: tuple[int, int] | None = None) -> None: ...
 
     def holdings(self) -> dict[str, Any]: ...
 
@@ -78,6 +83,7 @@ class RamStore:
         self.step_generation: dict[int, int] = {}
         self.generation = -1  # the newest generation a put came from
         self.committed: int | None = None  # the newest commit the coordinator told of
+        self._notice_order: tuple[int, int] = (-1, -1)  # the newest notice applied
         self._spare: list[np.ndarray] = []  # dropped buffers, reused by later puts
         self.allocated = 0  # buffers ever allocated (after the first two snapshots: none)
         self.refused = 0
@@ -101,14 +107,10 @@ class RamStore:
                     or any(s > step for s in self._uncommitted_locked())):
                 self.refused += 1
                 return False
-            if self.committed is not None:  # at most one step in flight: this one
-                for s in self._uncommitted_locked():
-                    if s != step:
-                        self._drop_locked(s)
-            # Not told of a commit yet: the older step may be the committed one; keep it
-            # and this one, never a third.
-            others = sorted(s for s in self.files if s not in (step, self.committed))
-            for s in others[:-1] if self.committed is None else others:
+            # This step and the newest other, never a third: that other is the newest
+            # commit, or a step whose commit notice this put overtook (the step before this
+            # one has most likely committed; the older commit is then the one let go).
+            for s in sorted(s for s in self.files if s != step)[:-1]:
                 self._drop_locked(s)
             previous = self.files.get(step, {}).pop(file, None)
             if previous is not None:
@@ -140,8 +142,13 @@ class RamStore:
             self.bytes_out += sum(len(x) for x in out)
             return out
 
-    def keep(self, committed: int | None, in_flight: list[int]) -> None:
+    def keep(self, committed: int | None, in_flight: list[int],
+             order: tuple[int, int] | None = None) -> None:
         with self._lock:
+            if order is not None:
+                if order <= self._notice_order:
+                    return  # overtaken by a newer notice: the coordinator's word then
+                self._notice_order = order
             # The coordinator's word is final: after an unusable snapshot its newest commit
             # may be older than the one it told of before. (Notices overtaking each other
             # can cost a copy, never serve a wrong byte: files are named by generation and

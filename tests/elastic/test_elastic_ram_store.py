@@ -66,38 +66,61 @@ def test_store_is_capped_per_node() -> None:
     assert not RamStore(cap_bytes=0).put(2, 0, "f", _data(1))
 
 
-def test_store_keeps_the_newest_commit_and_at_most_one_step_in_flight() -> None:
+def test_store_keeps_two_steps_the_newest_commit_or_a_step_whose_notice_is_late() -> None:
     store = RamStore()
     assert store.put(2, 1, "f", _data(8, 2))
     assert store.put(4, 1, "f", _data(8, 4))
-    # Not told of any commit yet: 2 may be the committed one; a third step drops only the
+    # Not told of any commit yet: 4 may be the committed one; a third step drops only the
     # oldest, never both.
     assert store.put(6, 1, "f", _data(8, 6))
     assert store.stats()["steps"] == [4, 6]
-    store.keep(4, [6])
-    assert store.put(8, 1, "f", _data(8, 8))  # 6 is superseded: at most one in flight
-    assert store.stats()["steps"] == [4, 8]
-    assert not store.put(6, 1, "f", _data(8))  # older than the step in flight: refused
-    assert not store.put(4, 1, "g", _data(8))  # at or before the newest commit: refused
-    assert not store.put(10, 0, "f", _data(8))  # an older generation: refused
-    assert store.put(10, 2, "f", _data(8, 10))  # a new generation: its in-flight 8 is gone
-    assert store.stats()["steps"] == [4, 10]
+    store.keep(6, [])
+    assert store.put(8, 1, "f", _data(8, 8))  # the commit and the one step in flight
+    assert store.stats()["steps"] == [6, 8]
+    # 10 overtook the notice of 8's commit: 8 (most likely committed) is kept, 6 let go.
+    assert store.put(10, 1, "f", _data(8, 10))
+    assert store.stats()["steps"] == [8, 10]
+    store.keep(8, [10])  # the late notice
+    assert store.stats()["steps"] == [8, 10]
+    assert not store.put(8, 1, "g", _data(8))  # at or before the newest commit: refused
+    assert not store.put(12, 0, "f", _data(8))  # an older generation: refused
+    assert store.put(12, 2, "f", _data(8, 12))  # a new generation: its in-flight 10 is gone
+    assert store.stats()["steps"] == [8, 12]
+    assert not store.put(10, 2, "f", _data(8))  # older than the step in flight: refused
     # A keep overtaken by a newer put does not drop that put (its receipt is still coming).
-    store.keep(4, [])
-    assert store.stats()["steps"] == [4, 10]
-    store.keep(10, [])
-    assert store.stats()["steps"] == [10]
-    assert [bytes(x) for x in store.read(10, [("f", 0, 2)])] == [b"\x0a\x0a"]
-    assert store.read(4, [("f", 0, 2)]) is None
-    # Snapshot 10 proved unusable: a new generation restarted from 8 and redoes step 10.
-    assert store.put(12, 3, "f", _data(8, 12))
-    assert not store.put(10, 3, "g", _data(8))  # still older than its own step in flight
-    assert store.put(10, 4, "g", _data(8, 11))  # the next group's redone step 10 is taken
-    assert store.stats()["steps"] == [10]
-    store.keep(8, [10])  # the coordinator's newest commit is 8 now
-    assert store.stats()["committed"] == 8
-    assert store.put(12, 4, "g", _data(8, 13))
+    store.keep(8, [])
+    assert store.stats()["steps"] == [8, 12]
+    store.keep(12, [])
     assert store.stats()["steps"] == [12]
+    assert [bytes(x) for x in store.read(12, [("f", 0, 2)])] == [b"\x0c\x0c"]
+    assert store.read(8, [("f", 0, 2)]) is None
+    # Snapshot 12 proved unusable: a new generation restarted from 10 and redoes step 12.
+    assert store.put(14, 3, "f", _data(8, 14))
+    assert not store.put(12, 3, "g", _data(8))  # still older than its own step in flight
+    assert store.put(12, 4, "g", _data(8, 13))  # the next group's redone step 12 is taken
+    assert store.stats()["steps"] == [12]
+    store.keep(10, [12])  # the coordinator's newest commit is 10 now
+    assert store.stats()["committed"] == 10
+    assert store.put(14, 4, "g", _data(8, 15))
+    assert store.stats()["steps"] == [12, 14]
+
+
+def test_store_applies_notices_in_the_order_they_were_decided() -> None:
+    """The coordinator sends notices from several threads and the store runs calls on
+    several: a notice decided before one already applied changes nothing."""
+    store = RamStore()
+    for step in (4, 6):
+        assert store.put(step, 1, "f", _data(8, step))
+    store.keep(6, [], order=(100, 2))  # the commit of 6 ...
+    store.keep(4, [6], order=(100, 1))  # ... overtook the notice that 6 was in flight
+    assert store.stats()["committed"] == 6 and store.stats()["steps"] == [6]
+    store.keep(4, [], order=(100, 2))  # the same place again: not newer
+    assert store.stats()["committed"] == 6
+    # A restarted coordinator (a later start) numbers from 1 again; its word counts.
+    store.keep(4, [], order=(200, 1))
+    assert store.stats()["committed"] == 4
+    store.keep(2, [], order=None)  # unnumbered (a test, a tool): applied as it comes
+    assert store.stats()["committed"] == 2
 
 
 def test_store_owns_a_copy_of_what_it_is_given() -> None:
@@ -322,6 +345,10 @@ def test_a_restarted_coordinator_rebuilds_its_ram_index_from_the_live_stores(tmp
     # A step in flight when the coordinator died (never committed) is not indexed.
     nodes.stores["n1"].put(8, coord.current_generation(), "in-flight", _data(16, 1))
     coord.flush(0)  # it died after its housekeeping thread deleted step 2 (keep_last=2)
+    # ... and before the stores heard that 6 committed: the last notice they applied was
+    # its own (numbered far ahead, to show a restarted coordinator's numbers come after).
+    for node in ("n1", "n2"):
+        nodes.stores[node].keep(4, [6], order=(coord._started_ns, 10**9))
 
     restarted = LocalCoordinator(SnapshotStore(run), keep_last=2,
                                  block_bytes=DEFAULT_BLOCK_BYTES, ram_stores=nodes.store_on)
@@ -331,6 +358,8 @@ def test_a_restarted_coordinator_rebuilds_its_ram_index_from_the_live_stores(tmp
     assert len(repr(holdings)) < held / 100  # metadata: names and sizes, not the bytes
     assert restarted.recover_ram_index(holdings) == 2
     assert restarted.ram_locations(6) == before and restarted.ram_locations(8) == {}
+    # It told the stores holding 6 that 6 is the newest commit: the next two puts keep it.
+    assert [nodes.stores[n].stats()["committed"] for n in ("n1", "n2")] == [6, 6]
     assert restarted.recover_ram_index(holdings) == 0  # asking again adds nothing
 
     step, snap, ts = _restore_on(run, nodes, "n0", _Wire(restarted), ballast)
@@ -377,8 +406,8 @@ def test_a_copy_still_on_its_way_does_not_hold_up_the_commit(tmp_path) -> None:
         def read(self, step, requests):
             return slow.read(step, requests)
 
-        def keep(self, committed, in_flight):
-            slow.keep(committed, in_flight)
+        def keep(self, committed, in_flight, order=None):
+            slow.keep(committed, in_flight, order)
 
     real_store_on = nodes.store_on
     nodes.store_on = lambda node: Starting() if node == "n2" else real_store_on(node)  # type: ignore[method-assign]
