@@ -1,19 +1,17 @@
 """Elastic fit on a local multi-node Ray cluster: lose a node, gain one back.
 
-Run A trains STEPS steps on 2 workers without interruption. Run B starts on 3 workers and loses
-a worker node after step LOSE_AT, then gets a node back (with DDP it first starts on 2 and
-grows to 3 in place when a node is added, and the node it loses is the one that grew it):
-- DDP (in-process recovery, `elastic.recovery`): the two survivors keep their processes, re-form
-  their group and train on at 2, redoing at most the interrupted step; Ray Train replaces only
-  the lost worker's replica group once the new node is there, and it joins at a step boundary
-  (W = 3 again), taking the state from a live peer. No worker group restarts.
-- FSDP2: the lost shards exist only in the newest commit, so the survivors (the same
-  processes) start their training state again from it in-process over the re-formed group,
-  and again with the replacement once it joins.
+Run A trains STEPS steps on 2 workers without interruption. Run B (DDP, in-process recovery,
+`elastic.recovery`) starts on 2 workers, grows to 3 in place when a node is added, loses the
+node it grew by after step LOSE_AT, then gets a node back: the two survivors keep their
+processes, re-form their group and train on at 2, redoing at most the interrupted step; Ray
+Train replaces only the lost worker's replica group once the new node is there, and it joins at
+a step boundary (W = 3 again), taking the state from a live peer. No worker group restarts.
 Checked at the end, on what the snapshots say: B's final parameters and AdamW moments equal
 A's (P1, P2); the AdamW step counter is STEPS (never a cold start); over the recorded steps
-every sample was trained exactly once (P5); a recovery redid at most the interrupted step
-(DDP) or the steps since the newest commit (FSDP2) (P6).
+every sample was trained exactly once (P5); the recovery redid at most the interrupted step
+(P6). FSDP2's in-process recovery (the survivors restart their training state from the newest
+commit over the re-formed group) is the same Ray machinery around another worker-side path:
+tests/train/test_recovery_inprocess.py runs it on real processes without a cluster.
 """
 
 from __future__ import annotations
@@ -54,13 +52,13 @@ def cluster() -> Any:
     local.shutdown()
 
 
-def _config(run: Path, dataset: str, parallelism: str, min_workers: int,
+def _config(run: Path, dataset: str, min_workers: int,
             max_workers: int = 3) -> Any:
     return load_recipe(
         ROOT / "recipes" / "tiny.toml",
         [
             f'snapshots.run_uri="{run}"', f'data.uri="{dataset}"', f"steps={STEPS}",
-            f"snapshots.snapshot_every={SNAPSHOT_EVERY}", f'parallelism="{parallelism}"',
+            f"snapshots.snapshot_every={SNAPSHOT_EVERY}", 'parallelism="ddp"',
             f"scaling.min_workers={min_workers}", f"scaling.max_workers={max_workers}",
             "eval.every=0",
         ],
@@ -85,19 +83,15 @@ def _wait(predicate: Any, timeout: float, what: str) -> None:
         time.sleep(0.2)
 
 
-def _fit_with_faults(cluster: LocalCluster, cfg: Any,
-                     grow_first: bool = False) -> tuple[FitResult, float]:
-    """Run fit in a thread; lose a node after LOSE_AT, add one back once at 2 workers;
-    returns the result and when the node was lost. `grow_first`: start with a node fewer (2
-    workers), add it back and wait for the group to grow to 3 before the loss (the newest
-    node, so the grown worker's, is the one lost). (Cluster changes must happen on the main
-    thread: Ray installs signal handlers.)"""
+def _fit_with_faults(cluster: LocalCluster, cfg: Any) -> FitResult:
+    """Run fit in a thread on a node fewer (2 workers); add the node back and wait for the
+    group to grow to 3 in place; lose the newest node (the grown worker's) after LOSE_AT; add
+    one back once at 2 workers. (Cluster changes must happen on the main thread: Ray installs
+    signal handlers.)"""
     out: dict[str, Any] = {}
-    if grow_first:
-        cluster.remove_worker()
-    thread = threading.Thread(  # slower steps when growing first: both changes fit the run
-        target=lambda: out.update(result=fit(cfg, pace_s=0.5 if grow_first else 0.25,
-                                             record_samples=True))
+    cluster.remove_worker()
+    thread = threading.Thread(  # steps slow enough for the three changes to fit the run
+        target=lambda: out.update(result=fit(cfg, pace_s=0.5, record_samples=True))
     )
     thread.start()
     monitor = None
@@ -111,19 +105,17 @@ def _fit_with_faults(cluster: LocalCluster, cfg: Any,
             return False
 
     _wait(monitor_ready, 120, "the run monitor")
-    if grow_first:
-        _wait(lambda: _latest(monitor).get("step", 0) >= 1, 180, "step 1")
-        assert _latest(monitor).get("world_size") == 2
-        cluster.add_worker()
-        _wait(lambda: _latest(monitor).get("world_size") == 3, 180, "growing to 3 workers")
+    _wait(lambda: _latest(monitor).get("step", 0) >= 1, 180, "step 1")
+    assert _latest(monitor).get("world_size") == 2
+    cluster.add_worker()
+    _wait(lambda: _latest(monitor).get("world_size") == 3, 180, "growing to 3 workers")
     _wait(lambda: _latest(monitor).get("step", 0) >= LOSE_AT, 180, f"step {LOSE_AT}")
-    lost_at = time.time()
     cluster.remove_worker()
     _wait(lambda: _latest(monitor).get("world_size") == 2, 180, "training on 2 workers")
     cluster.add_worker()
     thread.join(timeout=400)
     assert "result" in out, "fit did not finish"
-    return out["result"], lost_at
+    return out["result"]
 
 
 def _committed_history(run: Path) -> dict[int, list[int]]:
@@ -139,28 +131,22 @@ def _committed_history(run: Path) -> dict[int, list[int]]:
 def uninterrupted(
     cluster: LocalCluster, tmp_path_factory: pytest.TempPathFactory, tiny_dataset: str
 ) -> Path:
-    """Run A: STEPS steps on 2 DDP workers, no faults (FSDP2 must end at the same place)."""
+    """Run A: STEPS steps on 2 DDP workers, no faults."""
     run = tmp_path_factory.mktemp("uninterrupted") / "a"
-    fit(_config(run, tiny_dataset, "ddp", min_workers=2, max_workers=2))
+    fit(_config(run, tiny_dataset, min_workers=2, max_workers=2))
     return run
 
 
-@pytest.mark.parametrize("parallelism", ["ddp", "fsdp"])
 def test_node_loss_and_gain_end_where_an_uninterrupted_run_ends(
     cluster: LocalCluster, uninterrupted: Path, tmp_path: Path, tiny_dataset: str,
-    parallelism: str,
 ) -> None:
     a = uninterrupted
     b = tmp_path / "b"
-    grow_first = parallelism == "ddp"
-    result, _ = _fit_with_faults(
-        cluster, _config(b, tiny_dataset, parallelism, min_workers=1), grow_first=grow_first
-    )
+    result = _fit_with_faults(cluster, _config(b, tiny_dataset, min_workers=1))
 
     summary = result.summary
     assert summary.steps == STEPS
-    _assert_survivors_never_stopped(result, redone=1 if parallelism == "ddp" else SNAPSHOT_EVERY,
-                                    grew_first=grow_first)
+    _assert_survivors_never_stopped(result)
 
     state_a, state_b = final_state(a, tmp_path, STEPS), final_state(b, tmp_path, STEPS)
     assert_same_state(state_a, state_b)
@@ -173,29 +159,23 @@ def test_node_loss_and_gain_end_where_an_uninterrupted_run_ends(
     assert len(trained) == len(set(trained)) == STEPS * 8  # global_batch 8, one epoch
 
 
-def _assert_survivors_never_stopped(result: FitResult, redone: int,
-                                    grew_first: bool = False) -> None:
-    """No worker group started again: the survivors are the processes that started (a member
-    id is its node, process id and a nonce) and they are still members once the replacement
-    joined; DDP redoes at most the interrupted step, FSDP2 the steps since the newest commit
-    (it restarts its state in-process from it). `grew_first`: the group started at 2 and grew
-    to 3 in place; the worker lost is the one it grew by."""
+def _assert_survivors_never_stopped(result: FitResult) -> None:
+    """No worker group started again: the group grew from 2 to 3 in place, lost the worker it
+    grew by, and the replacement joined; the survivors are the processes that started (a
+    member id is its node, process id and a nonce) and they are still members at the end;
+    the loss redid at most the interrupted step."""
     summary = result.summary
     assert summary.restarts == 0, summary
-    grown = [2] if grew_first else []
-    assert summary.world_sizes == [*grown, 3, 2, 3], summary.world_sizes
+    assert summary.world_sizes == [2, 3, 2, 3], summary.world_sizes
     assert summary.recovered_in_process == 1, summary
-    assert summary.replacements_joined == 1 + len(grown), summary
-    assert summary.steps_redone <= redone, summary
+    assert summary.replacements_joined == 2, summary
+    assert summary.steps_redone <= 1, summary
     history = result.membership["history"]
-    reasons = ["join"] * len(grown) + ["failure", "join"]
-    assert [h["reason"] for h in history] == ["start", *reasons], history
-    started = set(history[0]["members"])
-    first, survivors, regrown = (set(h["members"]) for h in history[-3:])
-    assert len(survivors) == 2 and survivors < first and survivors < regrown, history
-    assert len(regrown - first) == 1  # the replacement
-    if grew_first:
-        assert survivors == started, history  # the processes that started never stopped
+    assert [h["reason"] for h in history] == ["start", "join", "failure", "join"], history
+    started, grown, survivors, regrown = (set(h["members"]) for h in history)
+    assert survivors == started, history  # the processes that started never stopped
+    assert len(grown) == 3 and survivors < grown and survivors < regrown, history
+    assert len(regrown - grown) == 1  # the replacement
 
 
 def test_preemption_notice_loses_no_steps(
@@ -203,7 +183,7 @@ def test_preemption_notice_loses_no_steps(
 ) -> None:
     """A spot notice (a drain with reason PREEMPTION) makes every worker commit a snapshot at
     the next step boundary and restart without the doomed node: nothing is redone."""
-    cfg = _config(tmp_path / "b", tiny_dataset, "ddp", min_workers=1)
+    cfg = _config(tmp_path / "b", tiny_dataset, min_workers=1)
     out: dict[str, Any] = {}
     thread = threading.Thread(target=lambda: out.update(result=fit(cfg, pace_s=0.25)))
     thread.start()
