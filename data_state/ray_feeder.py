@@ -55,8 +55,8 @@ def unit_reader(units: PipelineUnits) -> Any:
 class _Feeder:
     """The actor's body: a `UnitFeeder` and what the loader needs to know of the data."""
 
-    def __init__(self, ds: Any, units: int | None) -> None:
-        self._feeder = local_feeder(ds, units=units)
+    def __init__(self, found: PipelineUnits) -> None:
+        self._feeder = _feeder_over(found)
         self._info = {"units": self._feeder.units, "fingerprint": self._feeder.fingerprint,
                       "labels": list(self._feeder.labels)}
 
@@ -87,14 +87,15 @@ FeederActor = ray.remote(_Feeder)
 
 def create_feeder(ds: Any, name: str, *, units: int | None = None,
                   options: dict[str, Any] | None = None) -> Any:
-    """A feeder actor called `name` for `ds`, once it has listed the units (before trainers
+    """A feeder actor called `name` for `ds`, once the units are listed here (before trainers
     take the CPUs the listing needs); checks the pipeline first (a `ValueError` naming what is
-    refused, raised here in the caller)."""
-    pipeline_units(ds, units)
+    refused, raised here in the caller). The actor is handed the listing: a listing is a Ray
+    Data task, seconds on a busy cluster, and a restarted actor gets the same one."""
+    found = pipeline_units(ds, units)
     handle = FeederActor.options(name=name, num_cpus=0, max_concurrency=16,
                                  max_restarts=FEEDER_RESTARTS,
                                  max_task_retries=FEEDER_RESTARTS,
-                                 **(options or {})).remote(ds, units)
+                                 **(options or {})).remote(found)
     ray.get(handle.info.remote())  # type: ignore[attr-defined]
     return handle
 
@@ -141,7 +142,10 @@ class LocalFeeder(UnitFeeder):
 
 
 def local_feeder(ds: Any, *, units: int | None = None) -> LocalFeeder:
-    found = pipeline_units(ds, units)
+    return _feeder_over(pipeline_units(ds, units))
+
+
+def _feeder_over(found: PipelineUnits) -> LocalFeeder:
     feeder = LocalFeeder(unit_reader(found), found.labels, keep=KEEP_UNITS,
                          read_ahead=READ_AHEAD)
     feeder.units, feeder.fingerprint = found.count, found.fingerprint
