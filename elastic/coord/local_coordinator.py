@@ -7,10 +7,9 @@ or as the Ray actor (``elastic.coord.ray_actors`` makes this very class remote).
 * The RAM tier's index, metadata only: which node's store (``elastic.store.ram_store``) holds
   which shard file of which step, as the receipts say (``receipt.ram``). ``ram_locations(step)``
   answers restores; when a snapshot commits or is aborted the stores concerned are told what
-  to keep (``RamStore.keep``: the newest commit plus the steps in flight, each notice numbered
-  so a store applies them in the order they were decided). It never receives
-  shard bytes: what it handles per snapshot (``health()["handled_bytes"]``: receipts in,
-  manifests out) is O(number of chunks), whatever the state's size. A restarted coordinator
+  to keep (``RamStore.keep``: the newest commit and the steps in flight, numbered). It never
+  receives shard bytes: what it handles per snapshot (``health()["handled_bytes"]``: receipts
+  in, manifests out) is O(number of chunks), whatever the state's size. A restarted coordinator
   has lost the receipts: ``recover_ram_index(holdings)`` rebuilds its newest commit's index
   from what the live stores hold (``RamStore.holdings()``; a store that is gone is absent, its
   files are read from storage) and tells those stores what to keep.

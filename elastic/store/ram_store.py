@@ -8,16 +8,12 @@
   (False): a generation older than one seen, a step at or before the newest commit (unless
   from a newer generation: a group restarted from an older commit), an in-flight step older
   than the one held, or more than ``cap_bytes`` in all (``snapshots.ram_copy_mib``: that shard
-  is then storage-only). It holds at most two steps, the put's and the newest other: the
-  newest commit while one step is in flight, or, when a put overtakes the notice of its
-  predecessor's commit, that predecessor (it has most likely committed) rather than the older
-  commit. A dropped copy costs a read from storage, never a byte.
+  is then storage-only). It holds two steps at most: the put's and the newest other (the
+  newest commit, or a predecessor whose commit notice the put overtook).
 * ``keep(committed, in_flight, order)`` (the coordinator, at a commit or abort) drops all other
-  steps but newer ones. ``order`` (the coordinator's start time, a count) puts notices in the
-  order they were decided: the store runs calls on several threads and the coordinator sends
-  them from several, so a notice older than one applied is ignored. ``read(step, requests)``:
-  the ranges ``(file, start, end)``, or None unless every file is held (the reader then goes
-  to storage).
+  steps but newer ones; a notice ordered before one applied (``order``: the coordinator's start
+  time, a count) is ignored. ``read(step, requests)``: the ranges ``(file, start, end)``, or
+  None unless every file is held (the reader then goes to storage).
 * ``holdings()``: metadata only, ``{"committed": step or None, "steps": {step: {"generation":
   g, "files": {file: nbytes}}}}``, from which a restarted coordinator rebuilds its index.
 
