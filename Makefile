@@ -9,13 +9,11 @@ TORCH_SPEC ?= torch==2.13.0
 
 .PHONY: install demo test test-fast lint bench clean
 
-# --no-compile: Python compiles what is imported on first use; compiling every installed file up
-# front took about a minute of each fresh set-up (CI starts from a clean clone).
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
-	$(BIN)/python -m pip install -q --no-compile --upgrade pip
-	$(BIN)/python -m pip install -q --no-compile "$(TORCH_SPEC)"
-	$(BIN)/python -m pip install -q --no-compile -e ".[test]"
+	$(BIN)/python -m pip install -q --upgrade pip
+	$(BIN)/python -m pip install -q "$(TORCH_SPEC)"
+	$(BIN)/python -m pip install -q -e ".[test]"
 	touch $(STAMP)
 
 install: $(STAMP)
@@ -23,10 +21,8 @@ install: $(STAMP)
 demo: $(STAMP)
 	$(BIN)/baton demo
 
-# --no-loadscope-reorder: the slow Ray tests (one xdist group, collected first by
-# tests/conftest.py) start at once on one worker while the other runs everything else.
 test: $(STAMP)
-	$(BIN)/python -m pytest -q -n 2 --dist loadgroup --no-loadscope-reorder --durations=25
+	$(BIN)/python -m pytest -q -n 2 --dist loadgroup --durations=25
 
 test-fast: $(STAMP)
 	$(BIN)/python -m pytest -q -n 2 -m "not slow"
