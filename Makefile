@@ -21,10 +21,8 @@ install: $(STAMP)
 demo: $(STAMP)
 	$(BIN)/baton demo
 
-# --no-loadscope-reorder: the slow Ray tests (one xdist group, collected first by
-# tests/conftest.py) start at once on one worker while the other runs everything else.
 test: $(STAMP)
-	$(BIN)/python -m pytest -q -n 2 --dist loadgroup --no-loadscope-reorder --durations=25
+	$(BIN)/python -m pytest -q -n 2 --dist loadgroup --durations=25
 
 test-fast: $(STAMP)
 	$(BIN)/python -m pytest -q -n 2 -m "not slow"

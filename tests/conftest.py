@@ -163,14 +163,11 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     one at a time on one worker, while the other worker runs everything else, the slow tests
     without Ray included (process groups of their own, no cluster); most of a Ray test's time
     is spent waiting, so the two overlap well on 2 cores, and the suite takes about as long
-    as the Ray tests in a row. They are collected first, so that (with xdist's
-    `--no-loadscope-reorder`, as `make test` runs it) their group starts at once instead of
-    after the modules with more tests."""
+    as the Ray tests in a row."""
     slow_group = pytest.mark.xdist_group("slow")
     for item in items:
         if _starts_ray_clusters(item):
             item.add_marker(slow_group)
-    items.sort(key=lambda item: not _starts_ray_clusters(item))  # stable: the rest keep order
     try:
         import torch
 
